@@ -1,0 +1,1 @@
+"""The per-node agent that starts and watches worker processes."""

@@ -1,0 +1,194 @@
+"""``maitre`` command line: run, agent, scale, status.
+
+Every command validates its input before it starts anything; a bad flag, a missing script or an
+unreachable coordinator is one line on stderr and a non-zero exit, with nothing left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, not argparse's usage block
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX``."""
+    parts = text.split(":")
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        raise UsageError(f"--nnodes must be N or MIN:MAX, got {text!r}")
+    lo, hi = int(parts[0]), int(parts[-1])
+    if lo < 1:
+        raise UsageError(f"--nnodes minimum must be at least 1, got {text!r}")
+    if lo > hi:
+        raise UsageError(f"--nnodes {text}: the minimum {lo} exceeds the maximum {hi}")
+    return lo, hi
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise UsageError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _coordinator(args: argparse.Namespace) -> Client:
+    address = args.coordinator or os.environ.get("MAITRE_COORDINATOR")
+    if not address:
+        raise UsageError("no coordinator: pass --coordinator HOST:PORT or set MAITRE_COORDINATOR")
+    try:
+        parse_address(address)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return Client(address, timeout_s=5.0)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from maitre.launch import Run, RunConfig, parse_events
+
+    lo, hi = parse_nnodes(args.nnodes)
+    nproc = _positive("--nproc-per-node", args.nproc_per_node)
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.local_nodes is not None and not lo <= args.local_nodes <= hi:
+        raise UsageError(f"--local-nodes {args.local_nodes} outside --nnodes {lo}:{hi}")
+    if args.module:
+        command = [sys.executable, "-m", args.script, *args.script_args]
+    else:
+        script = Path(args.script)
+        if not script.is_file():
+            raise UsageError(f"script not found: {args.script}")
+        command = [sys.executable, str(script.resolve()), *args.script_args]
+    try:
+        events = parse_events(args.events or "")
+    except ValueError as exc:
+        raise UsageError(f"--events: {exc}") from None
+    cfg = RunConfig(command=command, min_nodes=lo, max_nodes=hi, nproc_per_node=nproc,
+                    max_restarts=args.max_restarts, local_nodes=args.local_nodes, host=args.host,
+                    port=args.port, job_id=args.job_id, events=events,
+                    run_dir=Path(args.run_dir) if args.run_dir else None,
+                    ledger=not args.no_ledger)
+    try:
+        run = Run(cfg)
+    except OSError as exc:
+        raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
+    run.start()
+    try:
+        return run.wait()
+    except KeyboardInterrupt:
+        run.shutdown()
+        return 130
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from maitre.agent.agent import Agent
+
+    client = _coordinator(args)
+    nproc = _positive("--nproc-per-node", args.nproc_per_node)
+    client.get("/health")  # fail fast, before any worker starts
+    node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    agent = Agent(client.address, node, nproc)
+    print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
+    try:
+        agent.serve()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agent.stop()
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    reply = _coordinator(args).post(f"/jobs/{args.job}/scale", {"workers": args.workers})
+    leaving = ", ".join(reply["leaving"]) or "none"
+    print(f"maitre: job {args.job} scaled to {reply['target']} workers (leaving: {leaving})")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    client = _coordinator(args)
+    jobs = [client.get(f"/jobs/{args.job}")] if args.job else client.get("/jobs")["jobs"]
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    print(f"{'JOB':<16} {'STATE':<11} {'EPOCH':>5} {'STEP':>7} {'WORKERS':>8} {'FAILURES':>8}")
+    for j in jobs:
+        print(f"{j['job_id']:<16} {j['state']:<11} {j['epoch']:>5} {j['step']:>7} "
+              f"{len(j['members']):>3}/{j['max_workers']:<4} {j['failures']:>8}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="maitre", description="Elastic training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="run a training script elastically on this machine",
+                         description="Start a coordinator, local agents and the script's workers.")
+    run.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (torchrun's flag)")
+    run.add_argument("--nproc-per-node", type=int, default=1, help="workers per node")
+    run.add_argument("--max-restarts", type=int, default=3,
+                     help="failure events survived before the job fails")
+    run.add_argument("--local-nodes", type=int, help="agents started on this machine "
+                     "(default: the minimum of --nnodes)")
+    run.add_argument("--host", default="127.0.0.1", help="address the coordinator listens on")
+    run.add_argument("--port", type=int, default=0, help="coordinator HTTP port (0: any free)")
+    run.add_argument("--job-id", default="job", help="name of the job")
+    run.add_argument("--events", help="scripted story, e.g. kill@60,join@120,leave@200 "
+                     "(kinds: kill, hang, join, leave), or 'demo'")
+    run.add_argument("--run-dir", help="where the data ledger goes (default: a new temp dir)")
+    run.add_argument("--no-ledger", action="store_true", help="do not record consumed samples")
+    run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
+    run.add_argument("script", help="the training script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
+    run.set_defaults(fn=cmd_run)
+
+    agent = sub.add_parser("agent", help="add this machine as a node of a running coordinator")
+    agent.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    agent.add_argument("--nproc-per-node", type=int, default=1, help="worker slots on this node")
+    agent.add_argument("--node-id", help="node name (default: host name and pid)")
+    agent.set_defaults(fn=cmd_agent)
+
+    scale = sub.add_parser("scale", help="set a job's number of workers")
+    scale.add_argument("job")
+    scale.add_argument("workers", type=int)
+    scale.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    scale.set_defaults(fn=cmd_scale)
+
+    status = sub.add_parser("status", help="show jobs")
+    status.add_argument("job", nargs="?")
+    status.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(fn=cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return args.fn(args)
+    except UsageError as exc:
+        print(f"maitre: error: {exc}", file=sys.stderr)
+        return 2
+    except CoordinatorUnreachable as exc:
+        print(f"maitre: error: {exc}", file=sys.stderr)
+        return 1
+    except ApiError as exc:
+        print(f"maitre: error: {exc.message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""Membership epochs of one elastic job: the coordinator's rendezvous state machine.
+
+A job is PENDING until its first epoch opens, then alternates between RUNNING(e) and
+RENDEZVOUS(e+1) until it is COMPLETED or FAILED::
+
+    PENDING --(min workers ready)--> RUNNING(1) --(join/leave/failure)--> RENDEZVOUS(2)
+        --(every expected member arrived)--> RUNNING(2) ... --> COMPLETED | FAILED
+
+Only this object opens an epoch, so a member cut off from the coordinator can never form a group
+of its own (no split brain). An epoch fixes the member list, each member's rank (ordered by node,
+so ring neighbours share a node) and the store prefix the process group is built on.
+
+Who is expected in the next epoch: the members of the current epoch that are alive and not asked
+to leave, plus workers that are ready to join (they did their slow start-up first), up to the
+job's target size. Members that die while the round is open drop out of it. Workers learn of a
+closed epoch from their heartbeat reply and come to the round themselves; a member that stopped
+(SIGSTOP, partition) is declared dead by :meth:`Membership.detect_failures`: its heartbeats lapsed
+past an adaptive timeout while every other member waited in a collective, or lapsed past the hard
+timeout whatever the others do.
+
+Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock and a condition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class JobState(str, Enum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    RENDEZVOUS = "RENDEZVOUS"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+class WorkerState(str, Enum):
+    STARTING = "STARTING"   # the agent was asked to start it; not ready yet
+    READY = "READY"         # built its model, waits for the next epoch
+    ACTIVE = "ACTIVE"       # member of the current epoch
+    LEAVING = "LEAVING"     # member asked to leave at the next step boundary
+    LEFT = "LEFT"
+    DONE = "DONE"
+    DEAD = "DEAD"
+
+
+LIVE = (WorkerState.STARTING, WorkerState.READY, WorkerState.ACTIVE, WorkerState.LEAVING)
+
+
+@dataclass(kw_only=True, slots=True)
+class JobSpec:
+    """What ``maitre run`` (and later the scheduler) asks of a job."""
+
+    job_id: str
+    command: list[str]
+    """The worker command line (``python script.py args``), run by agents."""
+    min_workers: int
+    max_workers: int
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    """Failure events (an epoch lost to a crash or hang) survived before the job is failed."""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise ValueError("the job has no command")
+        if self.min_workers < 1:
+            raise ValueError(f"min workers must be at least 1, got {self.min_workers}")
+        if self.max_workers < self.min_workers:
+            raise ValueError(f"max workers {self.max_workers} < min workers {self.min_workers}")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"nproc per node must be at least 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
+
+
+@dataclass(kw_only=True, slots=True)
+class DetectorConfig:
+    heartbeat_interval_s: float = 0.1
+    """How often workers send heartbeats."""
+    suspect_floor_s: float = 1.5
+    """Least heartbeat silence that can mark a member hung (when its peers are stalled)."""
+    suspect_sigmas: float = 8.0
+    """Adaptive part: mean gap + this many standard deviations of the member's heartbeat gaps."""
+    dead_after_s: float = 15.0
+    """Heartbeat silence that marks a worker dead whatever its peers do."""
+    first_round_grace_s: float = 2.0
+    """How long the first round waits for more ready workers once the minimum is there."""
+
+
+@dataclass(slots=True)
+class Worker:
+    id: str
+    node: str
+    slot: int
+    state: WorkerState = WorkerState.STARTING
+    epoch: int = 0
+    rank: int = -1
+    step: int = 0
+    arrived_from: int | None = None
+    """The epoch this worker asked to move past in a rendezvous call (None when not waiting)."""
+    ready_at: float = 0.0
+    last_heartbeat: float = 0.0
+    gap_mean: float = 0.0
+    gap_var: float = 0.0
+    num_gaps: int = 0
+    stalled: bool = False
+    exit_code: int | None = None
+    error: str | None = None
+
+    def beat(self, now: float) -> None:
+        if self.last_heartbeat:
+            gap = now - self.last_heartbeat
+            self.num_gaps += 1
+            alpha = max(0.05, 1.0 / self.num_gaps)
+            delta = gap - self.gap_mean
+            self.gap_mean += alpha * delta
+            self.gap_var = (1 - alpha) * (self.gap_var + alpha * delta * delta)
+        self.last_heartbeat = now
+
+    def suspect_after(self, cfg: DetectorConfig) -> float:
+        adaptive = self.gap_mean + cfg.suspect_sigmas * math.sqrt(self.gap_var)
+        return max(cfg.suspect_floor_s, adaptive)
+
+
+@dataclass(slots=True)
+class Assignment:
+    epoch: int
+    rank: int
+    world_size: int
+    store_prefix: str
+    members: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"action": "train", "epoch": self.epoch, "rank": self.rank,
+                "world_size": self.world_size, "store_prefix": self.store_prefix,
+                "members": self.members}
+
+
+class Membership:
+    """Rendezvous and failure bookkeeping of one job (see the module docstring)."""
+
+    def __init__(self, spec: JobSpec, cfg: DetectorConfig | None = None, now: float = 0.0) -> None:
+        self.spec = spec
+        self.cfg = cfg or DetectorConfig()
+        self.state = JobState.PENDING
+        self.epoch = 0
+        self.members: list[str] = []
+        self.workers: dict[str, Worker] = {}
+        self.target = spec.max_workers
+        self.failures = 0
+        self.failure: str | None = None
+        self.events: list[dict[str, Any]] = []
+        self.closed_at: float | None = None
+        self.close_reason = ""
+        self.created_at = now
+        self._node_order: dict[str, int] = {}
+        self._next_worker = 0
+
+    # -- workers come and go ---------------------------------------------------------------------
+    def add_worker(self, node: str, slot: int, now: float) -> Worker:
+        self._node_order.setdefault(node, len(self._node_order))
+        self._next_worker += 1
+        worker = Worker(id=f"{self.spec.job_id}-w{self._next_worker}", node=node, slot=slot,
+                        last_heartbeat=now)
+        self.workers[worker.id] = worker
+        return worker
+
+    def live_workers(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.state in LIVE]
+
+    def wants_workers(self) -> int:
+        """How many more worker processes the job would start now."""
+        if self.state in (JobState.COMPLETED, JobState.FAILED):
+            return 0
+        live = sum(1 for w in self.live_workers() if w.state != WorkerState.LEAVING)
+        return max(0, self.target - live)
+
+    def ready(self, wid: str, now: float) -> None:
+        """The worker finished its start-up and wants to join the next epoch."""
+        w = self._worker(wid)
+        if w.state == WorkerState.STARTING:
+            w.state = WorkerState.READY
+            w.ready_at = now
+        w.beat(now)
+
+    def heartbeat(self, wid: str, now: float, step: int, stalled: bool) -> dict[str, Any]:
+        w = self._worker(wid)
+        w.beat(now)
+        if w.state in (WorkerState.ACTIVE, WorkerState.LEAVING):
+            w.step = max(w.step, step)
+            w.stalled = stalled
+        closed = w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or \
+            w.epoch != self.epoch or self.state != JobState.RUNNING
+        return {"job_state": self.state.value, "epoch": self.epoch, "member_epoch": w.epoch,
+                "closed": closed,
+                "change": self.change_pending(), "leave": w.state == WorkerState.LEAVING,
+                "stop": w.state == WorkerState.DEAD or self.state in (JobState.COMPLETED,
+                                                                      JobState.FAILED)}
+
+    def change_pending(self) -> bool:
+        """Members should stop at the next step boundary and rendezvous."""
+        if self.state != JobState.RUNNING:
+            return False
+        if any(self.workers[m].state == WorkerState.LEAVING for m in self.members):
+            return True
+        waiting = [w for w in self.workers.values() if w.state == WorkerState.READY]
+        return bool(waiting) and len(self.members) < self.target
+
+    def exited(self, wid: str, code: int, error: str | None, now: float) -> None:
+        """The agent saw the worker process exit."""
+        w = self._worker(wid)
+        w.exit_code = code
+        if w.state in (WorkerState.DONE, WorkerState.LEFT, WorkerState.DEAD):
+            return
+        if code == 0 and w.state == WorkerState.LEAVING:
+            w.state = WorkerState.LEFT
+            return
+        if error:
+            w.error = error
+        elif code == 0:
+            w.error = "exited (code 0) without finishing its training loop"
+        else:
+            w.error = f"exited with code {code}" if code > 0 else f"killed by signal {-code}"
+        self._mark_dead(w, f"worker {wid}: {w.error}", now)
+        self._check_user_error(now)
+
+    def evict(self, wid: str, reason: str, now: float) -> None:
+        self._mark_dead(self._worker(wid), reason, now)
+
+    def _mark_dead(self, w: Worker, reason: str, now: float) -> None:
+        was_member = w.id in self.members and w.epoch == self.epoch
+        w.state = WorkerState.DEAD
+        w.arrived_from = None
+        # One failure event per lost epoch (a node's workers often die together); a worker lost
+        # outside an epoch (while starting or joining) is an event of its own.
+        if self.state == JobState.RUNNING and was_member:
+            self.failures += 1
+            self._close(reason, now)
+        elif not was_member:
+            self.failures += 1
+        self._log(now, "worker_dead", worker=w.id, reason=reason)
+        if self.failures > self.spec.max_restarts and self.state not in (JobState.COMPLETED,
+                                                                         JobState.FAILED):
+            self._fail(f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; "
+                       f"last: {reason}", now)
+
+    def _check_user_error(self, now: float) -> None:
+        """The same exception on every member (or every worker, before the first epoch) is a bug
+        in the script: fail the job with it instead of restarting forever."""
+        pool = [self.workers[m] for m in self.members] if self.members else list(self.workers.values())
+        if not pool or any(w.state != WorkerState.DEAD for w in pool):
+            return
+        errors = {w.error for w in pool}
+        if len(errors) == 1 and None not in errors:
+            self._fail(f"every worker failed with: {errors.pop()}", now)
+        elif not self.members:
+            self._fail("every worker failed before joining; first error: "
+                       f"{next(w.error for w in pool if w.error)}", now)
+
+    def left(self, wid: str, now: float) -> None:
+        w = self._worker(wid)
+        w.state = WorkerState.LEFT
+        w.arrived_from = None
+        self._log(now, "worker_left", worker=wid)
+
+    def done(self, wid: str, step: int, now: float) -> None:
+        """The worker finished its training loop."""
+        w = self._worker(wid)
+        w.state = WorkerState.DONE
+        w.step = max(w.step, step)
+        members = [self.workers[m] for m in self.members]
+        if members and all(m.state in (WorkerState.DONE, WorkerState.LEFT) for m in members):
+            self.state = JobState.COMPLETED
+            self._log(now, "completed", step=max(m.step for m in members))
+
+    def scale(self, target: int, now: float) -> list[str]:
+        """Set the job's size; members beyond it are asked to leave (the highest ranks first)."""
+        if not self.spec.min_workers <= target <= self.spec.max_workers:
+            raise ValueError(f"target {target} outside [{self.spec.min_workers}, "
+                             f"{self.spec.max_workers}] workers of job {self.spec.job_id}")
+        self.target = target
+        staying = [m for m in self.members if self.workers[m].state == WorkerState.ACTIVE]
+        leaving = staying[target:] if len(staying) > target else []
+        for wid in leaving:
+            self.workers[wid].state = WorkerState.LEAVING
+        for w in self.workers.values():  # joiners that are no longer wanted
+            if w.state in (WorkerState.STARTING, WorkerState.READY) and \
+                    len(staying) - len(leaving) >= target:
+                w.state = WorkerState.LEAVING
+        self._log(now, "scale", target=target, leaving=leaving)
+        return leaving
+
+    # -- rendezvous ------------------------------------------------------------------------------
+    def arrive(self, wid: str, from_epoch: int, step: int, reason: str, now: float) -> None:
+        """A worker asks for the epoch after ``from_epoch`` (0 for a joiner)."""
+        w = self._worker(wid)
+        w.beat(now)
+        if w.state == WorkerState.STARTING:
+            self.ready(wid, now)
+        w.arrived_from = from_epoch
+        w.step = max(w.step, step)
+        if self.state == JobState.RUNNING and from_epoch == self.epoch and w.id in self.members:
+            self._close(f"{reason} (reported by {wid})", now)
+
+    def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
+        """What a worker waiting in :meth:`arrive` gets, or None while it must keep waiting."""
+        w = self._worker(wid)
+        if self.state == JobState.FAILED:
+            return {"action": "stop", "reason": self.failure}
+        if self.state == JobState.COMPLETED:
+            return {"action": "stop", "reason": "job completed"}
+        if w.state == WorkerState.LEAVING:
+            return {"action": "leave"}
+        if w.state == WorkerState.DEAD:
+            return {"action": "stop", "reason": "this worker was removed from the job"}
+        if w.state == WorkerState.ACTIVE and w.epoch > from_epoch and self.state == JobState.RUNNING:
+            return Assignment(self.epoch, w.rank, len(self.members), self.store_prefix(),
+                              list(self.members)).to_json()
+        return None
+
+    def store_prefix(self, epoch: int | None = None) -> str:
+        return f"job/{self.spec.job_id}/e{self.epoch if epoch is None else epoch}/"
+
+    def try_open_epoch(self, now: float) -> bool:
+        """Open the next epoch if everyone expected has arrived. Returns True when it opened."""
+        if self.state not in (JobState.PENDING, JobState.RENDEZVOUS):
+            return False
+        stay = [self.workers[m] for m in self.members
+                if self.workers[m].state == WorkerState.ACTIVE]
+        joiners = sorted((w for w in self.workers.values() if w.state == WorkerState.READY),
+                         key=lambda w: w.ready_at)
+        joiners = joiners[:max(0, self.target - len(stay))]
+        if any(w.arrived_from != self.epoch for w in stay):
+            return False
+        arrived = [w for w in joiners if w.arrived_from is not None]
+        if self.state == JobState.PENDING:
+            if len(arrived) < self.spec.min_workers:
+                return False
+            starting = any(w.state == WorkerState.STARTING for w in self.workers.values())
+            waited = now - min(w.ready_at for w in arrived)
+            if len(arrived) < self.target and starting and waited < self.cfg.first_round_grace_s:
+                return False
+        expected = stay + arrived
+        if len(expected) < self.spec.min_workers:
+            return False
+        expected.sort(key=lambda w: (self._node_order[w.node], w.slot, w.id))
+        self.epoch += 1
+        self.members = [w.id for w in expected]
+        for rank, w in enumerate(expected):
+            w.state, w.epoch, w.rank, w.arrived_from, w.stalled = (
+                WorkerState.ACTIVE, self.epoch, rank, None, False)
+            w.last_heartbeat = max(w.last_heartbeat, now)
+        self.state = JobState.RUNNING
+        self._log(now, "epoch", epoch=self.epoch, members=list(self.members),
+                  reason=self.close_reason or "start",
+                  closed_for_s=None if self.closed_at is None else round(now - self.closed_at, 4))
+        self.closed_at = None
+        self.close_reason = ""
+        return True
+
+    def _close(self, reason: str, now: float) -> None:
+        self.state = JobState.RENDEZVOUS
+        self.closed_at = now
+        self.close_reason = reason
+        self._log(now, "epoch_closed", epoch=self.epoch, reason=reason)
+
+    # -- failure detection -----------------------------------------------------------------------
+    def detect_failures(self, now: float) -> list[str]:
+        """Declare hung or lost workers dead; returns their ids (the agents kill them)."""
+        dead: list[str] = []
+        for w in list(self.live_workers()):
+            if w.state == WorkerState.STARTING:  # still importing; the agent watches the process
+                continue
+            silent = now - w.last_heartbeat
+            if silent > self.cfg.dead_after_s:
+                dead.append(w.id)
+                self._mark_dead(w, f"worker {w.id} sent no heartbeat for {silent:.1f}s", now)
+        if self.state == JobState.RUNNING:
+            members = [self.workers[m] for m in self.members]
+            for w in members:
+                silent = now - w.last_heartbeat
+                if w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or \
+                        silent <= w.suspect_after(self.cfg):
+                    continue
+                others = [o for o in members if o is not w and o.state in (
+                    WorkerState.ACTIVE, WorkerState.LEAVING)]
+                if others and all(o.stalled for o in others):
+                    dead.append(w.id)
+                    self._mark_dead(w, f"worker {w.id} hung: no heartbeat for {silent:.1f}s "
+                                       "while its peers waited in a collective", now)
+                    break
+        if self.state == JobState.RENDEZVOUS:
+            self._check_min(now)
+        return dead
+
+    def _check_min(self, now: float) -> None:
+        live = [w for w in self.live_workers() if w.state != WorkerState.LEAVING]
+        if len(live) < self.spec.min_workers and self.failures >= self.spec.max_restarts:
+            self._fail(f"only {len(live)} live workers, below the minimum of "
+                       f"{self.spec.min_workers}, and no restarts left", now)
+
+    def _fail(self, reason: str, now: float) -> None:
+        self.state = JobState.FAILED
+        self.failure = reason
+        self._log(now, "failed", reason=reason)
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _worker(self, wid: str) -> Worker:
+        try:
+            return self.workers[wid]
+        except KeyError:
+            raise KeyError(f"unknown worker {wid!r}") from None
+
+    def _log(self, now: float, kind: str, **fields: Any) -> None:
+        self.events.append({"t": round(now, 4), "kind": kind, **fields})
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "job_id": self.spec.job_id, "state": self.state.value, "epoch": self.epoch,
+            "members": list(self.members), "target": self.target,
+            "min_workers": self.spec.min_workers, "max_workers": self.spec.max_workers,
+            "step": max((self.workers[m].step for m in self.members), default=0),
+            "failures": self.failures, "failure": self.failure,
+            "workers": [{"id": w.id, "node": w.node, "state": w.state.value, "rank": w.rank,
+                         "epoch": w.epoch, "step": w.step, "exit_code": w.exit_code,
+                         "error": w.error} for w in self.workers.values()],
+        }

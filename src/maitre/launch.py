@@ -1,0 +1,214 @@
+"""``maitre run``: the embedded default. Coordinator, local agents and workers on one machine.
+
+It starts a coordinator (HTTP API plus the c10d store), creates the job, starts ``--local-nodes``
+agents that each run ``--nproc-per-node`` workers, and prints the job's membership events as they
+happen. More nodes can join from anywhere with ``maitre agent --coordinator HOST:PORT``. An optional
+scripted story (``--events``) kills, stops, adds and removes workers at given steps, so a
+newcomer can watch the job survive each. At the end it prints a summary: steps, every membership
+change with its recovery time, and the exactly-once audit of the data.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from maitre.agent.agent import Agent
+from maitre.control.membership import DetectorConfig, JobState, WorkerState
+from maitre.control.server import CoordinatorServer
+from maitre.runtime import env as envvars
+from maitre.runtime.ledger import audit
+
+EVENT_KINDS = ("kill", "hang", "join", "leave")
+DEMO_EVENTS = "kill@60,join@120,leave@200"
+
+
+@dataclass(frozen=True, slots=True)
+class StoryEvent:
+    kind: str
+    step: int
+
+
+def parse_events(spec: str) -> list[StoryEvent]:
+    """``kill@60,join@120,leave@200`` (or ``demo``) -> events sorted by step."""
+    if spec == "demo":
+        spec = DEMO_EVENTS
+    events = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        match = re.fullmatch(r"([a-z]+)@(\d+)", part)
+        if not match or match.group(1) not in EVENT_KINDS:
+            raise ValueError(f"bad event {part!r}: expected KIND@STEP with KIND one of "
+                             f"{', '.join(EVENT_KINDS)} (e.g. kill@60,join@120)")
+        events.append(StoryEvent(match.group(1), int(match.group(2))))
+    return sorted(events, key=lambda e: e.step)
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    command: list[str]
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int = 1
+    max_restarts: int = 3
+    local_nodes: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    job_id: str = "job"
+    events: list[StoryEvent] = field(default_factory=list)
+    run_dir: Path | None = None
+    ledger: bool = True
+    quiet_workers: bool = False
+
+
+class Run:
+    """One embedded run; :meth:`wait` returns the process exit code."""
+
+    def __init__(self, cfg: RunConfig, out: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.out = out
+        self.t0 = time.time()
+        self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix=f"maitre-{cfg.job_id}-"))
+        self.ledger_dir = self.run_dir / "ledger"
+        if self.ledger_dir.exists():
+            shutil.rmtree(self.ledger_dir)
+        self.server = CoordinatorServer(cfg.host, cfg.port, cfg=DetectorConfig(),
+                                        on_event=self._on_event)
+        self.agents: list[Agent] = []
+        self._lock = threading.Lock()
+
+    @property
+    def coordinator(self):  # the in-process Coordinator
+        return self.server.coordinator
+
+    def start(self) -> "Run":
+        cfg = self.cfg
+        self.server.start()
+        self.coordinator.create_job({
+            "job_id": cfg.job_id, "command": cfg.command,
+            "min_workers": cfg.min_nodes * cfg.nproc_per_node,
+            "max_workers": cfg.max_nodes * cfg.nproc_per_node,
+            "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts})
+        self.out(f"maitre: coordinator at {self.server.address}; add a node with "
+                 f"`maitre agent --coordinator {self.server.address} "
+                 f"--nproc-per-node {cfg.nproc_per_node}`")
+        for _ in range(cfg.min_nodes if cfg.local_nodes is None else cfg.local_nodes):
+            self.add_node()
+        return self
+
+    def add_node(self) -> Agent:
+        extra = {envvars.LEDGER_DIR: str(self.ledger_dir)} if self.cfg.ledger else {}
+        output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
+        with self._lock:
+            agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,
+                          extra_env=extra, output=output)
+            self.agents.append(agent)
+        return agent.start()
+
+    # -- the story -------------------------------------------------------------------------------
+    def job(self) -> dict[str, Any]:
+        return self.coordinator.job_status(self.cfg.job_id)
+
+    def members(self) -> list[str]:
+        return self.job()["members"]
+
+    def pid_of(self, worker_id: str) -> int | None:
+        for agent in self.agents:
+            if worker_id in agent.workers:
+                return agent.pid(worker_id)
+        return None
+
+    def apply(self, event: StoryEvent) -> None:
+        job = self.job()
+        active = [w["id"] for w in job["workers"]
+                  if w["state"] == WorkerState.ACTIVE.value and w["id"] in job["members"]]
+        if event.kind in ("kill", "hang"):
+            victims = [w for w in active if w != job["members"][0]] or active
+            victim = random.Random(event.step).choice(victims)
+            pid = self.pid_of(victim)
+            if pid is None:
+                return
+            sig = signal.SIGKILL if event.kind == "kill" else signal.SIGSTOP
+            self.out(f"maitre: story: step {event.step}: {sig.name} worker {victim}")
+            os.kill(pid, sig)
+        elif event.kind == "join":
+            self.out(f"maitre: story: step {event.step}: a node joins")
+            self.add_node()
+        elif event.kind == "leave":
+            target = max(job["min_workers"], len(job["members"]) - 1)
+            self.out(f"maitre: story: step {event.step}: scale down to {target} workers")
+            self.coordinator.scale(self.cfg.job_id, target)
+
+    def wait(self) -> int:
+        pending = list(self.cfg.events)
+        try:
+            while True:
+                job = self.job()
+                if job["state"] in (JobState.COMPLETED.value, JobState.FAILED.value):
+                    break
+                while pending and job["state"] == JobState.RUNNING.value and \
+                        job["step"] >= pending[0].step:
+                    self.apply(pending.pop(0))
+                time.sleep(0.1)
+        finally:
+            self.shutdown()
+        self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir))
+        return 0 if job["state"] == JobState.COMPLETED.value else 1
+
+    def shutdown(self) -> None:
+        for agent in self.agents:
+            agent.stop()
+        self.server.stop()
+
+    def _on_event(self, job_id: str, event: dict[str, Any]) -> None:
+        self.out(f"maitre: {time.time() - self.t0:7.2f}s  {describe(event)}")
+
+
+def _prefixed(out: Callable[[str], None]) -> Callable[[str, str], None]:
+    return lambda wid, line: out(f"[{wid}] {line.rstrip()}")
+
+
+def describe(event: dict[str, Any]) -> str:
+    kind = event["kind"]
+    if kind == "epoch":
+        extra = "" if event.get("closed_for_s") is None else \
+            f" after {event['closed_for_s'] * 1000:.0f} ms of rendezvous"
+        return (f"epoch {event['epoch']} opened with {len(event['members'])} workers "
+                f"({event['reason']}){extra}")
+    if kind == "epoch_closed":
+        return f"epoch {event['epoch']} closed: {event['reason']}"
+    if kind == "report":
+        return (f"epoch {event['epoch']}: resumed training at step {event['step']} "
+                f"{event['to_next_step_s'] * 1000:.0f} ms after detection (rendezvous "
+                f"{event['rendezvous_s'] * 1000:.0f} ms, group {event['group_s'] * 1000:.0f} ms, "
+                f"state {event['state_s'] * 1000:.0f} ms / {event['state_bytes'] / 1e6:.2f} MB)")
+    fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "t"))
+    return f"{kind}: {fields}"
+
+
+def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path) -> str:
+    lines = ["", f"maitre: job {job['job_id']} {job['state']} at step {job['step']} "
+                 f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)"]
+    if job.get("failure"):
+        lines.append(f"maitre: job failed: {job['failure']}")
+    reports = [r for r in job.get("reports", []) if r.get("kind") == "recovery"]
+    if reports:
+        lines.append(f"  {'epoch':>5}  {'world':>5}  {'reason':<44} {'rdzv ms':>8} {'group ms':>8} "
+                     f"{'state ms':>8} {'to step ms':>10}")
+        for r in reports:
+            lines.append(f"  {r['epoch']:>5}  {r['world_size']:>5}  {r['reason'][:44]:<44} "
+                         f"{r['rendezvous_s'] * 1000:>8.0f} {r['group_s'] * 1000:>8.0f} "
+                         f"{r['state_s'] * 1000:>8.0f} {r['to_next_step_s'] * 1000:>10.0f}")
+    if ledger_dir is not None and ledger_dir.exists():
+        lines.append(f"  data: {audit(ledger_dir).describe()}")
+    lines.append(f"  run directory: {run_dir}")
+    return "\n".join(lines)

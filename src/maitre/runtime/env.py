@@ -1,0 +1,65 @@
+"""How a worker process finds out where it runs: maitre's variables, else torchrun's.
+
+Under ``maitre`` the agent sets ``MAITRE_COORDINATOR``, ``MAITRE_WORKER_ID``, ``MAITRE_STORE`` and
+``LOCAL_RANK``; rank and world size are not known at start and come from each membership epoch
+(the loop then sets ``RANK`` and ``WORLD_SIZE`` for scripts that read them). Under plain
+``torchrun`` the usual ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` make a fixed
+group. With neither, the script runs as a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from enum import Enum
+from typing import Mapping
+
+COORDINATOR = "MAITRE_COORDINATOR"
+WORKER_ID = "MAITRE_WORKER_ID"
+JOB_ID = "MAITRE_JOB_ID"
+STORE = "MAITRE_STORE"
+LEDGER_DIR = "MAITRE_LEDGER_DIR"
+HEARTBEAT_S = "MAITRE_HEARTBEAT_S"
+COORDINATOR_TIMEOUT_S = "MAITRE_COORDINATOR_TIMEOUT_S"
+
+
+class Mode(str, Enum):
+    ELASTIC = "elastic"   # under maitre: membership epochs from the coordinator
+    STATIC = "static"     # under torchrun: one fixed group
+    SINGLE = "single"     # plain `python script.py`
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEnv:
+    mode: Mode
+    worker_id: str
+    local_rank: int
+    coordinator: str = ""
+    store: str = ""
+    job_id: str = ""
+    ledger_dir: str = ""
+    heartbeat_s: float = 0.1
+    coordinator_timeout_s: float = 300.0
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
+        env = os.environ if env is None else env
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+        common = {"local_rank": local_rank, "ledger_dir": env.get(LEDGER_DIR, "")}
+        if env.get(COORDINATOR):
+            missing = [k for k in (WORKER_ID, STORE) if not env.get(k)]
+            if missing:
+                raise RuntimeError(f"{COORDINATOR} is set but {', '.join(missing)} is not: "
+                                   "workers must be started by a maitre agent")
+            return cls(mode=Mode.ELASTIC, worker_id=env[WORKER_ID], coordinator=env[COORDINATOR],
+                       store=env[STORE], job_id=env.get(JOB_ID, ""),
+                       heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
+                       coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
+                       **common)
+        if "WORLD_SIZE" in env and "RANK" in env:
+            rank = int(env["RANK"])
+            return cls(mode=Mode.STATIC, worker_id=f"rank{rank}", rank=rank,
+                       world_size=int(env["WORLD_SIZE"]), **common)
+        return cls(mode=Mode.SINGLE, worker_id="single", **common)

@@ -1,0 +1,137 @@
+"""One membership epoch's process group, and collectives that can be abandoned.
+
+Every membership epoch gets a fresh ``torch.distributed`` backend (gloo on CPU, NCCL on GPUs)
+built on its own store prefix ``job/<id>/e<epoch>/``, so no key of an earlier epoch can be read by a
+later one. Collectives are issued asynchronously and waited on in short slices; between slices
+the waiter asks whether the epoch is still open (the coordinator closes it when a member dies or
+hangs). A crashed peer makes gloo raise at once; a hung one does not, and then the coordinator's
+decision is what ends the wait.
+
+A group whose collective hung is never destroyed: destroying it blocks until the backend's own
+timeout. It is kept in :data:`_GRAVEYARD` (its sockets then die with the process); NCCL
+communicators are aborted instead, which is the only way to free a hung one.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# Groups set aside after their epoch ended. Never destroyed while the process lives.
+_GRAVEYARD: list[object] = []
+
+WAIT_SLICE = timedelta(milliseconds=50)
+"""How often a waiting collective checks whether its epoch was closed."""
+
+BACKEND_TIMEOUT = timedelta(minutes=30)
+"""The backend's own timeout; maitre never relies on it (hangs are decided by the coordinator)."""
+
+
+class EpochLost(Exception):
+    """The membership epoch ended under a collective: a peer crashed, hung or was removed."""
+
+    def __init__(self, reason: str, detected_at: float) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.detected_at = detected_at
+
+
+class EpochGroup:
+    """The process group of one membership epoch.
+
+    Args:
+        backend: the ``torch.distributed`` process group (see :meth:`create`).
+        rank, world_size: this member's place in the epoch.
+        device: ``cpu`` (gloo) or a CUDA device (NCCL).
+        epoch_closed: polled between wait slices; returns a reason once the coordinator has closed
+            the epoch, else ``None``.
+    """
+
+    def __init__(self, backend: object, rank: int, world_size: int, device: torch.device,
+                 epoch_closed: Callable[[], str | None] = lambda: None) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self._epoch_closed = epoch_closed
+        self.waiting_since: float | None = None
+
+    @classmethod
+    def create(cls, store: dist.Store, prefix: str, rank: int, world_size: int,
+               device: torch.device, epoch_closed: Callable[[], str | None]) -> "EpochGroup":
+        """A fresh backend on the epoch's own store prefix."""
+        prefixed = dist.PrefixStore(prefix, store)
+        if device.type == "cuda":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = BACKEND_TIMEOUT
+            backend: object = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, BACKEND_TIMEOUT)
+        return cls(backend, rank, world_size, device, epoch_closed)
+
+    # -- collectives -------------------------------------------------------------------------
+    def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self.wait(self.backend.allreduce([tensor], opts))
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.wait(self.backend.broadcast([tensor], opts))
+
+    def wait(self, work: dist.Work) -> None:
+        """Wait for ``work``; raise :class:`EpochLost` if a peer failed or the epoch was closed."""
+        start = time.monotonic()
+        self.waiting_since = start
+        try:
+            if self.device.type == "cuda":
+                self._wait_cuda(work)
+            else:
+                self._wait_gloo(work)
+        finally:
+            self.waiting_since = None
+
+    def _wait_gloo(self, work: dist.Work) -> None:
+        while True:
+            try:
+                work.wait(WAIT_SLICE)
+                return
+            except RuntimeError as exc:  # gloo raises RuntimeError for both timeouts and errors
+                if "timed out" not in str(exc):
+                    raise EpochLost(f"peer failed: {_first_line(exc)}", time.monotonic()) from exc
+            closed = self._epoch_closed()
+            if closed is not None:
+                raise EpochLost(closed, time.monotonic())
+
+    def _wait_cuda(self, work: dist.Work) -> None:
+        # NCCL's wait() only orders streams; poll completion on the CPU instead, and abort the
+        # communicator (never wait on it) when the epoch is closed.
+        while not work.is_completed():
+            exc = work.exception() if hasattr(work, "exception") else None
+            if exc is not None:
+                raise EpochLost(f"peer failed: {_first_line(exc)}", time.monotonic())
+            closed = self._epoch_closed()
+            if closed is not None:
+                raise EpochLost(closed, time.monotonic())
+            time.sleep(0.001)
+        work.wait()
+
+    # -- end of the epoch -----------------------------------------------------------------------
+    def retire(self) -> None:
+        """Set the group aside for good. NCCL communicators are aborted; gloo ones are kept."""
+        if self.device.type == "cuda":
+            abort = getattr(self.backend, "abort", None) or getattr(self.backend, "_abort", None)
+            if abort is not None:
+                abort()
+        _GRAVEYARD.append(self.backend)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:200] if text else type(exc).__name__

@@ -1,0 +1,73 @@
+"""The worker's heartbeat thread: liveness for the coordinator, news for the training loop.
+
+Every ``interval_s`` the thread tells the coordinator the worker's committed step and whether it
+is stalled (waiting in a collective for longer than the loop's stall threshold, which is derived
+from observed step times). The reply says whether the worker's epoch was closed (a peer died,
+hung or the job is resizing), whether a change is pending (a joiner is ready, a member must
+leave), and whether this worker must stop. The training loop reads these flags between wait
+slices and at step boundaries; the thread itself never touches the process group.
+
+If the coordinator cannot be reached the flags keep their last values: the current epoch goes on
+training, and only the next membership change waits for the coordinator to come back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from maitre.wire import ApiError, Client, CoordinatorUnreachable
+
+
+@dataclass(slots=True)
+class CoordinatorView:
+    """The latest heartbeat reply, as the loop sees it."""
+
+    member_epoch: int = 0
+    closed: bool = False
+    change: bool = False
+    leave: bool = False
+    stop: bool = False
+    job_state: str = ""
+    replied_at: float = field(default_factory=time.monotonic)
+
+
+class Heartbeat:
+    def __init__(self, client: Client, worker_id: str, interval_s: float,
+                 progress: Callable[[], tuple[int, bool]]) -> None:
+        self.client = client
+        self.worker_id = worker_id
+        self.interval_s = interval_s
+        self.progress = progress
+        self.view = CoordinatorView()
+        self.unreachable_since: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="maitre-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            step, stalled = self.progress()
+            try:
+                reply = self.client.post(f"/workers/{self.worker_id}/heartbeat",
+                                         {"step": step, "stalled": stalled}, timeout_s=2.0)
+            except (CoordinatorUnreachable, ApiError):
+                if self.unreachable_since is None:
+                    self.unreachable_since = time.monotonic()
+            else:
+                self.unreachable_since = None
+                self.view = CoordinatorView(
+                    member_epoch=int(reply.get("member_epoch", 0)),
+                    closed=bool(reply["closed"]), change=bool(reply["change"]),
+                    leave=bool(reply["leave"]), stop=bool(reply["stop"]),
+                    job_state=str(reply["job_state"]))
+            self._stop.wait(self.interval_s)

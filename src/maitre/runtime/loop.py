@@ -1,0 +1,413 @@
+"""ElasticLoop: the one object in a training script. It owns the step boundary.
+
+A script builds its model, optimizer and data as usual, then iterates::
+
+    loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=sched)
+    for batch in loop.run(max_steps=1000):
+        for idx in batch.micro_batches:        # this rank's share of the global batch
+            loss = loss_fn(model(x[idx]), y[idx], reduction="sum")
+            loss.backward()
+            batch.log_loss(loss)
+
+Between two iterations the loop finishes the step: it allreduces the summed gradients in one flat
+buffer that also carries three control slots (the loss sum, the sample count and a resize flag),
+divides by the global sample count (so uneven shares are weighted exactly), applies the scaling
+rule's learning-rate factor, steps the optimizer and the LR schedule, advances the sampler and
+commits. The resize flag is how every rank sees a membership change at the same step: any rank
+whose heartbeat brought news raises it, and after the allreduce all ranks agree.
+
+When the allreduce fails (a peer crashed) or is abandoned (the coordinator closed the epoch: a
+peer hung or was removed) the step in flight is dropped, the loop rendezvous for the next epoch,
+builds its group, pulls the committed state from a peer that is ahead (see
+:mod:`maitre.runtime.transfer`) and yields the same step again with the new shares. The script
+never sees the failure. A joiner builds its model before it asks to join, so the running workers
+pause only for the rendezvous and the state broadcast.
+
+Under plain ``torchrun`` the same loop runs on a fixed group; alone, on one process.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from maitre.runtime.env import Mode, WorkerEnv
+from maitre.runtime.group import EpochGroup, EpochLost
+from maitre.runtime.heartbeat import Heartbeat
+from maitre.runtime.ledger import Ledger
+from maitre.runtime.sampler import ElasticSampler, StepSlice
+from maitre.runtime.scaling import ConstantBatch
+from maitre.runtime.state import Stateful, TrainState
+from maitre.runtime.transfer import broadcast_state, sync_steps
+from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
+
+_CONTROL = 3  # loss sum, sample count, resize flag
+_STALL_FLOOR_S = 0.5
+_STALL_STEPS = 5.0
+
+
+@dataclass(slots=True)
+class Batch:
+    """One step as this rank sees it."""
+
+    step: int
+    """The step being trained (the committed step count plus one)."""
+    rank: int
+    world_size: int
+    slice: StepSlice
+    micro_batches: list[list[int]]
+    """This rank's sample indices, split by the micro-batch size (may be empty lists' list)."""
+    _loss: float = 0.0
+
+    @property
+    def indices(self) -> list[int]:
+        return self.slice.local_indices
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.slice.global_count
+
+    def log_loss(self, loss_sum: torch.Tensor | float) -> None:
+        """Record this rank's summed loss; ``loop.last_loss`` is then the global mean."""
+        self._loss += float(loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum)
+
+
+@dataclass(slots=True)
+class Recovery:
+    """Timings of the last membership change, as this worker saw it (wall clock, seconds)."""
+
+    reason: str
+    detected_at: float
+    assigned_at: float = 0.0
+    group_at: float = 0.0
+    synced_at: float = 0.0
+    state_bytes: int = 0
+    state_from: int = -1
+    steps: list[int] = field(default_factory=list)
+
+
+class ElasticLoop:
+    """See the module docstring.
+
+    Args:
+        model: the module whose gradients are averaged.
+        optimizer: any ``torch.optim`` optimizer over the model's parameters.
+        sampler: the :class:`ElasticSampler` of the data set.
+        lr_scheduler: optional; stepped once per committed step.
+        micro_batch_size: split a rank's share into micro-batches of at most this many samples
+            (gradient accumulation), so a shrinking world does not run out of memory.
+        scaling: the scaling rule (default :class:`ConstantBatch`).
+        extras: other stateful objects to carry through joins and checkpoints.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 sampler: ElasticSampler, *, lr_scheduler: Any = None,
+                 micro_batch_size: int | None = None, scaling: Any = None,
+                 extras: dict[str, Stateful] | None = None, env: WorkerEnv | None = None) -> None:
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.env = env or WorkerEnv.from_environ()
+        self.model = model
+        self.optimizer = optimizer
+        self.sampler = sampler
+        self.micro_batch_size = micro_batch_size
+        self.scaling = scaling or ConstantBatch()
+        self.state = TrainState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                sampler=sampler, scaling=self.scaling)
+        self.lr_scheduler = lr_scheduler
+        for name, obj in (extras or {}).items():
+            self.state.register(name, obj)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no parameters that require gradients")
+        self.device = self.params[0].device
+        self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
+        self.group: EpochGroup | None = None
+        self.last_loss: float | None = None
+        self.recoveries: list[Recovery] = []
+        self._buffers = _GradBuffers(self.params)
+        self._step_times: deque[float] = deque(maxlen=32)
+        self._flag_seen = False
+        self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id,
+                                                   sampler.num_samples) if self.env.ledger_dir else None
+        self._client: Client | None = None
+        self._heartbeat: Heartbeat | None = None
+        self._store: dist.Store | None = None
+        self._recovery: Recovery | None = None
+
+    # -- public ----------------------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Committed steps so far."""
+        return self.state.step
+
+    def run(self, max_steps: int) -> Iterator[Batch]:
+        """Yield one :class:`Batch` per step until ``max_steps`` steps are committed."""
+        self._start()
+        try:
+            while self.state.step < max_steps:
+                batch = self._next_batch()
+                self._buffers.zero()
+                step_start = time.monotonic()
+                yield batch
+                if self._finish(batch):
+                    self._step_times.append(time.monotonic() - step_start)
+            self._done()
+        finally:
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+            if self._ledger is not None:
+                self._ledger.close()
+
+    # -- the step boundary -----------------------------------------------------------------------
+    def _next_batch(self) -> Batch:
+        size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
+        slc = self.sampler.next_slice(self.rank, self.world_size, size)
+        local = slc.local_indices
+        micro = self.micro_batch_size or max(1, len(local))
+        chunks = [local[i:i + micro] for i in range(0, len(local), micro)] or [[]]
+        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks)
+
+    def _finish(self, batch: Batch) -> bool:
+        """Reduce, update and commit the step. False when it was dropped for a membership change."""
+        flat = self._buffers.gather()
+        control = self._buffers.control
+        control[0] = batch._loss
+        control[1] = len(batch.indices)
+        control[2] = 1.0 if self._change_requested() else 0.0
+        if self._ledger is not None:
+            self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
+        try:
+            for buf in flat:
+                self._allreduce(buf)
+        except EpochLost as lost:
+            self._buffers.zero()
+            self._recover(lost)
+            return False
+        count = int(round(float(control[1])))
+        if count != batch.global_batch_size:
+            raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
+                               f"batch has {batch.global_batch_size}: shares are inconsistent")
+        self._buffers.scatter(1.0 / count)
+        factor = self.scaling.lr_factor(self.state.step)
+        if factor != 1.0:
+            saved = [g["lr"] for g in self.optimizer.param_groups]
+            for g in self.optimizer.param_groups:
+                g["lr"] = g["lr"] * factor
+        self.optimizer.step()
+        if factor != 1.0:
+            for g, lr in zip(self.optimizer.param_groups, saved):
+                g["lr"] = lr
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.sampler.advance(batch.slice)
+        self.state.step += 1
+        self.last_loss = float(control[0]) / count
+        if self._ledger is not None:
+            self._ledger.commit(self.epoch, batch.step)
+        if self._recovery is not None:
+            self._report_recovery()
+        if float(control[2]) > 0:
+            self._rendezvous("resize")
+        return True
+
+    def _allreduce(self, buf: torch.Tensor) -> None:
+        if self.group is not None:
+            self.group.allreduce(buf)
+
+    def _change_requested(self) -> bool:
+        hb = self._heartbeat
+        return hb is not None and (hb.view.change or hb.view.leave)
+
+    # -- membership ------------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self.env.mode == Mode.SINGLE:
+            return
+        if self.env.mode == Mode.STATIC:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if not dist.is_initialized():
+                dist.init_process_group(backend)
+            self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
+                                    self.device)
+            return
+        self._client = Client(self.env.coordinator)
+        host, port = parse_address(self.env.store)
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+        self._heartbeat = Heartbeat(self._client, self.env.worker_id, self.env.heartbeat_s,
+                                    self._progress).start()
+        self._recovery = Recovery("join", time.time())
+        self._rendezvous("join", from_epoch=0)
+
+    def _progress(self) -> tuple[int, bool]:
+        group = self.group
+        since = group.waiting_since if group is not None else None
+        return self.state.step, since is not None and time.monotonic() - since > self._stall_after()
+
+    def _stall_after(self) -> float:
+        """How long a collective may wait before this worker calls itself stalled."""
+        if len(self._step_times) < 3:
+            return 2.0
+        return max(_STALL_FLOOR_S, _STALL_STEPS * statistics.median(self._step_times))
+
+    def _epoch_closed(self) -> str | None:
+        view = self._heartbeat.view if self._heartbeat is not None else None
+        if view is not None and view.closed and view.member_epoch == self.epoch:
+            return "the coordinator closed the epoch"
+        return None
+
+    def _recover(self, lost: EpochLost) -> None:
+        if self.env.mode != Mode.ELASTIC:
+            raise RuntimeError(f"collective failed outside maitre: {lost.reason}") from lost
+        self._recovery = Recovery(lost.reason, time.time() - (time.monotonic() - lost.detected_at))
+        self._rendezvous(lost.reason)
+
+    def _rendezvous(self, reason: str, from_epoch: int | None = None) -> None:
+        """Leave the current epoch and enter the next one (or leave the job)."""
+        assert self._client is not None and self._store is not None
+        if self._recovery is None:
+            self._recovery = Recovery(reason, time.time())
+        if self.group is not None:
+            self.group.retire()
+            self.group = None
+        deadline = time.monotonic() + self.env.coordinator_timeout_s
+        body = {"from_epoch": self.epoch if from_epoch is None else from_epoch,
+                "step": self.state.step, "reason": reason, "wait_s": 5.0}
+        while True:
+            try:
+                answer = self._client.post(f"/workers/{self.env.worker_id}/rendezvous", body,
+                                           timeout_s=15.0)
+            except CoordinatorUnreachable as exc:
+                if time.monotonic() > deadline:
+                    self._exit(1, f"maitre: {exc}; giving up after "
+                                  f"{self.env.coordinator_timeout_s:.0f}s")
+                time.sleep(0.5)
+                continue
+            except ApiError as exc:
+                self._exit(1, f"maitre: rendezvous refused: {exc.message}")
+            action = answer["action"]
+            if action == "train":
+                break
+            if action == "leave":
+                self._client.post(f"/workers/{self.env.worker_id}/left")
+                self._exit(0, None)
+            if action == "stop":
+                self._exit(0 if answer.get("reason") == "job completed" else 1,
+                           f"maitre: worker stopped: {answer.get('reason')}")
+        rec = self._recovery
+        rec.assigned_at = time.time()
+        self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
+        self.group = EpochGroup.create(self._store, answer["store_prefix"], self.rank,
+                                       self.world_size, self.device, self._epoch_closed)
+        rec.group_at = time.time()
+        try:
+            self._sync_state(rec)
+        except EpochLost as lost:  # a peer failed during the transfer: go round again
+            self._recover(lost)
+            return
+        self.scaling.on_resize(self.world_size, self.state.step)
+        rec.synced_at = time.time()
+
+    def _sync_state(self, rec: Recovery) -> None:
+        assert self.group is not None
+        steps = sync_steps(self.group, self.state.step)
+        ahead = max(steps)
+        if all(s == ahead for s in steps):
+            return
+        src = steps.index(ahead)
+        tree = self.state.state_dict() if self.rank == src else None
+        received, rec.state_bytes = broadcast_state(self.group, tree, src)
+        rec.state_from = src
+        if self.state.step < ahead:
+            self.state.load_state_dict(received)
+
+    def _report_recovery(self) -> None:
+        rec, self._recovery = self._recovery, None
+        if rec is None or self.rank != 0 or self._client is None:
+            return
+        now = time.time()
+        report = {"kind": "recovery", "epoch": self.epoch, "reason": rec.reason,
+                  "world_size": self.world_size, "detected_at": rec.detected_at,
+                  "rendezvous_s": rec.assigned_at - rec.detected_at,
+                  "group_s": rec.group_at - rec.assigned_at,
+                  "state_s": rec.synced_at - rec.group_at, "state_bytes": rec.state_bytes,
+                  "to_next_step_s": now - rec.detected_at, "step": self.state.step}
+        try:
+            self._client.post(f"/workers/{self.env.worker_id}/report", report, timeout_s=2.0)
+        except (CoordinatorUnreachable, ApiError):
+            pass
+
+    def _done(self) -> None:
+        if self._client is not None:
+            try:
+                self._client.post(f"/workers/{self.env.worker_id}/done", {"step": self.state.step})
+            except (CoordinatorUnreachable, ApiError) as exc:
+                print(f"maitre: could not report completion: {exc}", file=sys.stderr)
+
+    def _exit(self, code: int, message: str | None) -> None:
+        if message:
+            print(message, file=sys.stderr, flush=True)
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        raise SystemExit(code)
+
+
+class _GradBuffers:
+    """Gradients live in flat buffers (one per dtype) so one allreduce moves them all.
+
+    Each parameter's ``.grad`` is a view into its buffer, so backward accumulates in place with no
+    copy. A script that sets grads to ``None`` (``zero_grad()``) or replaces them is handled: the
+    grad is copied in. The control slots ride at the end of the float32/float64 buffer (a buffer
+    of their own for half-precision-only models).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        control_dtype = next((d for d in by_dtype if d in (torch.float32, torch.float64)),
+                             torch.float64)
+        by_dtype.setdefault(control_dtype, [])
+        device = params[0].device
+        self.groups: list[tuple[torch.Tensor, int, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
+        for dtype, ps in by_dtype.items():
+            numel = sum(p.numel() for p in ps)
+            extra = _CONTROL if dtype == control_dtype else 0
+            flat = torch.zeros(numel + extra, dtype=dtype, device=device)
+            views, offset = [], 0
+            for p in ps:
+                views.append((p, flat[offset:offset + p.numel()].view_as(p)))
+                offset += p.numel()
+            self.groups.append((flat, numel, views))
+            if extra:
+                self.control = flat[numel:]
+
+    def zero(self) -> None:
+        for flat, _, views in self.groups:
+            flat.zero_()
+            for p, view in views:
+                p.grad = view
+
+    def gather(self) -> list[torch.Tensor]:
+        for _, _, views in self.groups:
+            for p, view in views:
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+        return [flat for flat, _, _ in self.groups]
+
+    def scatter(self, scale: float) -> None:
+        for flat, numel, views in self.groups:
+            flat[:numel].mul_(scale)
+            for p, view in views:
+                p.grad = view

@@ -1,0 +1,116 @@
+"""The elastic sampler: which sample indices each rank trains on, at any world size.
+
+Every data epoch has one global order, a permutation of ``range(num_samples)`` drawn from
+``(seed, data_epoch)`` alone. A training step consumes the next global slice
+``order[cursor : cursor + global_batch]`` and each rank takes a contiguous share of that slice by
+its rank and the world size of the current membership epoch. The cursor is the only moving part
+and it is part of the committed training state: it advances once per committed step, never for a
+step that was dropped, so a resize or a failure between two steps can neither skip nor repeat a
+sample. The last step of a data epoch takes what is left (a smaller global batch), so every index
+is consumed exactly once per data epoch.
+
+The sampler never talks to other ranks; the runtime hands it the rank and world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class StepSlice:
+    """The global slice of one step and this rank's share of it."""
+
+    data_epoch: int
+    cursor: int
+    global_indices: list[int]
+    local_indices: list[int]
+
+    @property
+    def global_count(self) -> int:
+        return len(self.global_indices)
+
+
+def share_bounds(count: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Start and end of rank's contiguous share of ``count`` items; the first ``count % world``
+    ranks take one more item, so shares differ by at most one."""
+    base, extra = divmod(count, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class ElasticSampler:
+    """Deterministic, resumable, world-size-independent global batches.
+
+    Args:
+        num_samples: size of the data set (indices ``0 .. num_samples - 1``).
+        global_batch_size: samples per optimizer step across all ranks (the scaling rule may
+            change it; see :mod:`maitre.runtime.scaling`).
+        seed: the order of data epoch ``d`` is a permutation drawn from ``(seed, d)``.
+        shuffle: ``False`` keeps the natural order (useful for tests and streams).
+    """
+
+    def __init__(self, num_samples: int, global_batch_size: int, *, seed: int = 0,
+                 shuffle: bool = True) -> None:
+        if num_samples <= 0:
+            raise ValueError(f"num_samples must be positive, got {num_samples}")
+        if global_batch_size <= 0:
+            raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.data_epoch = 0
+        self.cursor = 0
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    def order(self, data_epoch: int) -> list[int]:
+        """The global sample order of one data epoch (cached for the current one)."""
+        if data_epoch != self._order_epoch:
+            if self.shuffle:
+                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_epoch)
+                self._order = torch.randperm(self.num_samples, generator=gen).tolist()
+            else:
+                self._order = list(range(self.num_samples))
+            self._order_epoch = data_epoch
+        return self._order
+
+    def next_slice(self, rank: int, world_size: int, global_batch_size: int | None = None) -> StepSlice:
+        """The slice of the next step, without consuming it (see :meth:`advance`)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world of size {world_size}")
+        batch = global_batch_size or self.global_batch_size
+        order = self.order(self.data_epoch)
+        global_indices = order[self.cursor:self.cursor + batch]
+        lo, hi = share_bounds(len(global_indices), rank, world_size)
+        return StepSlice(self.data_epoch, self.cursor, global_indices, global_indices[lo:hi])
+
+    def advance(self, consumed: StepSlice) -> None:
+        """Commit a step: move the cursor past its global slice (rolling into the next epoch)."""
+        if (consumed.data_epoch, consumed.cursor) != (self.data_epoch, self.cursor):
+            raise RuntimeError(
+                f"advance() of slice at epoch {consumed.data_epoch} cursor {consumed.cursor}, "
+                f"but the sampler is at epoch {self.data_epoch} cursor {self.cursor}")
+        self.cursor += consumed.global_count
+        if self.cursor >= self.num_samples:
+            self.data_epoch += 1
+            self.cursor = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size,
+                "seed": self.seed, "shuffle": self.shuffle,
+                "data_epoch": self.data_epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["num_samples"] != self.num_samples or state["seed"] != self.seed \
+                or state["shuffle"] != self.shuffle:
+            raise ValueError(
+                "sampler state is for a different data set or seed: "
+                f"{ {k: state[k] for k in ('num_samples', 'seed', 'shuffle')} }")
+        self.global_batch_size = int(state["global_batch_size"])
+        self.data_epoch = int(state["data_epoch"])
+        self.cursor = int(state["cursor"])

@@ -1,0 +1,69 @@
+"""TrainState: everything that makes two workers interchangeable at a step boundary.
+
+The committed state of a job is its step count plus the state of every stateful object that
+training touches: model, optimizer, LR schedule, sampler (data epoch and cursor), the scaling
+rule, random number generators (python, torch, and numpy when the script uses it) and any extra
+object the user registers (anything with ``state_dict`` / ``load_state_dict``). The runtime
+captures it to send to a peer that is behind; the checkpoint writer will capture the same tree.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any, Protocol
+
+import torch
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    np = sys.modules.get("numpy")  # only if the script already uses numpy
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, keys.numpy() if isinstance(keys, torch.Tensor) else keys,
+                             pos, has_gauss, cached))
+
+
+class TrainState:
+    """The stateful objects of one training process and its committed step."""
+
+    def __init__(self, **objects: Stateful | None) -> None:
+        self.objects: dict[str, Stateful] = {k: v for k, v in objects.items() if v is not None}
+        self.step = 0
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """Add a user object (anything with ``state_dict``/``load_state_dict``) to the state."""
+        if name in self.objects or name in ("step", "rng"):
+            raise ValueError(f"state name {name!r} is already taken")
+        self.objects[name] = obj
+
+    def state_dict(self) -> dict[str, Any]:
+        tree: dict[str, Any] = {name: obj.state_dict() for name, obj in self.objects.items()}
+        tree["step"] = self.step
+        tree["rng"] = rng_state()
+        return tree
+
+    def load_state_dict(self, tree: dict[str, Any]) -> None:
+        missing = set(self.objects) - set(tree)
+        if missing:
+            raise ValueError(f"state has no entry for {sorted(missing)}")
+        for name, obj in self.objects.items():
+            obj.load_state_dict(tree[name])
+        self.step = int(tree["step"])
+        set_rng_state(tree["rng"])
