@@ -127,37 +127,46 @@ class Run:
                 return agent.pid(worker_id)
         return None
 
-    def apply(self, event: StoryEvent) -> None:
-        job = self.job()
+    def apply(self, event: StoryEvent, job: dict[str, Any]) -> Callable[[dict[str, Any]], bool]:
+        """Carry out one story event; returns a predicate that holds once it was absorbed."""
+        epoch, size = job["epoch"], len(job["members"])
+        next_epoch: Callable[[dict[str, Any]], bool] = lambda j: j["epoch"] > epoch
         active = [w["id"] for w in job["workers"]
                   if w["state"] == WorkerState.ACTIVE.value and w["id"] in job["members"]]
         if event.kind in ("kill", "hang"):
             victims = [w for w in active if w != job["members"][0]] or active
             victim = random.Random(event.step).choice(victims)
             pid = self.pid_of(victim)
-            if pid is None:
-                return
-            sig = signal.SIGKILL if event.kind == "kill" else signal.SIGSTOP
-            self.out(f"maitre: story: step {event.step}: {sig.name} worker {victim}")
-            os.kill(pid, sig)
-        elif event.kind == "join":
-            self.out(f"maitre: story: step {event.step}: a node joins")
+            if pid is not None:
+                sig = signal.SIGKILL if event.kind == "kill" else signal.SIGSTOP
+                self.out(f"maitre: story: step {job['step']}: {sig.name} worker {victim}")
+                os.kill(pid, sig)
+            return next_epoch
+        if event.kind == "join":
+            self.out(f"maitre: story: step {job['step']}: a node joins")
             self.add_node()
-        elif event.kind == "leave":
-            target = max(job["min_workers"], len(job["members"]) - 1)
-            self.out(f"maitre: story: step {event.step}: scale down to {target} workers")
-            self.coordinator.scale(self.cfg.job_id, target)
+            return lambda j: len(j["members"]) > size
+        target = max(job["min_workers"], size - 1)
+        self.out(f"maitre: story: step {job['step']}: scale down to {target} workers")
+        self.coordinator.scale(self.cfg.job_id, target)
+        return next_epoch
 
     def wait(self) -> int:
+        """Play the story, wait for the job to end, print the summary; returns the exit code.
+
+        Each story event waits for its step and for the previous event to have been absorbed
+        (a new epoch running with the expected membership), so a slow joiner's start-up cannot
+        make two events collide."""
         pending = list(self.cfg.events)
+        settled: Callable[[dict[str, Any]], bool] = lambda job: True
         try:
             while True:
                 job = self.job()
                 if job["state"] in (JobState.COMPLETED.value, JobState.FAILED.value):
                     break
-                while pending and job["state"] == JobState.RUNNING.value and \
+                if pending and job["state"] == JobState.RUNNING.value and settled(job) and \
                         job["step"] >= pending[0].step:
-                    self.apply(pending.pop(0))
+                    settled = self.apply(pending.pop(0), job)
                 time.sleep(0.1)
         finally:
             self.shutdown()
@@ -170,6 +179,8 @@ class Run:
         self.server.stop()
 
     def _on_event(self, job_id: str, event: dict[str, Any]) -> None:
+        if event["kind"] == "report" and event.get("rank") != 0:
+            return  # every member reports; rank 0 speaks for the epoch here
         self.out(f"maitre: {time.time() - self.t0:7.2f}s  {describe(event)}")
 
 
@@ -200,7 +211,12 @@ def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path) -> str:
                  f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)"]
     if job.get("failure"):
         lines.append(f"maitre: job failed: {job['failure']}")
-    reports = [r for r in job.get("reports", []) if r.get("kind") == "recovery"]
+    by_epoch: dict[int, dict[str, Any]] = {}
+    for r in job.get("reports", []):  # per epoch, the member that waited longest
+        if r.get("kind") == "recovery" and r["to_next_step_s"] >= by_epoch.get(
+                r["epoch"], {}).get("to_next_step_s", -1.0):
+            by_epoch[r["epoch"]] = r
+    reports = [by_epoch[e] for e in sorted(by_epoch)]
     if reports:
         lines.append(f"  {'epoch':>5}  {'world':>5}  {'reason':<44} {'rdzv ms':>8} {'group ms':>8} "
                      f"{'state ms':>8} {'to step ms':>10}")

@@ -112,7 +112,9 @@ class Worker:
     error: str | None = None
 
     def beat(self, now: float) -> None:
-        if self.last_heartbeat:
+        # Gaps count only once the process is up: its start-up (seconds of imports) is no
+        # measure of how regularly it beats.
+        if self.state != WorkerState.STARTING and self.last_heartbeat:
             gap = now - self.last_heartbeat
             self.num_gaps += 1
             alpha = max(0.05, 1.0 / self.num_gaps)
@@ -123,7 +125,7 @@ class Worker:
 
     def suspect_after(self, cfg: DetectorConfig) -> float:
         adaptive = self.gap_mean + cfg.suspect_sigmas * math.sqrt(self.gap_var)
-        return max(cfg.suspect_floor_s, adaptive)
+        return min(max(cfg.suspect_floor_s, adaptive), cfg.dead_after_s)
 
 
 @dataclass(slots=True)
@@ -185,6 +187,7 @@ class Membership:
         if w.state == WorkerState.STARTING:
             w.state = WorkerState.READY
             w.ready_at = now
+            w.last_heartbeat = now
         w.beat(now)
 
     def heartbeat(self, wid: str, now: float, step: int, stalled: bool) -> dict[str, Any]:

@@ -14,6 +14,7 @@ communicators are aborted instead, which is the only way to free a hung one.
 
 from __future__ import annotations
 
+import re
 import time
 from datetime import timedelta
 from typing import Callable
@@ -133,5 +134,9 @@ class EpochGroup:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:200] if text else type(exc).__name__
+    """The gist of a backend error: its first sentence, without gloo's ``[file:line]`` prefix."""
+    lines = str(exc).strip().splitlines()
+    if not lines:
+        return type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0])
+    return text.split(". ")[0][:120]

@@ -226,7 +226,10 @@ class ElasticLoop:
 
     def _change_requested(self) -> bool:
         hb = self._heartbeat
-        return hb is not None and (hb.view.change or hb.view.leave)
+        if hb is None:
+            return False
+        view = hb.view  # replies from before this epoch opened are stale news
+        return view.member_epoch == self.epoch and (view.change or view.leave)
 
     # -- membership ------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -332,10 +335,10 @@ class ElasticLoop:
 
     def _report_recovery(self) -> None:
         rec, self._recovery = self._recovery, None
-        if rec is None or self.rank != 0 or self._client is None:
+        if rec is None or self._client is None:
             return
         now = time.time()
-        report = {"kind": "recovery", "epoch": self.epoch, "reason": rec.reason,
+        report = {"kind": "recovery", "epoch": self.epoch, "rank": self.rank, "reason": rec.reason,
                   "world_size": self.world_size, "detected_at": rec.detected_at,
                   "rendezvous_s": rec.assigned_at - rec.detected_at,
                   "group_s": rec.group_at - rec.assigned_at,

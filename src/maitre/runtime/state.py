@@ -25,7 +25,8 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
     np = sys.modules.get("numpy")  # only if the script already uses numpy
     if np is not None:
-        state["numpy"] = np.random.get_state()
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = [name, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)]
     return state
 
 
@@ -36,8 +37,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np = sys.modules.get("numpy")
     if np is not None and "numpy" in state:
         name, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((name, keys.numpy() if isinstance(keys, torch.Tensor) else keys,
-                             pos, has_gauss, cached))
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
 class TrainState:

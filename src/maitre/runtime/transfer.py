@@ -21,9 +21,7 @@ import torch
 from maitre.runtime import statetree
 from maitre.runtime.group import EpochGroup
 
-_DTYPES = {str(t): t for t in (torch.float64, torch.float32, torch.float16, torch.bfloat16,
-                                torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
-                                torch.bool)}
+_DTYPES = {str(t): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
 
 def sync_steps(group: EpochGroup, step: int) -> list[int]:
