@@ -158,6 +158,7 @@ class Run:
         (a new epoch running with the expected membership), so a slow joiner's start-up cannot
         make two events collide."""
         pending = list(self.cfg.events)
+        self.played: list[StoryEvent] = []
         settled: Callable[[dict[str, Any]], bool] = lambda job: True
         try:
             while True:
@@ -166,7 +167,8 @@ class Run:
                     break
                 if pending and job["state"] == JobState.RUNNING.value and settled(job) and \
                         job["step"] >= pending[0].step:
-                    settled = self.apply(pending.pop(0), job)
+                    self.played.append(pending.pop(0))
+                    settled = self.apply(self.played[-1], job)
                 time.sleep(0.1)
         finally:
             self.shutdown()
@@ -212,9 +214,12 @@ def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path) -> str:
     if job.get("failure"):
         lines.append(f"maitre: job failed: {job['failure']}")
     by_epoch: dict[int, dict[str, Any]] = {}
-    for r in job.get("reports", []):  # per epoch, the member that waited longest
-        if r.get("kind") == "recovery" and r["to_next_step_s"] >= by_epoch.get(
-                r["epoch"], {}).get("to_next_step_s", -1.0):
+    def weight(r: dict[str, Any]) -> tuple[bool, float]:  # running members before joiners
+        return r["reason"] != "join", r["to_next_step_s"]
+
+    for r in job.get("reports", []):  # per epoch, the running member that paused longest
+        if r.get("kind") == "recovery" and (r["epoch"] not in by_epoch or
+                                            weight(r) > weight(by_epoch[r["epoch"]])):
             by_epoch[r["epoch"]] = r
     reports = [by_epoch[e] for e in sorted(by_epoch)]
     if reports:

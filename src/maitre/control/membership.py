@@ -159,6 +159,7 @@ class Membership:
         self.closed_at: float | None = None
         self.close_reason = ""
         self.created_at = now
+        self._failed_epoch = -1
         self._node_order: dict[str, int] = {}
         self._next_worker = 0
 
@@ -222,6 +223,9 @@ class Membership:
         if code == 0 and w.state == WorkerState.LEAVING:
             w.state = WorkerState.LEFT
             return
+        if self.state in (JobState.COMPLETED, JobState.FAILED):  # stopped with its job
+            w.state = WorkerState.LEFT if code == 0 else WorkerState.DEAD
+            return
         if error:
             w.error = error
         elif code == 0:
@@ -238,13 +242,15 @@ class Membership:
         was_member = w.id in self.members and w.epoch == self.epoch
         w.state = WorkerState.DEAD
         w.arrived_from = None
-        # One failure event per lost epoch (a node's workers often die together); a worker lost
-        # outside an epoch (while starting or joining) is an event of its own.
-        if self.state == JobState.RUNNING and was_member:
+        # One failure event per lost epoch (a node's workers often die together, and survivors
+        # may have closed the epoch before the agent's report came); a worker lost outside an
+        # epoch (while starting or joining) is an event of its own.
+        if not was_member or self._failed_epoch != self.epoch:
             self.failures += 1
-            self._close(reason, now)
-        elif not was_member:
-            self.failures += 1
+        if was_member:
+            self._failed_epoch = self.epoch
+            if self.state == JobState.RUNNING:
+                self._close(reason, now)
         self._log(now, "worker_dead", worker=w.id, reason=reason)
         if self.failures > self.spec.max_restarts and self.state not in (JobState.COMPLETED,
                                                                          JobState.FAILED):

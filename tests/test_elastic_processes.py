@@ -1,0 +1,116 @@
+"""End to end with real worker processes over gloo: crashes, hangs, joins and leaves.
+
+Each run uses the embedded coordinator and local agents of ``maitre run`` and its scripted story
+as the fault injector. Each asserts that the job completes, that the data ledger shows every
+sample consumed exactly once, and that the final parameters match a fixed-size run with the same
+seed and global batch (relative error <= 1e-5).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import example_command
+from maitre.launch import Run, RunConfig, parse_events
+from maitre.runtime.ledger import audit
+
+STEPS = 400
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """The same training as one fixed-size process, by number of steps (computed once each)."""
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(steps: int = STEPS) -> dict[str, torch.Tensor]:
+        if steps not in cache:
+            out = tmp_path_factory.mktemp("reference") / "final.pt"
+            subprocess.run(example_command(steps, out), check=True, timeout=300,
+                           capture_output=True)
+            cache[steps] = torch.load(out, weights_only=True)
+        return cache[steps]
+
+    return get
+
+
+def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every finite entry (the attention mask buffer holds -inf)."""
+    assert a.keys() == b.keys()
+    num = den = 0.0
+    for k in b:
+        finite = torch.isfinite(b[k])
+        assert torch.equal(finite, torch.isfinite(a[k])), k
+        num += float((a[k][finite] - b[k][finite]).pow(2).sum())
+        den += float(b[k][finite].pow(2).sum())
+    return (num / den) ** 0.5
+
+
+def run_story(tmp_path: Path, events: str, *, nodes: int, min_nodes: int = 1, max_nodes: int = 4,
+              max_restarts: int = 5, steps: int = STEPS) -> tuple[int, list[str], Run]:
+    lines: list[str] = []
+    run = Run(RunConfig(command=example_command(steps, tmp_path / "final.pt"),
+                        min_nodes=min_nodes, max_nodes=max_nodes, local_nodes=nodes,
+                        max_restarts=max_restarts, events=parse_events(events),
+                        run_dir=tmp_path / "run", quiet_workers=True), out=lines.append)
+    code = run.start().wait()
+    assert run.played == run.cfg.events, "the job ended before the story did:\n" + "\n".join(lines)
+    for agent in run.agents:  # nothing left running
+        for worker in agent.workers.values():
+            assert worker.proc.poll() is not None, f"{worker.worker_id} still running"
+    return code, lines, run
+
+
+def check(tmp_path: Path, code: int, lines: list[str], reference: dict[str, torch.Tensor],
+          steps: int = STEPS) -> None:
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok, result.describe()
+    assert result.steps == steps
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert relative_error(final, reference) <= 1e-5
+
+
+@pytest.mark.timeout(180)
+def test_kill9_worker_mid_run(tmp_path: Path, reference) -> None:
+    code, lines, run = run_story(tmp_path, "kill@40", nodes=3)
+    check(tmp_path, code, lines, reference())
+    job = run.job()
+    assert job["failures"] == 1
+    assert any("killed by signal 9" in e.get("reason", "") for e in job["events"])
+
+
+@pytest.mark.timeout(180)
+def test_sigstop_worker_is_detected_and_removed(tmp_path: Path,
+                                                reference) -> None:
+    code, lines, run = run_story(tmp_path, "hang@40", nodes=3)
+    check(tmp_path, code, lines, reference())
+    assert any("hung" in e.get("reason", "") for e in run.job()["events"])
+
+
+@pytest.mark.timeout(180)
+def test_worker_joins(tmp_path: Path, reference) -> None:
+    code, lines, run = run_story(tmp_path, "join@20", nodes=2, max_nodes=3)
+    check(tmp_path, code, lines, reference())
+    assert max(len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch") == 3
+
+
+@pytest.mark.timeout(180)
+def test_worker_leaves_gracefully(tmp_path: Path, reference) -> None:
+    code, lines, run = run_story(tmp_path, "leave@40", nodes=3)
+    check(tmp_path, code, lines, reference())
+    job = run.job()
+    assert job["failures"] == 0
+    assert any(e["kind"] == "worker_left" for e in job["events"])
+
+
+@pytest.mark.timeout(240)
+def test_several_events_in_one_run(tmp_path: Path, reference) -> None:
+    steps = 900
+    code, lines, run = run_story(tmp_path, "kill@25,join@50,hang@150,leave@250", nodes=3,
+                                 steps=steps)
+    check(tmp_path, code, lines, reference(steps), steps)
+    assert run.job()["failures"] == 2
