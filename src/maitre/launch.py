@@ -172,6 +172,8 @@ class Run:
                 time.sleep(0.1)
         finally:
             self.shutdown()
+        if pending:
+            self.out(f"maitre: the job ended before the story's {', '.join(f'{e.kind}@{e.step}' for e in pending)}")
         self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir))
         return 0 if job["state"] == JobState.COMPLETED.value else 1
 

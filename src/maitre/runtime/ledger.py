@@ -1,7 +1,7 @@
 """The data ledger: an auditable record of which samples every committed step trained on.
 
 When ``MAITRE_LEDGER_DIR`` is set, each worker appends to ``<dir>/<worker>.jsonl`` a header
-``{"k": "h", "n": num_samples}``, then:
+``{"k": "h", "n": num_samples, "t": wall_time, "pid": pid}`` (one per process start), then:
 
 * ``{"k": "a", "e": epoch, "s": step, "d": data_epoch, "i": [indices]}`` before a step's
   gradient allreduce (an *attempt*: this rank's share), and
@@ -29,7 +29,8 @@ class Ledger:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self._file = open(path / f"{worker_id}.jsonl", "a", buffering=1)
-        self._file.write(json.dumps({"k": "h", "n": num_samples}) + "\n")
+        self._file.write(json.dumps({"k": "h", "n": num_samples, "t": time.time(),
+                                     "pid": os.getpid()}) + "\n")
 
     def attempt(self, epoch: int, step: int, data_epoch: int, indices: list[int]) -> None:
         self._file.write(json.dumps({"k": "a", "e": epoch, "s": step, "d": data_epoch,

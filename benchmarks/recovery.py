@@ -1,0 +1,360 @@
+"""Recovery benchmark: maitre against torchrun, same model, same machine, one run.
+
+    python benchmarks/recovery.py [--reps 3] [--out benchmarks/results/recovery.json]
+
+Measured, each a median over ``--reps`` repetitions:
+
+* ``crash_to_step_s``: SIGKILL of one worker (of 3) to the next completed step of the job;
+* ``hang_to_step_s`` (maitre): SIGSTOP of one worker to the next completed step, default settings;
+* ``join_pause_s``: how long the running workers stop when a third worker joins (the gap between
+  the last step before the join and the first step after it, less one ordinary step);
+* ``steps_lost``: committed steps rolled back per failure (torchrun restarts every worker from its
+  last checkpoint, saved every 10 steps with ``torch.save``; maitre redoes only the step in flight);
+* ``step_overhead_ms`` / ``_pct``: steady-state time per step of the ElasticLoop under maitre (2
+  workers) against a fixed gloo group with a plain flat-buffer allreduce and no elasticity.
+
+Step times come from the data ledger (commit time of every step) that both maitre and the
+ElasticLoop under torchrun write. torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
+without which its restarts hang in torch 2.13 (pytorch#135712).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from maitre.launch import Run, RunConfig  # noqa: E402
+
+WORKLOAD = HERE / "workload.py"
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+
+
+# -- reading the ledgers ------------------------------------------------------------------------
+def commits(ledger: Path) -> list[dict[str, Any]]:
+    """Every commit (step, epoch, t) with the start time of the process that made it."""
+    out = []
+    for path in sorted(ledger.glob("*.jsonl")):
+        started = 0.0
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec["k"] == "h":
+                started = rec["t"]
+            elif rec["k"] == "c":
+                out.append({"step": rec["s"], "epoch": rec["e"], "t": rec["t"], "started": started})
+    return sorted(out, key=lambda c: c["t"])
+
+
+def step_interval(cs: list[dict[str, Any]]) -> float:
+    """Median time between consecutive committed steps (first commit of each step)."""
+    first: dict[tuple[int, int], float] = {}
+    for c in cs:
+        first.setdefault((c["epoch"], c["step"]), c["t"])
+    times = sorted(first.values())
+    return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def after_failure(cs: list[dict[str, Any]], t_fault: float, new_round: Callable[[dict], bool]
+                  ) -> tuple[float, int]:
+    """(seconds to the next completed step, committed steps rolled back) after a fault."""
+    before = max(c["step"] for c in cs if c["t"] <= t_fault)
+    nxt = next(c for c in cs if c["t"] > t_fault and new_round(c))
+    return nxt["t"] - t_fault, max(0, before - (nxt["step"] - 1))
+
+
+# -- maitre -------------------------------------------------------------------------------------
+def maitre_run(run_dir: Path, *, nodes: int, max_nodes: int, steps: int, ledger: bool = True) -> Run:
+    run = Run(RunConfig(command=[sys.executable, str(WORKLOAD), "--steps", str(steps),
+                                 "--run-dir", str(run_dir)],
+                        min_nodes=1, max_nodes=max_nodes, local_nodes=nodes, max_restarts=100,
+                        run_dir=run_dir, quiet_workers=True, ledger=ledger), out=lambda s: None)
+    return run.start()
+
+
+def wait_for(run: Run, pred: Callable[[dict], bool], timeout_s: float = 120.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = run.job()
+        if job["state"] == "RUNNING" and pred(job):
+            return job
+        if job["state"] in ("FAILED", "COMPLETED"):
+            raise RuntimeError(f"job ended early: {job['state']} {job.get('failure')}")
+        time.sleep(0.05)
+    raise TimeoutError("the job did not reach the expected state")
+
+
+def maitre_faults(sig: signal.Signals, reps: int, work: Path) -> list[tuple[float, int]]:
+    run = maitre_run(work, nodes=3, max_nodes=3, steps=100_000)
+    faults = []
+    try:
+        for _ in range(reps):
+            job = wait_for(run, lambda j: len(j["members"]) == 3)
+            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
+            victim = random.Random(len(faults)).choice(job["members"][1:])
+            pid = run.pid_of(victim)
+            t = time.time()
+            os.kill(pid, sig)
+            faults.append((t, job["epoch"]))
+            wait_for(run, lambda j, e=job["epoch"]: j["epoch"] > e)
+        wait_for(run, lambda j: True)
+        time.sleep(1.0)
+    finally:
+        run.shutdown()
+    cs = commits(work / "ledger")
+    return [after_failure(cs, t, lambda c, e=e: c["epoch"] > e) for t, e in faults]
+
+
+def maitre_joins(reps: int, work: Path) -> list[float]:
+    run = maitre_run(work, nodes=2, max_nodes=3, steps=100_000)
+    epochs = []
+    try:
+        run.coordinator.scale("job", 2)
+        for i in range(reps):
+            job = wait_for(run, lambda j: len(j["members"]) == 2)
+            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
+            if i == 0:
+                run.coordinator.scale("job", 3)  # a slot appears; the agent starts a worker
+                run.add_node()
+            else:
+                run.coordinator.scale("job", 3)
+            job = wait_for(run, lambda j: len(j["members"]) == 3, timeout_s=180)
+            epochs.append(job["epoch"])
+            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
+            run.coordinator.scale("job", 2)
+        time.sleep(0.5)
+    finally:
+        run.shutdown()
+    cs = commits(work / "ledger")
+    return [join_pause(cs, lambda c, e=e: c["epoch"] == e) for e in epochs]
+
+
+def join_pause(cs: list[dict[str, Any]], in_new: Callable[[dict], bool]) -> float:
+    """Gap between the last step before the join and the first after it, less one ordinary step
+    of the new membership (the first step after the join is itself a normal step)."""
+    first_new = next(i for i, c in enumerate(cs) if in_new(c))
+    before = [c for c in cs[:first_new] if not in_new(c)]
+    gap = cs[first_new]["t"] - before[-1]["t"]
+    return max(0.0, gap - step_interval([c for c in cs if in_new(c)][:60]))
+
+
+def maitre_steady(steps: int, work: Path) -> float:
+    run = maitre_run(work, nodes=2, max_nodes=2, steps=steps, ledger=False)
+    try:
+        run.wait()
+    finally:
+        run.shutdown()
+    return steady_step(work)
+
+
+def steady_step(work: Path) -> float:
+    dts = []
+    for path in work.glob("steps-*.jsonl"):
+        recs = [json.loads(line) for line in path.read_text().splitlines()]
+        dts += [r["dt"] for r in recs[len(recs) // 5:]]  # skip warm-up
+    return statistics.median(dts)
+
+
+# -- torchrun -----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Torchrun:
+    """torchrun agents on one machine, each a node of one c10d rendezvous."""
+
+    def __init__(self, work: Path, nnodes: str, steps: int, plain: bool = False,
+                 standalone_nproc: int = 0) -> None:
+        self.work = work
+        self.port = free_port()
+        self.nnodes, self.steps, self.plain = nnodes, steps, plain
+        self.standalone_nproc = standalone_nproc
+        self.agents: list[subprocess.Popen[bytes]] = []
+
+    def add_agent(self) -> None:
+        if self.standalone_nproc:
+            rdzv = ["--standalone", "--nproc-per-node", str(self.standalone_nproc)]
+        else:
+            rdzv = ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench",
+                    "--max-restarts", "100", "--monitor-interval", "0.1"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, str(WORKLOAD),
+               "--steps", str(self.steps), "--run-dir", str(self.work)]
+        cmd += ["--plain"] if self.plain else ["--ckpt-every", "10"]
+        env = {**os.environ, **TORCHRUN_ENV, "MAITRE_LEDGER_DIR": str(self.work / "ledger")}
+        self.agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, start_new_session=True))
+
+    def pid(self, rank: int) -> int:
+        return int((self.work / f"pid-rank{rank}").read_text())
+
+    def progress(self) -> int:
+        cs = commits(self.work / "ledger") if (self.work / "ledger").exists() else []
+        return max((c["step"] for c in cs), default=0)
+
+    def wait_steps(self, n: int, timeout_s: float = 180.0) -> None:
+        start = self.progress()
+        deadline = time.monotonic() + timeout_s
+        while self.progress() < start + n:
+            if time.monotonic() > deadline:
+                raise TimeoutError("torchrun made no progress")
+            time.sleep(0.1)
+
+    def wait_restart(self, t: float, world: int, timeout_s: float = 180.0) -> None:
+        """Until every one of ``world`` processes started after ``t`` committed a step."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            cs = commits(self.work / "ledger") if (self.work / "ledger").exists() else []
+            if len({c["started"] for c in cs if c["started"] > t}) >= world:
+                return
+            time.sleep(0.1)
+        raise TimeoutError("torchrun did not restart")
+
+    def close(self) -> None:
+        for a in self.agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGTERM)
+        for a in self.agents:
+            try:
+                a.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
+
+
+def torchrun_crashes(reps: int, work: Path) -> list[tuple[float, int]]:
+    tr = Torchrun(work, "3", 100_000)
+    faults = []
+    try:
+        for _ in range(3):
+            tr.add_agent()
+        tr.wait_steps(30)
+        for i in range(reps):
+            t = time.time()
+            os.kill(tr.pid(1 + i % 2), signal.SIGKILL)
+            faults.append(t)
+            tr.wait_restart(t, 3)
+            tr.wait_steps(30)
+    finally:
+        tr.close()
+    cs = commits(work / "ledger")
+    return [after_failure(cs, t, lambda c, t=t: c["started"] > t) for t in faults]
+
+
+def torchrun_joins(reps: int, work: Path) -> list[float]:
+    pauses = []
+    for i in range(reps):
+        d = work / f"join{i}"
+        tr = Torchrun(d, "2:3", 100_000)
+        try:
+            tr.add_agent()
+            tr.add_agent()
+            tr.wait_steps(30)
+            t = time.time()
+            tr.add_agent()
+            tr.wait_restart(t, 3)
+            tr.wait_steps(10)
+        finally:
+            tr.close()
+        cs = commits(d / "ledger")
+        pauses.append(join_pause(cs, lambda c, t=t: c["started"] > t))
+    return pauses
+
+
+def plain_steady(steps: int, work: Path) -> float:
+    tr = Torchrun(work, "1", steps, plain=True, standalone_nproc=2)
+    try:
+        tr.add_agent()
+        tr.agents[0].wait(timeout=600)
+    finally:
+        tr.close()
+    return steady_step(work)
+
+
+# -- the report ---------------------------------------------------------------------------------
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steady-steps", type=int, default=300)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="maitre-bench-"))
+    med = statistics.median
+
+    def stage(name: str, fn: Callable[[Path], Any]) -> Any:
+        t0 = time.monotonic()
+        result = fn(work / name)
+        print(f"  {name:<16} {time.monotonic() - t0:6.1f}s  {result}", flush=True)
+        return result
+
+    print(f"recovery benchmark, {args.reps} repetitions, work dir {work}")
+    m_crash = stage("maitre-crash", lambda d: maitre_faults(signal.SIGKILL, args.reps, d))
+    m_hang = stage("maitre-hang", lambda d: maitre_faults(signal.SIGSTOP, args.reps, d))
+    m_join = stage("maitre-join", lambda d: maitre_joins(args.reps, d))
+    t_crash = stage("torchrun-crash", lambda d: torchrun_crashes(args.reps, d))
+    t_join = stage("torchrun-join", lambda d: torchrun_joins(args.reps, d))
+    m_steady, p_steady = [], []
+    for i in range(args.reps):  # interleaved, so drifting machine load hits both alike
+        m_steady.append(stage(f"maitre-steady{i}", lambda d: maitre_steady(args.steady_steps, d)))
+        p_steady.append(stage(f"plain-steady{i}", lambda d: plain_steady(args.steady_steps, d)))
+
+    overhead_s = med(m_steady) - med(p_steady)
+    result = {
+        "maitre": {"crash_to_step_s": med(x for x, _ in m_crash),
+                   "hang_to_step_s": med(x for x, _ in m_hang),
+                   "join_pause_s": med(m_join),
+                   "steps_lost": med(n for _, n in m_crash),
+                   "step_overhead_ms": overhead_s * 1000,
+                   "step_overhead_pct": 100 * overhead_s / med(p_steady)},
+        "torchrun": {"crash_to_step_s": med(x for x, _ in t_crash),
+                     "join_pause_s": med(t_join),
+                     "steps_lost": med(n for _, n in t_crash)},
+        "raw": {"maitre_crash": m_crash, "maitre_hang": m_hang, "maitre_join": m_join,
+                "torchrun_crash": t_crash, "torchrun_join": t_join,
+                "maitre_step_s": m_steady, "plain_step_s": p_steady},
+        "reps": args.reps, "machine": f"{os.cpu_count()} CPUs",
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    m, t = result["maitre"], result["torchrun"]
+    print()
+    print(table(m, t, med(p_steady)))
+    print(f"\nwrote {args.out}")
+
+
+def table(m: dict[str, float], t: dict[str, float], plain_step_s: float) -> str:
+    rows = [
+        ("crash to next step (s)", f"{m['crash_to_step_s']:.3f}", f"{t['crash_to_step_s']:.2f}",
+         f"{t['crash_to_step_s'] / m['crash_to_step_s']:.0f}x"),
+        ("hang to next step (s)", f"{m['hang_to_step_s']:.2f}", "-", ""),
+        ("join pause (s)", f"{m['join_pause_s']:.3f}", f"{t['join_pause_s']:.2f}",
+         f"{t['join_pause_s'] / max(m['join_pause_s'], 1e-3):.0f}x"),
+        ("steps rolled back per crash", f"{m['steps_lost']:.0f}", f"{t['steps_lost']:.0f}", ""),
+        ("step overhead vs fixed gloo group", f"{m['step_overhead_ms']:+.2f} ms "
+         f"({m['step_overhead_pct']:+.1f}%)", f"(fixed: {plain_step_s * 1000:.1f} ms/step)", ""),
+    ]
+    lines = [f"| {'':<34} | {'maitre':>18} | {'torchrun':>24} | {'':>5} |",
+             f"|{'-' * 36}|{'-' * 20}|{'-' * 26}|{'-' * 7}|"]
+    lines += [f"| {a:<34} | {b:>18} | {c:>24} | {d:>5} |" for a, b, c, d in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
