@@ -13,6 +13,7 @@ a fixed-size run with the same seed and global batch.
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -56,6 +57,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker on cuda:LOCAL_RANK)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, help="write the final parameters here (rank 0)")
     args = p.parse_args()
@@ -64,6 +66,10 @@ def main() -> None:
     torch.manual_seed(args.seed)  # every rank builds the same initial model
     torch.set_default_dtype(getattr(torch, args.dtype))
 
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     text = DATA.read_text()
     vocab = sorted(set(text))
     ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
@@ -72,10 +78,10 @@ def main() -> None:
     def sequences(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.tensor(indices) * args.block
         window = starts[:, None] + torch.arange(args.block + 1)
-        chunk = ids[window]
+        chunk = ids[window].to(device)
         return chunk[:, :-1], chunk[:, 1:]
 
-    model = CharTransformer(len(vocab), args.block, args.d_model, args.layers, args.heads)
+    model = CharTransformer(len(vocab), args.block, args.d_model, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)

@@ -242,6 +242,8 @@ class Membership:
         was_member = w.id in self.members and w.epoch == self.epoch
         w.state = WorkerState.DEAD
         w.arrived_from = None
+        if was_member and self._check_completed(now):
+            return  # a member finished the last step: the others' exits are no failure
         # One failure event per lost epoch (a node's workers often die together, and survivors
         # may have closed the epoch before the agent's report came); a worker lost outside an
         # epoch (while starting or joining) is an event of its own.
@@ -263,6 +265,8 @@ class Membership:
         pool = [self.workers[m] for m in self.members] if self.members else list(self.workers.values())
         if not pool or any(w.state != WorkerState.DEAD for w in pool):
             return
+        if any(w.exit_code is None or w.exit_code <= 0 for w in pool):
+            return  # killed by a signal (node loss, OOM killer, preemption): not the script's bug
         errors = {w.error for w in pool}
         if len(errors) == 1 and None not in errors:
             self._fail(f"every worker failed with: {errors.pop()}", now)
@@ -281,10 +285,19 @@ class Membership:
         w = self._worker(wid)
         w.state = WorkerState.DONE
         w.step = max(w.step, step)
+        self._check_completed(now)
+
+    def _check_completed(self, now: float) -> bool:
+        """The job is complete once a member finished its loop and no member is still in it (the
+        last step committed everywhere: a member that died after it changes nothing)."""
         members = [self.workers[m] for m in self.members]
-        if members and all(m.state in (WorkerState.DONE, WorkerState.LEFT) for m in members):
-            self.state = JobState.COMPLETED
-            self._log(now, "completed", step=max(m.step for m in members))
+        if self.state in (JobState.COMPLETED, JobState.FAILED) or \
+                not any(m.state == WorkerState.DONE for m in members) or \
+                any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) for m in members):
+            return self.state == JobState.COMPLETED
+        self.state = JobState.COMPLETED
+        self._log(now, "completed", step=max(m.step for m in members))
+        return True
 
     def scale(self, target: int, now: float) -> list[str]:
         """Set the job's size; members beyond it are asked to leave (the highest ranks first)."""
@@ -343,14 +356,16 @@ class Membership:
         joiners = sorted((w for w in self.workers.values() if w.state == WorkerState.READY),
                          key=lambda w: w.ready_at)
         joiners = joiners[:max(0, self.target - len(stay))]
-        if any(w.arrived_from != self.epoch for w in stay):
+        # A member may still be asking to leave an older epoch: it missed one that opened and
+        # closed while its long-poll was away. It is here all the same.
+        if any(w.arrived_from is None or w.arrived_from > self.epoch for w in stay):
             return False
         arrived = [w for w in joiners if w.arrived_from is not None]
         if self.state == JobState.PENDING:
             if len(arrived) < self.spec.min_workers:
                 return False
             starting = any(w.state == WorkerState.STARTING for w in self.workers.values())
-            waited = now - min(w.ready_at for w in arrived)
+            waited = now - sorted(w.ready_at for w in arrived)[self.spec.min_workers - 1]
             if len(arrived) < self.target and starting and waited < self.cfg.first_round_grace_s:
                 return False
         expected = stay + arrived

@@ -83,7 +83,9 @@ class ElasticSampler:
         """The slice of the next step, without consuming it (see :meth:`advance`)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of size {world_size}")
-        batch = global_batch_size or self.global_batch_size
+        batch = self.global_batch_size if global_batch_size is None else global_batch_size
+        if batch <= 0:
+            raise ValueError(f"global batch size must be positive, got {batch}")
         order = self.order(self.data_epoch)
         global_indices = order[self.cursor:self.cursor + batch]
         lo, hi = share_bounds(len(global_indices), rank, world_size)
