@@ -43,7 +43,7 @@ def rebuild() -> None:
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         g.retire()
-        t2 = time.perf_counter()
+        t2 = time.perf_counter()  # abort runs in the background
         print(f"epoch {epoch}: group + first allreduce {1000 * (t1 - t0):.1f} ms, "
               f"retire (abort) {1000 * (t2 - t1):.1f} ms, value {t[0].item()}", flush=True)
 
@@ -73,8 +73,9 @@ def main() -> None:
           f"NCCL {torch.cuda.nccl.version()}", flush=True)
     rebuild()
     try:
+        env = {**__import__("os").environ, "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
         out = subprocess.run([sys.executable, __file__, "hung"], capture_output=True, text=True,
-                             timeout=60)
+                             timeout=60, env=env)
         print(out.stdout + out.stderr[-1500:], flush=True)
     except subprocess.TimeoutExpired as exc:
         print(f"hung: STILL HUNG after 60 s (the wait or the abort blocked): "
