@@ -9,6 +9,7 @@ seed and global batch (relative error <= 1e-5).
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,21 @@ def test_several_events_in_one_run(tmp_path: Path, reference) -> None:
                                  steps=steps)
     check(tmp_path, code, lines, reference(steps), steps)
     assert run.job()["failures"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_no_false_hang_when_the_machine_is_oversubscribed(tmp_path: Path, reference) -> None:
+    """Three workers plus four CPU burners on two cores: steps slow down, nobody is removed."""
+    burn = "import time\nend = time.time() + 240\nwhile time.time() < end: pass\n"
+    burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(4)]
+    try:
+        code, lines, run = run_story(tmp_path, "", nodes=3)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    check(tmp_path, code, lines, reference())
+    job = run.job()
+    assert job["failures"] == 0, "\n".join(lines)
+    assert job["epoch"] == 1, "\n".join(lines)

@@ -81,9 +81,16 @@ def cmd_run(args: argparse.Namespace) -> int:
                     port=args.port, job_id=args.job_id, events=events,
                     run_dir=Path(args.run_dir) if args.run_dir else None,
                     ledger=not args.no_ledger)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    try:  # can this machine listen there at all? (else TCPStore retries for 30 s)
+        with socket.socket() as probe:
+            probe.bind((args.host, args.port))
+    except (OSError, OverflowError) as exc:
+        raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
     try:
         run = Run(cfg)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
     run.start()
     try:

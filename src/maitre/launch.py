@@ -77,12 +77,12 @@ class Run:
         self.cfg = cfg
         self.out = out
         self.t0 = time.time()
+        self.server = CoordinatorServer(cfg.host, cfg.port, cfg=DetectorConfig(),
+                                        on_event=self._on_event)  # first: it may refuse
         self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix=f"maitre-{cfg.job_id}-"))
         self.ledger_dir = self.run_dir / "ledger"
         if self.ledger_dir.exists():
             shutil.rmtree(self.ledger_dir)
-        self.server = CoordinatorServer(cfg.host, cfg.port, cfg=DetectorConfig(),
-                                        on_event=self._on_event)
         self.agents: list[Agent] = []
         self._lock = threading.Lock()
 

@@ -1,0 +1,370 @@
+"""The ``maitre`` command line: bad input is one clear line on stderr and a non-zero exit, with
+nothing left running; a script that fails before joining, or with the same exception on every
+rank, fails the job at once with that error.
+
+Every command runs as a subprocess with a unique tag in its environment. Worker processes inherit
+the environment of ``maitre run``, so scanning ``/proc`` for the tag finds anything the command
+left behind, whatever session or process group it is in; the fixture kills (by pid) whatever a
+test leaves, and the tests assert there is nothing to kill.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from conftest import EXAMPLE, ROOT
+
+TAG_VAR = "CLI_TEST_TAG"
+MAITRE = [sys.executable, "-m", "maitre.cli"]
+
+
+# -- processes -----------------------------------------------------------------------------------
+def _read(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:  # gone, a zombie, or not ours to read
+        return b""
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment carries ``TAG_VAR=tag`` (the command and its children)."""
+    needle = f"{TAG_VAR}={tag}".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and \
+                needle in _read(f"/proc/{entry}/environ").split(b"\0"):
+            pids.append(int(entry))
+    return pids
+
+
+def pids_running(needle: str) -> list[int]:
+    """``pgrep -f needle`` without pgrep: live processes whose command line contains ``needle``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid() and \
+                needle.encode() in _read(f"/proc/{entry}/cmdline").replace(b"\0", b" "):
+            found.append(int(entry))
+    return found
+
+
+def settle(find: Callable[[], list[int]], grace_s: float = 5.0) -> list[int]:
+    """What ``find`` still reports after up to ``grace_s`` (children may take a moment to go)."""
+    deadline = time.monotonic() + grace_s
+    while (left := find()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+class Cli:
+    """Runs ``maitre`` commands tagged for the leftover scan."""
+
+    def __init__(self, tmpdir: Path) -> None:
+        self.tag = uuid.uuid4().hex
+        self.tmpdir = tmpdir  # the commands' TMPDIR: default run directories land here
+        tmpdir.mkdir(parents=True, exist_ok=True)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MAITRE_")}
+        env.update({TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                    "TMPDIR": str(self.tmpdir)}, **extra)
+        return env
+
+    def __call__(self, *args: str, timeout: float = 60, **extra_env: str
+                 ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.Popen([*MAITRE, *args], cwd=ROOT, env=self.env(**extra_env),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_leftovers()
+            out, err = proc.communicate()
+            pytest.fail(f"maitre {' '.join(args)} ran past {timeout} s\nstdout:\n{out}\n"
+                        f"stderr:\n{err}")
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def leftovers(self) -> list[int]:
+        return settle(lambda: tagged_pids(self.tag))
+
+    def kill_leftovers(self) -> None:
+        for pid in tagged_pids(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def cli(tmp_path: Path):
+    runner = Cli(tmp_path / "cli-tmp")
+    yield runner
+    runner.kill_leftovers()
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 with nothing listening (bound, read, closed)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_line(stderr: str) -> str:
+    """The single non-empty line of ``stderr`` (with its trailing newline stripped)."""
+    lines = stderr.rstrip("\n").split("\n")
+    assert len(lines) == 1 and lines[0].strip(), f"expected one line on stderr, got:\n{stderr}"
+    return lines[0]
+
+
+def assert_rejected(result: subprocess.CompletedProcess[str], cli: Cli, code: int = 2) -> str:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    line = one_line(result.stderr)
+    assert line.startswith("maitre: error: "), line
+    assert "Traceback" not in result.stderr
+    assert result.stdout == "", result.stdout
+    assert cli.leftovers() == [], "the command left processes running"
+    return line
+
+
+# -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_nnodes_min_above_max(cli: Cli) -> None:
+    line = assert_rejected(cli("run", "--nnodes", "4:2", str(EXAMPLE)), cli)
+    assert "minimum" in line and "maximum" in line, line
+    assert "4:2" in line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["abc", "0", "2:", "1:2:3", "-1", ""])
+def test_nnodes_malformed(cli: Cli, value: str) -> None:
+    line = assert_rejected(cli("run", "--nnodes", value, str(EXAMPLE)), cli)
+    assert "--nnodes" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_nproc_per_node_zero(cli: Cli) -> None:
+    line = assert_rejected(cli("run", "--nproc-per-node", "0", str(EXAMPLE)), cli)
+    assert "--nproc-per-node" in line and "at least 1" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_nproc_per_node_not_a_number(cli: Cli) -> None:
+    line = assert_rejected(cli("run", "--nproc-per-node", "two", str(EXAMPLE)), cli)
+    assert "--nproc-per-node" in line and "'two'" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_max_restarts_negative(cli: Cli) -> None:
+    line = assert_rejected(cli("run", "--max-restarts", "-1", str(EXAMPLE)), cli)
+    assert "--max-restarts" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_local_nodes_outside_nnodes(cli: Cli) -> None:
+    line = assert_rejected(cli("run", "--nnodes", "1:2", "--local-nodes", "3", str(EXAMPLE)), cli)
+    assert "--local-nodes" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_missing_script(cli: Cli, tmp_path: Path) -> None:
+    missing = tmp_path / "no_such_script.py"
+    line = assert_rejected(cli("run", "--nnodes", "2", str(missing)), cli)
+    assert "script not found" in line and str(missing) in line, line
+
+
+@pytest.mark.timeout(60)
+def test_script_is_a_directory(cli: Cli, tmp_path: Path) -> None:
+    line = assert_rejected(cli("run", str(tmp_path)), cli)
+    assert "script not found" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_unknown_flag_is_one_line_not_a_usage_block(cli: Cli) -> None:
+    line = assert_rejected(cli("run", "--bogus", "x.py"), cli)
+    assert "--bogus" in line, line
+    assert "usage:" not in line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [(), ("frobnicate",), ("run",)], ids=["nothing", "unknown", "run"])
+def test_missing_or_unknown_command(cli: Cli, args: tuple[str, ...]) -> None:
+    line = assert_rejected(cli(*args), cli)
+    assert "usage:" not in line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("spec", ["explode@3", "kill@", "kill@-1", "kill"])
+def test_bad_events(cli: Cli, spec: str) -> None:
+    line = assert_rejected(cli("run", "--nnodes", "2", "--events", spec, str(EXAMPLE)), cli)
+    assert "--events" in line and "kill, hang, join, leave" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use(cli: Cli) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        line = assert_rejected(cli("run", "--port", str(port), str(EXAMPLE)), cli)
+    assert "cannot start the coordinator" in line and str(port) in line, line
+
+
+@pytest.mark.timeout(60)
+def test_rejected_run_leaves_no_run_directory(cli: Cli) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        assert_rejected(cli("run", "--port", str(busy.getsockname()[1]), str(EXAMPLE)), cli)
+    assert sorted(p.name for p in cli.tmpdir.iterdir()) == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("port", ["99999", "-5"])
+def test_port_out_of_range(cli: Cli, port: str) -> None:
+    line = assert_rejected(cli("run", "--port", port, str(EXAMPLE)), cli)
+    assert "--port" in line or "port" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_agent_coordinator_not_listening(cli: Cli) -> None:
+    port = free_port()
+    line = assert_rejected(cli("agent", "--coordinator", f"127.0.0.1:{port}"), cli, code=1)
+    assert "cannot reach the coordinator" in line and f"127.0.0.1:{port}" in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("address", ["notanaddress", "127.0.0.1", ":80", "127.0.0.1:0",
+                                     "127.0.0.1:65536", "127.0.0.1:port"])
+def test_agent_bad_address(cli: Cli, address: str) -> None:
+    line = assert_rejected(cli("agent", "--coordinator", address), cli)
+    assert "HOST:PORT" in line and repr(address) in line, line
+
+
+@pytest.mark.timeout(60)
+def test_agent_bad_address_from_environment(cli: Cli) -> None:
+    line = assert_rejected(cli("agent", MAITRE_COORDINATOR="notanaddress"), cli)
+    assert "HOST:PORT" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_agent_nproc_per_node_zero(cli: Cli) -> None:
+    line = assert_rejected(cli("agent", "--coordinator", f"127.0.0.1:{free_port()}",
+                               "--nproc-per-node", "0"), cli)
+    assert "--nproc-per-node" in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("scale", "job", "2"), ("status",), ("agent",)])
+def test_no_coordinator_configured(cli: Cli, args: tuple[str, ...]) -> None:
+    line = assert_rejected(cli(*args), cli)
+    assert "no coordinator" in line and "MAITRE_COORDINATOR" in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("scale", "job", "2"), ("status",), ("status", "job")])
+def test_scale_and_status_coordinator_not_listening(cli: Cli, args: tuple[str, ...]) -> None:
+    port = free_port()
+    line = assert_rejected(cli(*args, "--coordinator", f"127.0.0.1:{port}"), cli, code=1)
+    assert "cannot reach the coordinator" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_scale_workers_not_a_number(cli: Cli) -> None:
+    line = assert_rejected(cli("scale", "job", "many", "--coordinator", "127.0.0.1:1"), cli)
+    assert "'many'" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_console_script_rejects_the_same_way(tmp_path: Path) -> None:
+    """The installed ``maitre`` entry point behaves like ``python -m maitre.cli``."""
+    script = Path(sys.executable).with_name("maitre")
+    if not script.exists():
+        pytest.skip(f"no console script at {script}")
+    result = subprocess.run([str(script), "run", "--nnodes", "4:2", str(EXAMPLE)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "minimum" in one_line(result.stderr) and result.stdout == ""
+
+
+# -- scripts that fail ---------------------------------------------------------------------------
+BOOM = 'raise RuntimeError("boom before join")\n'
+
+SAME_BUG = textwrap.dedent("""\
+    import torch
+    import maitre
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(64, 4)
+    sampler = maitre.ElasticSampler(64, 8, seed=0)
+    loop = maitre.ElasticLoop(model, optimizer, sampler)
+    for batch in loop.run(max_steps=50):
+        if batch.step == 3:
+            raise ValueError("same bug everywhere")
+        for idx in batch.micro_batches:
+            if idx:
+                model(data[idx]).pow(2).sum().backward()
+    print("finished", loop.step)
+    """)
+
+
+def job_failed_line(stdout: str) -> str:
+    lines = [line for line in stdout.splitlines() if line.startswith("maitre: job failed:")]
+    assert len(lines) == 1, f"expected one 'job failed' line:\n{stdout}"
+    return lines[0]
+
+
+@pytest.mark.timeout(120)
+def test_worker_dies_before_joining(cli: Cli, tmp_path: Path) -> None:
+    script = tmp_path / f"boom_{uuid.uuid4().hex}.py"
+    script.write_text(BOOM)
+    started = time.monotonic()
+    result = cli("run", "--nnodes", "2", "--max-restarts", "3", "--run-dir",
+                 str(tmp_path / "run"), str(script), timeout=90)
+    elapsed = time.monotonic() - started
+    assert result.returncode != 0, result.stdout
+    assert elapsed < 60, f"took {elapsed:.0f} s to fail"
+    failed = job_failed_line(result.stdout)
+    assert "boom before join" in failed and "RuntimeError" in failed, failed
+    assert "Traceback" not in result.stderr, result.stderr
+    assert settle(lambda: pids_running(str(script))) == [], "workers of the script remain"
+    assert cli.leftovers() == []
+
+
+@pytest.mark.timeout(180)
+def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> None:
+    script = tmp_path / f"same_bug_{uuid.uuid4().hex}.py"
+    script.write_text(SAME_BUG)
+    started = time.monotonic()
+    result = cli("run", "--nnodes", "2", "--max-restarts", "5", "--run-dir",
+                 str(tmp_path / "run"), str(script), timeout=150)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 1, result.stdout
+    failed = job_failed_line(result.stdout)
+    assert "ValueError: same bug everywhere" in failed, failed
+    assert "every worker failed" in failed, failed
+    assert "exceeded --max-restarts" not in failed, failed
+    # Not one restart: the only epoch is the first, and its loss is the only failure event.
+    assert not re.search(r"epoch [2-9]\d* opened", result.stdout), result.stdout
+    summary = re.search(r"maitre: job \S+ FAILED at step \d+ after (\d+) membership epoch\(s\), "
+                        r"(\d+) failure\(s\)", result.stdout)
+    assert summary, result.stdout
+    assert int(summary.group(1)) == 1 and int(summary.group(2)) == 1, summary.group(0)
+    assert "finished" not in result.stdout
+    assert elapsed < 120, f"took {elapsed:.0f} s to fail"
+    assert settle(lambda: pids_running(str(script))) == [], "workers of the script remain"
+    assert cli.leftovers() == []
