@@ -294,6 +294,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steady-steps", type=int, default=300)
     p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
+    p.add_argument("--steady-only", action="store_true",
+                   help="rerun only the steady-state pairs and update --out in place")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-"))
     med = statistics.median
@@ -305,38 +307,52 @@ def main() -> None:
         return result
 
     print(f"recovery benchmark, {args.reps} repetitions, work dir {work}")
+    if args.steady_only:
+        result = json.loads(args.out.read_text())
+        steady(result, args.reps, args.steady_steps, stage)
+        report(result, args.out)
+        return
     m_crash = stage("maitre-crash", lambda d: maitre_faults(signal.SIGKILL, args.reps, d))
     m_hang = stage("maitre-hang", lambda d: maitre_faults(signal.SIGSTOP, args.reps, d))
     m_join = stage("maitre-join", lambda d: maitre_joins(args.reps, d))
     t_crash = stage("torchrun-crash", lambda d: torchrun_crashes(args.reps, d))
     t_join = stage("torchrun-join", lambda d: torchrun_joins(args.reps, d))
-    m_steady, p_steady = [], []
-    for i in range(args.reps):  # interleaved, so drifting machine load hits both alike
-        m_steady.append(stage(f"maitre-steady{i}", lambda d: maitre_steady(args.steady_steps, d)))
-        p_steady.append(stage(f"plain-steady{i}", lambda d: plain_steady(args.steady_steps, d)))
-
-    overhead_s = med(m_steady) - med(p_steady)
     result = {
         "maitre": {"crash_to_step_s": med(x for x, _ in m_crash),
                    "hang_to_step_s": med(x for x, _ in m_hang),
                    "join_pause_s": med(m_join),
-                   "steps_lost": med(n for _, n in m_crash),
-                   "step_overhead_ms": overhead_s * 1000,
-                   "step_overhead_pct": 100 * overhead_s / med(p_steady)},
+                   "steps_lost": med(n for _, n in m_crash)},
         "torchrun": {"crash_to_step_s": med(x for x, _ in t_crash),
                      "join_pause_s": med(t_join),
                      "steps_lost": med(n for _, n in t_crash)},
         "raw": {"maitre_crash": m_crash, "maitre_hang": m_hang, "maitre_join": m_join,
-                "torchrun_crash": t_crash, "torchrun_join": t_join,
-                "maitre_step_s": m_steady, "plain_step_s": p_steady},
+                "torchrun_crash": t_crash, "torchrun_join": t_join},
         "reps": args.reps, "machine": f"{os.cpu_count()} CPUs",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    m, t = result["maitre"], result["torchrun"]
+    steady(result, args.reps, args.steady_steps, stage)
+    report(result, args.out)
+
+
+def steady(result: dict[str, Any], reps: int, steps: int, stage: Callable) -> None:
+    """Steady-state step time, maitre and the fixed group back to back in pairs; the overhead is
+    the median of the pairs' differences, so load that drifts between pairs cancels out."""
+    m_steady, p_steady = [], []
+    for i in range(reps):
+        m_steady.append(stage(f"maitre-steady{i}", lambda d: maitre_steady(steps, d)))
+        p_steady.append(stage(f"plain-steady{i}", lambda d: plain_steady(steps, d)))
+    overhead_s = statistics.median(m - p for m, p in zip(m_steady, p_steady))
+    result["maitre"]["step_overhead_ms"] = overhead_s * 1000
+    result["maitre"]["step_overhead_pct"] = 100 * overhead_s / statistics.median(p_steady)
+    result["raw"]["maitre_step_s"], result["raw"]["plain_step_s"] = m_steady, p_steady
+
+
+def report(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
     print()
-    print(table(m, t, med(p_steady)))
-    print(f"\nwrote {args.out}")
+    print(table(result["maitre"], result["torchrun"],
+                statistics.median(result["raw"]["plain_step_s"])))
+    print(f"\nwrote {out}")
 
 
 def table(m: dict[str, float], t: dict[str, float], plain_step_s: float) -> str:
