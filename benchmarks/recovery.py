@@ -128,11 +128,9 @@ def maitre_joins(reps: int, work: Path) -> list[float]:
         for i in range(reps):
             job = wait_for(run, lambda j: len(j["members"]) == 2)
             job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
+            run.coordinator.scale("job", 3)  # room for a third worker
             if i == 0:
-                run.coordinator.scale("job", 3)  # a slot appears; the agent starts a worker
-                run.add_node()
-            else:
-                run.coordinator.scale("job", 3)
+                run.add_node()  # a node with a free slot; later rounds reuse the freed slot
             job = wait_for(run, lambda j: len(j["members"]) == 3, timeout_s=180)
             epochs.append(job["epoch"])
             job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)

@@ -33,3 +33,14 @@ TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2"
 def example_command(steps: int, out: Path | None = None) -> list[str]:
     cmd = [sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY]
     return cmd + (["--out", str(out)] if out is not None else [])
+
+def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every finite entry of ``b`` (a must be finite in the same places)."""
+    assert a.keys() == b.keys()
+    num = den = 0.0
+    for k in b:
+        finite = torch.isfinite(b[k])
+        assert torch.equal(finite, torch.isfinite(a[k])), k
+        num += float((a[k][finite].double() - b[k][finite].double()).pow(2).sum())
+        den += float(b[k][finite].double().pow(2).sum())
+    return (num / den) ** 0.5

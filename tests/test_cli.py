@@ -328,14 +328,20 @@ def job_failed_line(stdout: str) -> str:
     return lines[0]
 
 
+def run_script(cli: Cli, tmp_path: Path, name: str, source: str, *, restarts: int,
+               timeout: float) -> tuple[Path, subprocess.CompletedProcess[str], float]:
+    """``maitre run --nnodes 2`` of a script written from ``source`` under a unique name."""
+    script = tmp_path / f"{name}_{uuid.uuid4().hex}.py"
+    script.write_text(source)
+    started = time.monotonic()
+    result = cli("run", "--nnodes", "2", "--max-restarts", str(restarts), "--run-dir",
+                 str(tmp_path / "run"), str(script), timeout=timeout)
+    return script, result, time.monotonic() - started
+
+
 @pytest.mark.timeout(120)
 def test_worker_dies_before_joining(cli: Cli, tmp_path: Path) -> None:
-    script = tmp_path / f"boom_{uuid.uuid4().hex}.py"
-    script.write_text(BOOM)
-    started = time.monotonic()
-    result = cli("run", "--nnodes", "2", "--max-restarts", "3", "--run-dir",
-                 str(tmp_path / "run"), str(script), timeout=90)
-    elapsed = time.monotonic() - started
+    script, result, elapsed = run_script(cli, tmp_path, "boom", BOOM, restarts=3, timeout=90)
     assert result.returncode != 0, result.stdout
     assert elapsed < 60, f"took {elapsed:.0f} s to fail"
     failed = job_failed_line(result.stdout)
@@ -347,12 +353,8 @@ def test_worker_dies_before_joining(cli: Cli, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> None:
-    script = tmp_path / f"same_bug_{uuid.uuid4().hex}.py"
-    script.write_text(SAME_BUG)
-    started = time.monotonic()
-    result = cli("run", "--nnodes", "2", "--max-restarts", "5", "--run-dir",
-                 str(tmp_path / "run"), str(script), timeout=150)
-    elapsed = time.monotonic() - started
+    script, result, elapsed = run_script(cli, tmp_path, "same_bug", SAME_BUG, restarts=5,
+                                         timeout=150)
     assert result.returncode == 1, result.stdout
     failed = job_failed_line(result.stdout)
     assert "ValueError: same bug everywhere" in failed, failed

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import example_command
+from conftest import example_command, relative_error
 from maitre.launch import Run, RunConfig, parse_events
 from maitre.runtime.ledger import audit
 
@@ -37,17 +37,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 
     return get
 
-
-def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over every finite entry (the attention mask buffer holds -inf)."""
-    assert a.keys() == b.keys()
-    num = den = 0.0
-    for k in b:
-        finite = torch.isfinite(b[k])
-        assert torch.equal(finite, torch.isfinite(a[k])), k
-        num += float((a[k][finite] - b[k][finite]).pow(2).sum())
-        den += float(b[k][finite].pow(2).sum())
-    return (num / den) ** 0.5
 
 
 def run_story(tmp_path: Path, events: str, *, nodes: int, min_nodes: int = 1, max_nodes: int = 4,

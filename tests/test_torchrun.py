@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLE, ROOT, TINY, example_command
+from conftest import EXAMPLE, ROOT, TINY, example_command, relative_error
 
 STEPS = 30
 TAG_VAR = "TORCHRUN_TEST_TAG"
@@ -63,17 +63,6 @@ def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.C
                 pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
-
-def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """||a - b|| / ||b|| over every finite entry of ``b`` (a must be finite in the same places)."""
-    assert a.keys() == b.keys()
-    num = den = 0.0
-    for k in b:
-        finite = torch.isfinite(b[k])
-        assert torch.equal(finite, torch.isfinite(a[k])), k
-        num += float((a[k][finite].double() - b[k][finite].double()).pow(2).sum())
-        den += float(b[k][finite].double().pow(2).sum())
-    return (num / den) ** 0.5
 
 
 @pytest.fixture(scope="module")

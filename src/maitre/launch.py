@@ -15,7 +15,6 @@ import random
 import re
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -117,9 +116,6 @@ class Run:
     # -- the story -------------------------------------------------------------------------------
     def job(self) -> dict[str, Any]:
         return self.coordinator.job_status(self.cfg.job_id)
-
-    def members(self) -> list[str]:
-        return self.job()["members"]
 
     def pid_of(self, worker_id: str) -> int | None:
         for agent in self.agents:

@@ -77,7 +77,7 @@ class Agent:
     def serve(self) -> None:
         """Heartbeat until stopped (blocking). Raises CoordinatorUnreachable if the coordinator
         cannot be reached at all at start-up."""
-        self._beat(first=True)
+        self._beat()
         while not self._stop.wait(self.heartbeat_s):
             try:
                 self._beat()
@@ -111,7 +111,7 @@ class Agent:
         return self.workers[worker_id].proc.pid
 
     # -- coordinator -----------------------------------------------------------------------------
-    def _beat(self, first: bool = False) -> None:
+    def _beat(self) -> None:
         try:
             reply = self.client.post(f"/nodes/{self.node_id}/heartbeat",
                                      {"slots": self.slots, "running": self.running()})

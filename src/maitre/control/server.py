@@ -23,7 +23,6 @@ import json
 import re
 import threading
 import time
-from dataclasses import asdict
 from datetime import timedelta
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -358,7 +357,3 @@ class CoordinatorServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def spec_dict(spec: JobSpec) -> dict[str, Any]:
-    return asdict(spec)

@@ -14,8 +14,7 @@ training, and only the next membership change waits for the coordinator to come 
 from __future__ import annotations
 
 import threading
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
@@ -31,7 +30,6 @@ class CoordinatorView:
     leave: bool = False
     stop: bool = False
     job_state: str = ""
-    replied_at: float = field(default_factory=time.monotonic)
 
 
 class Heartbeat:
@@ -42,7 +40,6 @@ class Heartbeat:
         self.interval_s = interval_s
         self.progress = progress
         self.view = CoordinatorView()
-        self.unreachable_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="maitre-heartbeat", daemon=True)
 
@@ -61,10 +58,8 @@ class Heartbeat:
                 reply = self.client.post(f"/workers/{self.worker_id}/heartbeat",
                                          {"step": step, "stalled": stalled}, timeout_s=2.0)
             except (CoordinatorUnreachable, ApiError):
-                if self.unreachable_since is None:
-                    self.unreachable_since = time.monotonic()
+                pass  # keep the last view: the current epoch trains on
             else:
-                self.unreachable_since = None
                 self.view = CoordinatorView(
                     member_epoch=int(reply.get("member_epoch", 0)),
                     closed=bool(reply["closed"]), change=bool(reply["change"]),

@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -92,7 +92,6 @@ class Recovery:
     synced_at: float = 0.0
     state_bytes: int = 0
     state_from: int = -1
-    steps: list[int] = field(default_factory=list)
 
 
 class ElasticLoop:
@@ -136,7 +135,6 @@ class ElasticLoop:
         self.recoveries: list[Recovery] = []
         self._buffers = _GradBuffers(self.params)
         self._step_times: deque[float] = deque(maxlen=32)
-        self._flag_seen = False
         self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id,
                                                    sampler.num_samples) if self.env.ledger_dir else None
         self._client: Client | None = None
