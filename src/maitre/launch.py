@@ -156,6 +156,7 @@ class Run:
         pending = list(self.cfg.events)
         self.played: list[StoryEvent] = []
         settled: Callable[[dict[str, Any]], bool] = lambda job: True
+        job = self.job()
         try:
             while True:
                 job = self.job()
@@ -167,15 +168,17 @@ class Run:
                     settled = self.apply(self.played[-1], job)
                 time.sleep(0.1)
         finally:
-            self.shutdown()
+            self.shutdown(drain_s=60.0 if job["state"] == JobState.COMPLETED.value else 0.0)
         if pending:
             self.out(f"maitre: the job ended before the story's {', '.join(f'{e.kind}@{e.step}' for e in pending)}")
         self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir))
         return 0 if job["state"] == JobState.COMPLETED.value else 1
 
-    def shutdown(self) -> None:
+    def shutdown(self, drain_s: float = 0.0) -> None:
+        """Stop agents and coordinator; ``drain_s`` lets a completed job's workers finish the
+        script's code after the loop (saving the model) before they are signalled."""
         for agent in self.agents:
-            agent.stop()
+            agent.stop(drain_s=drain_s)
         self.server.stop()
 
     def _on_event(self, job_id: str, event: dict[str, Any]) -> None:

@@ -84,12 +84,21 @@ class Agent:
             except CoordinatorUnreachable:
                 pass  # the coordinator may be restarting; keep our workers running
 
-    def stop(self, grace_s: float = 3.0) -> None:
+    def stop(self, grace_s: float = 3.0, drain_s: float = 0.0) -> None:
+        """Stop heartbeating and end the workers: first wait up to ``drain_s`` for them to exit
+        on their own (a finished job's workers run the script's code after the loop, such as
+        saving the model), then SIGTERM, then SIGKILL after ``grace_s``."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with self._lock:
             workers = list(self.workers.values())
+        drained = time.monotonic() + drain_s
+        for w in workers:
+            try:
+                w.proc.wait(timeout=max(0.0, drained - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         for w in workers:
             if w.proc.poll() is None:
                 _signal(w.proc, signal.SIGTERM)

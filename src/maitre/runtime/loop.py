@@ -141,6 +141,7 @@ class ElasticLoop:
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
         self._recovery: Recovery | None = None
+        self._owns_default_group = False
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -237,6 +238,7 @@ class ElasticLoop:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if not dist.is_initialized():
                 dist.init_process_group(backend)
+                self._owns_default_group = True
             self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
                                     self.device)
             return
@@ -348,6 +350,9 @@ class ElasticLoop:
             pass
 
     def _done(self) -> None:
+        if self._owns_default_group:  # left to the interpreter's exit, gloo can abort the process
+            dist.destroy_process_group()
+            self.group = None
         if self._client is not None:
             try:
                 self._client.post(f"/workers/{self.env.worker_id}/done", {"step": self.state.step})
