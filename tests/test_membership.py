@@ -556,3 +556,28 @@ def test_members_killed_by_the_same_signal_are_not_a_user_error():
     m.exited(w2, -9, None, 2.0)
     assert m.failures == 1
     assert m.state == JobState.RENDEZVOUS, m.failure
+
+
+def test_member_told_to_leave_before_it_joined_its_epoch_ends_that_epoch() -> None:
+    """Seen in a chaos run: epoch 2 opened with w3, the job was scaled down before w3 picked up
+    its assignment, w3 left instead of joining, and w1, w2 waited for it forever."""
+    m = make(min_w=1, max_w=3)
+    w1, w2, w3 = start(m, 3)
+    assert m.scale(2, 2.0) == [w3]
+    assert m.assignment(w3, 0) == {"action": "leave"}
+    m.left(w3, 2.1)
+    assert m.state == JobState.RENDEZVOUS
+    assert m.heartbeat(w1, 2.2, 5, False)["closed"] is True
+    for w in (w1, w2):
+        m.arrive(w, 1, 5, "the coordinator closed the epoch", 2.3)
+    assert m.try_open_epoch(2.3)
+    assert (m.epoch, m.members, m.failures) == (2, [w1, w2], 0)
+
+
+def test_leaver_that_exits_without_saying_so_ends_its_running_epoch() -> None:
+    m = make(min_w=1, max_w=3)
+    w1, w2, w3 = start(m, 3)
+    m.scale(2, 2.0)
+    m.exited(w3, 0, None, 2.1)
+    assert m.workers[w3].state.value == "LEFT"
+    assert m.state == JobState.RENDEZVOUS and m.failures == 0

@@ -220,8 +220,8 @@ class Membership:
         w.exit_code = code
         if w.state in (WorkerState.DONE, WorkerState.LEFT, WorkerState.DEAD):
             return
-        if code == 0 and w.state == WorkerState.LEAVING:
-            w.state = WorkerState.LEFT
+        if code == 0 and w.state == WorkerState.LEAVING:  # left without saying so
+            self.left(wid, now)
             return
         if self.state in (JobState.COMPLETED, JobState.FAILED):  # stopped with its job
             w.state = WorkerState.LEFT if code == 0 else WorkerState.DEAD
@@ -275,10 +275,16 @@ class Membership:
                        f"{next(w.error for w in pool if w.error)}", now)
 
     def left(self, wid: str, now: float) -> None:
+        """The worker left gracefully. Normally the epoch is already closed (leavers go at a
+        step boundary); a member that leaves an epoch that still runs (it was asked to leave
+        before it picked up its assignment) ends it, or its peers would wait for it forever."""
         w = self._worker(wid)
+        was_member = w.id in self.members and w.epoch == self.epoch
         w.state = WorkerState.LEFT
         w.arrived_from = None
         self._log(now, "worker_left", worker=wid)
+        if was_member and self.state == JobState.RUNNING:
+            self._close(f"worker {wid} left", now)
 
     def done(self, wid: str, step: int, now: float) -> None:
         """The worker finished its training loop."""

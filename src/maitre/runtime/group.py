@@ -65,15 +65,43 @@ class EpochGroup:
     @classmethod
     def create(cls, store: dist.Store, prefix: str, rank: int, world_size: int,
                device: torch.device, epoch_closed: Callable[[], str | None]) -> "EpochGroup":
-        """A fresh backend on the epoch's own store prefix."""
+        """A fresh backend on the epoch's own store prefix.
+
+        Building one waits for every member to publish its address; a member that died or hung
+        before it did would block the others for the backend's whole timeout. So the backend is
+        built on a helper thread (the binding releases the GIL) and the wait is abandoned, like a
+        collective's, once the coordinator closes the epoch; a late backend goes to the graveyard.
+        """
         prefixed = dist.PrefixStore(prefix, store)
-        if device.type == "cuda":
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = BACKEND_TIMEOUT
-            backend: object = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        else:
-            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, BACKEND_TIMEOUT)
-        return cls(backend, rank, world_size, device, epoch_closed)
+        built: dict[str, object] = {}
+
+        def build() -> None:
+            try:
+                if device.type == "cuda":
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = BACKEND_TIMEOUT
+                    built["backend"] = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+                else:
+                    built["backend"] = dist.ProcessGroupGloo(prefixed, rank, world_size,
+                                                             BACKEND_TIMEOUT)
+            except Exception as exc:  # surfaced below as a lost epoch
+                built["error"] = exc
+            if abandoned.is_set() and "backend" in built:
+                _GRAVEYARD.append(built["backend"])
+
+        abandoned = threading.Event()
+        builder = threading.Thread(target=build, name="maitre-group-build", daemon=True)
+        builder.start()
+        while builder.is_alive():
+            builder.join(WAIT_SLICE.total_seconds())
+            closed = epoch_closed() if builder.is_alive() else None
+            if closed is not None:
+                abandoned.set()
+                raise EpochLost(closed, time.monotonic())
+        if "error" in built:
+            raise EpochLost(f"group not built: {_first_line(built['error'])}",  # type: ignore[arg-type]
+                            time.monotonic())
+        return cls(built["backend"], rank, world_size, device, epoch_closed)
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:

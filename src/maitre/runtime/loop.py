@@ -142,6 +142,7 @@ class ElasticLoop:
         self._store: dist.Store | None = None
         self._recovery: Recovery | None = None
         self._owns_default_group = False
+        self._building_since: float | None = None
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -251,8 +252,8 @@ class ElasticLoop:
         self._rendezvous("join", from_epoch=0)
 
     def _progress(self) -> tuple[int, bool]:
-        group = self.group
-        since = group.waiting_since if group is not None else None
+        group = self.group  # waiting in a collective, or for the members of a new group
+        since = group.waiting_since if group is not None else self._building_since
         return self.state.step, since is not None and time.monotonic() - since > self._stall_after()
 
     def _stall_after(self) -> float:
@@ -309,12 +310,15 @@ class ElasticLoop:
         rec.assigned_at = time.time()
         self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
-        self.group = EpochGroup.create(self._store, answer["store_prefix"], self.rank,
-                                       self.world_size, self.device, self._epoch_closed)
-        rec.group_at = time.time()
+        self._building_since = time.monotonic()
         try:
+            self.group = EpochGroup.create(self._store, answer["store_prefix"], self.rank,
+                                           self.world_size, self.device, self._epoch_closed)
+            self._building_since = None
+            rec.group_at = time.time()
             self._sync_state(rec)
-        except EpochLost as lost:  # a peer failed during the transfer: go round again
+        except EpochLost as lost:  # a peer failed while the group formed: go round again
+            self._building_since = None
             self._recover(lost)
             return
         self.scaling.on_resize(self.world_size, self.state.step)
