@@ -106,7 +106,6 @@ def test_several_events_in_one_run(tmp_path: Path, reference) -> None:
     assert run.job()["failures"] == 2
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_no_false_hang_when_the_machine_is_oversubscribed(tmp_path: Path, reference) -> None:
     """Three workers plus four CPU burners on two cores: steps slow down, nobody is removed."""

@@ -80,7 +80,15 @@ class EpochGroup:
                 if device.type == "cuda":
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = BACKEND_TIMEOUT
-                    built["backend"] = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+                    backend = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+                    # NCCL creates its communicator lazily, and the first collective's launch
+                    # blocks until every member is there. Do that first collective here, on this
+                    # thread, where waiting for a member that never comes can be abandoned.
+                    probe = torch.zeros(1, device=device)
+                    ar = dist.AllreduceOptions()
+                    backend.allreduce([probe], ar).wait()
+                    torch.cuda.current_stream(device).synchronize()
+                    built["backend"] = backend
                 else:
                     built["backend"] = dist.ProcessGroupGloo(prefixed, rank, world_size,
                                                              BACKEND_TIMEOUT)
