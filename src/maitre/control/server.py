@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -315,6 +316,17 @@ class _Handler(BaseHTTPRequestHandler):
         return c.worker_report(wid, body)
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A worker killed mid-request resets its connection; that is news for the failure
+        detector (via the agent), not a traceback on the console."""
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class CoordinatorServer:
     """The coordinator's HTTP server, its c10d store and its detector thread."""
 
@@ -326,8 +338,7 @@ class CoordinatorServer:
                                    timeout=timedelta(seconds=30))
         self.coordinator = Coordinator(f"{host}:{self.store.port}", cfg, on_event=on_event)
         handler = type("Handler", (_Handler,), {"coordinator": self.coordinator})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), handler)
         self.address = f"{host}:{self.httpd.server_address[1]}"
         self._tick_s = tick_s
         self._stop = threading.Event()
