@@ -3,6 +3,7 @@
     maitre run --nnodes 2:4 examples/train.py --steps 300           # elastic, embedded coordinator
     torchrun --nproc-per-node 2 examples/train.py --steps 300       # the same script, fixed size
     python examples/train.py --steps 300                            # one process
+    python examples/train.py --checkpoint-dir ckpt                  # checkpointed; rerun to resume
 
 The maitre parts are the sampler (which sample indices each rank trains on), the loop (which
 finishes each step: gradient mean over the global batch, optimizer step, commit), and the
@@ -60,6 +61,11 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker on cuda:LOCAL_RANK)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--out", type=Path, help="write the final parameters here (rank 0)")
+    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint here and resume from here "
+                   "(under `maitre run`, its --checkpoint-dir is used when this is not given)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints "
+                   "(default: the Young/Daly interval)")
+    p.add_argument("--mtbf", type=float, help="mean time between failures (s) for the interval")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -87,8 +93,11 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=args.seed)
+    checkpoint = None if args.checkpoint_dir is None else maitre.CheckpointConfig(
+        directory=args.checkpoint_dir,
+        interval=maitre.IntervalConfig(every_steps=args.checkpoint_every, mtbf_s=args.mtbf))
     loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
-                              micro_batch_size=args.micro_batch)
+                              micro_batch_size=args.micro_batch, checkpoint=checkpoint)
 
     started, tokens = time.monotonic(), 0
     for batch in loop.run(max_steps=args.steps):
@@ -109,7 +118,8 @@ def main() -> None:
                   f"{rate:,.0f} tok/s", flush=True)
 
     if loop.rank == 0:
-        print(f"done: {loop.step} steps, final loss {loop.last_loss:.4f}", flush=True)
+        loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
+        print(f"done: {loop.step} steps, final loss {loss}", flush=True)
         if args.out is not None:
             torch.save(model.state_dict(), args.out)
 

@@ -7,64 +7,16 @@ parameters must match a single-process run with the same seed and global batch (
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import EXAMPLE, ROOT, TINY, example_command, relative_error
+from conftest import EXAMPLE, TINY, example_command, relative_error, run_tagged
 
 STEPS = 30
-TAG_VAR = "TORCHRUN_TEST_TAG"
-
-
-def _tagged_pids(tag: str) -> list[int]:
-    needle = f"{TAG_VAR}={tag}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if needle in f.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
-            pass
-    return pids
-
-
-def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd``; on a timeout, or if anything it started outlives it, kill those by pid."""
-    tag = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
-    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1"}, **extra_env)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        for pid in _tagged_pids(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        out, err = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
-    finally:
-        for pid in _tagged_pids(tag):  # nothing should be left; never leak it if it is
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("single") / "final.pt"

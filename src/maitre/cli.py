@@ -1,4 +1,4 @@
-"""``maitre`` command line: run, agent, scale, status.
+"""``maitre`` command line: run, agent, scale, suspend, status.
 
 Every command validates its input before it starts anything; a bad flag, a missing script or an
 unreachable coordinator is one line on stderr and a non-zero exit, with nothing left running.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -76,11 +77,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         events = parse_events(args.events or "")
     except ValueError as exc:
         raise UsageError(f"--events: {exc}") from None
+    checkpoint_dir = _checkpoint_dir(args)
     cfg = RunConfig(command=command, min_nodes=lo, max_nodes=hi, nproc_per_node=nproc,
                     max_restarts=args.max_restarts, local_nodes=args.local_nodes, host=args.host,
                     port=args.port, job_id=args.job_id, events=events,
                     run_dir=Path(args.run_dir) if args.run_dir else None,
-                    ledger=not args.no_ledger)
+                    ledger=not args.no_ledger, checkpoint_dir=checkpoint_dir,
+                    checkpoint_every=args.checkpoint_every, mtbf_s=args.mtbf,
+                    resume=args.resume, grace_period_s=args.grace_period)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     try:  # can this machine listen there at all? (else TCPStore retries for 30 s)
@@ -92,12 +96,43 @@ def cmd_run(args: argparse.Namespace) -> int:
         run = Run(cfg)
     except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the first one suspends (with checkpoints)
+        signal.signal(sig, lambda signum, frame: run.request_stop(signal.Signals(signum).name))
     run.start()
     try:
         return run.wait()
     except KeyboardInterrupt:
         run.shutdown()
         return 130
+
+
+def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
+    """Check the checkpoint flags; refuse to mix a new run into an old run's checkpoints."""
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
+        raise UsageError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.mtbf is not None and not args.mtbf > 0:
+        raise UsageError(f"--mtbf must be a positive number of seconds, got {args.mtbf}")
+    if not args.grace_period > 0:
+        raise UsageError(f"--grace-period must be positive, got {args.grace_period}")
+    if args.checkpoint_dir is None:
+        for flag, value in (("--resume", args.resume), ("--checkpoint-every", args.checkpoint_every),
+                            ("--mtbf", args.mtbf)):
+            if value:
+                raise UsageError(f"{flag} needs --checkpoint-dir")
+        return None
+    from maitre.checkpoint.loader import newest_complete
+
+    directory = Path(args.checkpoint_dir)
+    if directory.exists() and not directory.is_dir():
+        raise UsageError(f"--checkpoint-dir {directory} exists and is not a directory")
+    newest = newest_complete(directory)
+    if newest is not None and not args.resume:
+        raise UsageError(f"{directory} holds checkpoints of an earlier run (newest: {newest.name});"
+                         " pass --resume to continue from it, or choose another directory")
+    if newest is None and args.resume:
+        print(f"maitre: no complete checkpoint in {directory}: starting from step 0",
+              file=sys.stderr, flush=True)
+    return directory
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
@@ -122,6 +157,12 @@ def cmd_scale(args: argparse.Namespace) -> int:
     reply = _coordinator(args).post(f"/jobs/{args.job}/scale", {"workers": args.workers})
     leaving = ", ".join(reply["leaving"]) or "none"
     print(f"maitre: job {args.job} scaled to {reply['target']} workers (leaving: {leaving})")
+    return 0
+
+
+def cmd_suspend(args: argparse.Namespace) -> int:
+    reply = _coordinator(args).post(f"/jobs/{args.job}/suspend", {"reason": "maitre suspend"})
+    print(f"maitre: job {args.job} is {reply['state']}: its workers checkpoint, then stop")
     return 0
 
 
@@ -157,6 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
                      "(kinds: kill, hang, join, leave), or 'demo'")
     run.add_argument("--run-dir", help="where the data ledger goes (default: a new temp dir)")
     run.add_argument("--no-ledger", action="store_true", help="do not record consumed samples")
+    run.add_argument("--checkpoint-dir", help="checkpoint the job here (a shared directory in "
+                     "a cluster); SIGINT/SIGTERM then suspends the job with a checkpoint")
+    run.add_argument("--checkpoint-every", type=int, help="steps between checkpoints "
+                     "(default: the Young/Daly interval from measured cost and failure rate)")
+    run.add_argument("--mtbf", type=float, help="the job's mean time between failures in "
+                     "seconds, for the checkpoint interval (default: estimated from its history)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue from the newest complete checkpoint in --checkpoint-dir")
+    run.add_argument("--grace-period", type=float, default=60.0,
+                     help="seconds a suspended job has to checkpoint and stop (default 60)")
     run.add_argument("-m", "--module", action="store_true", help="run SCRIPT as a module")
     run.add_argument("script", help="the training script")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="its arguments")
@@ -173,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("workers", type=int)
     scale.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
     scale.set_defaults(fn=cmd_scale)
+
+    suspend = sub.add_parser("suspend", help="checkpoint a job and stop it (resume with "
+                             "maitre run --resume)")
+    suspend.add_argument("job")
+    suspend.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    suspend.set_defaults(fn=cmd_suspend)
 
     status = sub.add_parser("status", help="show jobs")
     status.add_argument("job", nargs="?")

@@ -6,6 +6,11 @@ happen. More nodes can join from anywhere with ``maitre agent --coordinator HOST
 scripted story (``--events``) kills, stops, adds and removes workers at given steps, so a
 newcomer can watch the job survive each. At the end it prints a summary: steps, every membership
 change with its recovery time, and the exactly-once audit of the data.
+
+With ``--checkpoint-dir`` the workers checkpoint there, and the first SIGINT or SIGTERM suspends
+the job instead of killing it: every member checkpoints after its current step and exits, within
+``--grace-period``. ``maitre run --resume`` with the same directory continues from the newest
+complete checkpoint, at any number of workers.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from maitre.agent.agent import Agent
-from maitre.control.membership import DetectorConfig, JobState, WorkerState
+from maitre.checkpoint import checkpointer as ckpt_env
+from maitre.checkpoint.loader import newest_complete
+from maitre.control.membership import ENDED, DetectorConfig, JobState, WorkerState
 from maitre.control.server import CoordinatorServer
 from maitre.runtime import env as envvars
 from maitre.runtime.ledger import audit
@@ -67,6 +74,11 @@ class RunConfig:
     run_dir: Path | None = None
     ledger: bool = True
     quiet_workers: bool = False
+    checkpoint_dir: Path | None = None
+    checkpoint_every: int | None = None
+    mtbf_s: float | None = None
+    resume: bool = False
+    grace_period_s: float = 60.0
 
 
 class Run:
@@ -80,8 +92,11 @@ class Run:
                                         on_event=self._on_event)  # first: it may refuse
         self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix=f"maitre-{cfg.job_id}-"))
         self.ledger_dir = self.run_dir / "ledger"
-        if self.ledger_dir.exists():
+        if self.ledger_dir.exists() and not cfg.resume:  # a resumed job's ledger goes on
             shutil.rmtree(self.ledger_dir)
+        self.run_id = f"{os.getpid()}-{time.time_ns()}"
+        self._stop_signal: str | None = None
+        self._suspend_deadline: float | None = None
         self.agents: list[Agent] = []
         self._lock = threading.Lock()
 
@@ -92,11 +107,18 @@ class Run:
     def start(self) -> "Run":
         cfg = self.cfg
         self.server.start()
+        env = {}
+        if cfg.checkpoint_dir is not None:
+            env[ckpt_env.DIR_ENV] = str(cfg.checkpoint_dir.resolve())
+            if cfg.checkpoint_every:
+                env[ckpt_env.EVERY_ENV] = str(cfg.checkpoint_every)
+            if cfg.mtbf_s:
+                env[ckpt_env.MTBF_ENV] = str(cfg.mtbf_s)
         self.coordinator.create_job({
             "job_id": cfg.job_id, "command": cfg.command,
             "min_workers": cfg.min_nodes * cfg.nproc_per_node,
             "max_workers": cfg.max_nodes * cfg.nproc_per_node,
-            "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts})
+            "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts, "env": env})
         self.out(f"maitre: coordinator at {self.server.address}; add a node with "
                  f"`maitre agent --coordinator {self.server.address} "
                  f"--nproc-per-node {cfg.nproc_per_node}`")
@@ -105,7 +127,9 @@ class Run:
         return self
 
     def add_node(self) -> Agent:
-        extra = {envvars.LEDGER_DIR: str(self.ledger_dir)} if self.cfg.ledger else {}
+        extra = {envvars.RUN_ID: self.run_id}
+        if self.cfg.ledger:
+            extra[envvars.LEDGER_DIR] = str(self.ledger_dir)
         output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
         with self._lock:
             agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,
@@ -157,10 +181,17 @@ class Run:
         self.played: list[StoryEvent] = []
         settled: Callable[[dict[str, Any]], bool] = lambda job: True
         job = self.job()
+        ended = {s.value for s in ENDED}
         try:
             while True:
                 job = self.job()
-                if job["state"] in (JobState.COMPLETED.value, JobState.FAILED.value):
+                if job["state"] in ended:
+                    break
+                if self._stop_signal and self._suspend_deadline is None:
+                    self._suspend(job)
+                elif self._suspend_deadline is not None and time.monotonic() > self._suspend_deadline:
+                    self.out(f"maitre: the job did not suspend within its grace period of "
+                             f"{self.cfg.grace_period_s:.0f}s; stopping its workers")
                     break
                 if pending and job["state"] == JobState.RUNNING.value and settled(job) and \
                         job["step"] >= pending[0].step:
@@ -168,11 +199,33 @@ class Run:
                     settled = self.apply(self.played[-1], job)
                 time.sleep(0.1)
         finally:
-            self.shutdown(drain_s=60.0 if job["state"] == JobState.COMPLETED.value else 0.0)
+            finished = job["state"] in (JobState.COMPLETED.value, JobState.SUSPENDED.value)
+            self.shutdown(drain_s=60.0 if finished else 0.0)
         if pending:
             self.out(f"maitre: the job ended before the story's {', '.join(f'{e.kind}@{e.step}' for e in pending)}")
-        self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir))
+        self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir,
+                         self.cfg.checkpoint_dir))
+        if job["state"] == JobState.SUSPENDED.value:
+            self.out("maitre: suspended; continue with the same command plus --resume")
+            return 0
         return 0 if job["state"] == JobState.COMPLETED.value else 1
+
+    def request_stop(self, signame: str) -> None:
+        """A signal handler's part: suspend the job (the wait loop carries it out). Without
+        checkpoints there is nothing to suspend to, so the run just stops."""
+        if self.cfg.checkpoint_dir is None or self._stop_signal is not None:
+            raise KeyboardInterrupt
+        self._stop_signal = signame
+
+    def _suspend(self, job: dict[str, Any]) -> None:
+        self.out(f"maitre: {self._stop_signal}: suspending the job at step {job['step']}: every "
+                 f"worker checkpoints, then stops (grace period {self.cfg.grace_period_s:.0f}s; "
+                 "signal again to stop at once)")
+        self._suspend_deadline = time.monotonic() + self.cfg.grace_period_s
+        try:
+            self.coordinator.suspend(self.cfg.job_id, f"{self._stop_signal} to maitre run")
+        except Exception as exc:  # noqa: BLE001 -- the job ended meanwhile
+            self.out(f"maitre: could not suspend: {exc}")
 
     def shutdown(self, drain_s: float = 0.0) -> None:
         """Stop agents and coordinator; ``drain_s`` lets a completed job's workers finish the
@@ -209,7 +262,8 @@ def describe(event: dict[str, Any]) -> str:
     return f"{kind}: {fields}"
 
 
-def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path) -> str:
+def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path,
+            checkpoint_dir: Path | None = None) -> str:
     lines = ["", f"maitre: job {job['job_id']} {job['state']} at step {job['step']} "
                  f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)"]
     if job.get("failure"):
@@ -232,5 +286,8 @@ def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path) -> str:
                          f"{r['state_s'] * 1000:>8.0f} {r['to_next_step_s'] * 1000:>10.0f}")
     if ledger_dir is not None and ledger_dir.exists():
         lines.append(f"  data: {audit(ledger_dir).describe()}")
+    if checkpoint_dir is not None:
+        newest = newest_complete(checkpoint_dir)
+        lines.append(f"  newest complete checkpoint: {newest or 'none'}")
     lines.append(f"  run directory: {run_dir}")
     return "\n".join(lines)

@@ -1,10 +1,15 @@
 """Membership epochs of one elastic job: the coordinator's rendezvous state machine.
 
 A job is PENDING until its first epoch opens, then alternates between RUNNING(e) and
-RENDEZVOUS(e+1) until it is COMPLETED or FAILED::
+RENDEZVOUS(e+1) until it is COMPLETED, FAILED or SUSPENDED::
 
     PENDING --(min workers ready)--> RUNNING(1) --(join/leave/failure)--> RENDEZVOUS(2)
-        --(every expected member arrived)--> RUNNING(2) ... --> COMPLETED | FAILED
+        --(every expected member arrived)--> RUNNING(2) ... --> COMPLETED | FAILED | SUSPENDED
+
+Suspending (preemption, the user stopping the job) is asked of the members through their
+heartbeats: each one checkpoints after the current step, waits until it is durable, reports done
+with ``suspended`` and exits; once no member is training the job is SUSPENDED, and a new run
+resumes it from that checkpoint.
 
 Only this object opens an epoch, so a member cut off from the coordinator can never form a group
 of its own (no split brain). An epoch fixes the member list, each member's rank (ordered by node,
@@ -35,6 +40,10 @@ class JobState(str, Enum):
     RENDEZVOUS = "RENDEZVOUS"
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
+    SUSPENDED = "SUSPENDED"
+
+
+ENDED = (JobState.COMPLETED, JobState.FAILED, JobState.SUSPENDED)
 
 
 class WorkerState(str, Enum):
@@ -159,6 +168,8 @@ class Membership:
         self.closed_at: float | None = None
         self.close_reason = ""
         self.created_at = now
+        self.suspending: str | None = None
+        """Why the job is being suspended (members checkpoint and exit), or None."""
         self._failed_epoch = -1
         self._node_order: dict[str, int] = {}
         self._next_worker = 0
@@ -177,7 +188,7 @@ class Membership:
 
     def wants_workers(self) -> int:
         """How many more worker processes the job would start now."""
-        if self.state in (JobState.COMPLETED, JobState.FAILED):
+        if self.state in ENDED or self.suspending:
             return 0
         live = sum(1 for w in self.live_workers() if w.state != WorkerState.LEAVING)
         return max(0, self.target - live)
@@ -202,12 +213,13 @@ class Membership:
         return {"job_state": self.state.value, "epoch": self.epoch, "member_epoch": w.epoch,
                 "closed": closed,
                 "change": self.change_pending(), "leave": w.state == WorkerState.LEAVING,
-                "stop": w.state == WorkerState.DEAD or self.state in (JobState.COMPLETED,
-                                                                      JobState.FAILED)}
+                "stop": w.state == WorkerState.DEAD or self.state in ENDED,
+                "suspend": self.suspending is not None,
+                "failures": self.failures, "age_s": round(now - self.created_at, 3)}
 
     def change_pending(self) -> bool:
         """Members should stop at the next step boundary and rendezvous."""
-        if self.state != JobState.RUNNING:
+        if self.state != JobState.RUNNING or self.suspending:
             return False
         if any(self.workers[m].state == WorkerState.LEAVING for m in self.members):
             return True
@@ -223,7 +235,7 @@ class Membership:
         if code == 0 and w.state == WorkerState.LEAVING:  # left without saying so
             self.left(wid, now)
             return
-        if self.state in (JobState.COMPLETED, JobState.FAILED):  # stopped with its job
+        if self.state in ENDED:  # stopped with its job
             w.state = WorkerState.LEFT if code == 0 else WorkerState.DEAD
             return
         if error:
@@ -254,8 +266,7 @@ class Membership:
             if self.state == JobState.RUNNING:
                 self._close(reason, now)
         self._log(now, "worker_dead", worker=w.id, reason=reason)
-        if self.failures > self.spec.max_restarts and self.state not in (JobState.COMPLETED,
-                                                                         JobState.FAILED):
+        if self.failures > self.spec.max_restarts and self.state not in ENDED:
             self._fail(f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; "
                        f"last: {reason}", now)
 
@@ -286,18 +297,40 @@ class Membership:
         if was_member and self.state == JobState.RUNNING:
             self._close(f"worker {wid} left", now)
 
-    def done(self, wid: str, step: int, now: float) -> None:
-        """The worker finished its training loop."""
+    def done(self, wid: str, step: int, now: float, suspended: bool = False) -> None:
+        """The worker finished its training loop, or (``suspended``) checkpointed and stopped."""
         w = self._worker(wid)
-        w.state = WorkerState.DONE
+        w.state = WorkerState.DONE if not suspended else WorkerState.LEFT
         w.step = max(w.step, step)
-        self._check_completed(now)
+        if suspended:
+            self._check_suspended(now)
+        else:
+            self._check_completed(now)
+
+    def suspend(self, reason: str, now: float) -> None:
+        """Ask the members to checkpoint after their current step and stop."""
+        if self.state in ENDED:
+            raise ValueError(f"job {self.spec.job_id} is {self.state.value}")
+        if self.suspending is None:
+            self.suspending = reason
+            self._log(now, "suspending", reason=reason)
+        self._check_suspended(now)
+
+    def _check_suspended(self, now: float) -> None:
+        if self.suspending is None or self.state in ENDED:
+            return
+        members = [self.workers[m] for m in self.members]
+        if any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) for m in members):
+            return
+        self.state = JobState.SUSPENDED
+        self._log(now, "suspended", step=max((m.step for m in members), default=0),
+                  reason=self.suspending)
 
     def _check_completed(self, now: float) -> bool:
         """The job is complete once a member finished its loop and no member is still in it (the
         last step committed everywhere: a member that died after it changes nothing)."""
         members = [self.workers[m] for m in self.members]
-        if self.state in (JobState.COMPLETED, JobState.FAILED) or \
+        if self.state in ENDED or \
                 not any(m.state == WorkerState.DONE for m in members) or \
                 any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) for m in members):
             return self.state == JobState.COMPLETED
@@ -341,6 +374,8 @@ class Membership:
             return {"action": "stop", "reason": self.failure}
         if self.state == JobState.COMPLETED:
             return {"action": "stop", "reason": "job completed"}
+        if self.state == JobState.SUSPENDED:
+            return {"action": "stop", "reason": "job suspended"}
         if w.state == WorkerState.LEAVING:
             return {"action": "leave"}
         if w.state == WorkerState.DEAD:
@@ -429,6 +464,9 @@ class Membership:
 
     def _check_min(self, now: float) -> None:
         live = [w for w in self.live_workers() if w.state != WorkerState.LEAVING]
+        if self.suspending:  # nobody is started any more: members that died are gone
+            self._check_suspended(now)
+            return
         if len(live) < self.spec.min_workers and self.failures >= self.spec.max_restarts:
             self._fail(f"only {len(live)} live workers, below the minimum of "
                        f"{self.spec.min_workers}, and no restarts left", now)

@@ -10,11 +10,12 @@ when an epoch opens. Routes (JSON, under ``/v1``)::
 
     GET  /health                       GET  /jobs            GET /jobs/<job>
     POST /jobs            (JobSpec)    POST /jobs/<job>/scale {"workers": n}
+    POST /jobs/<job>/suspend {"reason": "..."}   (members checkpoint, then stop)
     POST /nodes/<node>/heartbeat {"slots": n, "running": [worker ids]} -> {"start": [...], "kill": [...]}
     POST /workers/<w>/exit {"code": c, "error": "..."}
     POST /workers/<w>/heartbeat {"step": s, "stalled": b}
     POST /workers/<w>/rendezvous {"from_epoch": e, "step": s, "reason": "...", "wait_s": t}
-    POST /workers/<w>/done {"step": s}   POST /workers/<w>/left   POST /workers/<w>/report {...}
+    POST /workers/<w>/done {"step": s, "suspended": b}   POST /workers/<w>/left   POST /workers/<w>/report {...}
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from maitre.control.membership import (DetectorConfig, JobSpec, JobState, Membership,
+from maitre.control.membership import (ENDED, DetectorConfig, JobSpec, JobState, Membership,
                                        WorkerState)
 from maitre.wire import API
 
@@ -92,7 +93,7 @@ class Coordinator:
             raise BadRequest(f"'workers' must be an integer, got {workers!r}")
         with self.cond:
             job = self.job(job_id)
-            if job.state in (JobState.COMPLETED, JobState.FAILED):
+            if job.state in ENDED:
                 raise BadRequest(f"job {job_id} is {job.state.value}")
             try:
                 leaving = job.scale(workers, self.clock())
@@ -100,6 +101,16 @@ class Coordinator:
                 raise BadRequest(str(exc)) from None
             self._changed()
             return {"target": workers, "leaving": leaving}
+
+    def suspend(self, job_id: str, reason: Any = "suspended by request") -> dict[str, Any]:
+        with self.cond:
+            job = self.job(job_id)
+            try:
+                job.suspend(str(reason), self.clock())
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            self._changed()
+            return {"state": job.state.value}
 
     # -- agents ----------------------------------------------------------------------------------
     def node_heartbeat(self, node: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +127,7 @@ class Coordinator:
             used = {self.jobs[self._worker_job[w]].workers[w].slot
                     for w in running if w in self._worker_job}
             for job in self.jobs.values():
-                if job.state in (JobState.COMPLETED, JobState.FAILED):
+                if job.state in ENDED:
                     kill += [w for w in running if self._worker_job.get(w) == job.spec.job_id
                              and job.workers[w].state not in (WorkerState.DONE, WorkerState.LEFT)]
                     continue
@@ -176,7 +187,8 @@ class Coordinator:
 
     def worker_done(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.cond:
-            self._job_of(wid).done(wid, int(body.get("step", 0)), self.clock())
+            self._job_of(wid).done(wid, int(body.get("step", 0)), self.clock(),
+                                   suspended=bool(body.get("suspended", False)))
             self._changed()
         return {}
 
@@ -231,6 +243,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("POST", re.compile(r"/jobs"), "create_job"),
     ("GET", re.compile(r"/jobs/(?P<job>[\w.-]+)"), "job_status"),
     ("POST", re.compile(r"/jobs/(?P<job>[\w.-]+)/scale"), "scale"),
+    ("POST", re.compile(r"/jobs/(?P<job>[\w.-]+)/suspend"), "suspend"),
     ("POST", re.compile(r"/nodes/(?P<node>[\w.-]+)/heartbeat"), "node_heartbeat"),
     ("POST", re.compile(r"/workers/(?P<w>[\w.-]+)/(?P<verb>exit|heartbeat|rendezvous|done|left|report)"),
      "worker"),
@@ -300,6 +313,8 @@ class _Handler(BaseHTTPRequestHandler):
             return c.job_status(args["job"])
         if name == "scale":
             return c.scale(args["job"], body.get("workers"))
+        if name == "suspend":
+            return c.suspend(args["job"], body.get("reason", "suspended by request"))
         if name == "node_heartbeat":
             return c.node_heartbeat(args["node"], body)
         verb, wid = args["verb"], args["w"]

@@ -19,6 +19,7 @@ WORKER_ID = "MAITRE_WORKER_ID"
 JOB_ID = "MAITRE_JOB_ID"
 STORE = "MAITRE_STORE"
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
+RUN_ID = "MAITRE_RUN_ID"
 HEARTBEAT_S = "MAITRE_HEARTBEAT_S"
 COORDINATOR_TIMEOUT_S = "MAITRE_COORDINATOR_TIMEOUT_S"
 
@@ -38,6 +39,7 @@ class WorkerEnv:
     store: str = ""
     job_id: str = ""
     ledger_dir: str = ""
+    run_id: str = ""
     heartbeat_s: float = 0.1
     coordinator_timeout_s: float = 300.0
     rank: int = 0
@@ -47,7 +49,8 @@ class WorkerEnv:
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
         env = os.environ if env is None else env
         local_rank = int(env.get("LOCAL_RANK", "0"))
-        common = {"local_rank": local_rank, "ledger_dir": env.get(LEDGER_DIR, "")}
+        common = {"local_rank": local_rank, "ledger_dir": env.get(LEDGER_DIR, ""),
+                  "run_id": env.get(RUN_ID, "")}
         if env.get(COORDINATOR):
             missing = [k for k in (WORKER_ID, STORE) if not env.get(k)]
             if missing:

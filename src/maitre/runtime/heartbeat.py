@@ -29,7 +29,12 @@ class CoordinatorView:
     change: bool = False
     leave: bool = False
     stop: bool = False
+    suspend: bool = False
+    """Checkpoint after the current step and exit: the job is being suspended."""
     job_state: str = ""
+    failures: int = 0
+    """The job's failures so far, and its age: the checkpoint interval's failure rate."""
+    age_s: float = 0.0
 
 
 class Heartbeat:
@@ -64,5 +69,7 @@ class Heartbeat:
                     member_epoch=int(reply.get("member_epoch", 0)),
                     closed=bool(reply["closed"]), change=bool(reply["change"]),
                     leave=bool(reply["leave"]), stop=bool(reply["stop"]),
-                    job_state=str(reply["job_state"]))
+                    suspend=bool(reply.get("suspend", False)),
+                    job_state=str(reply["job_state"]),
+                    failures=int(reply.get("failures", 0)), age_s=float(reply.get("age_s", 0.0)))
             self._stop.wait(self.interval_s)

@@ -1,16 +1,20 @@
 """The data ledger: an auditable record of which samples every committed step trained on.
 
 When ``MAITRE_LEDGER_DIR`` is set, each worker appends to ``<dir>/<worker>.jsonl`` a header
-``{"k": "h", "n": num_samples, "t": wall_time, "pid": pid}`` (one per process start), then:
+``{"k": "h", "n": num_samples, "t": wall_time, "pid": pid, "run": run_id}`` (one per process
+start; ``run_id`` names one ``maitre run``), then:
 
 * ``{"k": "a", "e": epoch, "s": step, "d": data_epoch, "i": [indices]}`` before a step's
-  gradient allreduce (an *attempt*: this rank's share), and
-* ``{"k": "c", "e": epoch, "s": step, "t": wall_time}`` once the step is committed.
+  gradient allreduce (an *attempt*: this rank's share),
+* ``{"k": "c", "e": epoch, "s": step, "t": wall_time}`` once the step is committed, and
+* ``{"k": "r", "s": step, "t": wall_time}`` when the process resumed from a checkpoint of ``step``.
 
-A step that committed in membership epoch ``e`` used exactly the attempts logged for ``(e, s)``: an
-allreduce completes on any rank only once every member contributed, and every member logs its
-attempt before contributing. Attempts of epochs that were lost are ignored. :func:`audit` checks
-that the committed steps consumed every sample index exactly once per data epoch.
+A step that committed in membership epoch ``e`` of run ``r`` used exactly the attempts logged for
+``(r, e, s)``: an allreduce completes on any rank only once every member contributed, and every
+member logs its attempt before contributing. Attempts of epochs that were lost are ignored. A
+resume from the checkpoint of step ``S`` rolls back every step after ``S`` committed before it:
+those are trained again and only the new commit counts. :func:`audit` checks that the committed
+steps consumed every sample index exactly once per data epoch.
 """
 
 from __future__ import annotations
@@ -25,12 +29,16 @@ from typing import Any
 
 
 class Ledger:
-    def __init__(self, directory: str | os.PathLike[str], worker_id: str, num_samples: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], worker_id: str, num_samples: int,
+                 run_id: str = "") -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self._file = open(path / f"{worker_id}.jsonl", "a", buffering=1)
         self._file.write(json.dumps({"k": "h", "n": num_samples, "t": time.time(),
-                                     "pid": os.getpid()}) + "\n")
+                                     "pid": os.getpid(), "run": run_id}) + "\n")
+
+    def resumed(self, step: int) -> None:
+        self._file.write(json.dumps({"k": "r", "s": step, "t": time.time()}) + "\n")
 
     def attempt(self, epoch: int, step: int, data_epoch: int, indices: list[int]) -> None:
         self._file.write(json.dumps({"k": "a", "e": epoch, "s": step, "d": data_epoch,
@@ -69,24 +77,36 @@ class Audit:
                 f"{self.gaps[:3]})")
 
 
-def read(directory: str | os.PathLike[str]) -> tuple[dict[tuple[int, int], list[dict[str, Any]]],
-                                                      dict[int, set[int]], int]:
-    """Attempts by (epoch, step), the epochs in which each step committed, and the data set size."""
-    attempts: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
-    commits: dict[int, set[int]] = defaultdict(set)
+Key = tuple[str, int, int]  # run, membership epoch, step
+
+
+def read(directory: str | os.PathLike[str]) -> tuple[dict[Key, list[dict[str, Any]]],
+                                                      dict[int, set[Key]], int]:
+    """Attempts by (run, epoch, step), the committed (run, epoch, step) of each step with
+    rolled-back commits left out, and the data set size."""
+    attempts: dict[Key, list[dict[str, Any]]] = defaultdict(list)
+    committed: list[tuple[Key, float]] = []
+    resumes: list[tuple[float, int]] = []
     num_samples = 0
     for path in sorted(Path(directory).glob("*.jsonl")):
+        run = ""
         for line in path.read_text().splitlines():
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a line cut short by a kill -9
                 continue
             if rec["k"] == "a":
-                attempts[(rec["e"], rec["s"])].append(rec)
+                attempts[(run, rec["e"], rec["s"])].append(rec)
             elif rec["k"] == "c":
-                commits[rec["s"]].add(rec["e"])
+                committed.append(((run, rec["e"], rec["s"]), rec["t"]))
+            elif rec["k"] == "r":
+                resumes.append((rec["t"], rec["s"]))
             else:
-                num_samples = rec["n"]
+                num_samples, run = rec["n"], rec.get("run", "")
+    commits: dict[int, set[Key]] = defaultdict(set)
+    for key, t in committed:
+        if not any(t < resumed_at and from_step < key[2] for resumed_at, from_step in resumes):
+            commits[key[2]].add(key)
     return attempts, commits, num_samples
 
 
@@ -96,13 +116,13 @@ def audit(directory: str | os.PathLike[str]) -> Audit:
     seen: dict[int, Counter[int]] = defaultdict(Counter)
     last = max(commits, default=0)
     for step in range(1, last + 1):
-        epochs = commits.get(step)
-        if not epochs:
+        keys = commits.get(step)
+        if not keys:
             result.gaps.append(step)
             continue
-        if len(epochs) > 1:  # the same step committed in two epochs: trained twice
+        if len(keys) > 1:  # the same step committed in two epochs: trained twice
             result.duplicates.append((-1, step))
-        for rec in attempts.get((min(epochs), step), []):
+        for rec in attempts.get(min(keys), []):
             seen[rec["d"]].update(rec["i"])
             result.samples += len(rec["i"])
         result.steps += 1

@@ -29,8 +29,11 @@ Under plain ``torchrun`` the same loop runs on a fixed group; alone, on one proc
 from __future__ import annotations
 
 import os
+import secrets
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
 from maitre.runtime.heartbeat import Heartbeat
@@ -50,7 +54,8 @@ from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.transfer import broadcast_state, sync_steps
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
 
-_CONTROL = 3  # loss sum, sample count, resize flag
+_CONTROL = 6  # loss sum, sample count, resize flag, save flag, stop flag, save token
+_SAVE, _STOP, _TOKEN = 3, 4, 5
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 
@@ -106,12 +111,16 @@ class ElasticLoop:
             (gradient accumulation), so a shrinking world does not run out of memory.
         scaling: the scaling rule (default :class:`ConstantBatch`).
         extras: other stateful objects to carry through joins and checkpoints.
+        checkpoint: where and how often to checkpoint (default: from ``maitre run
+            --checkpoint-dir``, else none). A job that starts with no live state loads the
+            newest complete checkpoint there.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  sampler: ElasticSampler, *, lr_scheduler: Any = None,
                  micro_batch_size: int | None = None, scaling: Any = None,
-                 extras: dict[str, Stateful] | None = None, env: WorkerEnv | None = None) -> None:
+                 extras: dict[str, Stateful] | None = None, env: WorkerEnv | None = None,
+                 checkpoint: CheckpointConfig | None = None) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.env = env or WorkerEnv.from_environ()
@@ -135,14 +144,19 @@ class ElasticLoop:
         self.recoveries: list[Recovery] = []
         self._buffers = _GradBuffers(self.params)
         self._step_times: deque[float] = deque(maxlen=32)
-        self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id,
-                                                   sampler.num_samples) if self.env.ledger_dir else None
+        self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id, sampler.num_samples,
+                              self.env.run_id) if self.env.ledger_dir else None
         self._client: Client | None = None
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
         self._recovery: Recovery | None = None
         self._owns_default_group = False
         self._building_since: float | None = None
+        cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
+        self.checkpointer = Checkpointer(cfg, meta={"job_id": self.env.job_id}) if cfg else None
+        self._max_steps = 0
+        self._signalled: str | None = None
+        self._previous_sigterm: Any = None
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -152,6 +166,7 @@ class ElasticLoop:
 
     def run(self, max_steps: int) -> Iterator[Batch]:
         """Yield one :class:`Batch` per step until ``max_steps`` steps are committed."""
+        self._max_steps = max_steps
         self._start()
         try:
             while self.state.step < max_steps:
@@ -160,9 +175,19 @@ class ElasticLoop:
                 step_start = time.monotonic()
                 yield batch
                 if self._finish(batch):
-                    self._step_times.append(time.monotonic() - step_start)
+                    elapsed = time.monotonic() - step_start
+                    self._step_times.append(elapsed)
+                    if self.checkpointer is not None:
+                        self.checkpointer.record_step(elapsed)
+                        if self._heartbeat is not None:
+                            view = self._heartbeat.view
+                            self.checkpointer.policy.observe_history(view.failures, view.age_s)
             self._done()
         finally:
+            if self.checkpointer is not None:  # a save in flight becomes durable (or fails)
+                self.checkpointer.close()
+            if self._previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._previous_sigterm)
             if self._heartbeat is not None:
                 self._heartbeat.stop()
             if self._ledger is not None:
@@ -184,6 +209,13 @@ class ElasticLoop:
         control[0] = batch._loss
         control[1] = len(batch.indices)
         control[2] = 1.0 if self._change_requested() else 0.0
+        ckpt = self.checkpointer
+        control[_SAVE] = 1.0 if ckpt is not None and (ckpt.due(batch.step) or (
+            ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
+        control[_STOP] = 1.0 if self._stop_reason() else 0.0
+        # The committing rank draws the name of the save's temporary directory; the sum
+        # carries it to every rank (exact in float32 below 2**24).
+        control[_TOKEN] = float(secrets.randbelow(1 << 24)) if self.rank == 0 else 0.0
         if self._ledger is not None:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
         try:
@@ -216,6 +248,12 @@ class ElasticLoop:
             self._ledger.commit(self.epoch, batch.step)
         if self._recovery is not None:
             self._report_recovery()
+        stop = float(control[_STOP]) > 0
+        if ckpt is not None and (float(control[_SAVE]) > 0 or stop):
+            ckpt.save(self.state.state_dict, step=self.state.step, rank=self.rank,
+                      world_size=self.world_size, token=int(control[_TOKEN]))
+        if stop:
+            self._stop_here()
         if float(control[2]) > 0:
             self._rendezvous("resize")
         return True
@@ -223,6 +261,39 @@ class ElasticLoop:
     def _allreduce(self, buf: torch.Tensor) -> None:
         if self.group is not None:
             self.group.allreduce(buf)
+
+    def _stop_reason(self) -> str | None:
+        """Why the job must stop after this step with a checkpoint: SIGTERM (under torchrun or
+        alone) or the coordinator suspending the job."""
+        if self._signalled:
+            return self._signalled
+        hb = self._heartbeat
+        if hb is not None and hb.view.suspend and hb.view.member_epoch == self.epoch:
+            return "the job is suspended"
+        return None
+
+    def _stop_here(self) -> None:
+        """Every rank saved this step; wait until the checkpoint is durable, then exit."""
+        reason = self._stop_reason() or "stop requested by a peer"
+        saved = None
+        if self.checkpointer is not None:
+            results = self.checkpointer.wait()
+            saved = next((r.path for r in results if r.path is not None), None)
+            failed = next((r.error for r in results if r.error), None)
+            if failed:
+                reason += f"; the checkpoint failed: {failed}"
+        if self.rank == 0:
+            where = f"checkpoint {saved}" if saved else "no checkpoint written by this rank"
+            print(f"maitre: stopped at step {self.state.step} ({reason}); {where}",
+                  file=sys.stderr, flush=True)
+        if self.env.mode == Mode.ELASTIC and self._client is not None:
+            try:
+                self._client.post(f"/workers/{self.env.worker_id}/done",
+                                  {"step": self.state.step, "suspended": True})
+            except (CoordinatorUnreachable, ApiError) as exc:
+                print(f"maitre: could not report the suspension: {exc}", file=sys.stderr)
+            self._exit(0, None)
+        self._exit(128 + signal.SIGTERM, None)
 
     def _change_requested(self) -> bool:
         hb = self._heartbeat
@@ -233,7 +304,10 @@ class ElasticLoop:
 
     # -- membership ------------------------------------------------------------------------------
     def _start(self) -> None:
+        if self.env.mode != Mode.ELASTIC and self.checkpointer is not None:
+            self._catch_sigterm()
         if self.env.mode == Mode.SINGLE:
+            self._resume_from_disk()
             return
         if self.env.mode == Mode.STATIC:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -242,6 +316,7 @@ class ElasticLoop:
                 self._owns_default_group = True
             self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
                                     self.device)
+            self._sync_state(Recovery("start", time.time()))
             return
         self._client = Client(self.env.coordinator)
         host, port = parse_address(self.env.store)
@@ -304,7 +379,7 @@ class ElasticLoop:
                 self._client.post(f"/workers/{self.env.worker_id}/left")
                 self._exit(0, None)
             if action == "stop":
-                self._exit(0 if answer.get("reason") == "job completed" else 1,
+                self._exit(0 if answer.get("reason") in ("job completed", "job suspended") else 1,
                            f"maitre: worker stopped: {answer.get('reason')}")
         rec = self._recovery
         rec.assigned_at = time.time()
@@ -324,9 +399,38 @@ class ElasticLoop:
         self.scaling.on_resize(self.world_size, self.state.step)
         rec.synced_at = time.time()
 
+    def _catch_sigterm(self) -> None:
+        """Under torchrun or alone, SIGTERM (preemption, ``scancel``, a pod deleted) means: finish
+        the step, checkpoint it, exit. Under maitre the coordinator suspends the job instead."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._signalled = "SIGTERM"
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _resume_from_disk(self) -> None:
+        if self.checkpointer is None or not self.checkpointer.cfg.resume:
+            return
+        loaded = self.checkpointer.load_latest(self.rank)
+        if loaded is None:
+            return
+        self.state.load_state_dict(loaded.tree)
+        if self._ledger is not None:
+            self._ledger.resumed(loaded.step)
+        if self.rank == 0:
+            print(f"maitre: resumed from {loaded.path} at step {loaded.step} (saved by "
+                  f"{loaded.world_size} worker(s), {loaded.nbytes / 1e6:.1f} MB)", flush=True)
+
     def _sync_state(self, rec: Recovery) -> None:
         assert self.group is not None
         steps = sync_steps(self.group, self.state.step)
+        if max(steps) == 0 and self.checkpointer is not None:
+            # Nobody has live state (the job starts or restarts whole): every member reads the
+            # newest complete checkpoint; the second count repairs any disagreement.
+            self._resume_from_disk()
+            steps = sync_steps(self.group, self.state.step)
         ahead = max(steps)
         if all(s == ahead for s in steps):
             return
@@ -354,6 +458,10 @@ class ElasticLoop:
             pass
 
     def _done(self) -> None:
+        if self.checkpointer is not None:  # the final checkpoint is durable before "done"
+            for result in self.checkpointer.wait():
+                if result.path is not None and self.rank == 0:
+                    print(f"maitre: final checkpoint {result.path}", flush=True)
         if self._owns_default_group:  # left to the interpreter's exit, gloo can abort the process
             dist.destroy_process_group()
             self.group = None

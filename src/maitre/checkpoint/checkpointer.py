@@ -1,0 +1,148 @@
+"""Checkpointer: what the training loop calls. Snapshot now, persist in the background.
+
+The loop asks :meth:`Checkpointer.due` at each step boundary (the answer rides in the step's
+allreduce, so every rank saves at the same step), calls :meth:`save` after the step committed,
+and :meth:`load_latest` when a job starts with no live state to take from a peer. ``save``
+blocks only for the copy into reused host memory (and, when the previous save is still being
+written, for that to finish: the wait counts as cost, so the interval backs off).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from maitre.checkpoint import loader
+from maitre.checkpoint.policy import IntervalConfig, IntervalPolicy
+from maitre.checkpoint.snapshot import SnapshotBuffers
+from maitre.checkpoint.writer import SaveResult, Writer, fault_point
+
+DIR_ENV = "MAITRE_CHECKPOINT_DIR"
+EVERY_ENV = "MAITRE_CHECKPOINT_EVERY"
+MTBF_ENV = "MAITRE_MTBF_S"
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    directory: Path
+    """Root of this job's checkpoints (shared by all ranks: a shared file system in a cluster)."""
+    interval: IntervalConfig = field(default_factory=IntervalConfig)
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted once a newer one is in place."""
+    resume: bool = True
+    """Load the newest complete checkpoint when the job starts with no live state."""
+    save_final: bool = True
+    """Write a checkpoint at the last step, so a longer run can continue from it."""
+    commit_timeout_s: float = 600.0
+    """How long the committing rank waits for the others' parts before giving the save up."""
+
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        if self.commit_timeout_s <= 0:
+            raise ValueError(f"commit_timeout_s must be positive, got {self.commit_timeout_s}")
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "CheckpointConfig | None":
+        """The configuration ``maitre run --checkpoint-dir`` passes to its workers, if any."""
+        env = os.environ if env is None else env
+        if not env.get(DIR_ENV):
+            return None
+        every = env.get(EVERY_ENV)
+        mtbf = env.get(MTBF_ENV)
+        return cls(directory=Path(env[DIR_ENV]),
+                   interval=IntervalConfig(every_steps=int(every) if every else None,
+                                           mtbf_s=float(mtbf) if mtbf else None))
+
+
+class Checkpointer:
+    """One per training process; see the module docstring."""
+
+    def __init__(self, cfg: CheckpointConfig, *, meta: dict[str, Any] | None = None,
+                 log: Callable[[str], None] = _stderr, clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.meta = meta or {}
+        self.log = log
+        self.clock = clock
+        self.policy = IntervalPolicy(cfg.interval, clock())
+        self._buffers = SnapshotBuffers()
+        self._writer: Writer | None = None
+        self._reported = 0
+
+    # -- saving ----------------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        return self._writer is not None and self._writer.busy
+
+    def due(self, step: int) -> bool:
+        return self.policy.due(step, self.clock())
+
+    def record_step(self, duration_s: float) -> None:
+        self.policy.record_step(duration_s, self.busy)
+        self._collect()
+
+    def save(self, state: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
+             rank: int, world_size: int, token: int) -> float:
+        """Snapshot ``state`` (a TrainState tree, or a function returning one) and hand it to the
+        writer; returns the seconds this blocked."""
+        started = self.clock()
+        writer = self._writer_started()
+        writer.wait()
+        self._collect()
+        tree = state() if callable(state) else state
+        snap = self._buffers.take(tree, step=step, token=token, rank=rank, world_size=world_size,
+                                  halfway=lambda: fault_point("snapshot", writer.saves + 1))
+        snap.meta = dict(self.meta)
+        snap.block_s = self.clock() - started
+        writer.submit(snap)
+        self.policy.started(step, self.clock(), snap.block_s)
+        return snap.block_s
+
+    def wait(self) -> list[SaveResult]:
+        """Block until the save in flight is durable (or failed); returns results not yet seen."""
+        if self._writer is None:
+            return []
+        self._writer.wait()
+        return self._collect()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._collect()
+            self._writer = None
+
+    @property
+    def results(self) -> list[SaveResult]:
+        return list(self._writer.results) if self._writer is not None else []
+
+    def _writer_started(self) -> Writer:
+        if self._writer is None:
+            self.cfg.directory.mkdir(parents=True, exist_ok=True)
+            self._writer = Writer(self.cfg.directory, keep=self.cfg.keep,
+                                  commit_timeout_s=self.cfg.commit_timeout_s, log=self.log)
+        return self._writer
+
+    def _collect(self) -> list[SaveResult]:
+        if self._writer is None:
+            return []
+        fresh = self._writer.results[self._reported:]
+        if fresh:
+            self._reported += len(fresh)
+            self.policy.finished()
+        return fresh
+
+    # -- loading ---------------------------------------------------------------------------------
+    def load_latest(self, rank: int) -> loader.Loaded | None:
+        loaded = loader.load_latest(self.cfg.directory, rank, self.log)
+        if loaded is not None:
+            self.policy.resumed(loaded.step, self.clock())
+        return loaded

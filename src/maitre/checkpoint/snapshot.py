@@ -1,0 +1,127 @@
+"""The blocking phase of a save: copy this rank's part of the state into reused CPU buffers.
+
+Data-parallel state is replicated: every rank holds the same model, optimizer and schedule. So
+the tensors are split across the ranks (greedily by size, the same plan computed on every rank
+with no communication) and each rank copies and later writes only its part: with W ranks the
+copy that blocks training is about 1/W of the state. Per-rank state (the random number
+generators) is small and each rank keeps its own.
+
+The buffer is one byte tensor per process, laid out in the order of the shard file (see
+:func:`maitre.checkpoint.format.layout`), so the writer streams it to disk with no further copy.
+It is kept between saves and only grows, so steady-state saves allocate nothing; the views into
+it are cached while the layout stays the same.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from maitre.checkpoint import format as fmt
+from maitre.runtime import statetree
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One rank's part of one checkpoint, in CPU memory."""
+
+    step: int
+    token: int
+    rank: int
+    world_size: int
+    skeleton: Any
+    """The replicated state with tensors replaced by placeholders (JSON)."""
+    tensors: list[list[Any]]
+    """Per tensor index: [dtype code, shape, rank that writes it]."""
+    entries: list[fmt.TensorEntry]
+    """This rank's tensors, as laid out in ``data``."""
+    data: memoryview
+    rank_state: dict[str, Any]
+    meta: dict[str, Any] = field(default_factory=dict)
+    block_s: float = 0.0
+
+
+def plan(sizes: list[int], world_size: int) -> list[int]:
+    """The rank that writes each tensor: largest first, to the least-loaded rank (ties to the
+    lowest rank), so every rank computes the same plan and loads differ by at most one tensor."""
+    load = [0] * world_size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
+class SnapshotBuffers:
+    """Reused host memory for this rank's part of the state."""
+
+    def __init__(self) -> None:
+        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._key: tuple[Any, ...] | None = None
+        self._views: list[torch.Tensor] = []
+
+    @property
+    def capacity(self) -> int:
+        return self._buffer.numel()
+
+    def take(self, state: dict[str, Any], *, step: int, token: int, rank: int,
+             world_size: int, halfway: Callable[[], None] | None = None) -> Snapshot:
+        """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers.
+        ``halfway`` is called halfway through the copy (fault injection in tests)."""
+        tree = dict(state)
+        rng = tree.pop("rng", None)
+        skeleton, tensors = statetree.encode(tree)
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        owner = plan(sizes, world_size)
+        mine = [i for i in range(len(tensors)) if owner[i] == rank]
+        entries, nbytes = fmt.layout([(str(i), tensors[i].dtype, tuple(tensors[i].shape))
+                                      for i in mine])
+        key = tuple((e.key, e.dtype, e.shape) for e in entries)
+        if key != self._key:
+            self._views = self._prepare(entries, nbytes, pin=any(t.is_cuda for t in tensors))
+            self._key = key
+        half = len(entries) // 2
+        for j, (entry, view) in enumerate(zip(entries, self._views)):
+            if j == half and halfway is not None:
+                halfway()
+            view.copy_(tensors[int(entry.key)])
+        specs = [[fmt.dtype_code(t.dtype), list(t.shape), owner[i]] for i, t in enumerate(tensors)]
+        data = memoryview(self._buffer.numpy()).cast("B")[:nbytes]
+        return Snapshot(step, token, rank, world_size, skeleton, specs, entries, data,
+                        {"rng": rng_to_json(rng) if rng is not None else None})
+
+    def _prepare(self, entries: list[fmt.TensorEntry], nbytes: int, pin: bool) -> list[torch.Tensor]:
+        if nbytes > self.capacity:
+            pin = pin and torch.cuda.is_available()
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        return [self._buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+                for e in entries]
+
+
+# -- per-rank state as JSON ----------------------------------------------------------------------
+def rng_to_json(rng: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in rng.items():
+        if isinstance(value, torch.Tensor):  # torch generator state: a byte tensor
+            out[name] = {"bytes": base64.b64encode(value.cpu().numpy().tobytes()).decode()}
+        else:
+            skeleton, tensors = statetree.encode(value)
+            if tensors:
+                raise TypeError(f"unexpected tensor in the {name} RNG state")
+            out[name] = skeleton
+    return out
+
+
+def rng_from_json(doc: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in doc.items():
+        if isinstance(value, dict) and "bytes" in value:
+            raw = bytearray(base64.b64decode(value["bytes"]))
+            out[name] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+        else:
+            out[name] = statetree.decode(value, [])
+    return out

@@ -1,0 +1,230 @@
+"""The persist phase: a background thread writes a snapshot and, on the committing rank, makes
+the checkpoint durable and visible in one atomic step.
+
+Every rank writes its files into the same temporary directory ``.tmp-step-<step>-<token>`` (the
+token is drawn by the committing rank and agreed in the step's allreduce, so a half-written
+directory of an earlier attempt at the same step is never mixed in), fsyncs them, then publishes
+a ``rank-<r>.done`` note listing its files with their sizes and xxh3-64 checksums (or a
+``rank-<r>.failed`` note with its error). The committer (rank 0 of the saving epoch) waits for
+every rank's note, writes ``state.json`` and the manifest, fsyncs them and the directory, renames
+the directory to ``step-<step>`` and fsyncs the root. A crash anywhere before the rename leaves
+only a ``.tmp-*`` directory, which loaders ignore and later saves delete; a crash after it leaves
+a complete checkpoint. Old checkpoints are deleted only after a newer one is in place.
+
+The thread runs at a lower CPU priority than training (its own nice value, Linux) and all the
+work it does in Python releases the GIL (``os.write``, ``fsync``, xxh3 on large buffers).
+A failed save (disk full, file size limit, a rank that never reports) is logged and recorded;
+training goes on and the previous checkpoint stays as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from maitre.checkpoint import format as fmt
+from maitre.checkpoint.snapshot import Snapshot
+
+FAULT_ENV = "MAITRE_CHECKPOINT_FAULT"
+"""Fault injection for tests: ``PHASE@N`` kills this process with SIGKILL at PHASE of its N-th
+save (1-based). Phases: ``snapshot`` (halfway through the copy), ``mid_file`` (halfway through
+the shard), ``between_files``, ``before_manifest``, ``before_rename``, ``after_rename``."""
+PHASES = ("snapshot", "mid_file", "between_files", "before_manifest", "before_rename",
+          "after_rename")
+_POLL_S = 0.02
+
+
+def fault_point(phase: str, save_number: int) -> None:
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    want, _, nth = spec.partition("@")
+    if want == phase and int(nth or 1) == save_number:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(slots=True)
+class SaveResult:
+    step: int
+    path: Path | None
+    """The complete checkpoint (committer only; None on other ranks and on failure)."""
+    error: str | None
+    block_s: float
+    persist_s: float
+    nbytes: int
+
+
+class Writer:
+    """One background thread that persists snapshots one at a time."""
+
+    def __init__(self, root: Path, *, keep: int, commit_timeout_s: float,
+                 log: Callable[[str], None]) -> None:
+        self.root = root
+        self.keep = keep
+        self.commit_timeout_s = commit_timeout_s
+        self.log = log
+        self.results: list[SaveResult] = []
+        self.saves = 0
+        self._job: Snapshot | None = None
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="maitre-checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def busy(self) -> bool:
+        with self._cv:
+            return self._job is not None
+
+    def submit(self, snap: Snapshot) -> None:
+        """Hand a snapshot over; the caller must have waited for the previous one (:meth:`wait`)."""
+        with self._cv:
+            if self._job is not None:
+                raise RuntimeError("a checkpoint is still being written")
+            self._job = snap
+            self.saves += 1
+            self._cv.notify_all()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until no save is in flight; False on timeout."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._job is None, timeout_s)
+
+    def close(self) -> None:
+        self.wait()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        try:  # below training, so its CPU use slows training as little as it can
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._job is not None or self._closed)
+                if self._job is None:
+                    return
+                snap = self._job
+            started = time.monotonic()
+            try:
+                path = self._persist(snap)
+                error = None
+            except Exception as exc:  # noqa: BLE001 -- any failure of a save must not stop training
+                path, error = None, f"{type(exc).__name__}: {exc}"
+                self.log(f"maitre: checkpoint at step {snap.step} failed on rank {snap.rank}: "
+                         f"{error}; training goes on, earlier checkpoints are untouched")
+            result = SaveResult(snap.step, path, error, snap.block_s,
+                                time.monotonic() - started, len(snap.data))
+            with self._cv:
+                self.results.append(result)
+                self._job = None
+                self._cv.notify_all()
+
+    # -- the phases ------------------------------------------------------------------------------
+    def _persist(self, snap: Snapshot) -> Path | None:
+        n = self.saves
+        tmp = self.root / fmt.tmp_dir_name(snap.step, snap.token)
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            files: dict[str, dict[str, int | str]] = {}
+            if snap.entries:
+                name = fmt.shard_name(snap.rank)
+                header = fmt.safetensors_header(snap.entries, {"format": fmt.FORMAT})
+                half = len(snap.data) // 2
+                parts = _with_fault([header, snap.data[:half], snap.data[half:]], 2, "mid_file", n)
+                size, digest = fmt.write_file(tmp / name, parts)
+                files[name] = {"size": size, "xxh3_64": digest}
+            fault_point("between_files", n)
+            name = fmt.rank_name(snap.rank)
+            size, digest = fmt.write_json(tmp / name, snap.rank_state)
+            files[name] = {"size": size, "xxh3_64": digest}
+            if snap.rank != 0:
+                _publish(tmp / f"rank-{snap.rank:05d}.done", {"files": files})
+                return None
+            return self._commit(snap, tmp, files, n)
+        except BaseException as exc:
+            if snap.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:  # tell the committer at once rather than let it wait out its timeout
+                try:
+                    _publish(tmp / f"rank-{snap.rank:05d}.failed", {"error": str(exc)})
+                except OSError:
+                    pass
+            raise
+
+    def _commit(self, snap: Snapshot, tmp: Path, files: dict[str, dict[str, int | str]],
+                n: int) -> Path:
+        try:
+            deadline = time.monotonic() + self.commit_timeout_s
+            for r in range(1, snap.world_size):
+                files.update(_await_rank(tmp, r, deadline))
+            state = {"skeleton": snap.skeleton, "tensors": snap.tensors, **snap.meta}
+            size, digest = fmt.write_json(tmp / fmt.STATE, state)
+            files[fmt.STATE] = {"size": size, "xxh3_64": digest}
+            fault_point("before_manifest", n)
+            body = fmt.manifest_body(snap.step, snap.world_size, files,
+                                     {"created_unix_s": round(time.time(), 3), **snap.meta})
+            fmt.write_manifest(tmp / fmt.MANIFEST, body)
+            for note in tmp.glob("rank-*.done"):
+                note.unlink()
+            fmt.fsync_dir(tmp)
+            fault_point("before_rename", n)
+            final = self.root / fmt.step_dir_name(snap.step)
+            if final.exists():  # never reuse or overwrite a checkpoint directory
+                raise FileExistsError(f"{final} already exists")
+            os.rename(tmp, final)
+            fmt.fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fault_point("after_rename", n)
+        self._retire(snap.step)
+        return final
+
+    def _retire(self, newest: int) -> None:
+        """Keep the newest ``keep`` checkpoints; drop temporary directories of older saves."""
+        for step, path in fmt.list_steps(self.root)[self.keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+        for path in self.root.iterdir():
+            m = fmt.TMP_DIR.fullmatch(path.name)
+            if m and int(m.group(1)) <= newest:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _publish(path: Path, obj: object) -> None:
+    """Write a small note so that it appears whole or not at all."""
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    fmt.write_json(partial, obj)
+    os.rename(partial, path)
+
+
+def _await_rank(tmp: Path, rank: int, deadline: float) -> dict[str, dict[str, int | str]]:
+    done, failed = tmp / f"rank-{rank:05d}.done", tmp / f"rank-{rank:05d}.failed"
+    while True:
+        if done.exists():
+            return json.loads(done.read_bytes())["files"]
+        if failed.exists():
+            error = json.loads(failed.read_bytes()).get("error", "?")
+            raise RuntimeError(f"rank {rank} could not write its part: {error}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} did not finish its part in time")
+        time.sleep(_POLL_S)
+
+
+def _with_fault(parts: list, at: int, phase: str, n: int):
+    for i, part in enumerate(parts):
+        if i == at:
+            fault_point(phase, n)
+        yield part
