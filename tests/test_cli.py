@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from conftest import EXAMPLE, ROOT
 
@@ -370,3 +371,32 @@ def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> No
     assert elapsed < 120, f"took {elapsed:.0f} s to fail"
     assert settle(lambda: pids_running(str(script))) == [], "workers of the script remain"
     assert cli.leftovers() == []
+
+
+# -- checkpoint flags ----------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, words", [
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--checkpoint-dir", "CK", "--checkpoint-every", "0"], "--checkpoint-every must be"),
+    (["--checkpoint-dir", "CK", "--mtbf", "-3"], "--mtbf must be"),
+    (["--checkpoint-dir", "CK", "--grace-period", "0"], "--grace-period must be"),
+    (["--checkpoint-dir", "FILE"], "is not a directory"),
+])
+def test_bad_checkpoint_flags(cli: Cli, tmp_path: Path, flags: list[str], words: str) -> None:
+    (tmp_path / "FILE").write_text("x")
+    flags = [str(tmp_path / f) if f in ("CK", "FILE") else f for f in flags]
+    line = assert_rejected(cli("run", *flags, str(EXAMPLE)), cli)
+    assert words in line, line
+    assert not (tmp_path / "CK").exists()
+
+
+@pytest.mark.timeout(60)
+def test_run_refuses_an_earlier_runs_checkpoints_without_resume(cli: Cli, tmp_path: Path) -> None:
+    from maitre.checkpoint import CheckpointConfig, Checkpointer
+
+    ck = Checkpointer(CheckpointConfig(directory=tmp_path / "ck"))
+    ck.save({"w": torch.zeros(3), "step": 4}, step=4, rank=0, world_size=1, token=1)
+    ck.close()
+    line = assert_rejected(cli("run", "--checkpoint-dir", str(tmp_path / "ck"), str(EXAMPLE)), cli)
+    assert "step-000000004" in line and "--resume" in line, line

@@ -581,3 +581,50 @@ def test_leaver_that_exits_without_saying_so_ends_its_running_epoch() -> None:
     m.exited(w3, 0, None, 2.1)
     assert m.workers[w3].state.value == "LEFT"
     assert m.state == JobState.RENDEZVOUS and m.failures == 0
+
+
+# -- suspend -----------------------------------------------------------------------------------------
+
+def test_suspend_waits_for_every_member_to_checkpoint():
+    m = make(min_w=2, max_w=3)
+    a, b = start(m, 2)
+    m.suspend("preempted", 2.0)
+    assert m.state == JobState.RUNNING and m.wants_workers() == 0
+    reply = m.heartbeat(a, 2.1, step=7, stalled=False)
+    assert reply["suspend"] and not reply["stop"] and not reply["change"]
+    m.done(a, 8, 2.5, suspended=True)
+    assert m.state == JobState.RUNNING  # b still training
+    m.done(b, 8, 2.6, suspended=True)
+    assert m.state == JobState.SUSPENDED
+    assert m.events[-1]["kind"] == "suspended" and m.events[-1]["step"] == 8
+    m.exited(a, 0, None, 3.0)  # the members' exits are no failure
+    m.exited(b, 0, None, 3.0)
+    assert m.failures == 0 and m.state == JobState.SUSPENDED
+    with pytest.raises(ValueError, match="SUSPENDED"):
+        m.suspend("again", 4.0)
+
+
+def test_suspend_before_the_first_epoch_is_immediate():
+    m = make()
+    (w,) = add(m, [("n0", 0)])
+    m.suspend("cancelled", 1.0)
+    assert m.state == JobState.SUSPENDED
+    m.arrive(w, 0, 0, "join", 1.5)
+    assert m.assignment(w, 0) == {"action": "stop", "reason": "job suspended"}
+
+
+def test_member_lost_while_suspending_does_not_block_it():
+    m = make(min_w=1, max_w=2)
+    a, b = start(m, 2)
+    m.suspend("preempted", 2.0)
+    m.done(a, 5, 2.5, suspended=True)
+    m.exited(b, -9, None, 2.6)  # b died before it could checkpoint
+    assert m.state == JobState.SUSPENDED
+
+
+def test_too_few_members_left_to_checkpoint_suspends_at_once():
+    m = make(min_w=2, max_w=2)
+    a, b = start(m, 2)
+    m.suspend("preempted", 2.0)
+    m.exited(b, -9, None, 2.6)
+    assert m.state == JobState.SUSPENDED  # a alone cannot train a step: no new checkpoint

@@ -266,6 +266,7 @@ class Membership:
             if self.state == JobState.RUNNING:
                 self._close(reason, now)
         self._log(now, "worker_dead", worker=w.id, reason=reason)
+        self._check_suspended(now)
         if self.failures > self.spec.max_restarts and self.state not in ENDED:
             self._fail(f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; "
                        f"last: {reason}", now)
@@ -320,7 +321,11 @@ class Membership:
         if self.suspending is None or self.state in ENDED:
             return
         members = [self.workers[m] for m in self.members]
-        if any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) for m in members):
+        training = [m for m in members if m.state in (WorkerState.ACTIVE, WorkerState.LEAVING)]
+        # Members still training checkpoint first, unless a failure left too few of them to
+        # open another epoch: then the newest complete checkpoint is where the job resumes.
+        if training and not (self.state == JobState.RENDEZVOUS and
+                             len(training) < self.spec.min_workers):
             return
         self.state = JobState.SUSPENDED
         self._log(now, "suspended", step=max((m.step for m in members), default=0),
