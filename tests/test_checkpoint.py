@@ -137,7 +137,7 @@ def run_ranks(world: int, fn) -> None:
 def test_replicated_state_is_split_across_ranks_and_loads_at_any_world_size(tmp_path: Path) -> None:
     world = 3
     states = [make_state(steps=4) for _ in range(world)]
-    for r, s in enumerate(states):  # per-rank state differs: each rank's own RNG
+    for s in states:
         s.objects["counter"].seen = 123
     rngs = []
     results = {}

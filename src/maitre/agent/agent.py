@@ -172,7 +172,7 @@ class Agent:
         # A failing exit's last stderr line is its error (``Type: message`` for Python); a
         # signal's death says nothing about the script, whatever it printed before.
         error = worker.stderr_tail[-1] if code > 0 and worker.stderr_tail else None
-        for attempt in range(20):
+        for _ in range(20):
             try:
                 self.client.post(f"/workers/{worker.worker_id}/exit", {"code": code, "error": error})
                 return

@@ -77,6 +77,8 @@ class Checkpointer:
         self._buffers = SnapshotBuffers()
         self._writer: Writer | None = None
         self._reported = 0
+        self.results: list[SaveResult] = []
+        """Every finished save of this process, oldest first."""
 
     # -- saving ----------------------------------------------------------------------------------
     @property
@@ -119,10 +121,7 @@ class Checkpointer:
             self._writer.close()
             self._collect()
             self._writer = None
-
-    @property
-    def results(self) -> list[SaveResult]:
-        return list(self._writer.results) if self._writer is not None else []
+            self._reported = 0
 
     def _writer_started(self) -> Writer:
         if self._writer is None:
@@ -137,6 +136,7 @@ class Checkpointer:
         fresh = self._writer.results[self._reported:]
         if fresh:
             self._reported += len(fresh)
+            self.results += fresh
             self.policy.finished()
         return fresh
 

@@ -104,15 +104,16 @@ class SnapshotBuffers:
 
 # -- per-rank state as JSON ----------------------------------------------------------------------
 def rng_to_json(rng: dict[str, Any]) -> dict[str, Any]:
+    """The generator states of :func:`maitre.runtime.state.rng_state` as plain JSON."""
     out: dict[str, Any] = {}
     for name, value in rng.items():
         if isinstance(value, torch.Tensor):  # torch generator state: a byte tensor
             out[name] = {"bytes": base64.b64encode(value.cpu().numpy().tobytes()).decode()}
+        elif name == "python":  # (version, 625 ints, gauss): a list is 10x cheaper than a walk
+            version, internal, gauss = value
+            out[name] = [version, list(internal), gauss]
         else:
-            skeleton, tensors = statetree.encode(value)
-            if tensors:
-                raise TypeError(f"unexpected tensor in the {name} RNG state")
-            out[name] = skeleton
+            out[name] = value  # numpy: already lists and numbers
     return out
 
 
@@ -122,6 +123,9 @@ def rng_from_json(doc: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dict) and "bytes" in value:
             raw = bytearray(base64.b64decode(value["bytes"]))
             out[name] = torch.frombuffer(raw, dtype=torch.uint8).clone()
+        elif name == "python":
+            version, internal, gauss = value
+            out[name] = (version, tuple(internal), gauss)
         else:
-            out[name] = statetree.decode(value, [])
+            out[name] = value
     return out

@@ -58,6 +58,7 @@ class SaveResult:
     error: str | None
     block_s: float
     persist_s: float
+    """From the hand-off to the end of this rank's part (on the committer: to the rename)."""
     nbytes: int
 
 
@@ -75,6 +76,7 @@ class Writer:
         self._job: Snapshot | None = None
         self._cv = threading.Condition()
         self._closed = False
+        self._started = self._durable_at = 0.0
         self._thread = threading.Thread(target=self._run, name="maitre-checkpoint-writer",
                                         daemon=True)
         self._thread.start()
@@ -116,7 +118,8 @@ class Writer:
                 if self._job is None:
                     return
                 snap = self._job
-            started = time.monotonic()
+            self._started = time.monotonic()
+            self._durable_at = 0.0
             try:
                 path = self._persist(snap)
                 error = None
@@ -124,8 +127,9 @@ class Writer:
                 path, error = None, f"{type(exc).__name__}: {exc}"
                 self.log(f"maitre: checkpoint at step {snap.step} failed on rank {snap.rank}: "
                          f"{error}; training goes on, earlier checkpoints are untouched")
-            result = SaveResult(snap.step, path, error, snap.block_s,
-                                time.monotonic() - started, len(snap.data))
+            ended = self._durable_at or time.monotonic()
+            result = SaveResult(snap.step, path, error, snap.block_s, ended - self._started,
+                                len(snap.data))
             with self._cv:
                 self.results.append(result)
                 self._job = None
@@ -151,6 +155,7 @@ class Writer:
             files[name] = {"size": size, "xxh3_64": digest}
             if snap.rank != 0:
                 _publish(tmp / f"rank-{snap.rank:05d}.done", {"files": files})
+                self._durable_at = time.monotonic()
                 return None
             return self._commit(snap, tmp, files, n)
         except BaseException as exc:
@@ -185,6 +190,7 @@ class Writer:
                 raise FileExistsError(f"{final} already exists")
             os.rename(tmp, final)
             fmt.fsync_dir(self.root)
+            self._durable_at = time.monotonic()
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -194,7 +200,7 @@ class Writer:
 
     def _retire(self, newest: int) -> None:
         """Keep the newest ``keep`` checkpoints; drop temporary directories of older saves."""
-        for step, path in fmt.list_steps(self.root)[self.keep:]:
+        for _, path in fmt.list_steps(self.root)[self.keep:]:
             shutil.rmtree(path, ignore_errors=True)
         for path in self.root.iterdir():
             m = fmt.TMP_DIR.fullmatch(path.name)

@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from maitre.control.membership import (ENDED, DetectorConfig, JobSpec, JobState, Membership,
+from maitre.control.membership import (ENDED, DetectorConfig, JobSpec, Membership,
                                        WorkerState)
 from maitre.wire import API
 

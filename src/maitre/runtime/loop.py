@@ -10,11 +10,16 @@ A script builds its model, optimizer and data as usual, then iterates::
             batch.log_loss(loss)
 
 Between two iterations the loop finishes the step: it allreduces the summed gradients in one flat
-buffer that also carries three control slots (the loss sum, the sample count and a resize flag),
-divides by the global sample count (so uneven shares are weighted exactly), applies the scaling
-rule's learning-rate factor, steps the optimizer and the LR schedule, advances the sampler and
-commits. The resize flag is how every rank sees a membership change at the same step: any rank
-whose heartbeat brought news raises it, and after the allreduce all ranks agree.
+buffer that also carries control slots (the loss sum, the sample count, a resize flag and the
+checkpoint's flags), divides by the global sample count (so uneven shares are weighted exactly),
+applies the scaling rule's learning-rate factor, steps the optimizer and the LR schedule, advances
+the sampler and commits. The flags are how every rank makes the same decision at the same step:
+any rank whose heartbeat brought news of a membership change raises the resize flag, any rank whose
+checkpoint interval elapsed asks for a save (see :mod:`maitre.checkpoint`), and after the
+allreduce all ranks agree.
+
+A job that starts with no live state anywhere (its first start, a resume, or every worker lost)
+loads the newest complete checkpoint, if one is configured; the state then goes on live.
 
 When the allreduce fails (a peer crashed) or is abandoned (the coordinator closed the epoch: a
 peer hung or was removed) the step in flight is dropped, the loop rendezvous for the next epoch,
@@ -54,8 +59,9 @@ from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.transfer import broadcast_state, sync_steps
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
 
-_CONTROL = 6  # loss sum, sample count, resize flag, save flag, stop flag, save token
-_SAVE, _STOP, _TOKEN = 3, 4, 5
+# loss sum, sample count, resize flag; save request, stop request, save token, writer busy
+_CONTROL = 7
+_SAVE, _STOP, _TOKEN, _BUSY = 3, 4, 5, 6
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 
@@ -213,6 +219,9 @@ class ElasticLoop:
         control[_SAVE] = 1.0 if ckpt is not None and (ckpt.due(batch.step) or (
             ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
         control[_STOP] = 1.0 if self._stop_reason() else 0.0
+        # A rank still writing the previous save vetoes a new one (it is asked again next step),
+        # so no rank blocks on its writer and every rank makes the same decision.
+        control[_BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
         # The committing rank draws the name of the save's temporary directory; the sum
         # carries it to every rank (exact in float32 below 2**24).
         control[_TOKEN] = float(secrets.randbelow(1 << 24)) if self.rank == 0 else 0.0
@@ -249,7 +258,8 @@ class ElasticLoop:
         if self._recovery is not None:
             self._report_recovery()
         stop = float(control[_STOP]) > 0
-        if ckpt is not None and (float(control[_SAVE]) > 0 or stop):
+        save = float(control[_SAVE]) > 0 and float(control[_BUSY]) == 0
+        if ckpt is not None and (save or stop):  # a stop saves even if it must wait
             ckpt.save(self.state.state_dict, step=self.state.step, rank=self.rank,
                       world_size=self.world_size, token=int(control[_TOKEN]))
         if stop:
@@ -460,7 +470,7 @@ class ElasticLoop:
     def _done(self) -> None:
         if self.checkpointer is not None:  # the final checkpoint is durable before "done"
             for result in self.checkpointer.wait():
-                if result.path is not None and self.rank == 0:
+                if result.path is not None and result.step == self._max_steps:
                     print(f"maitre: final checkpoint {result.path}", flush=True)
         if self._owns_default_group:  # left to the interpreter's exit, gloo can abort the process
             dist.destroy_process_group()

@@ -1,0 +1,53 @@
+"""The import direction of the packages, as the tree promises it.
+
+    cli, launch  ->  control, agent, runtime, checkpoint  ->  wire
+    runtime (the training process)  ->  checkpoint  ->  runtime.statetree (the state encoding)
+
+The training process never imports the coordinator or the agent; the coordinator never imports
+torch-side training code; the checkpoint package uses only the runtime's state encoding.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parent.parent / "src" / "maitre"
+
+FORBIDDEN = {
+    "runtime": ("maitre.control", "maitre.agent", "maitre.launch", "maitre.cli"),
+    "checkpoint": ("maitre.control", "maitre.agent", "maitre.launch", "maitre.cli",
+                   "maitre.runtime.loop", "maitre.runtime.group", "maitre.runtime.heartbeat"),
+    "control": ("maitre.runtime", "maitre.checkpoint", "maitre.agent", "maitre.launch",
+                "maitre.cli"),
+    "agent": ("maitre.control", "maitre.checkpoint", "maitre.launch", "maitre.cli"),
+}
+
+
+def imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return found
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_import_direction(package: str) -> None:
+    bad = []
+    for path in sorted((SRC / package).glob("*.py")):
+        for name in imports(path):
+            if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
+                bad.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(30)
+def test_wire_imports_nothing_of_maitre() -> None:
+    assert not [n for n in imports(SRC / "wire.py") if n.startswith("maitre")]
