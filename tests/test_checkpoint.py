@@ -365,3 +365,18 @@ def test_checkpoint_config_from_environment(tmp_path: Path) -> None:
     assert cfg.interval.every_steps == 7 and cfg.interval.mtbf_s == 60
     with pytest.raises(ValueError):
         CheckpointConfig(directory=tmp_path, keep=0)
+
+
+def test_leftovers_of_killed_saves_and_deletions_are_ignored_then_removed(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    older, newer = two_checkpoints(tmp_path)
+    (root / ".deleting-step-000000001").mkdir()  # a kill halfway through deleting an old one
+    (root / ".deleting-step-000000001" / "manifest.json").write_text("{}")
+    (root / fmt.tmp_dir_name(3, 11)).mkdir()  # a kill before the rename
+    assert load_latest(root, log=pytest.fail).path == newer
+    state = make_state(steps=0)
+    state.step = 6
+    ck = Checkpointer(config(tmp_path))
+    save(state, ck)
+    ck.close()
+    assert sorted(p.name for p in root.iterdir()) == [older.name, newer.name, "step-000000006"]

@@ -77,8 +77,8 @@ def test_read_groups_attempts_and_commits(tmp_path):
     write_run(tmp_path)
     attempts, commits, n = read(tmp_path)
     assert n == N
-    assert len(attempts[(1, 3)]) == 2  # the lost epoch's attempts are there, but unused
-    assert commits[3] == {2} and commits[1] == {1}
+    assert len(attempts[("", 1, 3)]) == 2  # the lost epoch's attempts are there, but unused
+    assert commits[3] == {("", 2, 3)} and commits[1] == {("", 1, 1)}
     assert 8 not in commits  # only a truncated commit line
 
 
@@ -97,8 +97,8 @@ def test_lost_epoch_attempts_are_what_would_break_the_audit(tmp_path):
     """Sanity check of the scenario: the lost attempts overlap the retried step."""
     write_run(tmp_path)
     attempts, _, _ = read(tmp_path)
-    lost = sorted(i for rec in attempts[(1, 3)] for i in rec["i"])
-    retried = sorted(i for rec in attempts[(2, 3)] for i in rec["i"])
+    lost = sorted(i for rec in attempts[("", 1, 3)] for i in rec["i"])
+    retried = sorted(i for rec in attempts[("", 2, 3)] for i in rec["i"])
     assert lost == retried and lost
 
 
@@ -142,3 +142,36 @@ def test_audit_reports_a_step_committed_in_two_epochs(tmp_path):
 def test_audit_of_an_empty_directory(tmp_path):
     result = audit(tmp_path)
     assert result.ok and (result.steps, result.samples) == (0, 0)
+
+
+@pytest.mark.parametrize("record_resume", [True, False])
+def test_resume_from_a_checkpoint_rolls_back_later_commits(tmp_path, record_resume):
+    """Run r1 commits steps 1-6 and dies; r2 resumes from the checkpoint of step 4 and trains
+    steps 5-6 again. The rolled-back commits count once, but only if the resume is recorded."""
+    sampler = ElasticSampler(N, BATCH, seed=5)
+    first = Ledger(tmp_path, "w1", N, run_id="r1")
+    saved = None
+    for s in range(1, 7):
+        sl = sampler.next_slice(0, 1)
+        first.attempt(1, s, sl.data_epoch, sl.local_indices)
+        sampler.advance(sl)
+        first.commit(1, s)
+        if s == 4:
+            saved = sampler.state_dict()
+    first.close()
+    resumed = ElasticSampler(N, BATCH, seed=5)
+    resumed.load_state_dict(saved)
+    second = Ledger(tmp_path, "w1", N, run_id="r2")
+    if record_resume:
+        second.resumed(4)
+    for s in (5, 6):
+        sl = resumed.next_slice(0, 1)
+        second.attempt(1, s, sl.data_epoch, sl.local_indices)  # epoch 1 again: a new coordinator
+        resumed.advance(sl)
+        second.commit(1, s)
+    second.close()
+    result = audit(tmp_path)
+    if record_resume:
+        assert result.ok and result.steps == 6, result.describe()
+    else:
+        assert not result.ok and (-1, 5) in result.duplicates

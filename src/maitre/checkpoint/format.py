@@ -12,8 +12,9 @@ A complete checkpoint is a directory ``step-<9 digits>`` under the checkpoint ro
         ...
 
 It is written as ``.tmp-step-<9 digits>-<token>`` and renamed into place only after every file
-and the manifest are fsynced, so a directory named ``step-*`` is complete unless something
-changed it afterwards, which the checksums catch. Tensors are stored in the safetensors format
+and the manifest are fsynced, and renamed to ``.deleting-step-*`` before it is deleted, so a
+directory named ``step-*`` is complete unless something changed it afterwards, which the
+checksums catch. Tensors are stored in the safetensors format
 (any safetensors reader opens a shard); everything else is JSON. Nothing is ever unpickled.
 """
 
@@ -34,6 +35,7 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 STEP_DIR = re.compile(r"step-(\d{9})")
 TMP_DIR = re.compile(r"\.tmp-step-(\d{9})-(\d+)")
+TRASH_PREFIX = ".deleting-"
 CHUNK = 16 << 20  # bytes per write() and hash update
 
 # safetensors dtype names

@@ -199,12 +199,19 @@ class Writer:
         return final
 
     def _retire(self, newest: int) -> None:
-        """Keep the newest ``keep`` checkpoints; drop temporary directories of older saves."""
+        """Keep the newest ``keep`` checkpoints; drop temporary directories of older saves.
+        A checkpoint is renamed out of the ``step-*`` namespace before it is deleted, so a kill
+        halfway through the deletion never leaves a half-deleted ``step-*`` behind."""
         for _, path in fmt.list_steps(self.root)[self.keep:]:
-            shutil.rmtree(path, ignore_errors=True)
+            trash = path.with_name(f"{fmt.TRASH_PREFIX}{path.name}")
+            try:
+                os.rename(path, trash)
+            except OSError:
+                continue
+            shutil.rmtree(trash, ignore_errors=True)
         for path in self.root.iterdir():
             m = fmt.TMP_DIR.fullmatch(path.name)
-            if m and int(m.group(1)) <= newest:
+            if (m and int(m.group(1)) <= newest) or path.name.startswith(fmt.TRASH_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
 
 
