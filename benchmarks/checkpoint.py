@@ -296,7 +296,7 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="200,1000", help="state sizes in MB, comma-separated")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
     p.add_argument("--segment", type=int, default=60, help="steps per training segment")
     p.add_argument("--rounds", type=int, default=12, help="segments per mode")
     p.add_argument("--scratch", type=Path, help="where to write (default: a temp dir)")

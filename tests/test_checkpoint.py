@@ -380,3 +380,18 @@ def test_leftovers_of_killed_saves_and_deletions_are_ignored_then_removed(tmp_pa
     save(state, ck)
     ck.close()
     assert sorted(p.name for p in root.iterdir()) == [older.name, newer.name, "step-000000006"]
+
+
+def test_prepare_sizes_the_buffer_for_this_ranks_part_in_the_background(tmp_path: Path) -> None:
+    state = make_state(steps=1)
+    ck = Checkpointer(config(tmp_path))
+    ck.prepare(state.state_dict, rank=1, world_size=3)
+    ck.wait()
+    from maitre.checkpoint.snapshot import part_bytes
+
+    need, on_gpu = part_bytes(state.state_dict(), 1, 3)
+    total, _ = part_bytes(state.state_dict(), 0, 1)
+    assert not on_gpu and 0 < need < total and ck._buffers.capacity == need
+    ck.prepare(state.state_dict, rank=1, world_size=3)  # done already: nothing to do
+    assert not ck.busy
+    ck.close()

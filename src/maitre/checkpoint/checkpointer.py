@@ -18,7 +18,7 @@ from typing import Any, Callable, Mapping
 
 from maitre.checkpoint import loader
 from maitre.checkpoint.policy import IntervalConfig, IntervalPolicy
-from maitre.checkpoint.snapshot import SnapshotBuffers
+from maitre.checkpoint.snapshot import SnapshotBuffers, part_bytes
 from maitre.checkpoint.writer import SaveResult, Writer, fault_point
 
 DIR_ENV = "MAITRE_CHECKPOINT_DIR"
@@ -77,6 +77,7 @@ class Checkpointer:
         self._buffers = SnapshotBuffers()
         self._writer: Writer | None = None
         self._reported = 0
+        self._prepared_for: tuple[int, int] | None = None
         self.results: list[SaveResult] = []
         """Every finished save of this process, oldest first."""
 
@@ -108,6 +109,16 @@ class Checkpointer:
         writer.submit(snap)
         self.policy.started(step, self.clock(), snap.block_s)
         return snap.block_s
+
+    def prepare(self, state: Callable[[], dict[str, Any]], *, rank: int, world_size: int) -> None:
+        """Size the host buffer for this rank's part at this world size, in the background, so
+        that no save pays for allocating it. Cheap when already done for (rank, world size)."""
+        if self._prepared_for == (rank, world_size) or self.busy:
+            return
+        need, pin = part_bytes(state(), rank, world_size)
+        if need > self._buffers.capacity:
+            self._writer_started().submit(lambda: self._buffers.reserve(need, pin))
+        self._prepared_for = (rank, world_size)
 
     def wait(self) -> list[SaveResult]:
         """Block until the save in flight is durable (or failed); returns results not yet seen."""

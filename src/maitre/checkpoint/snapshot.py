@@ -44,6 +44,14 @@ class Snapshot:
     block_s: float = 0.0
 
 
+def part_bytes(state: dict[str, Any], rank: int, world_size: int) -> tuple[int, bool]:
+    """Bytes of ``rank``'s part of ``state`` at ``world_size``, and whether it lives on a GPU."""
+    _, tensors = statetree.encode({k: v for k, v in state.items() if k != "rng"})
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    owner = plan(sizes, world_size)
+    return sum(s for s, r in zip(sizes, owner) if r == rank), any(t.is_cuda for t in tensors)
+
+
 def plan(sizes: list[int], world_size: int) -> list[int]:
     """The rank that writes each tensor: largest first, to the least-loaded rank (ties to the
     lowest rank), so every rank computes the same plan and loads differ by at most one tensor."""
@@ -94,10 +102,18 @@ class SnapshotBuffers:
         return Snapshot(step, token, rank, world_size, skeleton, specs, entries, data,
                         {"rng": rng_to_json(rng) if rng is not None else None})
 
+    def reserve(self, nbytes: int, pin: bool) -> None:
+        """Grow the buffer to ``nbytes`` and touch every page, so that the save after it only
+        copies (first-touch page faults cost seconds per GB on some machines)."""
+        if nbytes <= self.capacity:
+            return
+        buffer = torch.empty(nbytes, dtype=torch.uint8,
+                             pin_memory=pin and torch.cuda.is_available())
+        buffer.fill_(0)
+        self._buffer, self._key = buffer, None
+
     def _prepare(self, entries: list[fmt.TensorEntry], nbytes: int, pin: bool) -> list[torch.Tensor]:
-        if nbytes > self.capacity:
-            pin = pin and torch.cuda.is_available()
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.reserve(nbytes, pin)
         return [self._buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
                 for e in entries]
 

@@ -73,7 +73,7 @@ class Writer:
         self.log = log
         self.results: list[SaveResult] = []
         self.saves = 0
-        self._job: Snapshot | None = None
+        self._job: Snapshot | Callable[[], None] | None = None
         self._cv = threading.Condition()
         self._closed = False
         self._started = self._durable_at = 0.0
@@ -86,13 +86,14 @@ class Writer:
         with self._cv:
             return self._job is not None
 
-    def submit(self, snap: Snapshot) -> None:
-        """Hand a snapshot over; the caller must have waited for the previous one (:meth:`wait`)."""
+    def submit(self, job: Snapshot | Callable[[], None]) -> None:
+        """Hand a snapshot (or a chore, such as growing the buffers) over; the caller must have
+        waited for the previous job (:meth:`wait`)."""
         with self._cv:
             if self._job is not None:
                 raise RuntimeError("a checkpoint is still being written")
-            self._job = snap
-            self.saves += 1
+            self._job = job
+            self.saves += isinstance(job, Snapshot)
             self._cv.notify_all()
 
     def wait(self, timeout_s: float | None = None) -> bool:
@@ -118,6 +119,15 @@ class Writer:
                 if self._job is None:
                     return
                 snap = self._job
+            if not isinstance(snap, Snapshot):
+                try:
+                    snap()
+                except Exception as exc:  # noqa: BLE001 -- the save itself will try again
+                    self.log(f"maitre: checkpoint writer: {type(exc).__name__}: {exc}")
+                with self._cv:
+                    self._job = None
+                    self._cv.notify_all()
+                continue
             self._started = time.monotonic()
             self._durable_at = 0.0
             try:

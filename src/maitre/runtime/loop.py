@@ -262,6 +262,8 @@ class ElasticLoop:
         if ckpt is not None and (save or stop):  # a stop saves even if it must wait
             ckpt.save(self.state.state_dict, step=self.state.step, rank=self.rank,
                       world_size=self.world_size, token=int(control[_TOKEN]))
+        elif ckpt is not None:  # after the first step, when the optimizer state exists
+            ckpt.prepare(self.state.state_dict, rank=self.rank, world_size=self.world_size)
         if stop:
             self._stop_here()
         if float(control[2]) > 0:
