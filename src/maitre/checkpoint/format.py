@@ -198,7 +198,7 @@ def parse_safetensors(data: bytearray, name: str) -> dict[str, torch.Tensor]:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def _numel(shape: Iterable[int]) -> int:
