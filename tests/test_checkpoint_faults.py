@@ -135,8 +135,11 @@ def test_full_disk_fails_the_save_not_training(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "trained 20 steps; loads: 5" in result.stdout
     failures = [line for line in result.stderr.splitlines() if "checkpoint at step" in line]
-    assert len(failures) == 3 and all("File too large" in line and "training goes on" in line
-                                      for line in failures), result.stderr
+    # saves are due at 10, 15 and 20; one may slip a step or two while the writer still
+    # reports the last failure (a busy writer vetoes a save), so there are two or three
+    assert 2 <= len(failures) <= 3 and all("File too large" in line and "training goes on" in line
+                                           for line in failures), result.stderr
+    assert "checkpoint at step 10 failed" in failures[0]
     assert assert_all_complete(directory) == [5]
     assert not list(directory.glob(".tmp-*"))
 
