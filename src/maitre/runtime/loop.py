@@ -428,7 +428,11 @@ class ElasticLoop:
         loaded = self.checkpointer.load_latest(self.rank)
         if loaded is None:
             return
-        self.state.load_state_dict(loaded.tree)
+        try:
+            self.state.load_state_dict(loaded.tree)
+        except (ValueError, KeyError, RuntimeError) as exc:  # another script's, model's or data's
+            raise RuntimeError(f"cannot resume from {loaded.path}: it does not fit this "
+                               f"script's state: {exc}") from None
         if self._ledger is not None:
             self._ledger.resumed(loaded.step)
         if self.rank == 0:
