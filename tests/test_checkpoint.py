@@ -360,8 +360,9 @@ def test_interval_config_rejects_bad_values(bad: dict) -> None:
 def test_checkpoint_config_from_environment(tmp_path: Path) -> None:
     assert CheckpointConfig.from_environ({}) is None
     cfg = CheckpointConfig.from_environ({"MAITRE_CHECKPOINT_DIR": str(tmp_path),
-                                         "MAITRE_CHECKPOINT_EVERY": "7", "MAITRE_MTBF_S": "60"})
-    assert cfg is not None and cfg.directory == tmp_path
+                                         "MAITRE_CHECKPOINT_EVERY": "7", "MAITRE_MTBF_S": "60",
+                                         "MAITRE_CHECKPOINT_KEEP": "5"})
+    assert cfg is not None and cfg.directory == tmp_path and cfg.keep == 5
     assert cfg.interval.every_steps == 7 and cfg.interval.mtbf_s == 60
     with pytest.raises(ValueError):
         CheckpointConfig(directory=tmp_path, keep=0)

@@ -380,6 +380,7 @@ def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> No
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
     (["--checkpoint-dir", "CK", "--checkpoint-every", "0"], "--checkpoint-every must be"),
     (["--checkpoint-dir", "CK", "--mtbf", "-3"], "--mtbf must be"),
+    (["--checkpoint-dir", "CK", "--checkpoint-keep", "0"], "--checkpoint-keep must be"),
     (["--checkpoint-dir", "CK", "--grace-period", "0"], "--grace-period must be"),
     (["--checkpoint-dir", "FILE"], "is not a directory"),
 ])

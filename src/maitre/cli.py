@@ -84,6 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     run_dir=Path(args.run_dir) if args.run_dir else None,
                     ledger=not args.no_ledger, checkpoint_dir=checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, mtbf_s=args.mtbf,
+                    checkpoint_keep=args.checkpoint_keep,
                     resume=args.resume, grace_period_s=args.grace_period)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -110,6 +111,8 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
     """Check the checkpoint flags; refuse to mix a new run into an old run's checkpoints."""
     if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every must be at least 1, got {args.checkpoint_every}")
+    if args.checkpoint_keep < 1:
+        raise UsageError(f"--checkpoint-keep must be at least 1, got {args.checkpoint_keep}")
     if args.mtbf is not None and not args.mtbf > 0:
         raise UsageError(f"--mtbf must be a positive number of seconds, got {args.mtbf}")
     if not args.grace_period > 0:
@@ -202,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                      "a cluster); SIGINT/SIGTERM then suspends the job with a checkpoint")
     run.add_argument("--checkpoint-every", type=int, help="steps between checkpoints "
                      "(default: the Young/Daly interval from measured cost and failure rate)")
+    run.add_argument("--checkpoint-keep", type=int, default=3,
+                     help="complete checkpoints kept (default 3)")
     run.add_argument("--mtbf", type=float, help="the job's mean time between failures in "
                      "seconds, for the checkpoint interval (default: estimated from its history)")
     run.add_argument("--resume", action="store_true",

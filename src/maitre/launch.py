@@ -76,6 +76,7 @@ class RunConfig:
     quiet_workers: bool = False
     checkpoint_dir: Path | None = None
     checkpoint_every: int | None = None
+    checkpoint_keep: int = 3
     mtbf_s: float | None = None
     resume: bool = False
     grace_period_s: float = 60.0
@@ -114,6 +115,7 @@ class Run:
                 env[ckpt_env.EVERY_ENV] = str(cfg.checkpoint_every)
             if cfg.mtbf_s:
                 env[ckpt_env.MTBF_ENV] = str(cfg.mtbf_s)
+            env[ckpt_env.KEEP_ENV] = str(cfg.checkpoint_keep)
         self.coordinator.create_job({
             "job_id": cfg.job_id, "command": cfg.command,
             "min_workers": cfg.min_nodes * cfg.nproc_per_node,

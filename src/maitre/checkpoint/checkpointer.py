@@ -24,6 +24,7 @@ from maitre.checkpoint.writer import SaveResult, Writer, fault_point
 DIR_ENV = "MAITRE_CHECKPOINT_DIR"
 EVERY_ENV = "MAITRE_CHECKPOINT_EVERY"
 MTBF_ENV = "MAITRE_MTBF_S"
+KEEP_ENV = "MAITRE_CHECKPOINT_KEEP"
 
 
 def _stderr(line: str) -> None:
@@ -59,7 +60,7 @@ class CheckpointConfig:
             return None
         every = env.get(EVERY_ENV)
         mtbf = env.get(MTBF_ENV)
-        return cls(directory=Path(env[DIR_ENV]),
+        return cls(directory=Path(env[DIR_ENV]), keep=int(env.get(KEEP_ENV) or 3),
                    interval=IntervalConfig(every_steps=int(every) if every else None,
                                            mtbf_s=float(mtbf) if mtbf else None))
 
