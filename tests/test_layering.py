@@ -2,6 +2,7 @@
 
     cli, launch  ->  control, agent, runtime, checkpoint  ->  wire
     runtime (the training process)  ->  checkpoint  ->  runtime.statetree (the state encoding)
+    scheduling (the policy: pure, no torch) is imported by the coordinator and the simulator
 
 The training process never imports the coordinator or the agent; the coordinator never imports
 torch-side training code; the checkpoint package uses only the runtime's state encoding.
@@ -23,6 +24,8 @@ FORBIDDEN = {
     "control": ("maitre.runtime", "maitre.checkpoint", "maitre.agent", "maitre.launch",
                 "maitre.cli"),
     "agent": ("maitre.control", "maitre.checkpoint", "maitre.launch", "maitre.cli"),
+    "scheduling": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
+                   "maitre.launch", "maitre.cli", "torch"),
 }
 
 

@@ -1,0 +1,143 @@
+"""The scheduler's view of a cluster: nodes with slots, queues with quotas, jobs with sizes.
+
+A *slot* is one accelerator (a GPU; a CPU slot stands in on a laptop). A job runs as replicas
+of ``slots_per_replica`` slots each, every replica on one node, between ``min_replicas`` and
+``max_replicas``; ``min == max`` is a fixed gang, never resized. A *queue* (a team) has a
+guaranteed quota of slots it can always reclaim, a borrowing limit on top of it (None: no limit)
+and a weight for fair share. Everything here is plain data: the policy is a pure function of it
+(:mod:`maitre.scheduling.policy`), so the live coordinator and the simulator call the same code.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    name: str
+    slots: int
+    rack: str = ""
+    block: str = ""
+    capacity_type: str = "on-demand"
+    """``on-demand`` or ``spot``."""
+    accelerator: str = ""
+
+    def __post_init__(self) -> None:
+        if self.slots < 1:
+            raise ValueError(f"node {self.name}: slots must be >= 1, got {self.slots}")
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    name: str
+    guaranteed: int = 0
+    """Slots this queue can always get back, by preempting other queues' borrowed slots."""
+    borrowing_limit: int | None = None
+    """Slots it may hold beyond its guarantee while others do not need them (None: any)."""
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.guaranteed < 0 or (self.borrowing_limit is not None and self.borrowing_limit < 0):
+            raise ValueError(f"queue {self.name}: quotas must be >= 0")
+        if not self.weight > 0:
+            raise ValueError(f"queue {self.name}: weight must be positive, got {self.weight}")
+
+    @property
+    def ceiling(self) -> float:
+        return math.inf if self.borrowing_limit is None else self.guaranteed + self.borrowing_limit
+
+
+class Phase(str, Enum):
+    PENDING = "PENDING"      # waiting for its minimum to fit
+    RUNNING = "RUNNING"
+    SUSPENDING = "SUSPENDING"  # asked to checkpoint and stop; its slots are still held
+    SUSPENDED = "SUSPENDED"  # stopped with a checkpoint; resumes like a pending job
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    level: str = "rack"
+    """``node``, ``rack`` or ``block``: the domain the job should fit in."""
+    mode: str = "preferred"
+    """``required`` (never place across domains) or ``preferred`` (pack, but may spread)."""
+
+    def __post_init__(self) -> None:
+        if self.level not in ("node", "rack", "block"):
+            raise ValueError(f"topology level must be node, rack or block, got {self.level!r}")
+        if self.mode not in ("required", "preferred"):
+            raise ValueError(f"topology mode must be required or preferred, got {self.mode!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class Job:
+    """One job as the scheduler sees it: its request, where it runs, how fast it went."""
+
+    id: str
+    queue: str
+    priority: int = 0
+    min_replicas: int = 1
+    max_replicas: int = 1
+    slots_per_replica: int = 1
+    preemptible: bool = True
+    grace_period_s: float = 30.0
+    topology: Topology | None = None
+    submitted_at: float = 0.0
+    phase: Phase = Phase.PENDING
+    placement: dict[str, int] = field(default_factory=dict)
+    """Replicas per node now."""
+    last_resize_at: float = -math.inf
+    throughput: dict[int, float] = field(default_factory=dict)
+    """Measured samples per second by number of replicas (fits the speedup model)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"job {self.id}: need 1 <= minReplicas <= maxReplicas, got "
+                             f"{self.min_replicas} and {self.max_replicas}")
+        if self.slots_per_replica < 1:
+            raise ValueError(f"job {self.id}: gpusPerReplica must be >= 1")
+
+    @property
+    def replicas(self) -> int:
+        return sum(self.placement.values())
+
+    @property
+    def slots(self) -> int:
+        return self.replicas * self.slots_per_replica
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_replicas < self.max_replicas
+
+    def speedup(self, replicas: int) -> float:
+        """Throughput at ``replicas`` relative to one replica: ``n / (1 + c (n - 1))``, with the
+        communication cost ``c`` fitted to the measured throughput (0.05 until measured)."""
+        return replicas / (1 + self.comm_cost() * (replicas - 1)) if replicas > 0 else 0.0
+
+    def comm_cost(self) -> float:
+        points = sorted(self.throughput.items())
+        if len(points) < 2:
+            return 0.05
+        # t(n) = t1 * n / (1 + c (n - 1))  =>  n t1 / t(n) - 1 = c (n - 1); least squares in c,
+        # with t1 from the smallest size measured.
+        n0, t0 = points[0]
+        t1 = t0 * (1 + 0.05 * (n0 - 1)) / n0 if n0 > 1 else t0
+        num = sum((n * t1 / t - 1) * (n - 1) for n, t in points if t > 0)
+        den = sum((n - 1) ** 2 for n, t in points if t > 0)
+        return min(1.0, max(0.0, num / den)) if den else 0.05
+
+
+@dataclass(slots=True)
+class Cluster:
+    nodes: dict[str, Node]
+    queues: dict[str, Queue]
+
+    @classmethod
+    def of(cls, nodes: list[Node], queues: list[Queue]) -> "Cluster":
+        return cls({n.name: n for n in nodes}, {q.name: q for q in queues})
+
+    @property
+    def capacity(self) -> int:
+        return sum(n.slots for n in self.nodes.values())

@@ -1,0 +1,328 @@
+"""The scheduling policy: a pure function from the cluster and its jobs to target placements.
+
+``schedule(cluster, jobs, now)`` returns a :class:`Plan`: where every job should run after this
+pass and the actions that get it there (admit, grow, shrink, suspend). No I/O, no clock but
+``now``, no randomness: the live coordinator and the simulator call it alike.
+
+One pass, in order:
+
+1. **Admission.** Pending (and suspended) jobs in order of priority, then fair share of their
+   queue (slots held over weight), then submission time. A job is admitted only if its *minimum*
+   fits in slots that are free now, within its queue's ceiling (guarantee plus borrowing limit),
+   all at once (gang admission: two gangs that cannot both fit never both hold part).
+2. **Preemption**, for a job that does not fit: first shrink elastic jobs toward their minimum,
+   lowest priority first, then suspend whole preemptible jobs (each gets its grace period to
+   checkpoint); victims are jobs of lower priority, or jobs of other queues that borrow beyond
+   their guarantee when the preemptor's queue reclaims its own guarantee (never below the
+   victim queue's guarantee). Nothing is touched unless the preemptor fits once the victims let
+   go; the preemptor itself starts in a later pass, when the slots are really free (so the
+   cluster is never over-allocated, even for a moment).
+3. **Elastic fill.** Free slots go one replica at a time to the running elastic job with the
+   highest priority and then the largest marginal gain (from its speedup model, fitted to the
+   throughput it reported at each size), while the gain is worth it (``min_gain``) and the job
+   was not resized within ``resize_cooldown_s`` (damping: no back-and-forth).
+
+Placement is topology-aware: a job's replicas go to one domain (node, rack or block, from
+``topology.level``; rack by default) when one can hold them, choosing the tightest domain that
+fits and, inside it, one node if one fits all, else the fewest nodes; ``required`` never spreads.
+Growth prefers the nodes and domains the job already uses.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from maitre.scheduling.model import Cluster, Job, Node, Phase, Topology
+
+_DEFAULT_TOPOLOGY = Topology(level="rack", mode="preferred")
+
+
+@dataclass(kw_only=True, slots=True)
+class PolicyConfig:
+    resize_cooldown_s: float = 60.0
+    """A running job is not resized again within this many seconds of its last resize."""
+    min_gain: float = 0.1
+    """Grow a job only if one more replica adds at least this fraction of one replica's
+    throughput (by its speedup model)."""
+
+
+@dataclass(slots=True)
+class Action:
+    kind: str
+    """``admit``, ``grow``, ``shrink``, ``suspend`` or ``preempting`` (a pending job waits for
+    its victims to let go; its placement is where it will fit then)."""
+    job: str
+    placement: dict[str, int]
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class Plan:
+    placements: dict[str, dict[str, int]]
+    """Target replicas per node of every job (empty: not running)."""
+    actions: list[Action] = field(default_factory=list)
+
+    def actions_of(self, kind: str) -> list[Action]:
+        return [a for a in self.actions if a.kind == kind]
+
+
+class _Free:
+    """Free slots per node, with per-domain sums so placement need not scan the cluster."""
+
+    def __init__(self, cluster: Cluster, used: dict[str, int]) -> None:
+        self.nodes = cluster.nodes
+        self.avail = {n: node.slots - used.get(n, 0) for n, node in cluster.nodes.items()}
+        self.members: dict[str, dict[str, list[str]]] = {lvl: {} for lvl in ("rack", "block")}
+        self.sums: dict[str, dict[str, int]] = {lvl: {} for lvl in ("rack", "block")}
+        for name, node in cluster.nodes.items():
+            for lvl in ("rack", "block"):
+                d = _domain(node, lvl)
+                self.members[lvl].setdefault(d, []).append(name)
+                self.sums[lvl][d] = self.sums[lvl].get(d, 0) + self.avail[name]
+
+    def take(self, placement: dict[str, int], per_replica: int, sign: int = 1) -> None:
+        for name, replicas in placement.items():
+            self.take_slots(name, sign * replicas * per_replica)
+
+    def take_slots(self, name: str, slots: int) -> None:
+        self.avail[name] -= slots
+        node = self.nodes[name]
+        for lvl in ("rack", "block"):
+            self.sums[lvl][_domain(node, lvl)] -= slots
+
+    def give(self, placement: dict[str, int], per_replica: int) -> None:
+        self.take(placement, per_replica, sign=-1)
+
+    def copy(self) -> "_Free":
+        clone = object.__new__(_Free)
+        clone.nodes, clone.members = self.nodes, self.members
+        clone.avail = dict(self.avail)
+        clone.sums = {lvl: dict(s) for lvl, s in self.sums.items()}
+        return clone
+
+
+def _domain(node: Node, level: str) -> str:
+    if level == "node":
+        return node.name
+    if level == "block":
+        return node.block or node.rack or node.name
+    return node.rack or node.name
+
+
+def place(job: Job, replicas: int, free: _Free, prefer: dict[str, int] | None = None
+          ) -> dict[str, int] | None:
+    """Where ``replicas`` more replicas of ``job`` go in ``free`` (None: they do not fit)."""
+    if replicas <= 0:
+        return {}
+    g = job.slots_per_replica
+    topo = job.topology or _DEFAULT_TOPOLOGY
+    prefer = prefer or {}
+
+    def fits(name: str) -> int:
+        return free.avail[name] // g
+
+    if topo.level == "node":  # all replicas on one node
+        best = min((n for n in free.avail if fits(n) >= replicas),
+                   key=lambda n: (n not in prefer, fits(n), n), default=None)
+        if best is not None:
+            return {best: replicas}
+        if topo.mode == "required":
+            return None
+        return _spread(sorted(free.avail, key=lambda n: (n not in prefer, -fits(n), n)),
+                       replicas, fits)
+    level = topo.level
+    sums = free.sums[level]
+    current = {_domain(free.nodes[n], level) for n in prefer}
+    # Domains whose free slots could hold the replicas (an upper bound: per-node remainders
+    # smaller than a replica do not count), tightest first; the job's own domains first.
+    candidates = sorted((d for d, s in sums.items() if s >= replicas * g),
+                        key=lambda d: (d not in current, sums[d], d))
+    for d in candidates:
+        names = free.members[level][d]
+        if sum(fits(n) for n in names) < replicas:
+            continue
+        one = min((n for n in names if fits(n) >= replicas),
+                  key=lambda n: (n not in prefer, fits(n), n), default=None)
+        if one is not None:
+            return {one: replicas}
+        return _spread(sorted(names, key=lambda n: (n not in prefer, -fits(n), n)), replicas, fits)
+    if topo.mode == "required":
+        return None
+    domains = sorted(sums, key=lambda d: (d not in current, -sums[d], d))
+    order = [n for d in domains for n in sorted(free.members[level][d],
+                                                key=lambda n: (n not in prefer, -fits(n), n))]
+    return _spread(order, replicas, fits)
+
+
+def _spread(order: list[str], replicas: int, fits) -> dict[str, int] | None:
+    out: dict[str, int] = {}
+    left = replicas
+    for n in order:
+        k = min(fits(n), left)
+        if k > 0:
+            out[n] = k
+            left -= k
+            if left == 0:
+                return out
+    return None
+
+
+def schedule(cluster: Cluster, jobs: list[Job], now: float,
+             cfg: PolicyConfig | None = None) -> Plan:
+    """One scheduling pass (see the module docstring)."""
+    cfg = cfg or PolicyConfig()
+    by_id = {j.id: j for j in jobs}
+    used: dict[str, int] = {}
+    usage: dict[str, int] = {q: 0 for q in cluster.queues}
+    for j in jobs:
+        if j.queue not in cluster.queues:
+            raise ValueError(f"job {j.id}: no queue {j.queue!r}")
+        for n, r in j.placement.items():
+            if n not in cluster.nodes:
+                raise ValueError(f"job {j.id}: placed on unknown node {n!r}")
+            used[n] = used.get(n, 0) + r * j.slots_per_replica
+        usage[j.queue] += j.slots
+    for n, u in used.items():
+        if u > cluster.nodes[n].slots:
+            raise ValueError(f"node {n}: {u} slots in use, it has {cluster.nodes[n].slots}")
+    free = _Free(cluster, used)
+    target = {j.id: dict(j.placement) for j in jobs}
+    plan = Plan(target)
+    touched: set[str] = set()  # jobs resized, admitted or preempted in this pass
+
+    def share(j: Job) -> float:
+        return usage[j.queue] / cluster.queues[j.queue].weight
+
+    # 1-2. admission, with preemption for jobs that do not fit
+    pending = sorted((j for j in jobs if j.phase in (Phase.PENDING, Phase.SUSPENDED)),
+                     key=lambda j: (-j.priority, share(j), j.submitted_at, j.id))
+    for j in pending:
+        need = j.min_replicas * j.slots_per_replica
+        if usage[j.queue] + need > cluster.queues[j.queue].ceiling:
+            continue
+        where = place(j, j.min_replicas, free)
+        if where is not None:
+            free.take(where, j.slots_per_replica)
+            usage[j.queue] += need
+            target[j.id] = where
+            touched.add(j.id)
+            plan.actions.append(Action("admit", j.id, where))
+            continue
+        found = _preemption(j, jobs, cluster, free, usage, target, touched)
+        if found is None:
+            continue
+        victims, where = found
+        for n, r in where.items():  # pledge what is free now, so no later job takes it
+            free.take_slots(n, min(r * j.slots_per_replica, max(0, free.avail[n])))
+        for v, new in victims:
+            kind = "suspend" if not new else "shrink"
+            usage[v.queue] -= (sum(target[v.id].values()) - sum(new.values())) * v.slots_per_replica
+            target[v.id] = new
+            touched.add(v.id)
+            plan.actions.append(Action(kind, v.id, new, reason=f"preempted by {j.id}"))
+        plan.actions.append(Action("preempting", j.id, where, reason="waits for " + ", ".join(
+            v.id for v, _ in victims)))
+
+    # 3. elastic fill by marginal gain
+    def gain(j: Job, n: int) -> float:
+        return j.speedup(n + 1) - j.speedup(n)
+
+    heap: list[tuple[int, float, float, str]] = []
+    for j in jobs:
+        size = sum(target[j.id].values())
+        running = j.phase == Phase.RUNNING or (j.id in touched and size > 0)
+        if not (running and j.elastic and size and size < j.max_replicas):
+            continue
+        if j.id in touched and j.phase == Phase.RUNNING:
+            continue  # shrunk for a preemptor this pass
+        if j.phase == Phase.RUNNING and now - j.last_resize_at < cfg.resize_cooldown_s:
+            continue
+        heapq.heappush(heap, (-j.priority, -gain(j, size), j.submitted_at, j.id))
+    grown: set[str] = set()
+    while heap:
+        _, neg_gain, _, jid = heapq.heappop(heap)
+        j = by_id[jid]
+        size = sum(target[jid].values())
+        if -neg_gain < cfg.min_gain or size >= j.max_replicas:
+            continue
+        if usage[j.queue] + j.slots_per_replica > cluster.queues[j.queue].ceiling:
+            continue
+        where = place(j, 1, free, prefer=target[jid])
+        if where is None:
+            continue
+        free.take(where, j.slots_per_replica)
+        usage[j.queue] += j.slots_per_replica
+        for n, r in where.items():
+            target[jid][n] = target[jid].get(n, 0) + r
+        grown.add(jid)
+        heapq.heappush(heap, (-j.priority, -gain(j, size + 1), j.submitted_at, jid))
+    for jid in sorted(grown):
+        if by_id[jid].phase == Phase.RUNNING:
+            plan.actions.append(Action("grow", jid, dict(target[jid])))
+        else:  # admitted this pass: its admission carries the larger size
+            for a in plan.actions:
+                if a.kind == "admit" and a.job == jid:
+                    a.placement = dict(target[jid])
+    return plan
+
+
+def _preemption(j: Job, jobs: list[Job], cluster: Cluster, free: _Free, usage: dict[str, int],
+                target: dict[str, dict[str, int]], touched: set[str]
+                ) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
+    """Victims (with their new placements; empty = suspend) that let ``j``'s minimum fit, and
+    where it will go then; None if no admissible set of victims would make it fit."""
+    by_id = {x.id: x for x in jobs}
+    queue = cluster.queues[j.queue]
+    need = j.min_replicas * j.slots_per_replica
+    reclaiming = usage[j.queue] + need <= queue.guaranteed
+
+    def room(v: Job) -> float:
+        """Slots that may be taken from ``v``'s queue without breaking its guarantee."""
+        if v.priority < j.priority and v.queue == j.queue:
+            return math.inf
+        if v.queue != j.queue and (v.priority < j.priority or reclaiming):
+            return usage[v.queue] - cluster.queues[v.queue].guaranteed
+        return 0
+
+    candidates = [v for v in jobs if v.phase == Phase.RUNNING and v.id not in touched
+                  and v.id != j.id and room(v) > 0]
+    candidates.sort(key=lambda v: (v.priority, -v.submitted_at, v.id))
+    trial = free.copy()
+    taken = {q: 0 for q in cluster.queues}
+    plan: dict[str, dict[str, int]] = {}
+    # Phase A: shrink elastic victims toward their minimum, one replica at a time.
+    for v in candidates:
+        if not v.elastic:
+            continue
+        current = dict(target[v.id])
+        while sum(current.values()) > v.min_replicas and \
+                taken[v.queue] + v.slots_per_replica <= room(v):
+            node = min(current, key=lambda n: (current[n], n))  # unpack the thinnest first
+            current[node] -= 1
+            if not current[node]:
+                del current[node]
+            trial.give({node: 1}, v.slots_per_replica)
+            taken[v.queue] += v.slots_per_replica
+            plan[v.id] = dict(current)
+            where = place(j, j.min_replicas, trial)
+            if where is not None:
+                return [(by_id[vid], p) for vid, p in plan.items()], where
+    # Phase B: suspend whole preemptible victims.
+    for v in candidates:
+        if not v.preemptible:
+            continue
+        remaining = plan.get(v.id, target[v.id])
+        slots = sum(remaining.values()) * v.slots_per_replica
+        if taken[v.queue] + slots > room(v):
+            continue
+        trial.give(remaining, v.slots_per_replica)
+        taken[v.queue] += slots
+        plan[v.id] = {}
+        where = place(j, j.min_replicas, trial)
+        if where is not None:
+            # Shrinks that turned out not to be needed once a whole job is suspended are kept:
+            # they count toward the fit, and a minimal set is not worth a second search.
+            return [(by_id[vid], p) for vid, p in plan.items()], where
+    return None

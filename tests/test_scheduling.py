@@ -1,0 +1,271 @@
+"""The scheduling policy: hand-checked scenarios, then random clusters under invariants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from maitre.scheduling import Cluster, Job, Node, Phase, Plan, PolicyConfig, Queue, Topology
+from maitre.scheduling import place, schedule
+from maitre.scheduling.policy import _Free
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def make_cluster(racks: int = 2, nodes: int = 2, slots: int = 4,
+                 queues: list[Queue] | None = None) -> Cluster:
+    return Cluster.of([Node(f"r{r}n{n}", slots, rack=f"r{r}") for r in range(racks)
+                       for n in range(nodes)], queues or [Queue("q")])
+
+
+def job(id: str, min_r: int = 1, max_r: int | None = None, *, queue: str = "q", priority: int = 0,
+        per: int = 1, at: float = 0.0, preemptible: bool = True, **kw) -> Job:
+    return Job(id=id, queue=queue, priority=priority, min_replicas=min_r,
+               max_replicas=max_r or min_r, slots_per_replica=per, submitted_at=at,
+               preemptible=preemptible, **kw)
+
+
+def apply(plan: Plan, jobs: list[Job], now: float) -> None:
+    """The runtime carries the plan out at once (victims let go before the next pass)."""
+    by_id = {j.id: j for j in jobs}
+    for a in plan.actions:
+        j = by_id[a.job]
+        if a.kind in ("admit", "grow", "shrink"):
+            j.placement, j.phase, j.last_resize_at = dict(a.placement), Phase.RUNNING, now
+        elif a.kind == "suspend":
+            j.placement, j.phase = {}, Phase.SUSPENDED
+
+
+def check(cluster: Cluster, jobs: list[Job]) -> None:
+    used: dict[str, int] = {}
+    for j in jobs:
+        for n, r in j.placement.items():
+            used[n] = used.get(n, 0) + r * j.slots_per_replica
+        if j.placement:
+            assert j.min_replicas <= j.replicas <= j.max_replicas, j
+    for n, u in used.items():
+        assert u <= cluster.nodes[n].slots, (n, u)
+
+
+def kinds(plan: Plan) -> list[tuple[str, str]]:
+    return [(a.kind, a.job) for a in plan.actions]
+
+
+# -- admission -----------------------------------------------------------------------------------
+def test_gangs_that_cannot_both_fit_never_both_hold_part() -> None:
+    cluster = make_cluster()  # 16 slots
+    jobs = [job("a", 10, at=0), job("b", 10, at=1)]
+    plan = schedule(cluster, jobs, 0)
+    assert kinds(plan) == [("admit", "a")]
+    assert plan.placements["b"] == {}
+    apply(plan, jobs, 0)
+    check(cluster, jobs)
+    assert schedule(cluster, jobs, 1).actions == []  # b waits whole, holding nothing
+
+
+def test_priority_then_fair_share_then_age() -> None:
+    cluster = make_cluster(racks=1, nodes=1, slots=4, queues=[Queue("x"), Queue("y")])
+    running = job("x0", 2, queue="x", at=0, phase=Phase.RUNNING, placement={"r0n0": 2})
+    jobs = [running, job("x1", 2, queue="x", at=1), job("y1", 2, queue="y", at=2),
+            job("lo", 2, queue="x", at=0, priority=-1)]
+    plan = schedule(cluster, jobs, 5)
+    assert kinds(plan) == [("admit", "y1")]  # y holds less than x: its job goes first
+
+
+def test_queue_ceiling_blocks_admission() -> None:
+    cluster = make_cluster(queues=[Queue("q", guaranteed=2, borrowing_limit=0)])
+    assert schedule(cluster, [job("a", 3)], 0).actions == []
+
+
+# -- preemption ----------------------------------------------------------------------------------
+def test_high_priority_job_shrinks_an_elastic_job_before_suspending_anything() -> None:
+    cluster = make_cluster()
+    low = job("low", 2, 16, priority=0, phase=Phase.RUNNING,
+              placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    high = job("high", 6, priority=10, at=5)
+    jobs = [low, high]
+    plan = schedule(cluster, jobs, 100)
+    assert [k for k, _ in kinds(plan)] == ["shrink", "preempting"]
+    assert sum(plan.placements["low"].values()) == 10
+    apply(plan, jobs, 100)
+    plan = schedule(cluster, jobs, 101)
+    assert kinds(plan) == [("admit", "high")]
+    apply(plan, jobs, 101)
+    check(cluster, jobs)
+
+
+def test_suspends_a_whole_job_only_when_shrinking_is_not_enough() -> None:
+    cluster = make_cluster()
+    fixed = job("fixed", 16, priority=0, phase=Phase.RUNNING,
+                placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    jobs = [fixed, job("high", 4, priority=5)]
+    plan = schedule(cluster, jobs, 0)
+    assert kinds(plan) == [("suspend", "fixed"), ("preempting", "high")]
+    fixed.preemptible = False
+    assert schedule(cluster, jobs, 0).actions == []
+
+
+def test_no_preemption_when_the_preemptor_would_not_fit_anyway() -> None:
+    cluster = make_cluster()
+    low = job("low", 1, 16, phase=Phase.RUNNING,
+              placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    plan = schedule(cluster, [low, job("huge", 17, priority=9)], 0)
+    assert plan.actions == [] and plan.placements["low"] == low.placement
+
+
+def test_equal_priority_in_one_queue_never_preempts() -> None:
+    cluster = make_cluster()
+    low = job("a", 1, 16, phase=Phase.RUNNING,
+              placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    assert schedule(cluster, [low, job("b", 4)], 0).actions == []
+
+
+def test_a_queue_reclaims_its_guarantee_from_a_borrower_but_no_further() -> None:
+    queues = [Queue("a", guaranteed=8), Queue("b", guaranteed=8)]
+    cluster = make_cluster(queues=queues)
+    borrower = job("a1", 2, 16, queue="a", phase=Phase.RUNNING,
+                   placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    jobs = [borrower, job("b1", 8, queue="b", at=3)]
+    plan = schedule(cluster, jobs, 100)
+    assert kinds(plan) == [("shrink", "a1"), ("preempting", "b1")]
+    assert sum(plan.placements["a1"].values()) == 8  # exactly its guarantee left
+    apply(plan, jobs, 100)
+    plan = schedule(cluster, jobs, 101)
+    assert kinds(plan) == [("admit", "b1")]
+    apply(plan, jobs, 101)
+    # b asks for more than its guarantee: a is at its guarantee and is not touched
+    jobs.append(job("b2", 2, queue="b", at=4))
+    assert schedule(cluster, jobs, 200).actions == []
+
+
+def test_borrowing_limit_caps_elastic_growth() -> None:
+    cluster = make_cluster(queues=[Queue("a", guaranteed=4, borrowing_limit=2)])
+    plan = schedule(cluster, [job("a1", 2, 16, queue="a")], 0)
+    assert sum(plan.placements["a1"].values()) == 6
+
+
+# -- elastic fill and damping --------------------------------------------------------------------
+def test_fill_goes_to_the_largest_marginal_gain() -> None:
+    cluster = make_cluster(racks=1, nodes=1, slots=4)
+    scales = job("scales", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1},
+                 throughput={1: 100.0, 2: 198.0})
+    flat = job("flat", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1},
+               throughput={1: 100.0, 2: 110.0})
+    plan = schedule(cluster, [scales, flat], 1000)
+    assert plan.placements["scales"] == {"r0n0": 3} and plan.placements["flat"] == {"r0n0": 1}
+    assert flat.comm_cost() > 0.5 > scales.comm_cost()
+
+
+def test_damping_waits_out_the_cooldown() -> None:
+    cluster = make_cluster(racks=1, nodes=1, slots=4)
+    j = job("j", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1}, last_resize_at=100.0)
+    cfg = PolicyConfig(resize_cooldown_s=60)
+    assert schedule(cluster, [j], 130, cfg).actions == []
+    assert kinds(schedule(cluster, [j], 161, cfg)) == [("grow", "j")]
+
+
+def test_newly_admitted_jobs_start_at_the_size_that_fits() -> None:
+    cluster = make_cluster()
+    plan = schedule(cluster, [job("a", 2, 6), job("b", 2, 6, at=1)], 0)
+    sizes = {a.job: sum(a.placement.values()) for a in plan.actions}
+    assert sizes == {"a": 6, "b": 6}
+
+
+# -- placement -----------------------------------------------------------------------------------
+def test_packs_into_one_node_then_one_rack() -> None:
+    cluster = make_cluster(racks=2, nodes=2, slots=4)
+    free = _Free(cluster, {"r0n0": 3})
+    assert place(job("x", 2, per=2), 2, free) in ({"r0n1": 2}, {"r1n0": 2}, {"r1n1": 2})
+    assert set(place(job("y", 4, per=2), 4, free)) in ({"r1n0", "r1n1"},)
+
+
+def test_best_fit_keeps_empty_nodes_for_big_jobs() -> None:
+    cluster = make_cluster(racks=1, nodes=3, slots=4)
+    free = _Free(cluster, {"r0n0": 3, "r0n1": 1})
+    assert place(job("one", 1), 1, free) == {"r0n0": 1}
+
+
+def test_required_topology_never_spreads() -> None:
+    cluster = make_cluster(racks=2, nodes=2, slots=4)
+    required = job("r", 12, topology=Topology(level="rack", mode="required"))
+    preferred = job("p", 12, topology=Topology(level="rack", mode="preferred"))
+    free = _Free(cluster, {})
+    assert place(required, 12, free) is None
+    assert sum(place(preferred, 12, free).values()) == 12
+
+
+def test_growth_prefers_the_jobs_own_nodes() -> None:
+    cluster = make_cluster(racks=2, nodes=2, slots=4)
+    free = _Free(cluster, {"r1n1": 1})
+    assert place(job("g", 1, 4), 1, free, prefer={"r1n1": 1}) == {"r1n1": 1}
+
+
+def test_bad_input_is_rejected() -> None:
+    cluster = make_cluster()
+    with pytest.raises(ValueError, match="no queue"):
+        schedule(cluster, [job("a", queue="nope")], 0)
+    with pytest.raises(ValueError, match="unknown node"):
+        schedule(cluster, [job("a", phase=Phase.RUNNING, placement={"zz": 1})], 0)
+    with pytest.raises(ValueError, match="slots in use"):
+        schedule(cluster, [job("a", 5, phase=Phase.RUNNING, placement={"r0n0": 5})], 0)
+    with pytest.raises(ValueError, match="minReplicas"):
+        job("a", 3, 2)
+
+
+# -- random clusters under invariants ------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(300))
+def test_invariants_hold_on_random_clusters(seed: int) -> None:
+    rng = random.Random(seed)
+    queues = [Queue(f"q{i}", guaranteed=rng.choice([0, 4, 8]),
+                    borrowing_limit=rng.choice([None, 0, 8])) for i in range(3)]
+    cluster = Cluster.of([Node(f"r{r}n{n}", rng.choice([4, 8]), rack=f"r{r}")
+                          for r in range(rng.randint(1, 3)) for n in range(rng.randint(1, 4))],
+                         queues)
+    jobs: list[Job] = []
+    cfg = PolicyConfig(resize_cooldown_s=rng.choice([0, 30]))
+    for t in range(30):
+        now = t * 10.0
+        if rng.random() < 0.6:
+            lo = rng.randint(1, 4)
+            jobs.append(job(f"j{len(jobs)}", lo, lo + rng.choice([0, 0, 2, 6]),
+                            queue=rng.choice(queues).name, priority=rng.choice([0, 0, 5, 9]),
+                            per=rng.choice([1, 1, 2, 4]), at=now,
+                            preemptible=rng.random() < 0.8))
+        for j in jobs:  # some finish
+            if j.phase == Phase.RUNNING and rng.random() < 0.05:
+                j.placement, j.phase = {}, Phase.SUSPENDED
+                j.min_replicas = j.max_replicas = 10**6  # gone: never fits again
+        usage_before = {q.name: sum(j.slots for j in jobs if j.queue == q.name) for q in queues}
+        plan = schedule(cluster, jobs, now, cfg)
+        by_id = {j.id: j for j in jobs}
+        reclaimed = set()
+        for a in plan.actions:
+            if a.kind in ("shrink", "suspend"):
+                victim = by_id[a.job]
+                preemptor = by_id[a.reason.removeprefix("preempted by ")]
+                if victim.priority >= preemptor.priority:  # a reclaim across queues
+                    assert victim.queue != preemptor.queue
+                    reclaimed.add(victim.queue)
+        apply(plan, jobs, now)
+        check(cluster, jobs)
+        pledged = {q.name: 0 for q in queues}
+        for a in plan.actions_of("preempting"):
+            pledged[by_id[a.job].queue] += sum(a.placement.values()) * by_id[a.job].slots_per_replica
+        for q in reclaimed:  # a reclaim never takes a queue below its guarantee (counting the
+            held = sum(j.slots for j in jobs if j.queue == q) + pledged[q]  # slots pledged to it)
+            assert held >= min(cluster.queues[q].guaranteed, usage_before[q]), q
+        for q in queues:
+            assert sum(j.slots for j in jobs if j.queue == q.name) <= max(q.ceiling,
+                                                                          usage_before[q.name])
+        used: dict[str, int] = {}
+        for j in jobs:
+            for n, r in j.placement.items():
+                used[n] = used.get(n, 0) + r * j.slots_per_replica
+        for a in plan.actions_of("preempting"):  # once the victims let go, every preemptor
+            preemptor = by_id[a.job]                # fits where the plan says, all at once
+            assert sum(a.placement.values()) == preemptor.min_replicas
+            for n, r in a.placement.items():
+                used[n] = used.get(n, 0) + r * preemptor.slots_per_replica
+        for n, u in used.items():
+            assert u <= cluster.nodes[n].slots, (n, kinds(plan))
