@@ -74,6 +74,7 @@ class _Free:
     def __init__(self, cluster: Cluster, used: dict[str, int]) -> None:
         self.nodes = cluster.nodes
         self.avail = {n: node.slots - used.get(n, 0) for n, node in cluster.nodes.items()}
+        self.total = sum(self.avail.values())
         self.members: dict[str, dict[str, list[str]]] = {lvl: {} for lvl in ("rack", "block")}
         self.sums: dict[str, dict[str, int]] = {lvl: {} for lvl in ("rack", "block")}
         for name, node in cluster.nodes.items():
@@ -88,6 +89,7 @@ class _Free:
 
     def take_slots(self, name: str, slots: int) -> None:
         self.avail[name] -= slots
+        self.total -= slots
         node = self.nodes[name]
         for lvl in ("rack", "block"):
             self.sums[lvl][_domain(node, lvl)] -= slots
@@ -98,7 +100,7 @@ class _Free:
     def copy(self) -> "_Free":
         clone = object.__new__(_Free)
         clone.nodes, clone.members = self.nodes, self.members
-        clone.avail = dict(self.avail)
+        clone.avail, clone.total = dict(self.avail), self.total
         clone.sums = {lvl: dict(s) for lvl, s in self.sums.items()}
         return clone
 
@@ -117,6 +119,8 @@ def place(job: Job, replicas: int, free: _Free, prefer: dict[str, int] | None = 
     if replicas <= 0:
         return {}
     g = job.slots_per_replica
+    if free.total < replicas * g:  # the common case in a full cluster: no scan at all
+        return None
     topo = job.topology or _DEFAULT_TOPOLOGY
     prefer = prefer or {}
 
@@ -196,6 +200,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
         return usage[j.queue] / cluster.queues[j.queue].weight
 
     # 1-2. admission, with preemption for jobs that do not fit
+    running = sorted((j for j in jobs if j.phase == Phase.RUNNING),
+                     key=lambda v: (v.priority, -v.submitted_at, v.id))
     pending = sorted((j for j in jobs if j.phase in (Phase.PENDING, Phase.SUSPENDED)),
                      key=lambda j: (-j.priority, share(j), j.submitted_at, j.id))
     for j in pending:
@@ -210,7 +216,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             touched.add(j.id)
             plan.actions.append(Action("admit", j.id, where))
             continue
-        found = _preemption(j, jobs, cluster, free, usage, target, touched)
+        found = _preemption(j, running, by_id, cluster, free, usage, target, touched)
         if found is None:
             continue
         victims, where = found
@@ -268,12 +274,12 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
     return plan
 
 
-def _preemption(j: Job, jobs: list[Job], cluster: Cluster, free: _Free, usage: dict[str, int],
-                target: dict[str, dict[str, int]], touched: set[str]
-                ) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
+def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Cluster,
+                free: _Free, usage: dict[str, int], target: dict[str, dict[str, int]],
+                touched: set[str]) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
     """Victims (with their new placements; empty = suspend) that let ``j``'s minimum fit, and
-    where it will go then; None if no admissible set of victims would make it fit."""
-    by_id = {x.id: x for x in jobs}
+    where it will go then; None if no admissible set of victims would make it fit. ``running``
+    is in the order victims are chosen: lowest priority first, then the youngest."""
     queue = cluster.queues[j.queue]
     need = j.min_replicas * j.slots_per_replica
     reclaiming = usage[j.queue] + need <= queue.guaranteed
@@ -286,9 +292,16 @@ def _preemption(j: Job, jobs: list[Job], cluster: Cluster, free: _Free, usage: d
             return usage[v.queue] - cluster.queues[v.queue].guaranteed
         return 0
 
-    candidates = [v for v in jobs if v.phase == Phase.RUNNING and v.id not in touched
-                  and v.id != j.id and room(v) > 0]
-    candidates.sort(key=lambda v: (v.priority, -v.submitted_at, v.id))
+    candidates = [v for v in running if v.id not in touched and v.id != j.id and room(v) > 0]
+    # Could all of them together make room? If not, no simulation is needed.
+    takeable = {q: 0.0 for q in cluster.queues}
+    for v in candidates:
+        if v.preemptible or v.elastic:
+            keep = 0 if v.preemptible else v.min_replicas * v.slots_per_replica
+            takeable[v.queue] += sum(target[v.id].values()) * v.slots_per_replica - keep
+    if free.total + sum(min(t, max((room(v) for v in candidates if v.queue == q), default=0))
+                        for q, t in takeable.items()) < need:
+        return None
     trial = free.copy()
     taken = {q: 0 for q in cluster.queues}
     plan: dict[str, dict[str, int]] = {}
