@@ -1,7 +1,9 @@
-"""Scheduling: the cluster and job model and the policy, a pure function of them (no I/O)."""
+"""Scheduling: the cluster and job model, job manifests, and the policy: a pure function of
+them (no I/O), called alike by the coordinator and the simulator."""
 
 from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue, Topology
 from maitre.scheduling.policy import Action, Plan, PolicyConfig, place, schedule
+from maitre.scheduling.spec import JobManifest, ManifestError, parse_manifest
 
-__all__ = ["Action", "Cluster", "Job", "Node", "Phase", "Plan", "PolicyConfig", "Queue",
-           "Topology", "place", "schedule"]
+__all__ = ["Action", "Cluster", "Job", "JobManifest", "ManifestError", "Node", "Phase", "Plan",
+           "PolicyConfig", "Queue", "Topology", "parse_manifest", "place", "schedule"]
