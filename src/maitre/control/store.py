@@ -1,0 +1,179 @@
+"""The coordinator's durable state: nodes, queues, jobs, placements and events in SQLite (WAL).
+
+The coordinator keeps its working state in memory and writes every change through this store in
+one transaction, so that after a crash or a restart it reloads exactly the state of its last
+committed change (running jobs then re-attach: their workers keep training meanwhile). WAL mode
+lets readers (``maitre status``, the dashboard) read while the coordinator writes; ``synchronous
+= FULL`` makes each committed change durable before the call returns.
+
+Values that are structures (labels, manifests, placements, throughput) are JSON columns.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue, Topology
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY, slots INTEGER NOT NULL, labels TEXT NOT NULL,
+    registered_at REAL NOT NULL, last_heartbeat REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS queues (
+    name TEXT PRIMARY KEY, guaranteed INTEGER NOT NULL, borrowing_limit INTEGER,
+    weight REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, queue TEXT NOT NULL, priority INTEGER NOT NULL,
+    min_replicas INTEGER NOT NULL, max_replicas INTEGER NOT NULL,
+    slots_per_replica INTEGER NOT NULL, preemptible INTEGER NOT NULL,
+    grace_period_s REAL NOT NULL, topology TEXT, submitted_at REAL NOT NULL,
+    phase TEXT NOT NULL, placement TEXT NOT NULL, last_resize_at REAL,
+    throughput TEXT NOT NULL, extra TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, t REAL NOT NULL, job TEXT, kind TEXT NOT NULL,
+    body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+SCHEMA_VERSION = "1"
+
+
+class StoreError(Exception):
+    """The database is not a maitre coordinator store, or is of another version."""
+
+
+class Store:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._db.executescript(_SCHEMA)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"{self.path} is not a maitre coordinator store: {exc}") from None
+        if row is None:
+            self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+        elif row[0] != SCHEMA_VERSION:
+            raise StoreError(f"{self.path} has schema version {row[0]}, this maitre reads "
+                             f"{SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self) -> "_Transaction":
+        return _Transaction(self)
+
+    # -- writes ----------------------------------------------------------------------------------
+    def put_node(self, node: Node, now: float) -> None:
+        labels = {"rack": node.rack, "block": node.block, "capacity_type": node.capacity_type,
+                  "accelerator": node.accelerator}
+        with self._tx() as db:
+            db.execute("INSERT INTO nodes VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                       "slots=excluded.slots, labels=excluded.labels, "
+                       "last_heartbeat=excluded.last_heartbeat",
+                       (node.name, node.slots, json.dumps(labels), now, now))
+
+    def node_heartbeat(self, name: str, now: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE nodes SET last_heartbeat=? WHERE name=?", (now, name))
+
+    def remove_node(self, name: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM nodes WHERE name=?", (name,))
+
+    def put_queue(self, queue: Queue) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO queues VALUES (?, ?, ?, ?)",
+                       (queue.name, queue.guaranteed, queue.borrowing_limit, queue.weight))
+
+    def put_job(self, job: Job, extra: dict[str, Any] | None = None) -> None:
+        """Insert or update a job (``extra``: what the coordinator keeps beside the scheduler's
+        view, e.g. the command and checkpoint directory of its manifest)."""
+        topology = None if job.topology is None else json.dumps(
+            {"level": job.topology.level, "mode": job.topology.mode})
+        with self._tx() as db:
+            if extra is None:
+                row = db.execute("SELECT extra FROM jobs WHERE id=?", (job.id,)).fetchone()
+                extra = json.loads(row[0]) if row else {}
+            db.execute(
+                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (job.id, job.queue, job.priority, job.min_replicas, job.max_replicas,
+                 job.slots_per_replica, int(job.preemptible), job.grace_period_s, topology,
+                 job.submitted_at, job.phase.value, json.dumps(job.placement),
+                 None if job.last_resize_at == float("-inf") else job.last_resize_at,
+                 json.dumps({str(k): v for k, v in job.throughput.items()}), json.dumps(extra)))
+
+    def remove_job(self, job_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+
+    def add_event(self, t: float, kind: str, job: str | None = None, **body: Any) -> int:
+        with self._tx() as db:
+            cur = db.execute("INSERT INTO events (t, job, kind, body) VALUES (?, ?, ?, ?)",
+                             (t, job, kind, json.dumps(body)))
+            return int(cur.lastrowid)
+
+    # -- reads -----------------------------------------------------------------------------------
+    def cluster(self) -> Cluster:
+        with self._lock:
+            nodes = [Node(name, slots, **json.loads(labels)) for name, slots, labels, *_ in
+                     self._db.execute("SELECT * FROM nodes ORDER BY name")]
+            queues = [Queue(name, g, b, w) for name, g, b, w in
+                      self._db.execute("SELECT * FROM queues ORDER BY name")]
+        return Cluster.of(nodes, queues)
+
+    def node_heartbeats(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._db.execute("SELECT name, last_heartbeat FROM nodes"))
+
+    def jobs(self) -> list[tuple[Job, dict[str, Any]]]:
+        with self._lock:
+            rows = list(self._db.execute("SELECT * FROM jobs ORDER BY submitted_at, id"))
+        out = []
+        for (jid, queue, priority, lo, hi, per, preemptible, grace, topology, submitted, phase,
+             placement, last_resize, throughput, extra) in rows:
+            topo = None if topology is None else Topology(**json.loads(topology))
+            job = Job(id=jid, queue=queue, priority=priority, min_replicas=lo, max_replicas=hi,
+                      slots_per_replica=per, preemptible=bool(preemptible), grace_period_s=grace,
+                      topology=topo, submitted_at=submitted, phase=Phase(phase),
+                      placement=json.loads(placement),
+                      last_resize_at=float("-inf") if last_resize is None else last_resize,
+                      throughput={int(k): v for k, v in json.loads(throughput).items()})
+            out.append((job, json.loads(extra)))
+        return out
+
+    def events(self, since: int = 0, job: str | None = None) -> Iterator[dict[str, Any]]:
+        query = "SELECT seq, t, job, kind, body FROM events WHERE seq > ?"
+        args: tuple[Any, ...] = (since,)
+        if job is not None:
+            query += " AND job = ?"
+            args += (job,)
+        with self._lock:
+            rows = list(self._db.execute(query + " ORDER BY seq", args))
+        for seq, t, jid, kind, body in rows:
+            yield {"seq": seq, "t": t, "job": jid, "kind": kind, **json.loads(body)}
+
+
+class _Transaction:
+    """``with store._tx() as db:`` runs the body in one IMMEDIATE transaction under the lock."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.store._lock.acquire()
+        self.store._db.execute("BEGIN IMMEDIATE")
+        return self.store._db
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        try:
+            self.store._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
+        finally:
+            self.store._lock.release()
