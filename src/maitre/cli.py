@@ -54,7 +54,15 @@ def _coordinator(args: argparse.Namespace) -> Client:
         parse_address(address)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    return Client(address, timeout_s=5.0)
+    token = os.environ.get("MAITRE_TOKEN") or None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read --token-file: {exc}") from None
+        if not token:
+            raise UsageError(f"--token-file {args.token_file} is empty")
+    return Client(address, timeout_s=5.0, token=token)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -143,9 +151,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     client = _coordinator(args)
     nproc = _positive("--nproc-per-node", args.nproc_per_node)
-    client.get("/health")  # fail fast, before any worker starts
+    client.get("/jobs")  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    agent = Agent(client.address, node, nproc)
+    agent = Agent(client.address, node, nproc, token=client.token)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
     try:
         agent.serve()
@@ -220,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent = sub.add_parser("agent", help="add this machine as a node of a running coordinator")
     agent.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    agent.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
     agent.add_argument("--nproc-per-node", type=int, default=1, help="worker slots on this node")
     agent.add_argument("--node-id", help="node name (default: host name and pid)")
     agent.set_defaults(fn=cmd_agent)
@@ -228,17 +237,20 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("job")
     scale.add_argument("workers", type=int)
     scale.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    scale.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
     scale.set_defaults(fn=cmd_scale)
 
     suspend = sub.add_parser("suspend", help="checkpoint a job and stop it (resume with "
                              "maitre run --resume)")
     suspend.add_argument("job")
     suspend.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    suspend.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
     suspend.set_defaults(fn=cmd_suspend)
 
     status = sub.add_parser("status", help="show jobs")
     status.add_argument("job", nargs="?")
     status.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    status.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
     status.add_argument("--json", action="store_true")
     status.set_defaults(fn=cmd_status)
     return parser

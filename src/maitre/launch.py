@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import secrets
 import shutil
 import signal
 import tempfile
@@ -89,9 +90,11 @@ class Run:
         self.cfg = cfg
         self.out = out
         self.t0 = time.time()
+        self.token = secrets.token_urlsafe(32)  # every API call and agent must present it
         self.server = CoordinatorServer(cfg.host, cfg.port, cfg=DetectorConfig(),
-                                        on_event=self._on_event)  # first: it may refuse
+                                        on_event=self._on_event, token=self.token)  # may refuse
         self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix=f"maitre-{cfg.job_id}-"))
+        self.token_file = self.run_dir / "token"
         self.ledger_dir = self.run_dir / "ledger"
         if self.ledger_dir.exists() and not cfg.resume:  # a resumed job's ledger goes on
             shutil.rmtree(self.ledger_dir)
@@ -121,9 +124,10 @@ class Run:
             "min_workers": cfg.min_nodes * cfg.nproc_per_node,
             "max_workers": cfg.max_nodes * cfg.nproc_per_node,
             "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts, "env": env})
+        write_token(self.token_file, self.token)
         self.out(f"maitre: coordinator at {self.server.address}; add a node with "
-                 f"`maitre agent --coordinator {self.server.address} "
-                 f"--nproc-per-node {cfg.nproc_per_node}`")
+                 f"`maitre agent --coordinator {self.server.address} --token-file "
+                 f"{self.token_file} --nproc-per-node {cfg.nproc_per_node}`")
         for _ in range(cfg.min_nodes if cfg.local_nodes is None else cfg.local_nodes):
             self.add_node()
         return self
@@ -135,7 +139,7 @@ class Run:
         output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
         with self._lock:
             agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,
-                          extra_env=extra, output=output)
+                          extra_env=extra, output=output, token=self.token)
             self.agents.append(agent)
         return agent.start()
 
@@ -240,6 +244,20 @@ class Run:
         if event["kind"] == "report" and event.get("rank") != 0:
             return  # every member reports; rank 0 speaks for the epoch here
         self.out(f"maitre: {time.time() - self.t0:7.2f}s  {describe(event)}")
+
+
+def write_token(path: Path, token: str) -> None:
+    """The token file: readable by its owner only, written whole or not at all."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.unlink(missing_ok=True)
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, token.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
 
 
 def _prefixed(out: Callable[[str], None]) -> Callable[[str, str], None]:

@@ -42,8 +42,9 @@ def parse_address(address: str) -> tuple[str, int]:
 class Client:
     """A thread-safe JSON client; each thread keeps its own keep-alive connection."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None) -> None:
         self.address = address
+        self.token = token
         self.host, self.port = parse_address(address)
         self.timeout_s = timeout_s
         self._local = threading.local()
@@ -68,6 +69,8 @@ class Client:
                 timeout_s: float | None = None) -> Any:
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if payload is not None else {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         timeout = timeout_s or self.timeout_s
         for attempt in range(2):  # one silent retry: the server may have closed an idle connection
             conn = self._connection(timeout)

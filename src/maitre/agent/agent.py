@@ -53,10 +53,12 @@ class Agent:
     """
 
     def __init__(self, coordinator: str, node_id: str, slots: int, *, heartbeat_s: float = 0.25,
-                 extra_env: dict[str, str] | None = None, output: Output = print_output) -> None:
+                 extra_env: dict[str, str] | None = None, output: Output = print_output,
+                 token: str | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        self.client = Client(coordinator, timeout_s=5.0)
+        self.client = Client(coordinator, timeout_s=5.0, token=token)
+        self.token = token
         self.coordinator = coordinator
         self.node_id = node_id
         self.slots = slots
@@ -138,6 +140,8 @@ class Agent:
         env = {**os.environ, **self.extra_env, **order.get("env", {})}
         for key in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # known only per membership epoch
+        if self.token:
+            env[envvars.TOKEN] = self.token
         env.update({
             envvars.COORDINATOR: self.coordinator, envvars.WORKER_ID: wid,
             envvars.JOB_ID: order["job_id"], envvars.STORE: order["store"],

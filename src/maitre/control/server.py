@@ -16,10 +16,16 @@ when an epoch opens. Routes (JSON, under ``/v1``)::
     POST /workers/<w>/heartbeat {"step": s, "stalled": b}
     POST /workers/<w>/rendezvous {"from_epoch": e, "step": s, "reason": "...", "wait_s": t}
     POST /workers/<w>/done {"step": s, "suspended": b}   POST /workers/<w>/left   POST /workers/<w>/report {...}
+
+With a ``token`` every route but ``/health`` (left open for liveness probes) needs the header
+``Authorization: Bearer <token>``; a call without it gets 401. ``maitre run`` always sets one and
+writes it to a file only its owner can read; agents pass it to their workers as ``MAITRE_TOKEN``.
+The c10d store port is not covered: it must stay on a trusted network, as torchrun's does.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import re
 import sys
@@ -253,6 +259,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     coordinator: Coordinator
+    token: str | None = None
 
     def log_message(self, fmt: str, *args: Any) -> None:  # quiet: heartbeats are many
         pass
@@ -263,12 +270,23 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self._dispatch("POST")
 
+    def _authorized(self, path: str) -> bool:
+        """Every call but the health probe carries the coordinator's token."""
+        if self.token is None or path == API + "/health":
+            return True
+        given = self.headers.get("Authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode())
+
     def _dispatch(self, method: str) -> None:
         path = self.path.split("?", 1)[0]
         status, body = HTTPStatus.NOT_FOUND, {"error": f"no route {method} {path}"}
         try:
             payload = self._body() if method == "POST" else {}
-            if path.startswith(API):
+            if not self._authorized(path):
+                status, body = HTTPStatus.UNAUTHORIZED, {
+                    "error": "missing or wrong token: pass the coordinator's token file with "
+                             "--token-file, or set MAITRE_TOKEN"}
+            elif path.startswith(API):
                 for m, pattern, name in _ROUTES:
                     match = pattern.fullmatch(path[len(API):])
                     if m == method and match:
@@ -348,11 +366,12 @@ class CoordinatorServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, store_port: int = 0,
                  cfg: DetectorConfig | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 tick_s: float = 0.05) -> None:
+                 tick_s: float = 0.05, token: str | None = None) -> None:
         self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
         self.coordinator = Coordinator(f"{host}:{self.store.port}", cfg, on_event=on_event)
-        handler = type("Handler", (_Handler,), {"coordinator": self.coordinator})
+        self.token = token
+        handler = type("Handler", (_Handler,), {"coordinator": self.coordinator, "token": token})
         self.httpd = _Server((host, port), handler)
         self.address = f"{host}:{self.httpd.server_address[1]}"
         self._tick_s = tick_s

@@ -20,6 +20,7 @@ JOB_ID = "MAITRE_JOB_ID"
 STORE = "MAITRE_STORE"
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 RUN_ID = "MAITRE_RUN_ID"
+TOKEN = "MAITRE_TOKEN"
 HEARTBEAT_S = "MAITRE_HEARTBEAT_S"
 COORDINATOR_TIMEOUT_S = "MAITRE_COORDINATOR_TIMEOUT_S"
 
@@ -40,6 +41,7 @@ class WorkerEnv:
     job_id: str = ""
     ledger_dir: str = ""
     run_id: str = ""
+    token: str = ""
     heartbeat_s: float = 0.1
     coordinator_timeout_s: float = 300.0
     rank: int = 0
@@ -57,7 +59,7 @@ class WorkerEnv:
                 raise RuntimeError(f"{COORDINATOR} is set but {', '.join(missing)} is not: "
                                    "workers must be started by a maitre agent")
             return cls(mode=Mode.ELASTIC, worker_id=env[WORKER_ID], coordinator=env[COORDINATOR],
-                       store=env[STORE], job_id=env.get(JOB_ID, ""),
+                       store=env[STORE], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
                        heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
                        coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
                        **common)

@@ -330,7 +330,7 @@ class ElasticLoop:
                                     self.device)
             self._sync_state(Recovery("start", time.time()))
             return
-        self._client = Client(self.env.coordinator)
+        self._client = Client(self.env.coordinator, token=self.env.token or None)
         host, port = parse_address(self.env.store)
         self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         self._heartbeat = Heartbeat(self._client, self.env.worker_id, self.env.heartbeat_s,
