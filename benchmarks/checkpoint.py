@@ -51,6 +51,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import maitre  # noqa: E402
 from maitre.checkpoint import CheckpointConfig, Checkpointer, IntervalConfig  # noqa: E402
+from maitre.checkpoint.snapshot import split  # noqa: E402
 from maitre.runtime.state import TrainState  # noqa: E402
 
 MB = 1e6
@@ -66,13 +67,6 @@ def make_state(size_mb: int) -> TrainState:
         p.grad = torch.randn_like(p)
     opt.step()
     return TrainState(model=model, optimizer=opt)
-
-
-def state_bytes(tree: Any) -> int:
-    from maitre.runtime import statetree
-
-    _, tensors = statetree.encode(tree)
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -92,9 +86,7 @@ def fsync_path(path: Path) -> None:
 def bench_size(size_mb: int, reps: int, scratch: Path) -> dict[str, float]:
     state = make_state(size_mb)
     tree = state.state_dict()
-    from maitre.runtime import statetree
-
-    _, tensors = statetree.encode({k: v for k, v in tree.items() if k != "rng"})
+    _, tensors, _ = split(tree, 1)
     floor_buffers = [torch.empty_like(t, device="cpu") for t in tensors]
 
     def copy_floor(_: int) -> float:
@@ -150,7 +142,7 @@ def bench_size(size_mb: int, reps: int, scratch: Path) -> dict[str, float]:
             t = fn(i)
             if i >= 0:
                 times[name].append(t)
-    out = {"state_mb": round(state_bytes(tree) / MB, 1),
+    out = {"state_mb": round(sum(t.numel() * t.element_size() for t in tensors) / MB, 1),
            **{name: statistics.median(ts) for name, ts in times.items()},
            "maitre_durable_s": statistics.median(durable)}
     ck.close()

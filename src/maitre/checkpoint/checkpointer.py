@@ -60,7 +60,8 @@ class CheckpointConfig:
             return None
         every = env.get(EVERY_ENV)
         mtbf = env.get(MTBF_ENV)
-        return cls(directory=Path(env[DIR_ENV]), keep=int(env.get(KEEP_ENV) or 3),
+        keep = {"keep": int(env[KEEP_ENV])} if env.get(KEEP_ENV) else {}
+        return cls(directory=Path(env[DIR_ENV]), **keep,
                    interval=IntervalConfig(every_steps=int(every) if every else None,
                                            mtbf_s=float(mtbf) if mtbf else None))
 

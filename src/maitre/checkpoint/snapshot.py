@@ -44,12 +44,18 @@ class Snapshot:
     block_s: float = 0.0
 
 
+def split(state: dict[str, Any], world_size: int) -> tuple[Any, list[torch.Tensor], list[int]]:
+    """The replicated part of ``state`` (its ``rng`` entry is per rank) as a skeleton, its
+    tensors, and the rank that writes each tensor."""
+    skeleton, tensors = statetree.encode({k: v for k, v in state.items() if k != "rng"})
+    return skeleton, tensors, plan([t.numel() * t.element_size() for t in tensors], world_size)
+
+
 def part_bytes(state: dict[str, Any], rank: int, world_size: int) -> tuple[int, bool]:
     """Bytes of ``rank``'s part of ``state`` at ``world_size``, and whether it lives on a GPU."""
-    _, tensors = statetree.encode({k: v for k, v in state.items() if k != "rng"})
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    owner = plan(sizes, world_size)
-    return sum(s for s, r in zip(sizes, owner) if r == rank), any(t.is_cuda for t in tensors)
+    _, tensors, owner = split(state, world_size)
+    mine = sum(t.numel() * t.element_size() for t, r in zip(tensors, owner) if r == rank)
+    return mine, any(t.is_cuda for t in tensors)
 
 
 def plan(sizes: list[int], world_size: int) -> list[int]:
@@ -80,11 +86,8 @@ class SnapshotBuffers:
              world_size: int, halfway: Callable[[], None] | None = None) -> Snapshot:
         """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers.
         ``halfway`` is called halfway through the copy (fault injection in tests)."""
-        tree = dict(state)
-        rng = tree.pop("rng", None)
-        skeleton, tensors = statetree.encode(tree)
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        owner = plan(sizes, world_size)
+        skeleton, tensors, owner = split(state, world_size)
+        rng = state.get("rng")
         mine = [i for i in range(len(tensors)) if owner[i] == rank]
         entries, nbytes = fmt.layout([(str(i), tensors[i].dtype, tuple(tensors[i].shape))
                                       for i in mine])
