@@ -224,7 +224,8 @@ class ElasticLoop:
         control[_BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
         # The committing rank draws the name of the save's temporary directory; the sum
         # carries it to every rank (exact in float32 below 2**24).
-        control[_TOKEN] = float(secrets.randbelow(1 << 24)) if self.rank == 0 else 0.0
+        control[_TOKEN] = float(secrets.randbelow(1 << 24)) \
+            if ckpt is not None and self.rank == 0 else 0.0
         if self._ledger is not None:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
         try:

@@ -195,6 +195,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
     target = {j.id: dict(j.placement) for j in jobs}
     plan = Plan(target)
     touched: set[str] = set()  # jobs resized, admitted or preempted in this pass
+    admitted: dict[str, Action] = {}
 
     def share(j: Job) -> float:
         return usage[j.queue] / cluster.queues[j.queue].weight
@@ -214,7 +215,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             usage[j.queue] += need
             target[j.id] = where
             touched.add(j.id)
-            plan.actions.append(Action("admit", j.id, where))
+            admitted[j.id] = Action("admit", j.id, where)
+            plan.actions.append(admitted[j.id])
             continue
         found = _preemption(j, running, by_id, cluster, free, usage, target, touched)
         if found is None:
@@ -268,9 +270,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
         if by_id[jid].phase == Phase.RUNNING:
             plan.actions.append(Action("grow", jid, dict(target[jid])))
         else:  # admitted this pass: its admission carries the larger size
-            for a in plan.actions:
-                if a.kind == "admit" and a.job == jid:
-                    a.placement = dict(target[jid])
+            admitted[jid].placement = dict(target[jid])
     return plan
 
 
