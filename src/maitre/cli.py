@@ -190,6 +190,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _coordinator_args(parser: argparse.ArgumentParser) -> None:
+    """Where the coordinator is and the token it wants (see :func:`_coordinator`)."""
+    parser.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
+    parser.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="maitre", description="Elastic training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -227,8 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=cmd_run)
 
     agent = sub.add_parser("agent", help="add this machine as a node of a running coordinator")
-    agent.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
-    agent.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+    _coordinator_args(agent)
     agent.add_argument("--nproc-per-node", type=int, default=1, help="worker slots on this node")
     agent.add_argument("--node-id", help="node name (default: host name and pid)")
     agent.set_defaults(fn=cmd_agent)
@@ -236,21 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="set a job's number of workers")
     scale.add_argument("job")
     scale.add_argument("workers", type=int)
-    scale.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
-    scale.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+    _coordinator_args(scale)
     scale.set_defaults(fn=cmd_scale)
 
     suspend = sub.add_parser("suspend", help="checkpoint a job and stop it (resume with "
                              "maitre run --resume)")
     suspend.add_argument("job")
-    suspend.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
-    suspend.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+    _coordinator_args(suspend)
     suspend.set_defaults(fn=cmd_suspend)
 
     status = sub.add_parser("status", help="show jobs")
     status.add_argument("job", nargs="?")
-    status.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
-    status.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+    _coordinator_args(status)
     status.add_argument("--json", action="store_true")
     status.set_defaults(fn=cmd_status)
     return parser
