@@ -91,3 +91,20 @@ def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.C
             except ProcessLookupError:
                 pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """``reference(steps)``: the final parameters of the example (TINY) trained by one fixed-size
+    process for ``steps`` steps, computed once per step count for the whole session."""
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    def get(steps: int) -> dict[str, torch.Tensor]:
+        if steps not in cache:
+            out = tmp_path_factory.mktemp("reference") / "final.pt"
+            result = run_tagged(example_command(steps, out), timeout=300)
+            assert result.returncode == 0, result.stderr
+            cache[steps] = torch.load(out, weights_only=True)
+        return cache[steps]
+
+    return get

@@ -28,14 +28,6 @@ STEPS = 30
 EVERY = 5
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference") / "final.pt"
-    result = run_tagged(example_command(STEPS, out), timeout=200)
-    assert result.returncode == 0, result.stderr
-    return torch.load(out, weights_only=True)
-
-
 def checkpointed(directory: Path, out: Path | None = None, every: int = EVERY) -> list[str]:
     return example_command(STEPS, out) + ["--checkpoint-dir", str(directory),
                                           "--checkpoint-every", str(every)]
@@ -65,7 +57,7 @@ def resume_and_compare(directory: Path, tmp_path: Path, reference: dict[str, tor
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase", PHASES)
 def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
-                                      reference: dict[str, torch.Tensor]) -> None:
+                                      reference) -> None:
     directory = tmp_path / "ckpt"
     crashed = run_tagged(checkpointed(directory), timeout=200, **{FAULT_ENV: f"{phase}@3"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
@@ -74,11 +66,11 @@ def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
     warnings: list[str] = []
     loaded = load_latest(directory, log=warnings.append)
     assert loaded is not None and loaded.step == completed and not warnings
-    resume_and_compare(directory, tmp_path, reference, completed)
+    resume_and_compare(directory, tmp_path, reference(STEPS), completed)
 
 
 @pytest.mark.timeout(400)
-def test_kill_at_random_moments(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_kill_at_random_moments(tmp_path: Path, reference) -> None:
     """SIGKILL at a random moment after a run (resuming the last one) wrote a new checkpoint,
     saving every step: whatever was hit (copy, write, fsync, manifest, rename, retention), what is
     on disk verifies, and the final resume ends at the uninterrupted result."""
@@ -104,7 +96,7 @@ def test_kill_at_random_moments(tmp_path: Path, reference: dict[str, torch.Tenso
         kills += proc.returncode == -signal.SIGKILL
         assert_all_complete(directory)
     assert kills >= 3
-    resume_and_compare(directory, tmp_path, reference, assert_all_complete(directory)[0])
+    resume_and_compare(directory, tmp_path, reference(STEPS), assert_all_complete(directory)[0])
 
 
 DISK_FULL = textwrap.dedent("""
@@ -151,7 +143,7 @@ def test_full_disk_fails_the_save_not_training(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference) -> None:
     """Preemption under torchrun or alone: SIGTERM finishes the step, checkpoints it, exits 143."""
     directory = tmp_path / "ckpt"
     cmd = checkpointed(directory, every=1000)
@@ -173,12 +165,12 @@ def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference: dict[str, tor
     assert "stopped at step" in err and "(SIGTERM)" in err, err
     steps = assert_all_complete(directory)
     assert len(steps) == 1 and 8 <= steps[0] < STEPS
-    resume_and_compare(directory, tmp_path, reference, steps[0])
+    resume_and_compare(directory, tmp_path, reference(STEPS), steps[0])
 
 
 @pytest.mark.timeout(420)
 def test_saved_by_three_ranks_resumed_by_two_under_torchrun(
-        tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+        tmp_path: Path, reference) -> None:
     directory = tmp_path / "ckpt"
 
     def torchrun(nproc: int, out: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -199,5 +191,5 @@ def test_saved_by_three_ranks_resumed_by_two_under_torchrun(
     resumed = torchrun(2, out)
     assert resumed.returncode == 0, resumed.stderr
     assert f"at step {2 * EVERY} (saved by 3 worker(s)" in resumed.stdout, resumed.stdout
-    err = relative_error(torch.load(out, weights_only=True), reference)
+    err = relative_error(torch.load(out, weights_only=True), reference(STEPS))
     assert err <= 1e-5, f"relative error {err:.3g} after resuming 3 ranks' checkpoint on 2"

@@ -23,22 +23,6 @@ from maitre.runtime.ledger import audit
 STEPS = 400
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory):
-    """The same training as one fixed-size process, by number of steps (computed once each)."""
-    cache: dict[int, dict[str, torch.Tensor]] = {}
-
-    def get(steps: int = STEPS) -> dict[str, torch.Tensor]:
-        if steps not in cache:
-            out = tmp_path_factory.mktemp("reference") / "final.pt"
-            subprocess.run(example_command(steps, out), check=True, timeout=300,
-                           capture_output=True)
-            cache[steps] = torch.load(out, weights_only=True)
-        return cache[steps]
-
-    return get
-
-
 
 def run_story(tmp_path: Path, events: str, *, nodes: int, min_nodes: int = 1, max_nodes: int = 4,
               max_restarts: int = 5, steps: int = STEPS) -> tuple[int, list[str], Run]:
@@ -78,7 +62,7 @@ def check(tmp_path: Path, code: int, lines: list[str], reference: dict[str, torc
 @pytest.mark.timeout(180)
 def test_kill9_worker_mid_run(tmp_path: Path, reference) -> None:
     code, lines, run = run_story(tmp_path, "kill@40", nodes=3)
-    check(tmp_path, code, lines, reference())
+    check(tmp_path, code, lines, reference(STEPS))
     job = run.job()
     assert job["failures"] == 1
     assert any("killed by signal 9" in e.get("reason", "") for e in job["events"])
@@ -88,21 +72,21 @@ def test_kill9_worker_mid_run(tmp_path: Path, reference) -> None:
 def test_sigstop_worker_is_detected_and_removed(tmp_path: Path,
                                                 reference) -> None:
     code, lines, run = run_story(tmp_path, "hang@40", nodes=3)
-    check(tmp_path, code, lines, reference())
+    check(tmp_path, code, lines, reference(STEPS))
     assert any("hung" in e.get("reason", "") for e in run.job()["events"])
 
 
 @pytest.mark.timeout(180)
 def test_worker_joins(tmp_path: Path, reference) -> None:
     code, lines, run = run_story(tmp_path, "join@20", nodes=2, max_nodes=3)
-    check(tmp_path, code, lines, reference())
+    check(tmp_path, code, lines, reference(STEPS))
     assert max(len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch") == 3
 
 
 @pytest.mark.timeout(180)
 def test_worker_leaves_gracefully(tmp_path: Path, reference) -> None:
     code, lines, run = run_story(tmp_path, "leave@40", nodes=3)
-    check(tmp_path, code, lines, reference())
+    check(tmp_path, code, lines, reference(STEPS))
     job = run.job()
     assert job["failures"] == 0
     assert any(e["kind"] == "worker_left" for e in job["events"])
@@ -130,7 +114,7 @@ def test_no_false_hang_when_the_machine_is_oversubscribed(tmp_path: Path, refere
         for b in burners:
             b.kill()
             b.wait()
-    check(tmp_path, code, lines, reference())
+    check(tmp_path, code, lines, reference(STEPS))
     job = run.job()
     assert job["failures"] == 0, "\n".join(lines)
     assert job["epoch"] == 1, "\n".join(lines)

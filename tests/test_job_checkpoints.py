@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -30,13 +29,6 @@ from maitre.launch import Run, RunConfig
 from maitre.runtime.ledger import audit
 
 STEPS = 600
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    out = tmp_path_factory.mktemp("reference") / "final.pt"
-    subprocess.run(example_command(STEPS, out), check=True, timeout=300, capture_output=True)
-    return torch.load(out, weights_only=True)
 
 
 def start_run(tmp_path: Path, *, nodes: int, resume: bool = False,
@@ -82,7 +74,7 @@ def check_end(tmp_path: Path, code: int, lines: list[str], reference: dict[str, 
 
 
 @pytest.mark.timeout(300)
-def test_suspend_then_resume_on_more_workers(tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+def test_suspend_then_resume_on_more_workers(tmp_path: Path, reference) -> None:
     run, lines = start_run(tmp_path, nodes=2)
     when(run, lambda job: job["step"] >= 100, lambda: run.request_stop("SIGTERM"))
     code = run.wait()
@@ -98,12 +90,12 @@ def test_suspend_then_resume_on_more_workers(tmp_path: Path, reference: dict[str
     code = resumed.wait()
     assert len(resumed.job()["members"]) == 3
     assert resume_points(tmp_path) == [job["step"]] * 3  # each of the 3 read the checkpoint
-    check_end(tmp_path, code, lines, reference)
+    check_end(tmp_path, code, lines, reference(STEPS))
 
 
 @pytest.mark.timeout(300)
 def test_whole_job_lost_resumes_from_the_newest_checkpoint(
-        tmp_path: Path, reference: dict[str, torch.Tensor]) -> None:
+        tmp_path: Path, reference) -> None:
     run, lines = start_run(tmp_path, nodes=2, every=25)
 
     def kill_everyone() -> None:
@@ -117,4 +109,4 @@ def test_whole_job_lost_resumes_from_the_newest_checkpoint(
     assert job["failures"] >= 1, "\n".join(lines)
     points = resume_points(tmp_path)
     assert points and all(p % 25 == 0 and 125 <= p for p in points), points
-    check_end(tmp_path, code, lines, reference)
+    check_end(tmp_path, code, lines, reference(STEPS))
