@@ -60,6 +60,9 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker on cuda:LOCAL_RANK)")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device-ms-per-sample", type=float, default=0.0,
+                   help="also wait this long per sequence, standing in for accelerator time "
+                   "(so that many workers on a few CPU cores scale like GPUs; `maitre demo`)")
     p.add_argument("--out", type=Path, help="write the final parameters here (rank 0)")
     p.add_argument("--checkpoint-dir", type=Path, help="checkpoint here and resume from here "
                    "(under `maitre run`, its --checkpoint-dir is used when this is not given)")
@@ -111,6 +114,8 @@ def main() -> None:
                                    reduction="sum") / args.block
             loss.backward()
             batch.log_loss(loss)
+            if args.device_ms_per_sample:  # a GPU computes while the CPU waits
+                time.sleep(len(idx) * args.device_ms_per_sample / 1000)
         tokens += batch.global_batch_size * args.block
         if batch.rank == 0 and loop.last_loss is not None and loop.step % args.log_every == 0:
             rate = tokens / (time.monotonic() - started)

@@ -1,4 +1,4 @@
-"""``maitre`` command line: run, agent, scale, suspend, status.
+"""``maitre`` command line: run, up, agent, submit, status, scale, suspend, resume, cancel, demo.
 
 Every command validates its input before it starts anything; a bad flag, a missing script or an
 unreachable coordinator is one line on stderr and a non-zero exit, with nothing left running.
@@ -12,10 +12,14 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
+
+if TYPE_CHECKING:
+    from maitre.scheduling.model import Queue
 
 
 class UsageError(Exception):
@@ -55,13 +59,14 @@ def _coordinator(args: argparse.Namespace) -> Client:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     token = os.environ.get("MAITRE_TOKEN") or None
-    if args.token_file:
+    token_file = args.token_file or os.environ.get("MAITRE_TOKEN_FILE")
+    if token_file:
         try:
-            token = Path(args.token_file).read_text().strip()
+            token = Path(token_file).read_text().strip()
         except OSError as exc:
             raise UsageError(f"cannot read --token-file: {exc}") from None
         if not token:
-            raise UsageError(f"--token-file {args.token_file} is empty")
+            raise UsageError(f"--token-file {token_file} is empty")
     return Client(address, timeout_s=5.0, token=token)
 
 
@@ -94,13 +99,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     checkpoint_every=args.checkpoint_every, mtbf_s=args.mtbf,
                     checkpoint_keep=args.checkpoint_keep,
                     resume=args.resume, grace_period_s=args.grace_period)
-    if not 0 <= args.port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    try:  # can this machine listen there at all? (else TCPStore retries for 30 s)
-        with socket.socket() as probe:
-            probe.bind((args.host, args.port))
-    except (OSError, OverflowError) as exc:
-        raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
+    _check_port(args.host, args.port)
     try:
         run = Run(cfg)
     except (OSError, RuntimeError) as exc:
@@ -153,7 +152,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     nproc = _positive("--nproc-per-node", args.nproc_per_node)
     client.get("/jobs")  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    agent = Agent(client.address, node, nproc, token=client.token)
+    labels = _labels(args.label or [])
+    agent = Agent(client.address, node, nproc, token=client.token, labels=labels)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
     try:
         agent.serve()
@@ -180,14 +180,160 @@ def cmd_suspend(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     client = _coordinator(args)
     jobs = [client.get(f"/jobs/{args.job}")] if args.job else client.get("/jobs")["jobs"]
+    nodes = [] if args.job else client.get("/nodes")["nodes"]
+    queues = [] if args.job else client.get("/queues")["queues"]
     if args.json:
-        print(json.dumps(jobs, indent=2))
+        print(json.dumps({"jobs": jobs, "nodes": nodes, "queues": queues} if not args.job
+                         else jobs[0], indent=2))
         return 0
-    print(f"{'JOB':<16} {'STATE':<11} {'EPOCH':>5} {'STEP':>7} {'WORKERS':>8} {'FAILURES':>8}")
-    for j in jobs:
-        print(f"{j['job_id']:<16} {j['state']:<11} {j['epoch']:>5} {j['step']:>7} "
-              f"{len(j['members']):>3}/{j['max_workers']:<4} {j['failures']:>8}")
+    rows = [[j["job_id"], j.get("queue", "-"), str(j.get("priority", "-")), j["state"],
+             str(j["epoch"]), str(j["step"]), f"{len(j['members'])}/{j['max_workers']}",
+             str(j["failures"]), _placement(j.get("placement")) or j.get("waiting_for", "")]
+            for j in jobs]
+    print(_table(["JOB", "QUEUE", "PRIO", "STATE", "EPOCH", "STEP", "WORKERS", "FAILS",
+                  "NODES"], rows))
+    if nodes:
+        print()
+        print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PHI", "WORKERS"],
+                     [[n["node"], "alive" if n["alive"] else "DEAD", str(n["slots"]),
+                       str(n["used"]), n["labels"].get("rack", ""),
+                       n["labels"].get("capacity_type", "on-demand"),
+                       "-" if n["phi"] is None else f"{n['phi']:.1f}", " ".join(n["workers"])]
+                      for n in nodes]))
+    if queues:
+        print()
+        print(_table(["QUEUE", "GUARANTEED", "BORROW", "WEIGHT", "ALLOCATED", "JOBS"],
+                     [[q["queue"], str(q["guaranteed"]),
+                       "any" if q["borrowing_limit"] is None else str(q["borrowing_limit"]),
+                       f"{q['weight']:g}", str(q["allocated"]), str(q["jobs"])] for q in queues]))
     return 0
+
+
+def _placement(placement: dict[str, int] | None) -> str:
+    return " ".join(f"{n}x{r}" for n, r in sorted((placement or {}).items()))
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip()
+                     for row in [header, *rows])
+
+
+def _labels(items: list[str]) -> dict[str, str]:
+    labels = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("rack", "block", "capacity_type", "accelerator") or not value:
+            raise UsageError(f"--label {item!r}: expected rack=, block=, capacity_type= or "
+                             "accelerator= with a value")
+        if key == "capacity_type" and value not in ("on-demand", "spot"):
+            raise UsageError(f"--label {item!r}: capacity_type is on-demand or spot")
+        labels[key] = value
+    return labels
+
+
+def parse_queue(text: str) -> "Queue":
+    """``NAME[:GUARANTEED[:BORROWING_LIMIT[:WEIGHT]]]``; an empty or ``*`` limit is no limit."""
+    from maitre.scheduling.model import Queue
+
+    parts = text.split(":")
+    if not 1 <= len(parts) <= 4 or not parts[0]:
+        raise UsageError(f"--queue {text!r}: expected NAME[:GUARANTEED[:BORROW[:WEIGHT]]]")
+    try:
+        guaranteed = int(parts[1]) if len(parts) > 1 and parts[1] else 0
+        borrow = int(parts[2]) if len(parts) > 2 and parts[2] not in ("", "*") else None
+        weight = float(parts[3]) if len(parts) > 3 and parts[3] else 1.0
+        return Queue(parts[0], guaranteed, borrow, weight)
+    except ValueError as exc:
+        raise UsageError(f"--queue {text!r}: {exc}") from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from maitre.control.store import StoreError
+    from maitre.local import LocalCluster, UpConfig
+
+    if args.nodes < 0:
+        raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
+    slots = _positive("--slots-per-node", args.slots_per_node)
+    racks = _positive("--racks", args.racks)
+    queues = [parse_queue(q) for q in args.queue or []]
+    if len({q.name for q in queues}) != len(queues):
+        raise UsageError("--queue: a queue is given twice")
+    _check_port(args.host, args.port)
+    cfg = UpConfig(state_dir=Path(args.state_dir), queues=queues, nodes=args.nodes,
+                   slots_per_node=slots, racks=racks, host=args.host, port=args.port,
+                   quiet_workers=not args.worker_output)
+    try:
+        cluster = LocalCluster(cfg)
+    except StoreError as exc:
+        raise UsageError(str(exc)) from None
+    except (OSError, RuntimeError) as exc:
+        raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
+    cluster.start()
+    print(f"maitre: coordinator at {cluster.address} with {args.nodes} local node(s) x {slots} "
+          f"slot(s); state in {cfg.state_dir}", flush=True)
+    print(f"maitre: export MAITRE_COORDINATOR={cluster.address} "
+          f"MAITRE_TOKEN_FILE={cluster.token_file.resolve()}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        cluster.stop()
+    return 0
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    path = Path(args.manifest)
+    try:
+        text = sys.stdin.read() if args.manifest == "-" else path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {args.manifest}: {exc}") from None
+    from maitre.scheduling.spec import ManifestError, parse_manifest
+
+    try:
+        parse_manifest(text)  # every problem here, before the coordinator is even asked
+    except ManifestError as exc:
+        raise UsageError(f"{args.manifest}: " + "\n  ".join(["invalid job manifest:",
+                                                              *exc.problems])) from None
+    reply = _coordinator(args).post("/jobs", {"manifest": text})
+    print(f"maitre: job {reply['job_id']} submitted to queue {reply['queue']} "
+          f"(priority {reply['priority']})")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    _coordinator(args).post(f"/jobs/{args.job}/cancel")
+    print(f"maitre: job {args.job} cancelled: its workers stop")
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    reply = _coordinator(args).post(f"/jobs/{args.job}/resume")
+    print(f"maitre: job {args.job} may run again ({reply['state']}); it resumes from its newest "
+          "checkpoint when the scheduler admits it")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from maitre.demo import Demo, DemoConfig
+
+    steps = _positive("--steps", args.steps)
+    cfg = DemoConfig(steps=steps, urgent_at_step=min(150, steps // 4), urgent_steps=max(1, steps // 4),
+                     run_dir=Path(args.run_dir) if args.run_dir else None)
+    return Demo(cfg).run()
+
+
+def _check_port(host: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {port}")
+    try:  # can this machine listen there at all? (else TCPStore retries for 30 s)
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        raise UsageError(f"cannot start the coordinator on {host}:{port}: {exc}") from None
 
 
 def _coordinator_args(parser: argparse.ArgumentParser) -> None:
@@ -236,9 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator_args(agent)
     agent.add_argument("--nproc-per-node", type=int, default=1, help="worker slots on this node")
     agent.add_argument("--node-id", help="node name (default: host name and pid)")
+    agent.add_argument("--label", action="append", help="rack=R, block=B, capacity_type="
+                       "on-demand|spot or accelerator=A (repeatable)")
     agent.set_defaults(fn=cmd_agent)
 
-    scale = sub.add_parser("scale", help="set a job's number of workers")
+    scale = sub.add_parser("scale", help="set a job's number of workers (a submitted job: its "
+                           "maxReplicas)")
     scale.add_argument("job")
     scale.add_argument("workers", type=int)
     _coordinator_args(scale)
@@ -250,7 +399,42 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator_args(suspend)
     suspend.set_defaults(fn=cmd_suspend)
 
-    status = sub.add_parser("status", help="show jobs")
+    up = sub.add_parser("up", help="start a scheduled cluster: coordinator and local nodes",
+                        description="Start a coordinator that schedules submitted jobs, with "
+                        "local agents; restart it on the same --state-dir to carry on.")
+    up.add_argument("--state-dir", default="maitre-state",
+                    help="coordinator state, token and ledgers (default ./maitre-state)")
+    up.add_argument("--nodes", type=int, default=2, help="local nodes (0: coordinator only)")
+    up.add_argument("--slots-per-node", type=int, default=2, help="worker slots per node")
+    up.add_argument("--racks", type=int, default=1, help="spread local nodes over N racks")
+    up.add_argument("--queue", action="append", help="NAME[:GUARANTEED[:BORROW[:WEIGHT]]] "
+                    "(repeatable; default: one queue 'default')")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=0, help="HTTP port (0: the stored one or any)")
+    up.add_argument("--worker-output", action="store_true", help="print workers' output")
+    up.set_defaults(fn=cmd_up)
+
+    submit = sub.add_parser("submit", help="submit a job manifest (YAML) to the scheduler")
+    submit.add_argument("manifest", help="the job's YAML file, or - for stdin")
+    _coordinator_args(submit)
+    submit.set_defaults(fn=cmd_submit)
+
+    for name, fn, text in (("cancel", cmd_cancel, "stop a submitted job for good"),
+                           ("resume", cmd_resume, "let a job suspended by maitre suspend run "
+                            "again")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("job")
+        _coordinator_args(cmd)
+        cmd.set_defaults(fn=fn)
+
+    demo = sub.add_parser("demo", help="watch the scheduler: 4 nodes, three jobs, a preemption "
+                          "and a crash (about 3 minutes)")
+    demo.add_argument("--steps", type=int, default=900,
+                      help="steps of each elastic job (default 900: about 3 minutes)")
+    demo.add_argument("--run-dir", help="where state and ledgers go (default: a temp dir)")
+    demo.set_defaults(fn=cmd_demo)
+
+    status = sub.add_parser("status", help="show jobs, nodes and queues")
     status.add_argument("job", nargs="?")
     _coordinator_args(status)
     status.add_argument("--json", action="store_true")

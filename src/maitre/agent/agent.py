@@ -7,7 +7,9 @@ worker waits on the process and reports its exit at once, with the last line of 
 a Python exception, ``Type: message``), which is what lets the coordinator tell a crash from a
 bug that every rank hits.
 
-Workers get torchrun's variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``) plus ``MAITRE_*``; they
+Python workers of this interpreter are forked from a fork server that has torch imported
+already (:mod:`maitre.agent.warmstart`), so a joiner holds its slot idle for milliseconds, not
+the seconds of its imports. Workers get torchrun's variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``) plus ``MAITRE_*``; they
 run in their own session so a signal meant for one never reaches the agent.
 """
 
@@ -20,8 +22,9 @@ import sys
 import threading
 import time
 from collections import deque
-from typing import Callable, TextIO
+from typing import Any, Callable, TextIO
 
+from maitre.agent import warmstart
 from maitre.runtime import env as envvars
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
 
@@ -34,7 +37,7 @@ def print_output(worker_id: str, line: str) -> None:
 
 
 class _Worker:
-    def __init__(self, worker_id: str, proc: subprocess.Popen[str]) -> None:
+    def __init__(self, worker_id: str, proc: Any) -> None:
         self.worker_id = worker_id
         self.proc = proc
         self.stderr_tail: deque[str] = deque(maxlen=20)
@@ -50,11 +53,13 @@ class Agent:
         slots: worker processes this node can run (GPUs; CPU slots here).
         extra_env: added to every worker's environment (e.g. ``MAITRE_LEDGER_DIR``).
         output: where worker output lines go (default: stdout with a ``[worker]`` prefix).
+        labels: the node's ``rack``, ``block``, ``capacity_type`` (``on-demand`` or ``spot``)
+            and ``accelerator``, for topology-aware placement.
     """
 
     def __init__(self, coordinator: str, node_id: str, slots: int, *, heartbeat_s: float = 0.25,
                  extra_env: dict[str, str] | None = None, output: Output = print_output,
-                 token: str | None = None) -> None:
+                 token: str | None = None, labels: dict[str, str] | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.client = Client(coordinator, timeout_s=5.0, token=token)
@@ -62,6 +67,7 @@ class Agent:
         self.coordinator = coordinator
         self.node_id = node_id
         self.slots = slots
+        self.labels = dict(labels or {})
         self.heartbeat_s = heartbeat_s
         self.extra_env = dict(extra_env or {})
         self.output = output
@@ -72,6 +78,7 @@ class Agent:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> "Agent":
+        warmstart.prewarm()
         self._thread = threading.Thread(target=self.serve, name=f"agent-{self.node_id}", daemon=True)
         self._thread.start()
         return self
@@ -125,7 +132,8 @@ class Agent:
     def _beat(self) -> None:
         try:
             reply = self.client.post(f"/nodes/{self.node_id}/heartbeat",
-                                     {"slots": self.slots, "running": self.running()})
+                                     {"slots": self.slots, "labels": self.labels,
+                                      "running": self.running()})
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
         for order in reply.get("start", []):
@@ -147,10 +155,22 @@ class Agent:
             envvars.JOB_ID: order["job_id"], envvars.STORE: order["store"],
             "LOCAL_RANK": str(order["local_rank"]), "LOCAL_WORLD_SIZE": str(self.slots),
             "TORCHELASTIC_RUN_ID": order["job_id"], "PYTHONUNBUFFERED": "1",
+            # The slots (GPUs) it holds on this node: LOCAL_RANK and the ones after it.
+            envvars.SLOTS: ",".join(str(order["local_rank"] + i)
+                                    for i in range(order.get("slots", 1))),
         })
         env.setdefault("OMP_NUM_THREADS", "1")
-        proc = subprocess.Popen(order["command"], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            if warmstart.enabled(env) and warmstart.warm_target(order["command"]):
+                proc: Any = warmstart.WarmProcess(order["command"], env)
+            else:
+                proc = subprocess.Popen(order["command"], env=env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError as exc:  # no such program, not executable: the job's error, not ours
+            self.output(wid, f"maitre: cannot start {order['command'][0]!r}: {exc}\n")
+            threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"),
+                             daemon=True).start()
+            return
         worker = _Worker(wid, proc)
         worker.threads = [
             threading.Thread(target=self._pump, args=(worker, proc.stdout, False), daemon=True),
@@ -176,19 +196,22 @@ class Agent:
         # A failing exit's last stderr line is its error (``Type: message`` for Python); a
         # signal's death says nothing about the script, whatever it printed before.
         error = worker.stderr_tail[-1] if code > 0 and worker.stderr_tail else None
-        for _ in range(20):
+        self._report_exit(worker.worker_id, code, error)
+
+    def _report_exit(self, worker_id: str, code: int, error: str | None) -> None:
+        """Tell the coordinator, retrying while it is away (it may be restarting)."""
+        for _ in range(1200):
             try:
-                self.client.post(f"/workers/{worker.worker_id}/exit", {"code": code, "error": error})
+                self.client.post(f"/workers/{worker_id}/exit", {"code": code, "error": error})
                 return
             except CoordinatorUnreachable:
-                if self._stop.is_set():
+                if self._stop.wait(0.5):
                     return
-                time.sleep(0.5)
             except ApiError:
                 return
 
 
-def _signal(proc: subprocess.Popen[str], sig: int) -> None:
+def _signal(proc: Any, sig: int) -> None:
     try:
         os.kill(proc.pid, sig)
     except ProcessLookupError:

@@ -29,7 +29,7 @@ Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -41,9 +41,10 @@ class JobState(str, Enum):
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     SUSPENDED = "SUSPENDED"
+    CANCELLED = "CANCELLED"
 
 
-ENDED = (JobState.COMPLETED, JobState.FAILED, JobState.SUSPENDED)
+ENDED = (JobState.COMPLETED, JobState.FAILED, JobState.SUSPENDED, JobState.CANCELLED)
 
 
 class WorkerState(str, Enum):
@@ -119,6 +120,13 @@ class Worker:
     stalled: bool = False
     exit_code: int | None = None
     error: str | None = None
+    slots: int = 1
+    """Slots this worker holds on its node, from ``slot`` on (``gpusPerReplica``)."""
+    started_at: float = 0.0
+    ended_at: float | None = None
+    """When the agent was asked to start it, and when it stopped holding its slots."""
+    trained_s: float = 0.0
+    """Seconds it spent in steps that committed (reported with its heartbeats)."""
 
     def beat(self, now: float) -> None:
         # Gaps count only once the process is up: its start-up (seconds of imports) is no
@@ -154,7 +162,8 @@ class Assignment:
 class Membership:
     """Rendezvous and failure bookkeeping of one job (see the module docstring)."""
 
-    def __init__(self, spec: JobSpec, cfg: DetectorConfig | None = None, now: float = 0.0) -> None:
+    def __init__(self, spec: JobSpec, cfg: DetectorConfig | None = None, now: float = 0.0,
+                 first_worker: int = 0) -> None:
         self.spec = spec
         self.cfg = cfg or DetectorConfig()
         self.state = JobState.PENDING
@@ -172,14 +181,15 @@ class Membership:
         """Why the job is being suspended (members checkpoint and exit), or None."""
         self._failed_epoch = -1
         self._node_order: dict[str, int] = {}
-        self._next_worker = 0
+        self._next_worker = first_worker
+        """Worker ids go on from here (a resumed job's new workers never reuse an old id)."""
 
     # -- workers come and go ---------------------------------------------------------------------
-    def add_worker(self, node: str, slot: int, now: float) -> Worker:
+    def add_worker(self, node: str, slot: int, now: float, slots: int = 1) -> Worker:
         self._node_order.setdefault(node, len(self._node_order))
         self._next_worker += 1
         worker = Worker(id=f"{self.spec.job_id}-w{self._next_worker}", node=node, slot=slot,
-                        last_heartbeat=now)
+                        last_heartbeat=now, slots=slots, started_at=now)
         self.workers[worker.id] = worker
         return worker
 
@@ -202,9 +212,11 @@ class Membership:
             w.last_heartbeat = now
         w.beat(now)
 
-    def heartbeat(self, wid: str, now: float, step: int, stalled: bool) -> dict[str, Any]:
+    def heartbeat(self, wid: str, now: float, step: int, stalled: bool,
+                  trained_s: float = 0.0) -> dict[str, Any]:
         w = self._worker(wid)
         w.beat(now)
+        w.trained_s = max(w.trained_s, trained_s)
         if w.state in (WorkerState.ACTIVE, WorkerState.LEAVING):
             w.step = max(w.step, step)
             w.stalled = stalled
@@ -230,6 +242,8 @@ class Membership:
         """The agent saw the worker process exit."""
         w = self._worker(wid)
         w.exit_code = code
+        if w.ended_at is None:
+            w.ended_at = now  # its slots are free only now
         if w.state in (WorkerState.DONE, WorkerState.LEFT, WorkerState.DEAD):
             return
         if code == 0 and w.state == WorkerState.LEAVING:  # left without saying so
@@ -317,6 +331,14 @@ class Membership:
             self._log(now, "suspending", reason=reason)
         self._check_suspended(now)
 
+    def cancel(self, reason: str, now: float) -> None:
+        """End the job now: its workers are told to stop (or killed by their agents)."""
+        if self.state in ENDED:
+            raise ValueError(f"job {self.spec.job_id} is {self.state.value}")
+        self.state = JobState.CANCELLED
+        self.failure = reason
+        self._log(now, "cancelled", reason=reason)
+
     def _check_suspended(self, now: float) -> None:
         if self.suspending is None or self.state in ENDED:
             return
@@ -343,14 +365,22 @@ class Membership:
         self._log(now, "completed", step=max(m.step for m in members))
         return True
 
-    def scale(self, target: int, now: float) -> list[str]:
-        """Set the job's size; members beyond it are asked to leave (the highest ranks first)."""
+    def scale(self, target: int, now: float, leave: list[str] | None = None) -> list[str]:
+        """Set the job's size; members beyond it are asked to leave: those in ``leave`` (the
+        scheduler frees slots on chosen nodes), else the highest ranks first."""
         if not self.spec.min_workers <= target <= self.spec.max_workers:
             raise ValueError(f"target {target} outside [{self.spec.min_workers}, "
                              f"{self.spec.max_workers}] workers of job {self.spec.job_id}")
         self.target = target
+        for wid in leave or []:  # chosen ones that never joined go at once
+            w = self.workers.get(wid)
+            if w is not None and w.state in (WorkerState.STARTING, WorkerState.READY):
+                w.state = WorkerState.LEAVING
         staying = [m for m in self.members if self.workers[m].state == WorkerState.ACTIVE]
-        leaving = staying[target:] if len(staying) > target else []
+        chosen = [m for m in staying if m in (leave or [])]
+        order = chosen + [m for m in reversed(staying) if m not in chosen]
+        excess = max(0, len(staying) - target)
+        leaving = [m for m in staying if m in order[:excess]]
         for wid in leaving:
             self.workers[wid].state = WorkerState.LEAVING
         for w in self.workers.values():  # joiners that are no longer wanted
@@ -381,6 +411,8 @@ class Membership:
             return {"action": "stop", "reason": "job completed"}
         if self.state == JobState.SUSPENDED:
             return {"action": "stop", "reason": "job suspended"}
+        if self.state == JobState.CANCELLED:
+            return {"action": "stop", "reason": "job cancelled"}
         if w.state == WorkerState.LEAVING:
             return {"action": "leave"}
         if w.state == WorkerState.DEAD:
@@ -491,6 +523,39 @@ class Membership:
     def _log(self, now: float, kind: str, **fields: Any) -> None:
         self.events.append({"t": round(now, 4), "kind": kind, **fields})
 
+    # -- persistence -----------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        """Everything needed to carry on after the coordinator restarts (see :meth:`from_json`)."""
+        return {"spec": asdict(self.spec), "state": self.state.value, "epoch": self.epoch,
+                "members": list(self.members), "target": self.target,
+                "failures": self.failures, "failure": self.failure,
+                "closed_at": self.closed_at, "close_reason": self.close_reason,
+                "created_at": self.created_at, "suspending": self.suspending,
+                "failed_epoch": self._failed_epoch, "node_order": dict(self._node_order),
+                "next_worker": self._next_worker,
+                "workers": [{**asdict(w), "state": w.state.value} for w in self.workers.values()]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], cfg: DetectorConfig | None, now: float) -> "Membership":
+        """A membership as :meth:`to_json` saved it, its live workers' heartbeat clocks restarted
+        at ``now`` (the coordinator was away, not they). Events are not carried over."""
+        m = cls(JobSpec(**data["spec"]), cfg, data["created_at"], data["next_worker"])
+        m.state, m.epoch, m.members = JobState(data["state"]), data["epoch"], list(data["members"])
+        m.target, m.failures, m.failure = data["target"], data["failures"], data["failure"]
+        m.closed_at, m.close_reason = data["closed_at"], data["close_reason"]
+        m.suspending, m._failed_epoch = data["suspending"], data["failed_epoch"]
+        m._node_order = dict(data["node_order"])
+        names = {f.name for f in fields(Worker)}
+        for raw in data["workers"]:
+            w = Worker(**{k: v for k, v in raw.items() if k in names})
+            w.state = WorkerState(raw["state"])
+            if w.state in LIVE:
+                w.last_heartbeat = now
+                w.gap_mean = w.gap_var = 0.0
+                w.num_gaps = 0
+            m.workers[w.id] = w
+        return m
+
     def summary(self) -> dict[str, Any]:
         return {
             "job_id": self.spec.job_id, "state": self.state.value, "epoch": self.epoch,
@@ -498,7 +563,8 @@ class Membership:
             "min_workers": self.spec.min_workers, "max_workers": self.spec.max_workers,
             "step": max((self.workers[m].step for m in self.members), default=0),
             "failures": self.failures, "failure": self.failure,
-            "workers": [{"id": w.id, "node": w.node, "state": w.state.value, "rank": w.rank,
-                         "epoch": w.epoch, "step": w.step, "exit_code": w.exit_code,
-                         "error": w.error} for w in self.workers.values()],
+            "workers": [{"id": w.id, "node": w.node, "slot": w.slot, "state": w.state.value,
+                         "rank": w.rank, "epoch": w.epoch, "step": w.step,
+                         "exit_code": w.exit_code, "error": w.error,
+                         "trained_s": round(w.trained_s, 3)} for w in self.workers.values()],
         }

@@ -8,10 +8,13 @@ directives, process exits), and runs the failure detector every ``tick_s``.
 All state changes happen under one lock; a condition variable wakes the rendezvous long-polls
 when an epoch opens. Routes (JSON, under ``/v1``)::
 
-    GET  /health                       GET  /jobs            GET /jobs/<job>
-    POST /jobs            (JobSpec)    POST /jobs/<job>/scale {"workers": n}
+    GET  /health       GET /jobs     GET /jobs/<job>     GET /nodes     GET /queues     GET /report
+    POST /jobs            (JobSpec; with a cluster: {"manifest": YAML text or mapping})
+    POST /jobs/<job>/scale {"workers": n}     (with a cluster: the job's new maxReplicas)
     POST /jobs/<job>/suspend {"reason": "..."}   (members checkpoint, then stop)
-    POST /nodes/<node>/heartbeat {"slots": n, "running": [worker ids]} -> {"start": [...], "kill": [...]}
+    POST /jobs/<job>/resume    POST /jobs/<job>/cancel          (cluster jobs)
+    POST /nodes/<node>/heartbeat {"slots": n, "labels": {...}, "running": [worker ids]}
+                                 -> {"start": [...], "kill": [...]}
     POST /workers/<w>/exit {"code": c, "error": "..."}
     POST /workers/<w>/heartbeat {"step": s, "stalled": b}
     POST /workers/<w>/rendezvous {"from_epoch": e, "step": s, "reason": "...", "wait_s": t}
@@ -28,6 +31,7 @@ from __future__ import annotations
 import hmac
 import json
 import re
+import secrets
 import sys
 import threading
 import time
@@ -38,8 +42,12 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from maitre.control.membership import (ENDED, DetectorConfig, JobSpec, Membership,
+from maitre.control.cluster import ClusterState, ManagedJob
+from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, Membership,
                                        WorkerState)
+from maitre.control.store import Store
+from maitre.scheduling.model import Node, Phase
+from maitre.scheduling.spec import ManifestError, parse_manifest
 from maitre.wire import API
 
 
@@ -52,12 +60,22 @@ class NotFound(KeyError):
 
 
 class Coordinator:
-    """Thread-safe owner of all jobs and nodes. Time comes from ``clock`` (wall seconds)."""
+    """Thread-safe owner of all jobs and nodes. Time comes from ``clock`` (wall seconds).
+
+    With a :class:`ClusterState` (``maitre up``) jobs are submitted as manifests and the
+    scheduling policy sizes and places them; with a :class:`Store` every change is persisted and
+    a restarted coordinator carries on from it. Without either (``maitre run``) there is one
+    job, sized by hand, on whichever nodes join.
+    """
 
     def __init__(self, store_address: str, cfg: DetectorConfig | None = None,
                  clock: Callable[[], float] = time.time,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 cluster: ClusterState | None = None, store: Store | None = None,
+                 pass_s: float = 0.5) -> None:
         self.store_address = store_address
+        self.store_id = secrets.token_hex(8)
+        """Names this coordinator's c10d store: workers reconnect when it changes (a restart)."""
         self.cfg = cfg or DetectorConfig()
         self.clock = clock
         self.on_event = on_event
@@ -65,12 +83,23 @@ class Coordinator:
         self.jobs: dict[str, Membership] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
         self.reports: dict[str, list[dict[str, Any]]] = {}
-        self._worker_job: dict[str, str] = {}
+        self.cluster = cluster
+        self.db = store
+        self.pass_s = pass_s
+        self._next_pass = 0.0
+        self._persisted: dict[str, str] = {}
+        self._worker_job: dict[str, Membership] = {}
         self._pending_kills: dict[str, set[str]] = {}
         self._emitted: dict[str, int] = {}
+        if cluster is not None:
+            cluster.log = self._cluster_event
+            if store is not None:
+                self._restore()
 
     # -- jobs ------------------------------------------------------------------------------------
     def create_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.cluster is not None:
+            return self.submit(body.get("manifest"))
         try:
             spec = JobSpec(**body)
         except TypeError as exc:
@@ -78,10 +107,31 @@ class Coordinator:
         with self.cond:
             if spec.job_id in self.jobs:
                 raise BadRequest(f"job {spec.job_id!r} already exists")
-            self.jobs[spec.job_id] = Membership(spec, self.cfg, self.clock())
-            self.reports[spec.job_id] = []
-            self._emitted[spec.job_id] = 0
+            self._install(Membership(spec, self.cfg, self.clock()))
             return {"job_id": spec.job_id}
+
+    def submit(self, manifest: Any) -> dict[str, Any]:
+        """A job manifest (YAML text or a mapping): checked whole, stored, then scheduled."""
+        assert self.cluster is not None
+        if not isinstance(manifest, (str, dict)):
+            raise BadRequest("the request needs 'manifest': the job's YAML text or mapping")
+        with self.cond:
+            try:
+                parsed = parse_manifest(manifest, queues=set(self.cluster.queues))
+                managed = self.cluster.submit(parsed, self.clock())
+            except (ManifestError, ValueError) as exc:
+                raise BadRequest(str(exc)) from None
+            self._persist()
+            self._next_pass = 0.0  # schedule it in the next tick
+            return {"job_id": managed.id, "queue": parsed.queue, "priority": parsed.priority}
+
+    def _install(self, membership: Membership) -> None:
+        job_id = membership.spec.job_id
+        self.jobs[job_id] = membership
+        self.reports.setdefault(job_id, [])
+        self._emitted[job_id] = 0
+        for wid in membership.workers:
+            self._worker_job[wid] = membership
 
     def job(self, job_id: str) -> Membership:
         try:
@@ -91,18 +141,59 @@ class Coordinator:
 
     def job_status(self, job_id: str) -> dict[str, Any]:
         with self.cond:
+            if self.cluster is not None and job_id in self.cluster.managed and \
+                    job_id not in self.jobs:
+                return {**self._managed_summary(job_id), "events": [], "reports": []}
             job = self.job(job_id)
-            return {**job.summary(), "events": list(job.events), "reports": list(self.reports[job_id])}
+            return {**job.summary(), **self._managed_summary(job_id), "events": list(job.events),
+                    "reports": list(self.reports[job_id])}
+
+    def job_list(self) -> list[dict[str, Any]]:
+        with self.cond:
+            ids = list(self.jobs) + [j for j in (self.cluster.managed if self.cluster else {})
+                                     if j not in self.jobs]
+            out = []
+            for jid in ids:
+                base = self.jobs[jid].summary() if jid in self.jobs else {
+                    "job_id": jid, "epoch": 0, "members": [], "step": 0, "failures": 0}
+                out.append({**base, **self._managed_summary(jid)})
+            return out
+
+    def _managed_summary(self, job_id: str) -> dict[str, Any]:
+        """The scheduler's side of a managed job (nothing for a ``maitre run`` job)."""
+        m = self.cluster.managed.get(job_id) if self.cluster is not None else None
+        if m is None:
+            return {}
+        state = m.ended or m.job.phase.value
+        if m.ended is None and m.job.phase == Phase.RUNNING and m.id in self.jobs:
+            state = self.jobs[m.id].state.value  # PENDING (gang forming), RENDEZVOUS, RUNNING
+        return {"job_id": m.id, "state": state, "phase": m.job.phase.value, "queue": m.job.queue,
+                "priority": m.job.priority, "min_workers": m.job.min_replicas,
+                "max_workers": m.job.max_replicas, "placement": dict(m.job.placement),
+                "incarnation": m.incarnation, "held": m.held,
+                "waiting_for": m.last_waiting if m.job.phase == Phase.PENDING else ""}
 
     def scale(self, job_id: str, workers: Any) -> dict[str, Any]:
         if not isinstance(workers, int) or isinstance(workers, bool):
             raise BadRequest(f"'workers' must be an integer, got {workers!r}")
         with self.cond:
+            now = self.clock()
+            if self.cluster is not None:
+                try:
+                    self.cluster.set_max(job_id, workers, now)
+                    self.cluster.shrink_to_max(job_id, self.jobs.get(job_id), now)
+                except KeyError as exc:
+                    raise NotFound(exc.args[0]) from None
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+                self._next_pass = 0.0
+                self._changed()
+                return {"target": workers, "leaving": [], "max_replicas": workers}
             job = self.job(job_id)
             if job.state in ENDED:
                 raise BadRequest(f"job {job_id} is {job.state.value}")
             try:
-                leaving = job.scale(workers, self.clock())
+                leaving = job.scale(workers, now)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
             self._changed()
@@ -110,6 +201,16 @@ class Coordinator:
 
     def suspend(self, job_id: str, reason: Any = "suspended by request") -> dict[str, Any]:
         with self.cond:
+            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            if managed is not None:
+                if managed.ended is not None:
+                    raise BadRequest(f"job {job_id} is {managed.ended}")
+                managed.held = True  # a user's suspension lasts until `maitre resume`
+                if managed.job.phase != Phase.RUNNING:
+                    self._changed()
+                    return {"state": managed.job.phase.value}
+                managed.job.phase = Phase.SUSPENDING
+                managed.suspend_deadline = self.clock() + managed.job.grace_period_s
             job = self.job(job_id)
             try:
                 job.suspend(str(reason), self.clock())
@@ -118,37 +219,88 @@ class Coordinator:
             self._changed()
             return {"state": job.state.value}
 
+    def resume(self, job_id: str) -> dict[str, Any]:
+        with self.cond:
+            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            if managed is None:
+                raise NotFound(f"no managed job {job_id!r}")
+            if not managed.held:
+                raise BadRequest(f"job {job_id} was not suspended by a user")
+            managed.held = False
+            self._next_pass = 0.0
+            self._changed()
+            return {"state": managed.job.phase.value}
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        with self.cond:
+            if self.cluster is None:
+                raise BadRequest("cancel is for submitted jobs (maitre up); stop a maitre run "
+                                 "with Ctrl-C")
+            try:
+                self.cluster.cancel(job_id, self.jobs.get(job_id), self.clock())
+            except KeyError as exc:
+                raise NotFound(exc.args[0]) from None
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
+            self._next_pass = 0.0
+            self._changed()
+            return {"state": "CANCELLED"}
+
     # -- agents ----------------------------------------------------------------------------------
     def node_heartbeat(self, node: str, body: dict[str, Any]) -> dict[str, Any]:
         slots = body.get("slots")
         running = body.get("running", [])
-        if not isinstance(slots, int) or slots < 1:
+        labels = body.get("labels") or {}
+        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             raise BadRequest(f"'slots' must be a positive integer, got {slots!r}")
+        if not isinstance(running, list) or not all(isinstance(w, str) for w in running):
+            raise BadRequest("'running' must be a list of worker ids")
+        if not isinstance(labels, dict) or set(labels) - _LABELS or \
+                not all(isinstance(v, str) for v in labels.values()):
+            raise BadRequest(f"'labels' must map some of {sorted(_LABELS)} to strings, "
+                             f"got {labels!r}")
         now = self.clock()
         with self.cond:
             info = self.nodes.setdefault(node, {"slots": slots, "registered_at": now})
-            info.update(slots=slots, last_heartbeat=now)
+            info.update(slots=slots, last_heartbeat=now, labels=labels)
+            if self.cluster is not None:
+                try:
+                    described = Node(node, slots, **labels)
+                except ValueError as exc:
+                    raise BadRequest(str(exc)) from None
+                if self.cluster.node_beat(described, now) and self.db is not None:
+                    self.db.put_node(described, now)
             start: list[dict[str, Any]] = []
             kill = sorted(self._pending_kills.pop(node, set()))
-            used = {self.jobs[self._worker_job[w]].workers[w].slot
-                    for w in running if w in self._worker_job}
+            used: set[int] = set()
+            for wid in running:
+                ms = self._worker_job.get(wid)
+                if ms is not None:
+                    w = ms.workers[wid]
+                    used.update(range(w.slot, w.slot + w.slots))
+                    # Processes the coordinator gave up on, or leftovers of an ended run.
+                    if wid not in kill and (w.state == WorkerState.DEAD or (
+                            ms.state in ENDED and w.state not in (WorkerState.DONE,
+                                                                  WorkerState.LEFT))):
+                        kill.append(wid)
+            alive = self.cluster is None or self.cluster.nodes[node].alive
             for job in self.jobs.values():
-                if job.state in ENDED:
-                    kill += [w for w in running if self._worker_job.get(w) == job.spec.job_id
-                             and job.workers[w].state not in (WorkerState.DONE, WorkerState.LEFT)]
-                    continue
-                for w in running:  # processes the coordinator already gave up on
-                    if self._worker_job.get(w) == job.spec.job_id and \
-                            job.workers[w].state == WorkerState.DEAD and w not in kill:
-                        kill.append(w)
-                free = [s for s in range(slots) if s not in used]
-                for slot in free[:job.wants_workers()]:
-                    worker = job.add_worker(node, slot, now)
-                    used.add(slot)
-                    self._worker_job[worker.id] = job.spec.job_id
+                want = job.wants_workers() if alive else 0
+                per = 1
+                if self.cluster is not None:
+                    want = min(want, self.cluster.allowed_on(job.spec.job_id, job, node))
+                    per = self.cluster.slots_per_worker(job.spec.job_id)
+                for _ in range(want):
+                    slot = next((s for s in range(0, slots - per + 1)
+                                 if not used.intersection(range(s, s + per))), None)
+                    if slot is None:
+                        break
+                    worker = job.add_worker(node, slot, now, slots=per)
+                    used.update(range(slot, slot + per))
+                    self._worker_job[worker.id] = job
                     start.append({"worker_id": worker.id, "job_id": job.spec.job_id,
                                   "command": job.spec.command, "env": dict(job.spec.env),
-                                  "local_rank": slot, "store": self.store_address})
+                                  "local_rank": slot, "slots": per, "store": self.store_address})
             if start:
                 self._changed()
             return {"start": start, "kill": kill}
@@ -166,7 +318,8 @@ class Coordinator:
     def worker_heartbeat(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.cond:
             return self._job_of(wid).heartbeat(wid, self.clock(), int(body.get("step", 0)),
-                                               bool(body.get("stalled", False)))
+                                               bool(body.get("stalled", False)),
+                                               float(body.get("trained_s", 0.0)))
 
     def rendezvous(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         from_epoch = body.get("from_epoch")
@@ -185,6 +338,7 @@ class Coordinator:
                 answer = job.assignment(wid, from_epoch)
                 if answer is not None:
                     answer["store"] = self.store_address
+                    answer["store_id"] = self.store_id
                     return answer
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -211,7 +365,7 @@ class Coordinator:
             self._emit(job_id, "report", {"worker": wid, **body})
         return {}
 
-    # -- failure detector ------------------------------------------------------------------------
+    # -- failure detector and scheduler ----------------------------------------------------------
     def tick(self) -> None:
         with self.cond:
             now = self.clock()
@@ -221,13 +375,120 @@ class Coordinator:
                     self._pending_kills.setdefault(job.workers[wid].node, set()).add(wid)
                     changed = True
                 changed |= job.try_open_epoch(now)
+            if self.cluster is not None and now >= self._next_pass:
+                self._next_pass = now + self.pass_s
+                changed |= self._schedule(now)
             if changed:
                 self._changed()
+
+    def _schedule(self, now: float) -> bool:
+        """One pass: dead nodes, the policy, its actions, the accounting."""
+        cluster = self.cluster
+        assert cluster is not None
+        for node in cluster.detect_dead_nodes(now):
+            for job in self.jobs.values():
+                for w in job.live_workers():
+                    if w.node == node:
+                        job.evict(w.id, f"node {node} is dead (no agent heartbeat)", now)
+                        self._pending_kills.setdefault(node, set()).add(w.id)
+        cluster.sync(self.jobs, now)
+        plan = cluster.plan(now)
+        for kind, _, membership in cluster.apply(plan, self.jobs, now):
+            if kind == "start":
+                self._install(membership)
+        for m in cluster.managed.values():
+            m.workers_started = max(m.workers_started, self.jobs[m.id]._next_worker
+                                    if m.id in self.jobs and m.incarnation else 0)
+        cluster.tick_usage(self.jobs, now)
+        return bool(plan.actions)
+
+    def report(self) -> dict[str, Any]:
+        with self.cond:
+            if self.cluster is None:
+                raise BadRequest("no cluster report: this coordinator runs one job (maitre run)")
+            return self.cluster.report(self.jobs, self.clock())
+
+    def nodes_view(self) -> list[dict[str, Any]]:
+        with self.cond:
+            now = self.clock()
+            out = []
+            for name, info in sorted(self.nodes.items()):
+                held = [(wid, ms) for wid, ms in self._worker_job.items()
+                        if ms.workers[wid].node == name and ms.workers[wid].state in LIVE]
+                state = self.cluster.nodes.get(name) if self.cluster is not None else None
+                out.append({"node": name, "slots": info["slots"], "labels": info.get("labels", {}),
+                            "alive": True if state is None else state.alive,
+                            "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
+                            "used": sum(ms.workers[w].slots for w, ms in held),
+                            "workers": [w for w, _ in held],
+                            "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2)})
+            return out
+
+    def queues_view(self) -> list[dict[str, Any]]:
+        with self.cond:
+            if self.cluster is None:
+                return []
+            usage: dict[str, int] = {}
+            for m in self.cluster.managed.values():
+                if m.ended is None:
+                    usage[m.job.queue] = usage.get(m.job.queue, 0) + m.job.slots
+            return [{"queue": q.name, "guaranteed": q.guaranteed,
+                     "borrowing_limit": q.borrowing_limit, "weight": q.weight,
+                     "allocated": usage.get(q.name, 0),
+                     "jobs": sum(1 for m in self.cluster.managed.values()
+                                 if m.job.queue == q.name and m.ended is None)}
+                    for q in self.cluster.queues.values()]
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _persist(self) -> None:
+        """Write every managed job whose state changed (one transaction each)."""
+        if self.db is None or self.cluster is None:
+            return
+        for m in self.cluster.managed.values():
+            ms = self.jobs.get(m.id) if m.incarnation else None
+            extra = self.cluster.job_extra(m, ms)
+            text = json.dumps([extra, m.job.phase.value, m.job.placement, m.job.max_replicas,
+                               m.job.throughput, m.job.last_resize_at], sort_keys=True, default=str)
+            if self._persisted.get(m.id) != text:
+                self.db.put_job(m.job, extra)
+                self._persisted[m.id] = text
+
+    def _restore(self) -> None:
+        """Carry on from the store: nodes, queues, jobs and their memberships."""
+        assert self.cluster is not None and self.db is not None
+        now = self.clock()
+        cluster = self.cluster
+        stored = self.db.cluster()
+        for q in stored.queues.values():
+            cluster.queues.setdefault(q.name, q)
+        for q in cluster.queues.values():
+            self.db.put_queue(q)
+        for node in stored.nodes.values():
+            cluster.node_beat(node, now)
+            self.nodes[node.name] = {"slots": node.slots, "registered_at": now,
+                                     "last_heartbeat": now}
+        for job, extra in self.db.jobs():
+            manifest = parse_manifest({k: v for k, v in extra["manifest"].items()
+                                       if v is not None})
+            managed = ManagedJob(manifest, job, incarnation=extra["incarnation"],
+                                 workers_started=extra["workers_started"], ended=extra["ended"],
+                                 held=extra["held"], admitted_at=extra["admitted_at"],
+                                 ended_at=extra["ended_at"], productive_s=extra["productive_s"],
+                                 suspend_deadline=extra["suspend_deadline"])
+            managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
+            for h in managed.history:
+                for wid in h.workers:
+                    self._worker_job[wid] = h
+            cluster.managed[job.id] = managed
+            if extra["membership"] is not None:
+                self._install(Membership.from_json(extra["membership"], self.cfg, now))
+        cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
+                    nodes=len(cluster.nodes))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _job_of(self, wid: str) -> Membership:
         try:
-            return self.jobs[self._worker_job[wid]]
+            return self._worker_job[wid]
         except KeyError:
             raise NotFound(f"unknown worker {wid!r}") from None
 
@@ -237,10 +498,20 @@ class Coordinator:
             for event in job.events[self._emitted[job_id]:]:
                 self._emit(job_id, event["kind"], event)
             self._emitted[job_id] = len(job.events)
+        self._persist()
 
-    def _emit(self, job_id: str, kind: str, event: dict[str, Any]) -> None:
+    def _cluster_event(self, now: float, kind: str, job: str | None = None, **fields: Any) -> None:
+        self._emit(job, kind, {"t": round(now, 4), **fields})
+
+    def _emit(self, job_id: str | None, kind: str, event: dict[str, Any]) -> None:
+        if self.db is not None:
+            body = {k: v for k, v in event.items() if k not in ("kind", "t")}
+            self.db.add_event(event.get("t", self.clock()), kind, job_id, **body)
         if self.on_event is not None:
-            self.on_event(job_id, {**event, "kind": kind})
+            self.on_event(job_id or "", {**event, "kind": kind})
+
+
+_LABELS = {"rack", "block", "capacity_type", "accelerator"}
 
 
 _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
@@ -250,6 +521,11 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/jobs/(?P<job>[\w.-]+)"), "job_status"),
     ("POST", re.compile(r"/jobs/(?P<job>[\w.-]+)/scale"), "scale"),
     ("POST", re.compile(r"/jobs/(?P<job>[\w.-]+)/suspend"), "suspend"),
+    ("POST", re.compile(r"/jobs/(?P<job>[\w.-]+)/resume"), "resume"),
+    ("POST", re.compile(r"/jobs/(?P<job>[\w.-]+)/cancel"), "cancel"),
+    ("GET", re.compile(r"/nodes"), "nodes"),
+    ("GET", re.compile(r"/queues"), "queues"),
+    ("GET", re.compile(r"/report"), "report"),
     ("POST", re.compile(r"/nodes/(?P<node>[\w.-]+)/heartbeat"), "node_heartbeat"),
     ("POST", re.compile(r"/workers/(?P<w>[\w.-]+)/(?P<verb>exit|heartbeat|rendezvous|done|left|report)"),
      "worker"),
@@ -323,8 +599,15 @@ class _Handler(BaseHTTPRequestHandler):
         if name == "health":
             return {"ok": True}
         if name == "jobs":
-            with c.cond:
-                return {"jobs": [j.summary() for j in c.jobs.values()]}
+            return {"jobs": c.job_list()}
+        if name == "nodes":
+            return {"nodes": c.nodes_view()}
+        if name == "queues":
+            return {"queues": c.queues_view()}
+        if name == "report":
+            return c.report()
+        if name in ("resume", "cancel"):
+            return getattr(c, name)(args["job"])
         if name == "create_job":
             return c.create_job(body)
         if name == "job_status":
@@ -366,10 +649,12 @@ class CoordinatorServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, store_port: int = 0,
                  cfg: DetectorConfig | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 tick_s: float = 0.05, token: str | None = None) -> None:
+                 tick_s: float = 0.05, token: str | None = None,
+                 cluster: ClusterState | None = None, db: Store | None = None) -> None:
         self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=30))
-        self.coordinator = Coordinator(f"{host}:{self.store.port}", cfg, on_event=on_event)
+        self.coordinator = Coordinator(f"{host}:{self.store.port}", cfg, on_event=on_event,
+                                       cluster=cluster, store=db)
         self.token = token
         handler = type("Handler", (_Handler,), {"coordinator": self.coordinator, "token": token})
         self.httpd = _Server((host, port), handler)

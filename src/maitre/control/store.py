@@ -120,7 +120,16 @@ class Store:
                              (t, job, kind, json.dumps(body)))
             return int(cur.lastrowid)
 
+    def put_meta(self, key: str, value: Any) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, json.dumps(value)))
+
     # -- reads -----------------------------------------------------------------------------------
+    def meta(self, key: str) -> Any:
+        with self._lock:
+            row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
     def cluster(self) -> Cluster:
         with self._lock:
             nodes = [Node(name, slots, **json.loads(labels)) for name, slots, labels, *_ in

@@ -21,6 +21,8 @@ STORE = "MAITRE_STORE"
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 RUN_ID = "MAITRE_RUN_ID"
 TOKEN = "MAITRE_TOKEN"
+SLOTS = "MAITRE_SLOTS"
+"""The node's slots (GPU indices) a worker holds, comma-separated: ``gpusPerReplica`` of them."""
 HEARTBEAT_S = "MAITRE_HEARTBEAT_S"
 COORDINATOR_TIMEOUT_S = "MAITRE_COORDINATOR_TIMEOUT_S"
 

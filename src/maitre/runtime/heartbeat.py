@@ -1,7 +1,7 @@
 """The worker's heartbeat thread: liveness for the coordinator, news for the training loop.
 
-Every ``interval_s`` the thread tells the coordinator the worker's committed step and whether it
-is stalled (waiting in a collective for longer than the loop's stall threshold, which is derived
+Every ``interval_s`` the thread tells the coordinator the worker's committed step, the seconds it
+spent in steps that committed (the cluster's utilization accounting), and whether it is stalled (waiting in a collective for longer than the loop's stall threshold, which is derived
 from observed step times). The reply says whether the worker's epoch was closed (a peer died,
 hung or the job is resizing), whether a change is pending (a joiner is ready, a member must
 leave), and whether this worker must stop. The training loop reads these flags between wait
@@ -39,7 +39,7 @@ class CoordinatorView:
 
 class Heartbeat:
     def __init__(self, client: Client, worker_id: str, interval_s: float,
-                 progress: Callable[[], tuple[int, bool]]) -> None:
+                 progress: Callable[[], tuple[int, bool, float]]) -> None:
         self.client = client
         self.worker_id = worker_id
         self.interval_s = interval_s
@@ -58,10 +58,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            step, stalled = self.progress()
+            step, stalled, trained_s = self.progress()
             try:
                 reply = self.client.post(f"/workers/{self.worker_id}/heartbeat",
-                                         {"step": step, "stalled": stalled}, timeout_s=2.0)
+                                         {"step": step, "stalled": stalled,
+                                          "trained_s": round(trained_s, 4)}, timeout_s=2.0)
             except (CoordinatorUnreachable, ApiError):
                 pass  # keep the last view: the current epoch trains on
             else:

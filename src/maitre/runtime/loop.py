@@ -150,11 +150,15 @@ class ElasticLoop:
         self.recoveries: list[Recovery] = []
         self._buffers = _GradBuffers(self.params)
         self._step_times: deque[float] = deque(maxlen=32)
+        self._trained_s = 0.0
+        self._committed_at = 0.0
+        """Seconds spent in steps that committed (dropped steps do not count)."""
         self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id, sampler.num_samples,
                               self.env.run_id) if self.env.ledger_dir else None
         self._client: Client | None = None
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
+        self._store_id: str | None = None
         self._recovery: Recovery | None = None
         self._owns_default_group = False
         self._building_since: float | None = None
@@ -181,8 +185,9 @@ class ElasticLoop:
                 step_start = time.monotonic()
                 yield batch
                 if self._finish(batch):
-                    elapsed = time.monotonic() - step_start
+                    elapsed = self._committed_at - step_start  # not the resize that may follow
                     self._step_times.append(elapsed)
+                    self._trained_s += elapsed
                     if self.checkpointer is not None:
                         self.checkpointer.record_step(elapsed)
                         if self._heartbeat is not None:
@@ -265,6 +270,7 @@ class ElasticLoop:
                       world_size=self.world_size, token=int(control[_TOKEN]))
         elif ckpt is not None:  # after the first step, when the optimizer state exists
             ckpt.prepare(self.state.state_dict, rank=self.rank, world_size=self.world_size)
+        self._committed_at = time.monotonic()
         if stop:
             self._stop_here()
         if float(control[2]) > 0:
@@ -332,17 +338,16 @@ class ElasticLoop:
             self._sync_state(Recovery("start", time.time()))
             return
         self._client = Client(self.env.coordinator, token=self.env.token or None)
-        host, port = parse_address(self.env.store)
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
         self._heartbeat = Heartbeat(self._client, self.env.worker_id, self.env.heartbeat_s,
                                     self._progress).start()
         self._recovery = Recovery("join", time.time())
         self._rendezvous("join", from_epoch=0)
 
-    def _progress(self) -> tuple[int, bool]:
+    def _progress(self) -> tuple[int, bool, float]:
         group = self.group  # waiting in a collective, or for the members of a new group
         since = group.waiting_since if group is not None else self._building_since
-        return self.state.step, since is not None and time.monotonic() - since > self._stall_after()
+        stalled = since is not None and time.monotonic() - since > self._stall_after()
+        return self.state.step, stalled, self._trained_s
 
     def _stall_after(self) -> float:
         """How long a collective may wait before this worker calls itself stalled."""
@@ -364,7 +369,7 @@ class ElasticLoop:
 
     def _rendezvous(self, reason: str, from_epoch: int | None = None) -> None:
         """Leave the current epoch and enter the next one (or leave the job)."""
-        assert self._client is not None and self._store is not None
+        assert self._client is not None
         if self._recovery is None:
             self._recovery = Recovery(reason, time.time())
         if self.group is not None:
@@ -392,8 +397,15 @@ class ElasticLoop:
                 self._client.post(f"/workers/{self.env.worker_id}/left")
                 self._exit(0, None)
             if action == "stop":
-                self._exit(0 if answer.get("reason") in ("job completed", "job suspended") else 1,
+                ended = ("job completed", "job suspended", "job cancelled")
+                self._exit(0 if answer.get("reason") in ended else 1,
                            f"maitre: worker stopped: {answer.get('reason')}")
+        if self._store is None or answer.get("store_id") != self._store_id:
+            # First epoch, or the coordinator restarted since the last one: its c10d store is
+            # a new server (same address), so connect again.
+            host, port = parse_address(answer.get("store") or self.env.store)
+            self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+            self._store_id = answer.get("store_id")
         rec = self._recovery
         rec.assigned_at = time.time()
         self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]

@@ -1,0 +1,129 @@
+"""Warm worker start: fork workers from a process that has already imported torch.
+
+A Python worker spends seconds importing torch before it trains a single step (3 s of CPU on a
+laptop core, far more on a node whose cores are busy training). During a join that is time its
+slot is held and idle. The agent instead keeps a fork server (:mod:`multiprocessing`'s
+``forkserver``, started once per agent process with torch and maitre preloaded) and forks each
+worker from it: the worker starts with its imports done, in tens of milliseconds, and shares the
+imported pages copy-on-write with its siblings.
+
+Only commands that run a Python script or module with this interpreter can start warm
+(``python script.py ...`` or ``python -m module ...``); anything else, or ``MAITRE_WARM_START=0``,
+starts with :class:`subprocess.Popen` as before. The forked worker gets the command's arguments,
+environment and working directory, its own session (signals meant for it never reach the
+agent), and its stdout and stderr on pipes the agent reads, as a cold-started one does. The fork
+server holds no CUDA context, so forked workers may use CUDA.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import runpy
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+ENV = "MAITRE_WARM_START"
+PRELOAD = ["torch", "torch.distributed", "maitre", "maitre.runtime.loop"]
+
+_lock = threading.Lock()
+_context: Any = None
+
+
+def _ctx() -> Any:
+    global _context
+    with _lock:
+        if _context is None:
+            ctx = multiprocessing.get_context("forkserver")
+            ctx.set_forkserver_preload(PRELOAD)
+            _context = ctx
+        return _context
+
+
+def prewarm() -> None:
+    """Start the fork server now (it imports torch once, for a few seconds), not at the
+    first worker."""
+    if enabled():
+        _ctx()
+        multiprocessing.forkserver.ensure_running()
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    return (env or os.environ).get(ENV, "1") != "0" and sys.platform != "win32"
+
+
+def warm_target(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
+    """``("path"|"module", target, argv)`` when ``command`` runs Python code with this very
+    interpreter, else None (then it is started cold)."""
+    if len(command) < 2 or Path(command[0]).resolve() != Path(sys.executable).resolve():
+        return None
+    if command[1] == "-m" and len(command) >= 3:
+        return "module", command[2], [command[2], *command[3:]]
+    if command[1].startswith("-"):
+        return None  # interpreter flags (-X, -u, -c ...): run it as asked
+    return "path", command[1], list(command[1:])
+
+
+class WarmProcess:
+    """What the agent needs of a worker process (a :class:`subprocess.Popen` look-alike)."""
+
+    def __init__(self, command: Sequence[str], env: dict[str, str], cwd: str | None = None) -> None:
+        target = warm_target(command)
+        if target is None:
+            raise ValueError(f"not a Python command of this interpreter: {command!r}")
+        ctx = _ctx()
+        out_r, out_w = ctx.Pipe(duplex=False)
+        err_r, err_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_child, args=(*target, env, cwd or os.getcwd(),
+                                                      out_w, err_w), daemon=False)
+        self._proc.start()
+        out_w.close()
+        err_w.close()
+        self.pid = self._proc.pid
+        self.stdout = io.open(os.dup(out_r.fileno()), "r", errors="replace")
+        self.stderr = io.open(os.dup(err_r.fileno()), "r", errors="replace")
+        out_r.close()
+        err_r.close()
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._proc.is_alive():
+            self.returncode = self._proc.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self.poll() is None:
+            import subprocess
+
+            raise subprocess.TimeoutExpired(f"worker {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+
+def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str,
+           out_w: Any, err_w: Any) -> None:
+    """Runs in the forked worker: become the command, as ``python`` would have started it."""
+    os.setsid()
+    os.dup2(out_w.fileno(), 1)
+    os.dup2(err_w.fileno(), 2)
+    out_w.close()
+    err_w.close()
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.argv = list(argv)
+    if kind == "module":
+        sys.path.insert(0, cwd)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        script = Path(target)
+        sys.path.insert(0, str(script.resolve().parent))
+        sys.argv[0] = str(script)
+        runpy.run_path(str(script), run_name="__main__")

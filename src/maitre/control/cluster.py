@@ -1,0 +1,458 @@
+"""The coordinator's cluster: nodes, queues and submitted jobs, and the scheduling pass that
+carries the policy's decisions out through each job's membership.
+
+A job submitted as a manifest is *managed*: :func:`maitre.scheduling.policy.schedule` decides
+when it starts, how many replicas it gets and on which nodes. Every pass (``pass_s``) turns the
+coordinator's live state into the policy's view (:class:`~maitre.scheduling.model.Job`: phase,
+placement, measured throughput), calls the policy, and applies its actions:
+
+=========  ====================================================================================
+admit      a new run (an *incarnation*) of the job: a fresh :class:`Membership` whose target is
+           the placement; agents start its workers on exactly those nodes. A job that was
+           suspended resumes from its newest checkpoint (the loop loads it at step 0).
+grow       the target rises; agents start workers on the new nodes; they join at a step boundary.
+shrink     the workers on the nodes given up (joiners first, then the highest ranks) are asked
+           to leave at the next step boundary. Nobody is killed.
+suspend    every member checkpoints after its current step and exits; the slots stay held until
+           it did, or until the job's grace period ran out (then its workers are killed).
+=========  ====================================================================================
+
+The placement the policy sees is the *allocation*: replicas per node the coordinator granted.
+Agents start a job's worker on a node only within its allocation there and only on a slot that
+is really free (a leaving worker holds its slot until its process exits), so a node is never
+over-committed, not even for the moment between a shrink and its preemptor's start.
+
+Nodes are watched by a phi-accrual detector (:mod:`maitre.control.detector`) on their agents'
+heartbeats; a node declared dead has its workers evicted (the jobs recover as from any crash) and
+its allocations withdrawn, and the next pass places the lost replicas elsewhere.
+
+Throughput is measured here, not reported: the steps a job commits per second at each world size
+(its global batch is fixed, so steps per second are samples per second up to a constant) fit the
+job's speedup model, which the policy uses to hand out idle slots by marginal gain.
+
+Pure logic over injected time, like :class:`Membership`; the coordinator calls it under its lock
+and persists what changed (:mod:`maitre.control.store`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from maitre.control.detector import PhiAccrual, PhiConfig
+from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, JobState,
+                                       Membership, WorkerState)
+from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue
+from maitre.scheduling.policy import Plan, PolicyConfig, schedule
+from maitre.scheduling.spec import JobManifest
+
+# Environment of a managed job's workers (the names the runtime reads; no runtime import here).
+_CKPT_DIR_ENV, _LEDGER_ENV, _RUN_ENV = "MAITRE_CHECKPOINT_DIR", "MAITRE_LEDGER_DIR", "MAITRE_RUN_ID"
+
+THROUGHPUT_WINDOW_S = 4.0
+"""Shortest stretch of uninterrupted training a throughput sample is taken over."""
+
+
+@dataclass(slots=True)
+class NodeState:
+    node: Node
+    detector: PhiAccrual
+    alive: bool = True
+    registered_at: float = 0.0
+
+
+@dataclass(slots=True)
+class ManagedJob:
+    """A submitted job: its manifest, the policy's view of it and its current incarnation."""
+
+    manifest: JobManifest
+    job: Job
+    incarnation: int = 0
+    """Admissions so far; each runs a fresh membership (a resume after a suspension is one)."""
+    workers_started: int = 0
+    ended: str | None = None
+    """COMPLETED, FAILED or CANCELLED, once the job is over."""
+    held: bool = False
+    """Suspended by a user (``maitre suspend``): not admitted again until resumed."""
+    suspend_deadline: float | None = None
+    admitted_at: float | None = None
+    ended_at: float | None = None
+    productive_s: float = 0.0
+    """Wall seconds the job spent in steps that committed (its effective training time)."""
+    history: list[Membership] = field(default_factory=list)
+    """Earlier incarnations (their workers' time still counts in the accounting)."""
+    seen_trained: dict[str, float] = field(default_factory=dict)
+    window: tuple[int, int, int, float] | None = None
+    """(incarnation, epoch, step, time) where the current throughput sample began."""
+    last_waiting: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+
+class ClusterState:
+    """Nodes, queues and managed jobs (see the module docstring)."""
+
+    def __init__(self, queues: list[Queue], *, run_dir: Path, policy: PolicyConfig | None = None,
+                 phi: PhiConfig | None = None, detector: DetectorConfig | None = None,
+                 max_restarts: int = 3, log: Callable[..., None] | None = None) -> None:
+        self.queues = {q.name: q for q in queues}
+        self.nodes: dict[str, NodeState] = {}
+        self.managed: dict[str, ManagedJob] = {}
+        self.run_dir = Path(run_dir)
+        self.policy = policy or PolicyConfig()
+        self.phi = phi or PhiConfig()
+        self.detector = detector or DetectorConfig()
+        self.max_restarts = max_restarts
+        self.log = log or (lambda *a, **k: None)
+        """``log(now, kind, job=None, **fields)``: the coordinator's event sink."""
+        self.usage = Usage()
+
+    # -- nodes -----------------------------------------------------------------------------------
+    def node_beat(self, node: Node, now: float) -> bool:
+        """An agent's heartbeat; returns True when the node is new, changed or back from dead."""
+        state = self.nodes.get(node.name)
+        if state is None or state.node != node:
+            self.nodes[node.name] = NodeState(node, PhiAccrual(self.phi, now), True,
+                                              state.registered_at if state else now)
+            self.log(now, "node_registered" if state is None else "node_changed",
+                     node=node.name, slots=node.slots)
+            return True
+        state.detector.heartbeat(now)
+        if not state.alive:
+            state.alive = True
+            state.detector = PhiAccrual(self.phi, now)
+            self.log(now, "node_recovered", node=node.name)
+            return True
+        return False
+
+    def detect_dead_nodes(self, now: float) -> list[str]:
+        dead = []
+        for name, state in self.nodes.items():
+            if state.alive and state.detector.dead(now):
+                state.alive = False
+                dead.append(name)
+                self.log(now, "node_dead", node=name,
+                         silent_s=round(state.detector.silent_for(now), 2),
+                         phi=round(min(state.detector.phi(now), 1e6), 1))
+        return dead
+
+    def cluster(self) -> Cluster:
+        return Cluster.of([s.node for s in self.nodes.values() if s.alive],
+                          list(self.queues.values()))
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def submit(self, manifest: JobManifest, now: float) -> ManagedJob:
+        if manifest.queue not in self.queues:
+            raise ValueError(f"no queue {manifest.queue!r} (queues: {', '.join(sorted(self.queues))})")
+        old = self.managed.get(manifest.name)
+        if old is not None and old.ended is None:
+            raise ValueError(f"job {manifest.name!r} exists and is not over; cancel it first")
+        job = manifest.job(now)
+        if manifest.checkpoint_dir is None:  # nothing to resume from: never suspend it
+            job.preemptible = False
+        managed = ManagedJob(manifest, job)
+        if old is not None:  # the name is reused: worker ids go on, history is dropped
+            managed.workers_started = old.workers_started
+        self.managed[manifest.name] = managed
+        self.log(now, "submitted", job=manifest.name, queue=manifest.queue,
+                 priority=manifest.priority, replicas=[manifest.min_replicas, manifest.max_replicas])
+        return managed
+
+    def incarnation_spec(self, m: ManagedJob) -> JobSpec:
+        man = m.manifest
+        env = {_RUN_ENV: f"{m.id}-{m.incarnation}",
+               _LEDGER_ENV: str(self.run_dir / "ledger" / m.id)}
+        if man.checkpoint_dir:
+            env[_CKPT_DIR_ENV] = man.checkpoint_dir
+        return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
+                       max_workers=man.max_replicas, nproc_per_node=1,
+                       max_restarts=self.max_restarts, env=env)
+
+    def allowed_on(self, job_id: str, membership: Membership, node: str) -> int:
+        """Workers of a managed job that may still start on ``node`` (its allocation there minus
+        its workers there that are not leaving)."""
+        m = self.managed.get(job_id)
+        if m is None:
+            return 0
+        alloc = m.job.placement.get(node, 0)
+        here = sum(1 for w in membership.live_workers()
+                   if w.node == node and w.state != WorkerState.LEAVING)
+        return max(0, alloc - here)
+
+    def slots_per_worker(self, job_id: str) -> int:
+        m = self.managed.get(job_id)
+        return 1 if m is None else m.job.slots_per_replica
+
+    # -- the scheduling pass ---------------------------------------------------------------------
+    def sync(self, memberships: dict[str, Membership], now: float) -> None:
+        """Bring the policy's view of each job up to date with its membership."""
+        for m in self.managed.values():
+            if m.ended is not None:
+                continue
+            ms = memberships.get(m.id) if m.incarnation else None
+            job = m.job
+            # Lost nodes take their allocation with them.
+            for name in [n for n in job.placement if not self._alive(n)]:
+                del job.placement[name]
+            if ms is None:
+                continue
+            self._account(m, ms, now)
+            if ms.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
+                m.ended, m.ended_at = ms.state.value, now
+                job.placement = {}
+                self.log(now, "job_" + ms.state.value.lower(), job=m.id,
+                         reason=ms.failure or "", step=self._step(ms))
+                continue
+            if ms.state == JobState.SUSPENDED:
+                if job.phase != Phase.SUSPENDED:
+                    job.phase, job.placement = Phase.SUSPENDED, {}
+                    m.suspend_deadline = None
+                    self.log(now, "job_suspended", job=m.id, step=self._step(ms))
+                continue
+            if job.phase == Phase.SUSPENDING and m.suspend_deadline is not None and \
+                    now > m.suspend_deadline:
+                m.suspend_deadline = None
+                for w in ms.live_workers():
+                    ms.evict(w.id, f"grace period of {job.grace_period_s:.0f}s ran out", now)
+                self.log(now, "grace_expired", job=m.id)
+            self._measure(m, ms, now)
+
+    def plan(self, now: float) -> Plan:
+        jobs = [m.job for m in self.managed.values() if m.ended is None and not
+                (m.held and m.job.phase == Phase.SUSPENDED)]
+        return schedule(self.cluster(), jobs, now, self.policy)
+
+    def apply(self, plan: Plan, memberships: dict[str, Membership], now: float
+              ) -> list[tuple[str, str, Any]]:
+        """Carry the plan out; returns what the coordinator must do beyond the memberships:
+        ``("start", job_id, membership)`` for a new incarnation."""
+        out: list[tuple[str, str, Any]] = []
+        for action in plan.actions:
+            m = self.managed[action.job]
+            job = m.job
+            new = dict(action.placement)
+            if action.kind == "admit":
+                m.incarnation += 1
+                ms = Membership(self.incarnation_spec(m), self.detector, now, m.workers_started)
+                ms.target = sum(new.values())
+                old = memberships.get(m.id)
+                if old is not None:
+                    m.history.append(old)
+                job.phase, job.placement, job.last_resize_at = Phase.RUNNING, new, now
+                m.admitted_at = m.admitted_at if m.admitted_at is not None else now
+                m.window = None
+                out.append(("start", m.id, ms))
+                self.log(now, "admit", job=m.id, placement=new, incarnation=m.incarnation,
+                         resumes=job.submitted_at < now and m.incarnation > 1)
+            elif action.kind in ("grow", "shrink"):
+                ms = memberships[m.id]
+                leave = self._leavers(ms, job.placement, new) if action.kind == "shrink" else None
+                job.placement, job.last_resize_at = new, now
+                try:
+                    ms.scale(sum(new.values()), now, leave=leave)
+                except ValueError as exc:  # the membership ended meanwhile
+                    self.log(now, "resize_skipped", job=m.id, reason=str(exc))
+                    continue
+                self.log(now, action.kind, job=m.id, placement=new, reason=action.reason)
+            elif action.kind == "suspend":
+                ms = memberships[m.id]
+                job.phase = Phase.SUSPENDING
+                m.suspend_deadline = now + job.grace_period_s
+                try:
+                    ms.suspend(action.reason, now)
+                except ValueError:
+                    pass
+                self.log(now, "suspend", job=m.id, reason=action.reason)
+            elif action.kind == "preempting" and action.reason != m.last_waiting:
+                m.last_waiting = action.reason
+                self.log(now, "preempting", job=m.id, reason=action.reason, placement=new)
+        return out
+
+    def _leavers(self, ms: Membership, old: dict[str, int], new: dict[str, int]) -> list[str]:
+        """Workers on the nodes the shrink gives up: joiners first, then the highest ranks."""
+        out: list[str] = []
+        for node, count in old.items():
+            drop = count - new.get(node, 0)
+            if drop <= 0:
+                continue
+            here = [w for w in ms.live_workers() if w.node == node and w.state != WorkerState.LEAVING]
+            here.sort(key=lambda w: (w.state == WorkerState.ACTIVE, w.rank))
+            out += [w.id for w in here[:drop]]
+        return out
+
+    # -- user requests ---------------------------------------------------------------------------
+    def cancel(self, job_id: str, ms: Membership | None, now: float) -> None:
+        m = self._get(job_id)
+        if m.ended is not None:
+            raise ValueError(f"job {job_id} is already {m.ended}")
+        if ms is not None and ms.state not in ENDED:
+            ms.cancel("cancelled by request", now)
+        m.ended, m.ended_at, m.job.placement = JobState.CANCELLED.value, now, {}
+        self.log(now, "job_cancelled", job=job_id)
+
+    def set_max(self, job_id: str, replicas: int, now: float) -> None:
+        """``maitre scale`` on a managed job: a new ceiling (the policy shrinks it now if above,
+        and grows it up to the ceiling when slots are idle)."""
+        m = self._get(job_id)
+        if m.ended is not None:
+            raise ValueError(f"job {job_id} is {m.ended}")
+        if not m.job.min_replicas <= replicas:
+            raise ValueError(f"job {job_id}: {replicas} is below its minReplicas "
+                             f"{m.job.min_replicas}")
+        m.job.max_replicas = replicas
+        m.job.last_resize_at = -math.inf  # a user's request is not damped
+        self.log(now, "max_replicas", job=job_id, replicas=replicas)
+
+    def shrink_to_max(self, job_id: str, ms: Membership | None, now: float) -> None:
+        """After :meth:`set_max` below the current size: give up the excess at once."""
+        m = self._get(job_id)
+        excess = m.job.replicas - m.job.max_replicas
+        if excess <= 0 or ms is None or ms.state in ENDED:
+            return
+        new = dict(m.job.placement)
+        for node in sorted(new, key=lambda n: (new[n], n)):
+            take = min(excess, new[node])
+            new[node] -= take
+            excess -= take
+        new = {n: r for n, r in new.items() if r}
+        leave = self._leavers(ms, m.job.placement, new)
+        ms.spec.max_workers = m.job.max_replicas
+        m.job.placement = new
+        ms.scale(sum(new.values()), now, leave=leave)
+
+    def _get(self, job_id: str) -> ManagedJob:
+        try:
+            return self.managed[job_id]
+        except KeyError:
+            raise KeyError(f"no job {job_id!r}") from None
+
+    def _alive(self, node: str) -> bool:
+        state = self.nodes.get(node)
+        return state is not None and state.alive
+
+    @staticmethod
+    def _step(ms: Membership) -> int:
+        return max((w.step for w in ms.workers.values()), default=0)
+
+    # -- measurement -----------------------------------------------------------------------------
+    def _measure(self, m: ManagedJob, ms: Membership, now: float) -> None:
+        """Steps per second at the current world size, over stretches of uninterrupted
+        training of at least :data:`THROUGHPUT_WINDOW_S`."""
+        if ms.state != JobState.RUNNING:
+            m.window = None
+            return
+        step = max((ms.workers[w].step for w in ms.members), default=0)
+        key = (m.incarnation, ms.epoch)
+        if m.window is None or m.window[:2] != key:
+            m.window = (*key, step, now)
+            return
+        _, _, step0, t0 = m.window
+        if now - t0 < THROUGHPUT_WINDOW_S or step <= step0:
+            return
+        rate = (step - step0) / (now - t0)
+        world = len(ms.members)
+        old = m.job.throughput.get(world)
+        m.job.throughput[world] = rate if old is None else 0.5 * old + 0.5 * rate
+        m.window = (*key, step, now)
+
+    def _account(self, m: ManagedJob, ms: Membership, now: float) -> None:
+        """The job's effective training time: what its rank-0 member spent in committed steps
+        (one member's clock, so heartbeats arriving out of step do not add up)."""
+        for wid in ms.members:
+            w = ms.workers[wid]
+            if wid == ms.members[0]:
+                m.productive_s += max(0.0, w.trained_s - m.seen_trained.get(wid, 0.0))
+            m.seen_trained[wid] = w.trained_s
+
+    def tick_usage(self, memberships: dict[str, Membership], now: float) -> None:
+        capacity = sum(s.node.slots for s in self.nodes.values() if s.alive)
+        held = sum(w.slots for ms in self._all_memberships(memberships) for w in ms.workers.values()
+                   if w.ended_at is None and w.state in LIVE)
+        contended = any(
+            (m.job.phase == Phase.PENDING or (m.job.phase == Phase.SUSPENDED and not m.held) or
+             (m.job.phase == Phase.RUNNING and m.job.elastic and m.job.replicas < m.job.max_replicas))
+            for m in self.managed.values() if m.ended is None)
+        self.usage.tick(now, capacity, held, contended)
+
+    def _all_memberships(self, memberships: dict[str, Membership]) -> list[Membership]:
+        out = []
+        for m in self.managed.values():
+            out += m.history
+            if m.id in memberships and m.incarnation:
+                out.append(memberships[m.id])
+        return out
+
+    def report(self, memberships: dict[str, Membership], now: float) -> dict[str, Any]:
+        """Allocation, utilization and each job's effective training time (see the demo)."""
+        held_s = trained_s = 0.0
+        jobs = {}
+        for m in self.managed.values():
+            mss = m.history + ([memberships[m.id]] if m.id in memberships and m.incarnation else [])
+            j_held = j_trained = 0.0
+            for ms in mss:
+                for w in ms.workers.values():
+                    end = w.ended_at if w.ended_at is not None else now
+                    j_held += max(0.0, end - w.started_at) * w.slots
+                    j_trained += w.trained_s * w.slots
+            held_s += j_held
+            trained_s += j_trained
+            span_end = m.ended_at if m.ended_at is not None else now
+            ran = span_end - m.admitted_at if m.admitted_at is not None else 0.0
+            jobs[m.id] = {
+                "state": m.ended or m.job.phase.value, "queue": m.job.queue,
+                "priority": m.job.priority, "incarnations": m.incarnation,
+                "waited_s": round((m.admitted_at or now) - m.job.submitted_at, 2),
+                "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),
+                "ettr": round(m.productive_s / ran, 4) if ran > 0 else None,
+                "held_slot_s": round(j_held, 2), "trained_slot_s": round(j_trained, 2),
+                "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())}}
+        return {"allocation": self.usage.allocation(), "contended_s": round(self.usage.contended_s, 2),
+                "utilization": round(trained_s / held_s, 4) if held_s else None,
+                "held_slot_s": round(held_s, 2), "trained_slot_s": round(trained_s, 2),
+                "jobs": jobs}
+
+    # -- persistence -----------------------------------------------------------------------------
+    def job_extra(self, m: ManagedJob, ms: Membership | None) -> dict[str, Any]:
+        man = m.manifest
+        return {"manifest": {"name": man.name, "queue": man.queue, "priority": man.priority,
+                             "minReplicas": man.min_replicas, "maxReplicas": man.max_replicas,
+                             "gpusPerReplica": man.gpus_per_replica,
+                             "preemptible": man.preemptible,
+                             "gracePeriodSeconds": man.grace_period_s,
+                             "topology": None if man.topology is None else
+                             {"level": man.topology.level, "mode": man.topology.mode},
+                             "command": list(man.command), "checkpointDir": man.checkpoint_dir},
+                "incarnation": m.incarnation, "workers_started": m.workers_started,
+                "ended": m.ended, "held": m.held, "admitted_at": m.admitted_at,
+                "ended_at": m.ended_at, "productive_s": m.productive_s,
+                "suspend_deadline": m.suspend_deadline,
+                "membership": None if ms is None else ms.to_json(),
+                "history": [h.to_json() for h in m.history]}
+
+
+@dataclass(slots=True)
+class Usage:
+    """Allocation: slot-seconds held by workers over slot-seconds of capacity, counted only
+    while some job waits or could grow (an idle cluster with nothing to run is not waste)."""
+
+    last: float | None = None
+    contended_s: float = 0.0
+    capacity_slot_s: float = 0.0
+    held_slot_s: float = 0.0
+    _prev: tuple[int, int, bool] = (0, 0, False)
+
+    def tick(self, now: float, capacity: int, held: int, contended: bool) -> None:
+        if self.last is not None and self._prev[2]:
+            dt = now - self.last
+            self.contended_s += dt
+            self.capacity_slot_s += self._prev[0] * dt
+            self.held_slot_s += min(self._prev[1], self._prev[0]) * dt
+        self.last = now
+        self._prev = (capacity, held, contended)
+
+    def allocation(self) -> float | None:
+        return round(self.held_slot_s / self.capacity_slot_s, 4) if self.capacity_slot_s else None
