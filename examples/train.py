@@ -81,7 +81,8 @@ def main() -> None:
         torch.cuda.set_device(device)
     text = DATA.read_text()
     vocab = sorted(set(text))
-    ids = torch.tensor([vocab.index(c) for c in text], dtype=torch.long)
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
     num_seqs = (len(ids) - 1) // args.block
 
     def sequences(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

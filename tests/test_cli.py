@@ -51,16 +51,6 @@ def tagged_pids(tag: str) -> list[int]:
     return pids
 
 
-def pids_running(needle: str) -> list[int]:
-    """``pgrep -f needle`` without pgrep: live processes whose command line contains ``needle``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid() and \
-                needle.encode() in _read(f"/proc/{entry}/cmdline").replace(b"\0", b" "):
-            found.append(int(entry))
-    return found
-
-
 def settle(find: Callable[[], list[int]], grace_s: float = 5.0) -> list[int]:
     """What ``find`` still reports after up to ``grace_s`` (children may take a moment to go)."""
     deadline = time.monotonic() + grace_s
@@ -348,7 +338,6 @@ def test_worker_dies_before_joining(cli: Cli, tmp_path: Path) -> None:
     failed = job_failed_line(result.stdout)
     assert "boom before join" in failed and "RuntimeError" in failed, failed
     assert "Traceback" not in result.stderr, result.stderr
-    assert settle(lambda: pids_running(str(script))) == [], "workers of the script remain"
     assert cli.leftovers() == []
 
 
@@ -369,7 +358,6 @@ def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> No
     assert int(summary.group(1)) == 1 and int(summary.group(2)) == 1, summary.group(0)
     assert "finished" not in result.stdout
     assert elapsed < 120, f"took {elapsed:.0f} s to fail"
-    assert settle(lambda: pids_running(str(script))) == [], "workers of the script remain"
     assert cli.leftovers() == []
 
 
@@ -401,3 +389,111 @@ def test_run_refuses_an_earlier_runs_checkpoints_without_resume(cli: Cli, tmp_pa
     ck.close()
     line = assert_rejected(cli("run", "--checkpoint-dir", str(tmp_path / "ck"), str(EXAMPLE)), cli)
     assert "step-000000004" in line and "--resume" in line, line
+
+
+# -- the scheduled cluster: up, submit, status, cancel -------------------------------------------
+@pytest.mark.timeout(60)
+def test_submit_names_every_problem_of_a_manifest(cli: Cli, tmp_path: Path) -> None:
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text("name: Bad_Name\nqueue: q\nminReplicas: 0\nmaxReplica: 4\n")
+    line = assert_rejected(cli("submit", str(manifest)), cli)
+    for words in ("Bad_Name", "minReplicas must be at least 1", "unknown field 'maxReplica' "
+                  "(did you mean 'maxReplicas'?)", "command is required"):
+        assert words in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args,words", [
+    (("up", "--queue", "a:x"), "--queue 'a:x'"),
+    (("up", "--queue", "a:1", "--queue", "a:2"), "given twice"),
+    (("up", "--nodes", "-1"), "--nodes"),
+    (("up", "--slots-per-node", "0"), "--slots-per-node"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--label", "color=red"), "--label 'color=red'"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--label", "capacity_type=cheap"), "on-demand or spot"),
+    (("submit", "/nonexistent/job.yaml"), "cannot read /nonexistent/job.yaml"),
+])
+def test_cluster_commands_reject_bad_flags(cli: Cli, args: tuple[str, ...], words: str) -> None:
+    line = assert_rejected(cli(*args), cli)
+    assert words in line, line
+
+
+@pytest.mark.timeout(60)
+def test_up_refuses_a_state_file_that_is_not_its_own(cli: Cli, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "state.db").write_bytes(b"not a database at all" * 100)
+    line = assert_rejected(cli("up", "--state-dir", str(state), "--nodes", "0"), cli)
+    assert "is not a maitre coordinator store" in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("cancel", "job"), ("resume", "job")])
+def test_cancel_and_resume_coordinator_not_listening(cli: Cli, args: tuple[str, ...]) -> None:
+    line = assert_rejected(cli(*args, "--coordinator", f"127.0.0.1:{free_port()}"), cli, code=1)
+    assert "cannot reach the coordinator" in line, line
+
+
+@pytest.mark.timeout(120)
+def test_up_submit_status_cancel(cli: Cli, tmp_path: Path) -> None:
+    """A cluster from the command line: jobs, nodes and queues as tables, a job cancelled."""
+    state = tmp_path / "state"
+    up = subprocess.Popen([*MAITRE, "up", "--state-dir", str(state), "--nodes", "1",
+                           "--slots-per-node", "2", "--queue", "team-a:2", "--queue", "team-b:0:1"],
+                          cwd=ROOT, env=cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True)
+    try:
+        lines = []
+        while not any("coordinator at " in line for line in lines) and len(lines) < 50:
+            lines.append(up.stdout.readline())  # event lines may come first
+        export = next(line for line in iter(up.stdout.readline, "")
+                      if line.startswith("maitre: export")).split()
+        env = dict(kv.split("=", 1) for kv in export if "=" in kv)
+        assert set(env) == {"MAITRE_COORDINATOR", "MAITRE_TOKEN_FILE"}, export
+        assert (state / "token").stat().st_mode & 0o777 == 0o600
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text(textwrap.dedent(f"""\
+            name: long
+            queue: team-a
+            priorityClassName: high
+            minReplicas: 1
+            maxReplicas: 2
+            command: [{sys.executable}, {EXAMPLE}, --steps, "100000", --d-model, "16",
+                      --layers, "1", --heads, "2", --block, "16", --global-batch, "4",
+                      --device-ms-per-sample, "20"]
+            """))
+        result = cli("submit", str(manifest), **env)
+        assert result.returncode == 0, result.stderr
+        assert "job long submitted to queue team-a (priority 1000)" in result.stdout
+        unknown = manifest.read_text().replace("queue: team-a", "queue: team-c")
+        (tmp_path / "other.yaml").write_text(unknown.replace("name: long", "name: other"))
+        rejected = cli("submit", str(tmp_path / "other.yaml"), **env)
+        assert rejected.returncode == 1 and "no queue 'team-c'" in rejected.stderr, rejected
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = cli("status", **env)
+            if re.search(r"long\s+team-a\s+1000\s+RUNNING", status.stdout):
+                break
+            time.sleep(0.5)
+        assert re.search(r"long\s+team-a\s+1000\s+RUNNING", status.stdout), status.stdout
+        assert re.search(r"node-0\s+alive\s+2\s+2\s+rack-0", status.stdout), status.stdout
+        assert re.search(r"team-a\s+2\s+any\s+1\s+2\s+1", status.stdout), status.stdout
+        assert re.search(r"team-b\s+0\s+1\s+1\s+0\s+0", status.stdout), status.stdout
+
+        assert cli("cancel", "long", **env).returncode == 0
+        again = cli("cancel", "long", **env)
+        assert again.returncode == 1 and "already CANCELLED" in again.stderr
+        missing = cli("cancel", "nope", **env)
+        assert missing.returncode == 1 and "no job 'nope'" in missing.stderr
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and "CANCELLED" not in cli("status", "long", **env).stdout:
+            time.sleep(0.5)
+        assert "CANCELLED" in cli("status", "long", **env).stdout
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            cli.kill_leftovers()
+    assert up.returncode == 0, up.stderr.read()
+    assert cli.leftovers() == [], "maitre up left processes running"

@@ -150,9 +150,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     client = _coordinator(args)
     nproc = _positive("--nproc-per-node", args.nproc_per_node)
+    labels = _labels(args.label or [])
     client.get("/jobs")  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    labels = _labels(args.label or [])
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
     try:
@@ -295,8 +295,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         parse_manifest(text)  # every problem here, before the coordinator is even asked
     except ManifestError as exc:
-        raise UsageError(f"{args.manifest}: " + "\n  ".join(["invalid job manifest:",
-                                                              *exc.problems])) from None
+        raise UsageError(f"{args.manifest}: {exc}") from None
     reply = _coordinator(args).post("/jobs", {"manifest": text})
     print(f"maitre: job {reply['job_id']} submitted to queue {reply['queue']} "
           f"(priority {reply['priority']})")

@@ -75,11 +75,15 @@ class Demo:
 
     def run(self) -> int:
         cfg = self.cfg
+        capacity = cfg.nodes * cfg.slots_per_node
+        gang, a_quota, b_quota = max(1, capacity // 2), max(1, capacity // 2), capacity // 4
         self.out(f"maitre demo: {cfg.nodes} nodes x {cfg.slots_per_node} slots in 2 racks; "
-                 f"queues team-a (guaranteed 4) and team-b (guaranteed 2); state in {self.run_dir}")
+                 f"queues team-a (guaranteed {a_quota}) and team-b (guaranteed {b_quota}); "
+                 f"state in {self.run_dir}")
         cluster = LocalCluster(UpConfig(
             state_dir=self.run_dir / "state", nodes=cfg.nodes, slots_per_node=cfg.slots_per_node,
-            racks=2, queues=[Queue("team-a", guaranteed=4), Queue("team-b", guaranteed=2)],
+            racks=2, queues=[Queue("team-a", guaranteed=a_quota),
+                             Queue("team-b", guaranteed=b_quota)],
             policy=PolicyConfig(resize_cooldown_s=cfg.cooldown_s)), out=self.out).start()
         self.cluster = cluster
         co = cluster.coordinator
@@ -102,15 +106,16 @@ class Demo:
                     break
                 a, b = jobs["a-lm"], jobs["b-lm"]
                 if stage == 0 and min(a["step"], b["step"]) >= cfg.urgent_at_step and \
-                        len(a["members"]) + len(b["members"]) >= cfg.nodes * cfg.slots_per_node:
-                    self.out("maitre demo: >>> a high-priority fixed gang of 4 arrives (urgent)")
-                    co.submit(self._manifest("urgent", "team-a", 4, 4, cfg.urgent_steps,
+                        len(a["members"]) + len(b["members"]) >= capacity:
+                    self.out(f"maitre demo: >>> a high-priority fixed gang of {gang} arrives "
+                             "(urgent)")
+                    co.submit(self._manifest("urgent", "team-a", gang, gang, cfg.urgent_steps,
                                              priority="high", preemptible=False))
                     stage = 1
                 elif stage == 1 and jobs.get("urgent", {}).get("state") == "COMPLETED":
                     self.out("maitre demo: >>> urgent is done; the elastic jobs may grow back")
                     stage, stage_at = 2, now
-                elif stage == 2 and (len(b["members"]) >= 3 or now - stage_at > 30) and \
+                elif stage == 2 and (len(b["members"]) > capacity // 4 or now - stage_at > 30) and \
                         b["state"] == "RUNNING":
                     self._kill_one(b)
                     stage = 3
@@ -219,6 +224,8 @@ class Demo:
         if not before:
             return r["reason"], None
         t, what = max(before)
+        if what.startswith("SIGKILL") and r["reason"].startswith("resize"):
+            what = "replacement after " + what  # the lost worker's successor joins
         return what, t
 
 

@@ -105,10 +105,20 @@ class WarmProcess:
         return self.returncode
 
 
+def _name_process(name: str) -> None:
+    """Show the script's name (not the fork server's) in ``ps``, ``top`` and ``pgrep``: the
+    process name (``comm``) holds 15 bytes. Best effort; Linux only."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
+
+
 def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str,
            out_w: Any, err_w: Any) -> None:
     """Runs in the forked worker: become the command, as ``python`` would have started it."""
     os.setsid()
+    _name_process(Path(target).name)
     os.dup2(out_w.fileno(), 1)
     os.dup2(err_w.fileno(), 2)
     out_w.close()

@@ -482,8 +482,9 @@ class Coordinator:
             cluster.managed[job.id] = managed
             if extra["membership"] is not None:
                 self._install(Membership.from_json(extra["membership"], self.cfg, now))
-        cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
-                    nodes=len(cluster.nodes))
+        if cluster.managed or cluster.nodes:
+            cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
+                        nodes=len(cluster.nodes))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _job_of(self, wid: str) -> Membership:

@@ -1,0 +1,154 @@
+"""The scheduled cluster end to end: the demo's story with real agents and workers, and a
+coordinator killed with SIGKILL and restarted while its jobs train."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TAG_VAR
+from maitre.demo import Demo, DemoConfig
+from maitre.runtime.ledger import audit
+from maitre.wire import Client, CoordinatorUnreachable
+
+
+@pytest.mark.timeout(400)
+def test_the_demo_story_shrinks_instead_of_killing_and_loses_no_sample(tmp_path: Path) -> None:
+    lines: list[str] = []
+    demo = Demo(DemoConfig(run_dir=tmp_path, nodes=2, slots_per_node=2, steps=240,
+                           urgent_at_step=60, urgent_steps=80, cooldown_s=5.0, timeout_s=300,
+                           device_ms_per_sample=4.0), out=lines.append)
+    code = demo.run()
+    log = "\n".join(lines)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert code == 0, log
+    assert {j: v["state"] for j, v in report["jobs"].items()} == {
+        "a-lm": "COMPLETED", "b-lm": "COMPLETED", "urgent": "COMPLETED"}, log
+    assert all("exactly once" in a for a in report["audits"].values()), report["audits"]
+    causes = [r["cause"] for r in report["recoveries"]]
+    assert any("shrink (preempted by urgent)" in c for c in causes), causes
+    assert any(c.startswith("SIGKILL") for c in causes), causes
+    assert report["jobs"]["a-lm"]["incarnations"] == report["jobs"]["b-lm"]["incarnations"] == 1
+    assert 0 < report["allocation"] <= 1 and 0 < report["utilization"] <= 1
+    assert "maitre demo: report" in log
+
+
+class _Procs:
+    """Subprocesses of one test, tagged so that none outlives it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tag = os.urandom(8).hex()
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+        env.update({TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        log = open(self.tmp / f"{name}.log", "a")
+        proc = subprocess.Popen([sys.executable, "-m", "maitre.cli", *args], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        from conftest import _tagged_pids
+
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in _tagged_pids(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _wait(predicate, timeout: float, what: str, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{detail}")
+
+
+@pytest.mark.timeout(300)
+def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
+        tmp_path: Path, reference) -> None:
+    from conftest import example_command
+
+    state = tmp_path / "state"
+    procs = _Procs(tmp_path)
+    steps = 300
+    out = tmp_path / "final.pt"
+    try:
+        procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state),
+                    "--queue", "q")
+        log = tmp_path / "coordinator.log"
+        address = _wait(lambda: next((line.split("coordinator at ")[1].split()[0]
+                                      for line in log.read_text().splitlines()
+                                      if "coordinator at " in line), None)
+                        if log.exists() else None, 60, "the coordinator", log)
+        token = (state / "token").read_text().strip()
+        client = Client(address, timeout_s=5.0, token=token)
+        for node in ("n0", "n1"):
+            procs.start(f"agent-{node}", "agent", "--coordinator", address, "--token-file",
+                        str(state / "token"), "--nproc-per-node", "1", "--node-id", node)
+        command = example_command(steps, out) + ["--device-ms-per-sample", "8"]
+        client.post("/jobs", {"manifest": {"name": "fixed", "queue": "q", "minReplicas": 2,
+                                           "maxReplicas": 2, "command": command}})
+
+        def job() -> dict:
+            return client.get("/jobs/fixed")
+
+        before = _wait(lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 30 and j,
+                       120, "the job to train", log)
+        procs.procs[0].send_signal(signal.SIGKILL)  # the coordinator, without a word
+        procs.procs[0].wait(timeout=10)
+        with pytest.raises(CoordinatorUnreachable):
+            client.get("/health")
+        time.sleep(4.0)  # its workers train on meanwhile
+
+        procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state))
+        after = _wait(lambda: _try(job), 60, "the restarted coordinator", log)
+        assert after["state"] == "RUNNING", after
+        assert after["epoch"] == before["epoch"] and after["members"] == before["members"]
+        progressed = _wait(lambda: (j := _try(job)) and j["step"] > before["step"] + 10 and j,
+                           10, "the job's steps after the restart", log)
+        final = _wait(lambda: (j := _try(job)) and j["state"] in ("COMPLETED", "FAILED") and j,
+                      150, "the job to finish", log)
+    finally:
+        procs.cleanup()
+    assert final["state"] == "COMPLETED", final
+    assert final["failures"] == 0 and final["epoch"] == before["epoch"], final
+    assert progressed["step"] > before["step"]
+    result = audit(state / "ledger" / "fixed")
+    assert result.ok, result.describe()
+    import torch
+
+    from conftest import relative_error
+
+    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9
+
+
+def _try(fn):
+    try:
+        return fn()
+    except CoordinatorUnreachable:
+        return None

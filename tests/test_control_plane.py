@@ -1,0 +1,277 @@
+"""The live control plane without processes: a coordinator with a cluster and a store, agents and
+workers simulated by calling it the way they do over HTTP, on an injected clock.
+
+Every node heartbeat checks the invariant the scheduler promises: the workers a node runs never
+hold more slots than it has, not even between a shrink and the preemptor's start.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from maitre.control.cluster import ClusterState
+from maitre.control.detector import PhiAccrual, PhiConfig
+from maitre.control.membership import WorkerState
+from maitre.control.server import BadRequest, Coordinator
+from maitre.control.store import Store
+from maitre.scheduling.model import Queue
+from maitre.scheduling.policy import PolicyConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Sim:
+    """A coordinator plus simulated agents (``nodes``) and workers, stepped by :meth:`advance`."""
+
+    def __init__(self, tmp: Path, nodes: dict[str, int], queues: list[Queue],
+                 cooldown_s: float = 10.0, db: Store | None = None, t: float = 1000.0) -> None:
+        self.t = t
+        self.tmp = tmp
+        self.slots = dict(nodes)
+        self.queues = queues
+        self.cooldown_s = cooldown_s
+        self.db = db if db is not None else Store(tmp / "state.db")
+        self.co = self._coordinator()
+        self.running: dict[str, set[str]] = {n: set() for n in nodes}
+        self.down: set[str] = set()
+        self.steps: dict[str, int] = {}
+
+    def _coordinator(self) -> Coordinator:
+        cluster = ClusterState(list(self.queues), run_dir=self.tmp,
+                               policy=PolicyConfig(resize_cooldown_s=self.cooldown_s))
+        return Coordinator("127.0.0.1:1", clock=lambda: self.t, cluster=cluster, store=self.db,
+                           pass_s=0.5)
+
+    def restart(self) -> None:
+        """A new coordinator process on the same store (the old one is gone without a word)."""
+        self.co = self._coordinator()
+
+    def submit(self, name: str, queue: str, lo: int, hi: int, priority: str = "normal",
+               checkpoint: bool = True, preemptible: bool = True) -> None:
+        manifest = {"name": name, "queue": queue, "minReplicas": lo, "maxReplicas": hi,
+                    "priorityClassName": priority, "preemptible": preemptible,
+                    "command": ["python", "train.py"]}
+        if checkpoint:
+            manifest["checkpointDir"] = str(self.tmp / "ck" / name)
+        self.co.submit(manifest)
+
+    def job(self, name: str) -> dict:
+        return self.co.job_status(name)
+
+    def members(self, name: str) -> int:
+        return len(self.job(name)["members"])
+
+    def advance(self, seconds: float, dt: float = 0.25) -> None:
+        """Time passes: agents beat, workers start, join, train, leave as asked."""
+        end = self.t + seconds
+        while self.t < end:
+            self.t += dt
+            for node in self.slots:
+                if node in self.down:
+                    continue
+                reply = self.co.node_heartbeat(node, {"slots": self.slots[node],
+                                                      "running": sorted(self.running[node])})
+                for wid in reply["kill"]:
+                    self._exit(node, wid, -9)
+                for order in reply["start"]:
+                    self.running[node].add(order["worker_id"])
+                held = sum(self.co._worker_job[w].workers[w].slots for w in self.running[node])
+                assert held <= self.slots[node], f"{node} over-committed: {self.running[node]}"
+            for node in self.slots:
+                if node not in self.down:
+                    for wid in sorted(self.running[node]):
+                        self._worker(node, wid)
+            self.co.tick()
+
+    def _worker(self, node: str, wid: str) -> None:
+        ms = self.co._worker_job[wid]
+        w = ms.workers[wid]
+        hb = self.co.worker_heartbeat(wid, {"step": self.steps.get(wid, 0), "stalled": False,
+                                            "trained_s": 0.0})
+        if hb["stop"]:
+            self._exit(node, wid, 0)
+            return
+        if w.state in (WorkerState.STARTING, WorkerState.READY) or hb["closed"] or \
+                (hb["change"] or hb["leave"]):
+            answer = self.co.rendezvous(wid, {"from_epoch": w.epoch, "wait_s": 0,
+                                              "step": self.steps.get(wid, 0)})
+            if answer["action"] == "leave":
+                self.co.worker_left(wid)
+                self._exit(node, wid, 0)
+            elif answer["action"] == "stop":
+                self._exit(node, wid, 0)
+            return
+        if ms.state.value == "RUNNING":
+            self.steps[wid] = max(self.steps.get(m, 0) for m in ms.members) + 1
+
+    def _exit(self, node: str, wid: str, code: int) -> None:
+        if wid in self.running[node]:
+            self.running[node].discard(wid)
+            self.co.worker_exit(wid, {"code": code})
+
+    def finish(self, name: str) -> None:
+        """The job's members finish their loop."""
+        ms = self.co.jobs[name]
+        for wid in list(ms.members):
+            self.co.worker_done(wid, {"step": self.steps.get(wid, 0)})
+            node = ms.workers[wid].node
+            self._exit(node, wid, 0)
+
+
+def two_teams(tmp_path: Path, **kw) -> Sim:
+    return Sim(tmp_path, {"n0": 2, "n1": 2, "n2": 2, "n3": 2},
+               [Queue("team-a", guaranteed=4), Queue("team-b", guaranteed=2)], **kw)
+
+
+def test_elastic_jobs_fill_the_cluster_then_shrink_for_a_high_priority_gang(tmp_path: Path) -> None:
+    sim = two_teams(tmp_path)
+    sim.submit("a", "team-a", 1, 6)
+    sim.submit("b", "team-b", 1, 6)
+    sim.advance(5)
+    assert sim.members("a") + sim.members("b") == 8
+    before = {w for n in sim.running.values() for w in n}
+
+    sim.submit("urgent", "team-a", 4, 4, priority="high", preemptible=False)
+    sim.advance(5)
+    a, b, urgent = sim.job("a"), sim.job("b"), sim.job("urgent")
+    assert urgent["state"] == "RUNNING" and len(urgent["members"]) == 4
+    assert a["state"] == b["state"] == "RUNNING"  # shrunk, not suspended
+    assert len(a["members"]) + len(b["members"]) == 4
+    assert len(b["members"]) >= 2, "team-b keeps its guarantee"
+    gone = before - {w for n in sim.running.values() for w in n}
+    for wid in gone:  # every worker that made room left gracefully; none was killed
+        w = sim.co._worker_job[wid].workers[wid]
+        assert w.state == WorkerState.LEFT and w.exit_code == 0, (wid, w)
+    assert a["failures"] == b["failures"] == 0
+
+    sim.finish("urgent")
+    sim.advance(3)
+    assert sim.members("a") + sim.members("b") == 4, "damping: no regrowth within the cooldown"
+    sim.advance(10)
+    assert sim.members("a") + sim.members("b") == 8, "grown back once the cooldown passed"
+    kinds = [e["kind"] for e in sim.db.events()]
+    assert "shrink" in kinds and "grow" in kinds and "suspend" not in kinds
+
+
+def test_a_gang_waits_whole_and_takes_no_slot_while_it_does_not_fit(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2, "n1": 2}, [Queue("q")])
+    sim.submit("fixed", "q", 3, 3, preemptible=False, checkpoint=False)
+    sim.advance(3)
+    sim.submit("big", "q", 3, 3, preemptible=False, checkpoint=False)
+    sim.advance(3)
+    assert sim.job("big")["state"] == "PENDING" and sim.job("big")["placement"] == {}
+    assert not any(w.startswith("big") for n in sim.running.values() for w in n)
+    sim.finish("fixed")
+    sim.advance(3)
+    assert sim.members("big") == 3
+
+
+def test_a_dead_node_is_detected_and_its_replicas_placed_elsewhere(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2, "n1": 2, "n2": 2}, [Queue("q")])
+    sim.submit("a", "q", 2, 4)
+    sim.advance(5)
+    placement = sim.job("a")["placement"]
+    assert sum(placement.values()) == 4
+    victim = max(placement, key=placement.get)
+    sim.down.add(victim)  # the agent and its workers fall silent
+    sim.advance(6)
+    nodes = {n["node"]: n for n in sim.co.nodes_view()}
+    assert nodes[victim]["alive"] is False
+    job = sim.job("a")
+    assert victim not in job["placement"] and job["state"] == "RUNNING"
+    assert len(job["members"]) >= 2
+    assert any(e["kind"] == "node_dead" and e["node"] == victim for e in sim.db.events())
+
+
+def test_the_coordinator_restarts_from_its_store_and_workers_reattach(tmp_path: Path) -> None:
+    sim = two_teams(tmp_path)
+    sim.submit("a", "team-a", 1, 4)
+    sim.submit("b", "team-b", 2, 2, preemptible=False)
+    sim.advance(5)
+    before = {j: sim.job(j) for j in ("a", "b")}
+    assert all(j["state"] == "RUNNING" for j in before.values())
+
+    sim.t += 30.0  # the coordinator is away for 30 s (longer than any worker timeout)...
+    sim.restart()  # ...and a new one reads the store
+    sim.advance(3)
+    for name, old in before.items():
+        job = sim.job(name)
+        assert job["state"] == "RUNNING" and job["epoch"] == old["epoch"], (name, job)
+        assert job["members"] == old["members"] and job["failures"] == 0
+        assert job["step"] > old["step"]
+    assert any(e["kind"] == "coordinator_restarted" for e in sim.db.events())
+    sim.submit("c", "team-b", 1, 2)  # and it schedules on
+    sim.advance(3)
+    assert sim.job("c")["state"] == "RUNNING"
+
+
+def test_a_user_suspension_holds_until_resume_and_cancel_ends_a_job(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2}, [Queue("q")])
+    sim.submit("a", "q", 1, 2)
+    sim.advance(3)
+    sim.co.suspend("a", "by a test")
+    # The members checkpoint and report themselves suspended.
+    for wid in list(sim.co.jobs["a"].members):
+        sim.co.worker_done(wid, {"step": 5, "suspended": True})
+        sim._exit("n0", wid, 0)
+    sim.advance(3)
+    assert sim.job("a")["state"] == "SUSPENDED" and sim.job("a")["held"] is True
+    sim.co.resume("a")
+    sim.advance(3)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and job["incarnation"] == 2
+    assert all(w["id"] not in ("a-w1", "a-w2") for w in job["workers"])  # new ids
+    sim.co.cancel("a")
+    sim.advance(2)
+    assert sim.job("a")["state"] == "CANCELLED"
+    assert not any(sim.running.values())
+    with pytest.raises(BadRequest, match="already CANCELLED"):
+        sim.co.cancel("a")
+
+
+def test_an_invalid_manifest_names_every_problem_and_stores_nothing(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2}, [Queue("q")])
+    with pytest.raises(BadRequest) as err:
+        sim.co.submit({"name": "Bad_Name", "queue": "nope", "minReplicas": 3, "maxReplicas": 2,
+                       "command": []})
+    text = str(err.value)
+    for problem in ("Bad_Name", "no queue 'nope'", "maxReplicas 2 is less than minReplicas 3",
+                    "command is empty"):
+        assert problem in text
+    assert sim.db.jobs() == []
+    with pytest.raises(BadRequest, match="manifest"):
+        sim.co.create_job({"job_id": "x", "command": ["python"], "min_workers": 1,
+                           "max_workers": 1})
+
+
+def test_scale_sets_a_managed_jobs_ceiling(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2, "n1": 2}, [Queue("q")])
+    sim.submit("a", "q", 1, 4)
+    sim.advance(3)
+    assert sim.members("a") == 4
+    sim.co.scale("a", 2)
+    sim.advance(3)
+    assert sim.members("a") == 2 and sim.job("a")["max_workers"] == 2
+    with pytest.raises(BadRequest, match="below its minReplicas"):
+        sim.co.scale("a", 0)
+
+
+def test_phi_accrual_adapts_to_the_heartbeat_rhythm() -> None:
+    cfg = PhiConfig(threshold=8.0, min_std_s=0.05, acceptable_pause_s=0.0)
+    steady, jittery = PhiAccrual(cfg, 0.0), PhiAccrual(cfg, 0.0)
+    t = u = 0.0
+    for i in range(200):
+        t += 0.25
+        u += 0.6 if i % 2 else 0.1  # irregular: gaps of 0.1 s and 0.6 s
+        steady.heartbeat(t)
+        jittery.heartbeat(u)
+    last = max(t, u)
+    steady.last = jittery.last = last
+    assert steady.phi(last + 0.1) < 1 and jittery.phi(last + 0.1) < 1
+    assert steady.dead(last + 1.0)  # a metronome that stops is soon dead...
+    assert not jittery.dead(last + 1.0)  # ...an irregular node gets more rope
+    assert jittery.dead(last + 10.0)
+    assert math.isfinite(steady.phi(last + 1e6))
