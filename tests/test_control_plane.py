@@ -177,7 +177,7 @@ def test_a_dead_node_is_detected_and_its_replicas_placed_elsewhere(tmp_path: Pat
     assert sum(placement.values()) == 4
     victim = max(placement, key=placement.get)
     sim.down.add(victim)  # the agent and its workers fall silent
-    sim.advance(6)
+    sim.advance(10)
     nodes = {n["node"]: n for n in sim.co.nodes_view()}
     assert nodes[victim]["alive"] is False
     job = sim.job("a")

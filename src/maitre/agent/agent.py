@@ -136,8 +136,9 @@ class Agent:
                                       "running": self.running()})
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
-        for order in reply.get("start", []):
-            self._spawn(order)
+        for order in reply.get("start", []):  # off this thread: a start must not delay a beat
+            threading.Thread(target=self._spawn, args=(order,), name="maitre-spawn",
+                             daemon=True).start()
         for wid in reply.get("kill", []):
             w = self.workers.get(wid)
             if w is not None and w.proc.poll() is None:

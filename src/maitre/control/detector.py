@@ -24,12 +24,13 @@ from dataclasses import dataclass
 class PhiConfig:
     threshold: float = 8.0
     """Suspicion at which a node is declared dead."""
-    min_std_s: float = 0.2
-    acceptable_pause_s: float = 2.0
+    min_std_s: float = 0.5
+    acceptable_pause_s: float = 3.0
     window: int = 200
     """Gaps remembered per node."""
     first_gap_s: float = 1.0
-    """Assumed gap before any was observed (a node that registers and never beats again)."""
+    """Assumed gap until ``min_samples`` were observed (with a standard deviation as large)."""
+    min_samples: int = 5
 
 
 class PhiAccrual:
@@ -54,8 +55,11 @@ class PhiAccrual:
 
     def phi(self, now: float) -> float:
         n = len(self.gaps)
-        mean = self._sum / n if n else self.cfg.first_gap_s
-        var = max(0.0, self._sq / n - mean * mean) if n else (mean / 4) ** 2
+        if n < self.cfg.min_samples:  # too few gaps to know the node's rhythm: be patient
+            mean = var = self.cfg.first_gap_s
+        else:
+            mean = self._sum / n
+            var = max(0.0, self._sq / n - mean * mean)
         std = max(math.sqrt(var), self.cfg.min_std_s)
         mean += self.cfg.acceptable_pause_s
         y = (now - self.last - mean) / std

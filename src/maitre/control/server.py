@@ -272,12 +272,18 @@ class Coordinator:
                     self.db.put_node(described, now)
             start: list[dict[str, Any]] = []
             kill = sorted(self._pending_kills.pop(node, set()))
+            # Slots in use: processes the agent runs, and workers it was asked to start that
+            # it does not list yet (it starts them off its heartbeat thread).
             used: set[int] = set()
+            for wid, ms in self._worker_job.items():
+                w = ms.workers[wid]
+                if w.node == node and (wid in running or (w.state in LIVE and w.ended_at is None
+                                                          and w.exit_code is None)):
+                    used.update(range(w.slot, w.slot + w.slots))
             for wid in running:
                 ms = self._worker_job.get(wid)
                 if ms is not None:
                     w = ms.workers[wid]
-                    used.update(range(w.slot, w.slot + w.slots))
                     # Processes the coordinator gave up on, or leftovers of an ended run.
                     if wid not in kill and (w.state == WorkerState.DEAD or (
                             ms.state in ENDED and w.state not in (WorkerState.DONE,
