@@ -152,3 +152,50 @@ def _try(fn):
         return fn()
     except CoordinatorUnreachable:
         return None
+
+
+@pytest.mark.timeout(300)
+def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_stopped(
+        tmp_path: Path, reference) -> None:
+    """A fixed gang cannot shrink, so a higher-priority gang suspends it: its workers checkpoint
+    and stop, the newcomer runs, and the suspended job resumes from its checkpoint (a new
+    incarnation) and ends with the parameters of a run that was never interrupted."""
+    from conftest import example_command, relative_error
+    from maitre.local import LocalCluster, UpConfig
+    from maitre.scheduling.model import Queue
+
+    import torch
+
+    steps, out = 240, tmp_path / "low.pt"
+    lines: list[str] = []
+    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=1, slots_per_node=2,
+                                    queues=[Queue("q")]), out=lines.append).start()
+    co = cluster.coordinator
+    try:
+        co.submit({"name": "low", "queue": "q", "priorityClassName": "low", "minReplicas": 2,
+                   "maxReplicas": 2, "checkpointDir": str(tmp_path / "ck"),
+                   "command": example_command(steps, out) + ["--device-ms-per-sample", "8"]})
+        _wait(lambda: co.job_status("low")["step"] >= 40, 120, "low to train")
+        co.submit({"name": "high", "queue": "q", "priorityClassName": "high", "minReplicas": 2,
+                   "maxReplicas": 2, "preemptible": False,
+                   "command": example_command(60) + ["--device-ms-per-sample", "8"]})
+        _wait(lambda: co.job_status("low")["state"] == "COMPLETED", 240, "low to finish")
+        high = co.job_status("high")
+        low = co.job_status("low")
+        events = [e for e in cluster.db.events()]
+    finally:
+        cluster.stop(drain_s=10)
+    log = "\n".join(lines)
+    assert high["state"] == "COMPLETED", log
+    assert low["incarnation"] == 2, log
+    kinds = [(e["kind"], e.get("job")) for e in events]
+    order = [k for k in kinds if k in {("suspend", "low"), ("job_suspended", "low"),
+                                       ("admit", "high"), ("job_completed", "high")}]
+    assert order == [("suspend", "low"), ("job_suspended", "low"), ("admit", "high"),
+                     ("job_completed", "high")], order
+    resumed = next(e for e in events if e["kind"] == "admit" and e.get("job") == "low"
+                   and e["incarnation"] == 2)
+    assert resumed["resumes"] is True
+    result = audit(tmp_path / "state" / "ledger" / "low")
+    assert result.ok, result.describe()
+    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9

@@ -1,6 +1,6 @@
 """The import direction of the packages, as the tree promises it.
 
-    cli, launch  ->  control, agent, runtime, checkpoint  ->  wire
+    cli, launch, local (maitre up), demo  ->  control, agent, runtime, checkpoint  ->  wire
     runtime (the training process)  ->  checkpoint  ->  runtime.statetree (the state encoding)
     scheduling (the policy: pure, no torch) is imported by the coordinator and the simulator
 
@@ -17,15 +17,15 @@ import pytest
 
 SRC = Path(__file__).resolve().parent.parent / "src" / "maitre"
 
+_TOP = ("maitre.launch", "maitre.cli", "maitre.local", "maitre.demo")
 FORBIDDEN = {
-    "runtime": ("maitre.control", "maitre.agent", "maitre.launch", "maitre.cli"),
-    "checkpoint": ("maitre.control", "maitre.agent", "maitre.launch", "maitre.cli",
+    "runtime": ("maitre.control", "maitre.agent", *_TOP),
+    "checkpoint": ("maitre.control", "maitre.agent", *_TOP,
                    "maitre.runtime.loop", "maitre.runtime.group", "maitre.runtime.heartbeat"),
-    "control": ("maitre.runtime", "maitre.checkpoint", "maitre.agent", "maitre.launch",
-                "maitre.cli"),
-    "agent": ("maitre.control", "maitre.checkpoint", "maitre.launch", "maitre.cli"),
+    "control": ("maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP),
+    "agent": ("maitre.control", "maitre.checkpoint", *_TOP),
     "scheduling": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
-                   "maitre.launch", "maitre.cli", "torch"),
+                   *_TOP, "torch"),
 }
 
 

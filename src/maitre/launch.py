@@ -278,6 +278,12 @@ def describe(event: dict[str, Any]) -> str:
                 f"{event['to_next_step_s'] * 1000:.0f} ms after detection (rendezvous "
                 f"{event['rendezvous_s'] * 1000:.0f} ms, group {event['group_s'] * 1000:.0f} ms, "
                 f"state {event['state_s'] * 1000:.0f} ms / {event['state_bytes'] / 1e6:.2f} MB)")
+    if kind in ("admit", "grow", "shrink", "preempting"):
+        where = " ".join(f"{n}x{r}" for n, r in sorted(event.get("placement", {}).items()))
+        why = f" ({event['reason']})" if event.get("reason") else ""
+        if kind == "admit" and event.get("resumes"):
+            why += " (resumes from its checkpoint)"
+        return f"{kind} -> {sum(event.get('placement', {}).values())} on {where or 'nothing'}{why}"
     fields = ", ".join(f"{k}={v}" for k, v in event.items() if k not in ("kind", "t"))
     return f"{kind}: {fields}"
 

@@ -142,8 +142,9 @@ class Coordinator:
     def job_status(self, job_id: str) -> dict[str, Any]:
         with self.cond:
             if self.cluster is not None and job_id in self.cluster.managed and \
-                    job_id not in self.jobs:
-                return {**self._managed_summary(job_id), "events": [], "reports": []}
+                    job_id not in self.jobs:  # submitted, never admitted yet
+                return {**_NOT_STARTED, **self._managed_summary(job_id), "events": [],
+                        "reports": []}
             job = self.job(job_id)
             return {**job.summary(), **self._managed_summary(job_id), "events": list(job.events),
                     "reports": list(self.reports[job_id])}
@@ -154,8 +155,7 @@ class Coordinator:
                                      if j not in self.jobs]
             out = []
             for jid in ids:
-                base = self.jobs[jid].summary() if jid in self.jobs else {
-                    "job_id": jid, "epoch": 0, "members": [], "step": 0, "failures": 0}
+                base = self.jobs[jid].summary() if jid in self.jobs else _NOT_STARTED
                 out.append({**base, **self._managed_summary(jid)})
             return out
 
@@ -519,6 +519,8 @@ class Coordinator:
 
 
 _LABELS = {"rack", "block", "capacity_type", "accelerator"}
+_NOT_STARTED = {"epoch": 0, "members": [], "step": 0, "failures": 0, "failure": None,
+                "workers": [], "target": 0}
 
 
 _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
