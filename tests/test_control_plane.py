@@ -275,3 +275,19 @@ def test_phi_accrual_adapts_to_the_heartbeat_rhythm() -> None:
     assert not jittery.dead(last + 1.0)  # ...an irregular node gets more rope
     assert jittery.dead(last + 10.0)
     assert math.isfinite(steady.phi(last + 1e6))
+
+
+def test_a_gang_that_loses_a_node_below_its_minimum_is_placed_again(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 1, "n1": 1, "n2": 1}, [Queue("q")])
+    sim.submit("gang", "q", 2, 2, preemptible=False, checkpoint=False)
+    sim.advance(3)
+    placement = sim.job("gang")["placement"]
+    assert sum(placement.values()) == 2
+    victim = sorted(placement)[0]
+    spare = ({"n0", "n1", "n2"} - set(placement)).pop()
+    sim.down.add(victim)
+    sim.advance(12)
+    job = sim.job("gang")
+    assert job["state"] == "RUNNING" and len(job["members"]) == 2, job
+    assert set(job["placement"]) == set(placement) - {victim} | {spare}
+    assert any(e["kind"] == "repair" for e in sim.db.events())

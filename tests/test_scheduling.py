@@ -8,7 +8,7 @@ import pytest
 
 from maitre.scheduling import Cluster, Job, Node, Phase, Plan, PolicyConfig, Queue, Topology
 from maitre.scheduling import place, schedule
-from maitre.scheduling.policy import _Free
+from maitre.scheduling.policy import FreeSlots
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -175,14 +175,14 @@ def test_newly_admitted_jobs_start_at_the_size_that_fits() -> None:
 # -- placement -----------------------------------------------------------------------------------
 def test_packs_into_one_node_then_one_rack() -> None:
     cluster = make_cluster(racks=2, nodes=2, slots=4)
-    free = _Free(cluster, {"r0n0": 3})
+    free = FreeSlots(cluster, {"r0n0": 3})
     assert place(job("x", 2, per=2), 2, free) in ({"r0n1": 2}, {"r1n0": 2}, {"r1n1": 2})
     assert set(place(job("y", 4, per=2), 4, free)) in ({"r1n0", "r1n1"},)
 
 
 def test_best_fit_keeps_empty_nodes_for_big_jobs() -> None:
     cluster = make_cluster(racks=1, nodes=3, slots=4)
-    free = _Free(cluster, {"r0n0": 3, "r0n1": 1})
+    free = FreeSlots(cluster, {"r0n0": 3, "r0n1": 1})
     assert place(job("one", 1), 1, free) == {"r0n0": 1}
 
 
@@ -190,14 +190,14 @@ def test_required_topology_never_spreads() -> None:
     cluster = make_cluster(racks=2, nodes=2, slots=4)
     required = job("r", 12, topology=Topology(level="rack", mode="required"))
     preferred = job("p", 12, topology=Topology(level="rack", mode="preferred"))
-    free = _Free(cluster, {})
+    free = FreeSlots(cluster, {})
     assert place(required, 12, free) is None
     assert sum(place(preferred, 12, free).values()) == 12
 
 
 def test_growth_prefers_the_jobs_own_nodes() -> None:
     cluster = make_cluster(racks=2, nodes=2, slots=4)
-    free = _Free(cluster, {"r1n1": 1})
+    free = FreeSlots(cluster, {"r1n1": 1})
     assert place(job("g", 1, 4), 1, free, prefer={"r1n1": 1}) == {"r1n1": 1}
 
 

@@ -45,7 +45,7 @@ from maitre.control.detector import PhiAccrual, PhiConfig
 from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, JobState,
                                        Membership, WorkerState)
 from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue
-from maitre.scheduling.policy import Plan, PolicyConfig, schedule
+from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
 from maitre.scheduling.spec import JobManifest
 
 # Environment of a managed job's workers (the names the runtime reads; no runtime import here).
@@ -196,10 +196,13 @@ class ClusterState:
             ms = memberships.get(m.id) if m.incarnation else None
             job = m.job
             # Lost nodes take their allocation with them.
-            for name in [n for n in job.placement if not self._alive(n)]:
+            lost = [n for n in job.placement if not self._alive(n)]
+            for name in lost:
                 del job.placement[name]
             if ms is None:
                 continue
+            if lost and ms.state not in ENDED:
+                ms.target = max(ms.spec.min_workers, min(ms.spec.max_workers, job.replicas))
             self._account(m, ms, now)
             if ms.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
                 m.ended, m.ended_at = ms.state.value, now
@@ -224,7 +227,29 @@ class ClusterState:
     def plan(self, now: float) -> Plan:
         jobs = [m.job for m in self.managed.values() if m.ended is None and not
                 (m.held and m.job.phase == Phase.SUSPENDED)]
-        return schedule(self.cluster(), jobs, now, self.policy)
+        cluster = self.cluster()
+        self._repair(cluster, jobs, now)
+        return schedule(cluster, jobs, now, self.policy)
+
+    def _repair(self, cluster: Cluster, jobs: list[Job], now: float) -> None:
+        """A running job that lost replicas below its minimum with a node gets them back on
+        free slots, before anything else is scheduled (its survivors wait in rendezvous)."""
+        short = [j for j in jobs if j.phase == Phase.RUNNING and j.replicas < j.min_replicas]
+        if not short:
+            return
+        used: dict[str, int] = {}
+        for j in jobs:
+            for n, r in j.placement.items():
+                used[n] = used.get(n, 0) + r * j.slots_per_replica
+        free = FreeSlots(cluster, used)
+        for j in sorted(short, key=lambda j: (-j.priority, j.submitted_at)):
+            where = place(j, j.min_replicas - j.replicas, free, prefer=j.placement)
+            if where is None:
+                continue  # it waits; the policy does not preempt for a repair
+            free.take(where, j.slots_per_replica)
+            for n, r in where.items():
+                j.placement[n] = j.placement.get(n, 0) + r
+            self.log(now, "repair", job=j.id, placement=dict(j.placement))
 
     def apply(self, plan: Plan, memberships: dict[str, Membership], now: float
               ) -> list[tuple[str, str, Any]]:
@@ -453,6 +478,16 @@ class Usage:
             self.held_slot_s += min(self._prev[1], self._prev[0]) * dt
         self.last = now
         self._prev = (capacity, held, contended)
+
+    def snapshot(self) -> dict[str, float]:
+        return {"contended_s": self.contended_s, "capacity_slot_s": self.capacity_slot_s,
+                "held_slot_s": self.held_slot_s}
+
+    def restore(self, data: dict[str, float]) -> None:
+        """Carry the integrals over a coordinator restart (the time it was away is not counted)."""
+        self.contended_s = data["contended_s"]
+        self.capacity_slot_s = data["capacity_slot_s"]
+        self.held_slot_s = data["held_slot_s"]
 
     def allocation(self) -> float | None:
         return round(self.held_slot_s / self.capacity_slot_s, 4) if self.capacity_slot_s else None

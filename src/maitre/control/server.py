@@ -87,6 +87,7 @@ class Coordinator:
         self.db = store
         self.pass_s = pass_s
         self._next_pass = 0.0
+        self._next_save = 0.0
         self._persisted: dict[str, str] = {}
         self._worker_job: dict[str, Membership] = {}
         self._pending_kills: dict[str, set[str]] = {}
@@ -384,6 +385,10 @@ class Coordinator:
             if self.cluster is not None and now >= self._next_pass:
                 self._next_pass = now + self.pass_s
                 changed |= self._schedule(now)
+                if self.db is not None and now >= self._next_save:  # progress, accounting
+                    self._next_save = now + 5.0
+                    self._persist()
+                    self.db.put_meta("usage", self.cluster.usage.snapshot())
             if changed:
                 self._changed()
 
@@ -487,7 +492,12 @@ class Coordinator:
                     self._worker_job[wid] = h
             cluster.managed[job.id] = managed
             if extra["membership"] is not None:
-                self._install(Membership.from_json(extra["membership"], self.cfg, now))
+                ms = Membership.from_json(extra["membership"], self.cfg, now)
+                managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
+                self._install(ms)
+        usage = self.db.meta("usage")
+        if usage:
+            cluster.usage.restore(usage)
         if cluster.managed or cluster.nodes:
             cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
                         nodes=len(cluster.nodes))
@@ -519,6 +529,7 @@ class Coordinator:
 
 
 _LABELS = {"rack", "block", "capacity_type", "accelerator"}
+_MAX_BODY = 1 << 20
 _NOT_STARTED = {"epoch": 0, "members": [], "step": 0, "failures": 0, "failure": None,
                 "workers": [], "target": 0}
 
@@ -593,7 +604,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            raise BadRequest("bad Content-Length") from None
+        if length > _MAX_BODY:  # a manifest is a few hundred bytes
+            self.close_connection = True
+            raise BadRequest(f"request body of {length} bytes is over the limit of {_MAX_BODY}")
         raw = self.rfile.read(length) if length else b"{}"
         try:
             body = json.loads(raw or b"{}")

@@ -68,7 +68,7 @@ class Plan:
         return [a for a in self.actions if a.kind == kind]
 
 
-class _Free:
+class FreeSlots:
     """Free slots per node, with per-domain sums so placement need not scan the cluster."""
 
     def __init__(self, cluster: Cluster, used: dict[str, int]) -> None:
@@ -97,8 +97,8 @@ class _Free:
     def give(self, placement: dict[str, int], per_replica: int) -> None:
         self.take(placement, per_replica, sign=-1)
 
-    def copy(self) -> "_Free":
-        clone = object.__new__(_Free)
+    def copy(self) -> "FreeSlots":
+        clone = object.__new__(FreeSlots)
         clone.nodes, clone.members = self.nodes, self.members
         clone.avail, clone.total = dict(self.avail), self.total
         clone.sums = {lvl: dict(s) for lvl, s in self.sums.items()}
@@ -113,7 +113,7 @@ def _domain(node: Node, level: str) -> str:
     return node.rack or node.name
 
 
-def place(job: Job, replicas: int, free: _Free, prefer: dict[str, int] | None = None
+def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | None = None
           ) -> dict[str, int] | None:
     """Where ``replicas`` more replicas of ``job`` go in ``free`` (None: they do not fit)."""
     if replicas <= 0:
@@ -191,7 +191,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
     for n, u in used.items():
         if u > cluster.nodes[n].slots:
             raise ValueError(f"node {n}: {u} slots in use, it has {cluster.nodes[n].slots}")
-    free = _Free(cluster, used)
+    free = FreeSlots(cluster, used)
     target = {j.id: dict(j.placement) for j in jobs}
     plan = Plan(target)
     touched: set[str] = set()  # jobs resized, admitted or preempted in this pass
@@ -275,7 +275,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
 
 
 def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Cluster,
-                free: _Free, usage: dict[str, int], target: dict[str, dict[str, int]],
+                free: FreeSlots, usage: dict[str, int], target: dict[str, dict[str, int]],
                 touched: set[str]) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
     """Victims (with their new placements; empty = suspend) that let ``j``'s minimum fit, and
     where it will go then; None if no admissible set of victims would make it fit. ``running``
