@@ -291,3 +291,25 @@ def test_a_gang_that_loses_a_node_below_its_minimum_is_placed_again(tmp_path: Pa
     assert job["state"] == "RUNNING" and len(job["members"]) == 2, job
     assert set(job["placement"]) == set(placement) - {victim} | {spare}
     assert any(e["kind"] == "repair" for e in sim.db.events())
+
+
+def test_a_job_without_checkpoints_is_never_suspended_and_a_reused_name_gets_a_new_ledger(
+        tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2}, [Queue("q")])
+    sim.submit("plain", "q", 2, 2, checkpoint=False)  # preemptible: true, but nothing to resume
+    sim.advance(2)
+    with pytest.raises(BadRequest, match="no checkpointDir"):
+        sim.co.suspend("plain", "by a test")
+    sim.submit("vip", "q", 2, 2, priority="high")
+    sim.advance(3)
+    assert sim.job("plain")["state"] == "RUNNING" and sim.job("vip")["state"] == "PENDING"
+    first = sim.co.jobs["plain"].spec.env["MAITRE_LEDGER_DIR"]
+    sim.co.cancel("plain")
+    sim.advance(2)
+    sim.submit("plain", "q", 1, 1, checkpoint=False)
+    sim.co.cancel("vip")
+    sim.advance(3)
+    second = sim.co.jobs["plain"].spec.env["MAITRE_LEDGER_DIR"]
+    assert first.endswith("/ledger/plain") and second.endswith("/ledger/plain.1")
+    assert sim.job("plain")["state"] == "RUNNING"
+    assert not set(sim.co.jobs["plain"].workers) & {"plain-w1", "plain-w2"}

@@ -220,7 +220,7 @@ class Demo:
                                + (f" ({e['reason']})" if e.get("reason") else "")))
         before = [c for c in candidates if c[0] <= r["detected_at"] + 0.05]
         if r["reason"] == "join" and r["epoch"] == 1:
-            return "start", None
+            return "start" if r.get("incarnation", 1) == 1 else "resume", None
         if not before:
             return r["reason"], None
         t, what = max(before)
@@ -232,11 +232,11 @@ class Demo:
 def _epoch_reports(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per epoch, the report of the running member that paused longest (joiners' own start-up
     is not a pause of the job)."""
-    by_epoch: dict[int, dict[str, Any]] = {}
+    by_epoch: dict[tuple[int, int], dict[str, Any]] = {}
     for r in reports:
         if r.get("kind") != "recovery":
             continue
-        key = r["epoch"]
+        key = (r.get("incarnation", 1), r["epoch"])
         weight = (r["reason"] != "join", r["to_next_step_s"])
         old = by_epoch.get(key)
         if old is None or weight > (old["reason"] != "join", old["to_next_step_s"]):

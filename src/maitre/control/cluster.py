@@ -76,6 +76,8 @@ class ManagedJob:
     """COMPLETED, FAILED or CANCELLED, once the job is over."""
     held: bool = False
     """Suspended by a user (``maitre suspend``): not admitted again until resumed."""
+    generation: int = 0
+    """How many earlier jobs had this name (each gets its own data ledger)."""
     suspend_deadline: float | None = None
     admitted_at: float | None = None
     ended_at: float | None = None
@@ -157,6 +159,7 @@ class ClusterState:
         managed = ManagedJob(manifest, job)
         if old is not None:  # the name is reused: worker ids go on, history is dropped
             managed.workers_started = old.workers_started
+            managed.generation = old.generation + 1
         self.managed[manifest.name] = managed
         self.log(now, "submitted", job=manifest.name, queue=manifest.queue,
                  priority=manifest.priority, replicas=[manifest.min_replicas, manifest.max_replicas])
@@ -164,13 +167,18 @@ class ClusterState:
 
     def incarnation_spec(self, m: ManagedJob) -> JobSpec:
         man = m.manifest
-        env = {_RUN_ENV: f"{m.id}-{m.incarnation}",
-               _LEDGER_ENV: str(self.run_dir / "ledger" / m.id)}
+        env = {_RUN_ENV: f"{m.id}-{m.incarnation}", _LEDGER_ENV: str(self.ledger_dir(m))}
         if man.checkpoint_dir:
             env[_CKPT_DIR_ENV] = man.checkpoint_dir
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
                        max_workers=man.max_replicas, nproc_per_node=1,
                        max_restarts=self.max_restarts, env=env)
+
+    def ledger_dir(self, m: ManagedJob) -> Path:
+        """Where the job's workers record the samples they commit (``<name>``, then
+        ``<name>.1``... for later jobs of the same name)."""
+        name = m.id if not m.generation else f"{m.id}.{m.generation}"
+        return self.run_dir / "ledger" / name
 
     def allowed_on(self, job_id: str, membership: Membership, node: str) -> int:
         """Workers of a managed job that may still start on ``node`` (its allocation there minus
@@ -452,6 +460,7 @@ class ClusterState:
                              {"level": man.topology.level, "mode": man.topology.mode},
                              "command": list(man.command), "checkpointDir": man.checkpoint_dir},
                 "incarnation": m.incarnation, "workers_started": m.workers_started,
+                "generation": m.generation,
                 "ended": m.ended, "held": m.held, "admitted_at": m.admitted_at,
                 "ended_at": m.ended_at, "productive_s": m.productive_s,
                 "suspend_deadline": m.suspend_deadline,

@@ -206,6 +206,9 @@ class Coordinator:
             if managed is not None:
                 if managed.ended is not None:
                     raise BadRequest(f"job {job_id} is {managed.ended}")
+                if not managed.manifest.checkpoint_dir:
+                    raise BadRequest(f"job {job_id} has no checkpointDir: suspending it would "
+                                     "lose its progress (cancel it instead)")
                 managed.held = True  # a user's suspension lasts until `maitre resume`
                 if managed.job.phase != Phase.RUNNING:
                     self._changed()
@@ -368,8 +371,11 @@ class Coordinator:
     def worker_report(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.cond:
             job_id = self._job_of(wid).spec.job_id
-            self.reports[job_id].append({"worker": wid, **body})
-            self._emit(job_id, "report", {"worker": wid, **body})
+            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            report = {"worker": wid, **body,  # epochs count again in each incarnation
+                      "incarnation": managed.incarnation if managed is not None else 1}
+            self.reports[job_id].append(report)
+            self._emit(job_id, "report", report)
         return {}
 
     # -- failure detector and scheduler ----------------------------------------------------------
@@ -485,7 +491,8 @@ class Coordinator:
                                  workers_started=extra["workers_started"], ended=extra["ended"],
                                  held=extra["held"], admitted_at=extra["admitted_at"],
                                  ended_at=extra["ended_at"], productive_s=extra["productive_s"],
-                                 suspend_deadline=extra["suspend_deadline"])
+                                 suspend_deadline=extra["suspend_deadline"],
+                                 generation=extra.get("generation", 0))
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
             for h in managed.history:
                 for wid in h.workers:
