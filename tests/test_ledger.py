@@ -75,7 +75,7 @@ def test_ledger_file_format(tmp_path):
 
 def test_read_groups_attempts_and_commits(tmp_path):
     write_run(tmp_path)
-    attempts, commits, n = read(tmp_path)
+    attempts, commits, n, rolled_back = read(tmp_path)
     assert n == N
     assert len(attempts[("", 1, 3)]) == 2  # the lost epoch's attempts are there, but unused
     assert commits[3] == {("", 2, 3)} and commits[1] == {("", 1, 1)}
@@ -96,7 +96,7 @@ def test_audit_ok(tmp_path):
 def test_lost_epoch_attempts_are_what_would_break_the_audit(tmp_path):
     """Sanity check of the scenario: the lost attempts overlap the retried step."""
     write_run(tmp_path)
-    attempts, _, _ = read(tmp_path)
+    attempts, _, _, _ = read(tmp_path)
     lost = sorted(i for rec in attempts[("", 1, 3)] for i in rec["i"])
     retried = sorted(i for rec in attempts[("", 2, 3)] for i in rec["i"])
     assert lost == retried and lost
@@ -173,5 +173,7 @@ def test_resume_from_a_checkpoint_rolls_back_later_commits(tmp_path, record_resu
     result = audit(tmp_path)
     if record_resume:
         assert result.ok and result.steps == 6, result.describe()
+        assert result.rolled_back == 2
+        assert result.describe().endswith("2 committed steps were rolled back and trained again")
     else:
         assert not result.ok and (-1, 5) in result.duplicates

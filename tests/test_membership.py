@@ -81,7 +81,8 @@ def test_first_epoch_waits_for_min_workers():
     assert m.try_open_epoch(101.0)
     assert (m.state, m.epoch, m.members) == (JobState.RUNNING, 1, [w1, w2])
     assert m.assignment(w2, 0) == {"action": "train", "epoch": 1, "rank": 1, "world_size": 2,
-                                   "store_prefix": "job/j/e1/", "members": [w1, w2]}
+                                   "store_prefix": "job/j/e1/", "members": [w1, w2],
+                                   "state_lost": False}
 
 
 @pytest.mark.parametrize("third,t_open,expect_members", [
@@ -162,7 +163,8 @@ def test_member_exit_closes_epoch_and_survivors_open_the_next():
     assert m.try_open_epoch(3.1)
     assert (m.state, m.epoch, m.members) == (JobState.RUNNING, 2, [w1, w3])
     assert m.assignment(w3, 1) == {"action": "train", "epoch": 2, "rank": 1, "world_size": 2,
-                                   "store_prefix": "job/j/e2/", "members": [w1, w3]}
+                                   "store_prefix": "job/j/e2/", "members": [w1, w3],
+                                   "state_lost": False}
     assert m.assignment(w1, 2) is None  # already in epoch 2: nothing new
     assert m.failures == 1
     assert m.wants_workers() == 1  # a replacement for w2
@@ -628,3 +630,30 @@ def test_too_few_members_left_to_checkpoint_suspends_at_once():
     m.suspend("preempted", 2.0)
     m.exited(b, -9, None, 2.6)
     assert m.state == JobState.SUSPENDED  # a alone cannot train a step: no new checkpoint
+
+
+def test_losing_every_worker_that_held_the_state_is_logged():
+    """The only member with state dies right after a joiner was admitted: the next epoch has
+    nobody with the job's progress, and the coordinator says so (the group restarts from the
+    newest checkpoint, or from step 0)."""
+    m = make(min_w=1, max_w=2)
+    (w1,) = start(m, 1)
+    m.heartbeat(w1, 1.5, step=40, stalled=False)
+    (w2,) = add(m, [("n1", 0)], now=2.0)
+    m.arrive(w2, 0, 0, "join", 2.0)
+    m.arrive(w1, m.epoch, 40, "resize", 2.1)
+    assert m.try_open_epoch(2.1) and m.members == [w1, w2]
+    m.exited(w1, -9, None, 2.2)  # before w2 received the state
+    m.arrive(w2, m.epoch, 0, "peer failed", 2.3)
+    assert m.try_open_epoch(2.3) and m.members == [w2]
+    lost = [e for e in m.events if e["kind"] == "state_lost"]
+    assert len(lost) == 1 and lost[0]["step"] == 40
+    assert m.assignment(w2, m.epoch - 1)["state_lost"] is True  # w2 records the rollback
+    # An ordinary change, with a member that has the state, logs nothing of the kind.
+    (w3,) = add(m, [("n0", 1)], now=3.0)
+    m.heartbeat(w2, 3.0, step=2, stalled=False)
+    m.arrive(w3, 0, 0, "join", 3.1)
+    m.arrive(w2, m.epoch, 2, "resize", 3.1)
+    assert m.try_open_epoch(3.1)
+    assert len([e for e in m.events if e["kind"] == "state_lost"]) == 1
+    assert m.assignment(w3, 0)["state_lost"] is False

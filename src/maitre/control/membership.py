@@ -152,11 +152,13 @@ class Assignment:
     world_size: int
     store_prefix: str
     members: list[str]
+    state_lost: bool = False
+    """Nobody in this epoch holds the job's state: it restarts from a checkpoint or step 0."""
 
     def to_json(self) -> dict[str, Any]:
         return {"action": "train", "epoch": self.epoch, "rank": self.rank,
                 "world_size": self.world_size, "store_prefix": self.store_prefix,
-                "members": self.members}
+                "members": self.members, "state_lost": self.state_lost}
 
 
 class Membership:
@@ -180,6 +182,7 @@ class Membership:
         self.suspending: str | None = None
         """Why the job is being suspended (members checkpoint and exit), or None."""
         self._failed_epoch = -1
+        self._state_lost_epoch = -1
         self._node_order: dict[str, int] = {}
         self._next_worker = first_worker
         """Worker ids go on from here (a resumed job's new workers never reuse an old id)."""
@@ -192,6 +195,11 @@ class Membership:
                         last_heartbeat=now, slots=slots, started_at=now)
         self.workers[worker.id] = worker
         return worker
+
+    @property
+    def workers_added(self) -> int:
+        """Worker numbers used so far (a later incarnation's ids start after them)."""
+        return self._next_worker
 
     def live_workers(self) -> list[Worker]:
         return [w for w in self.workers.values() if w.state in LIVE]
@@ -419,7 +427,7 @@ class Membership:
             return {"action": "stop", "reason": "this worker was removed from the job"}
         if w.state == WorkerState.ACTIVE and w.epoch > from_epoch and self.state == JobState.RUNNING:
             return Assignment(self.epoch, w.rank, len(self.members), self.store_prefix(),
-                              list(self.members)).to_json()
+                              list(self.members), self._state_lost_epoch == self.epoch).to_json()
         return None
 
     def store_prefix(self, epoch: int | None = None) -> str:
@@ -450,6 +458,14 @@ class Membership:
         if len(expected) < self.spec.min_workers:
             return False
         expected.sort(key=lambda w: (self._node_order[w.node], w.slot, w.id))
+        reached = max((self.workers[m].step for m in self.members), default=0)
+        if reached and not any(w.step for w in expected):
+            # Every worker that held the job's state is gone: the new group starts from the
+            # newest checkpoint, or from scratch without one. Say so.
+            self._log(now, "state_lost", step=reached,
+                      reason="every worker holding the job's state was lost; it resumes from "
+                             "its newest checkpoint, or from step 0 without one")
+            self._state_lost_epoch = self.epoch + 1
         self.epoch += 1
         self.members = [w.id for w in expected]
         for rank, w in enumerate(expected):
@@ -532,6 +548,7 @@ class Membership:
                 "closed_at": self.closed_at, "close_reason": self.close_reason,
                 "created_at": self.created_at, "suspending": self.suspending,
                 "failed_epoch": self._failed_epoch, "node_order": dict(self._node_order),
+                "state_lost_epoch": self._state_lost_epoch,
                 "next_worker": self._next_worker,
                 "workers": [{**asdict(w), "state": w.state.value} for w in self.workers.values()]}
 
@@ -544,6 +561,7 @@ class Membership:
         m.target, m.failures, m.failure = data["target"], data["failures"], data["failure"]
         m.closed_at, m.close_reason = data["closed_at"], data["close_reason"]
         m.suspending, m._failed_epoch = data["suspending"], data["failed_epoch"]
+        m._state_lost_epoch = data.get("state_lost_epoch", -1)
         m._node_order = dict(data["node_order"])
         names = {f.name for f in fields(Worker)}
         for raw in data["workers"]:

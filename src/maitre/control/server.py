@@ -414,7 +414,7 @@ class Coordinator:
             if kind == "start":
                 self._install(membership)
         for m in cluster.managed.values():
-            m.workers_started = max(m.workers_started, self.jobs[m.id]._next_worker
+            m.workers_started = max(m.workers_started, self.jobs[m.id].workers_added
                                     if m.id in self.jobs and m.incarnation else 0)
         cluster.tick_usage(self.jobs, now)
         return bool(plan.actions)

@@ -63,6 +63,9 @@ class Audit:
     """(data epoch, sample index) never consumed in a data epoch that was finished."""
     gaps: list[int] = field(default_factory=list)
     """Steps in 1..last that never committed."""
+    rolled_back: int = 0
+    """Commits undone by a resume from an older state (a checkpoint, or step 0 when every
+    worker holding the state was lost with no checkpoint): trained again, counted once."""
 
     @property
     def ok(self) -> bool:
@@ -70,8 +73,11 @@ class Audit:
 
     def describe(self) -> str:
         if self.ok:
+            again = f"; {self.rolled_back} committed steps were rolled back and trained again" \
+                if self.rolled_back else ""
             return (f"exactly once: {self.samples} samples in {self.steps} committed steps, "
-                    f"{self.complete_data_epochs} complete data epoch(s), none lost or repeated")
+                    f"{self.complete_data_epochs} complete data epoch(s), none lost or "
+                    f"repeated{again}")
         return (f"VIOLATED: {len(self.duplicates)} repeated, {len(self.missing)} lost samples, "
                 f"{len(self.gaps)} missing steps (first: {self.duplicates[:3]} {self.missing[:3]} "
                 f"{self.gaps[:3]})")
@@ -81,9 +87,9 @@ Key = tuple[str, int, int]  # run, membership epoch, step
 
 
 def read(directory: str | os.PathLike[str]) -> tuple[dict[Key, list[dict[str, Any]]],
-                                                      dict[int, set[Key]], int]:
+                                                      dict[int, set[Key]], int, int]:
     """Attempts by (run, epoch, step), the committed (run, epoch, step) of each step with
-    rolled-back commits left out, and the data set size."""
+    rolled-back commits left out, the data set size and the number of rolled-back commits."""
     attempts: dict[Key, list[dict[str, Any]]] = defaultdict(list)
     committed: list[tuple[Key, float]] = []
     resumes: list[tuple[float, int]] = []
@@ -104,15 +110,18 @@ def read(directory: str | os.PathLike[str]) -> tuple[dict[Key, list[dict[str, An
             else:
                 num_samples, run = rec["n"], rec.get("run", "")
     commits: dict[int, set[Key]] = defaultdict(set)
+    undone: set[Key] = set()
     for key, t in committed:
         if not any(t < resumed_at and from_step < key[2] for resumed_at, from_step in resumes):
             commits[key[2]].add(key)
-    return attempts, commits, num_samples
+        else:
+            undone.add(key)
+    return attempts, commits, num_samples, len(undone)
 
 
 def audit(directory: str | os.PathLike[str]) -> Audit:
-    attempts, commits, num_samples = read(directory)
-    result = Audit()
+    attempts, commits, num_samples, rolled_back = read(directory)
+    result = Audit(rolled_back=rolled_back)
     seen: dict[int, Counter[int]] = defaultdict(Counter)
     last = max(commits, default=0)
     for step in range(1, last + 1):

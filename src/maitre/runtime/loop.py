@@ -159,6 +159,8 @@ class ElasticLoop:
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
         self._store_id: str | None = None
+        self._state_lost = False
+        """The coordinator says every worker that held the job's state was lost."""
         self._recovery: Recovery | None = None
         self._owns_default_group = False
         self._building_since: float | None = None
@@ -409,6 +411,7 @@ class ElasticLoop:
         rec = self._recovery
         rec.assigned_at = time.time()
         self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]
+        self._state_lost = bool(answer.get("state_lost"))
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self._building_since = time.monotonic()
         try:
@@ -455,11 +458,15 @@ class ElasticLoop:
     def _sync_state(self, rec: Recovery) -> None:
         assert self.group is not None
         steps = sync_steps(self.group, self.state.step)
-        if max(steps) == 0 and self.checkpointer is not None:
-            # Nobody has live state (the job starts or restarts whole): every member reads the
-            # newest complete checkpoint; the second count repairs any disagreement.
-            self._resume_from_disk()
-            steps = sync_steps(self.group, self.state.step)
+        if max(steps) == 0:
+            # Nobody has live state (the job starts, or restarts whole): every member reads the
+            # newest complete checkpoint, if any; the second count repairs any disagreement.
+            if self.checkpointer is not None:
+                self._resume_from_disk()
+                steps = sync_steps(self.group, self.state.step)
+            if max(steps) == 0 and self._state_lost and self._ledger is not None:
+                # Back to the initial state: what the lost workers committed is undone.
+                self._ledger.resumed(0)
         ahead = max(steps)
         if all(s == ahead for s in steps):
             return
