@@ -22,8 +22,8 @@ from maitre.wire import Client, CoordinatorUnreachable
 @pytest.mark.timeout(400)
 def test_the_demo_story_shrinks_instead_of_killing_and_loses_no_sample(tmp_path: Path) -> None:
     lines: list[str] = []
-    demo = Demo(DemoConfig(run_dir=tmp_path, nodes=2, slots_per_node=2, steps=240,
-                           urgent_at_step=60, urgent_steps=80, cooldown_s=5.0, timeout_s=300,
+    demo = Demo(DemoConfig(run_dir=tmp_path, nodes=2, slots_per_node=2, steps=200,
+                           urgent_at_step=50, urgent_steps=60, cooldown_s=5.0, timeout_s=300,
                            device_ms_per_sample=4.0), out=lines.append)
     code = demo.run()
     log = "\n".join(lines)
@@ -77,14 +77,17 @@ class _Procs:
                 pass
 
 
-def _wait(predicate, timeout: float, what: str, log: Path | None = None):
+def _wait(predicate, timeout: float, what: str, log: Path | list[str] | None = None):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.2)
-    detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    if isinstance(log, list):
+        detail = "\n".join(log)[-6000:]
+    else:
+        detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
     raise AssertionError(f"timed out waiting for {what}\n{detail}")
 
 
@@ -175,11 +178,11 @@ def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_sto
         co.submit({"name": "low", "queue": "q", "priorityClassName": "low", "minReplicas": 2,
                    "maxReplicas": 2, "checkpointDir": str(tmp_path / "ck"),
                    "command": example_command(steps, out) + ["--device-ms-per-sample", "8"]})
-        _wait(lambda: co.job_status("low")["step"] >= 40, 120, "low to train")
+        _wait(lambda: co.job_status("low")["step"] >= 40, 120, "low to train", lines)
         co.submit({"name": "high", "queue": "q", "priorityClassName": "high", "minReplicas": 2,
                    "maxReplicas": 2, "preemptible": False,
                    "command": example_command(60) + ["--device-ms-per-sample", "8"]})
-        _wait(lambda: co.job_status("low")["state"] == "COMPLETED", 240, "low to finish")
+        _wait(lambda: co.job_status("low")["state"] == "COMPLETED", 240, "low to finish", lines)
         high = co.job_status("high")
         low = co.job_status("low")
         events = [e for e in cluster.db.events()]
@@ -196,6 +199,8 @@ def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_sto
     resumed = next(e for e in events if e["kind"] == "admit" and e.get("job") == "low"
                    and e["incarnation"] == 2)
     assert resumed["resumes"] is True
+    # The second run's groups never met the first run's store keys (it counts epochs from 1).
+    assert not [e for e in events if e["kind"] == "epoch_closed" and e.get("job") == "low"], log
     result = audit(tmp_path / "state" / "ledger" / "low")
     assert result.ok, result.describe()
     assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9

@@ -224,6 +224,8 @@ def test_a_user_suspension_holds_until_resume_and_cancel_ends_a_job(tmp_path: Pa
     job = sim.job("a")
     assert job["state"] == "RUNNING" and job["incarnation"] == 2
     assert all(w["id"] not in ("a-w1", "a-w2") for w in job["workers"])  # new ids
+    # Its epochs count from 1 again, under store keys the first run never used.
+    assert job["epoch"] == 1 and sim.co.jobs["a"].store_prefix() == "job/a/g0i2/e1/"
     sim.co.cancel("a")
     sim.advance(2)
     assert sim.job("a")["state"] == "CANCELLED"
@@ -313,3 +315,16 @@ def test_a_job_without_checkpoints_is_never_suspended_and_a_reused_name_gets_a_n
     assert first.endswith("/ledger/plain") and second.endswith("/ledger/plain.1")
     assert sim.job("plain")["state"] == "RUNNING"
     assert not set(sim.co.jobs["plain"].workers) & {"plain-w1", "plain-w2"}
+
+
+def test_a_node_that_comes_back_with_fewer_slots_is_never_over_committed(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 4}, [Queue("q")])
+    sim.submit("a", "q", 1, 4)
+    sim.advance(3)
+    assert sim.members("a") == 4
+    sim.slots["n0"] = 2  # the agent restarts with 2 slots (a GPU went bad)
+    sim.advance(6)  # (every heartbeat checks that n0 runs at most its slots)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and sum(job["placement"].values()) <= 2
+    assert 1 <= len(job["members"]) <= 2
+    assert any(e["kind"] == "node_shrunk" for e in sim.db.events())

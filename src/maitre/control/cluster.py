@@ -112,24 +112,31 @@ class ClusterState:
         self.log = log or (lambda *a, **k: None)
         """``log(now, kind, job=None, **fields)``: the coordinator's event sink."""
         self.usage = Usage()
+        self._withdraw: set[str] = set()
+        """Nodes whose allocations the next sync withdraws (they lost slots)."""
 
     # -- nodes -----------------------------------------------------------------------------------
-    def node_beat(self, node: Node, now: float) -> bool:
-        """An agent's heartbeat; returns True when the node is new, changed or back from dead."""
+    def node_beat(self, node: Node, now: float) -> str | None:
+        """An agent's heartbeat. Returns what changed: ``node_registered``, ``node_changed``
+        (labels, or more slots), ``node_shrunk`` (fewer slots: its allocations are withdrawn,
+        the coordinator evicts its workers) or ``node_recovered``; None when nothing did."""
         state = self.nodes.get(node.name)
         if state is None or state.node != node:
             self.nodes[node.name] = NodeState(node, PhiAccrual(self.phi, now), True,
                                               state.registered_at if state else now)
-            self.log(now, "node_registered" if state is None else "node_changed",
-                     node=node.name, slots=node.slots)
-            return True
+            kind = "node_registered" if state is None else \
+                "node_shrunk" if node.slots < state.node.slots else "node_changed"
+            if kind == "node_shrunk":
+                self._withdraw.add(node.name)
+            self.log(now, kind, node=node.name, slots=node.slots)
+            return kind
         state.detector.heartbeat(now)
         if not state.alive:
             state.alive = True
             state.detector = PhiAccrual(self.phi, now)
             self.log(now, "node_recovered", node=node.name)
-            return True
-        return False
+            return "node_recovered"
+        return None
 
     def detect_dead_nodes(self, now: float) -> list[str]:
         dead = []
@@ -167,12 +174,13 @@ class ClusterState:
 
     def incarnation_spec(self, m: ManagedJob) -> JobSpec:
         man = m.manifest
-        env = {_RUN_ENV: f"{m.id}-{m.incarnation}", _LEDGER_ENV: str(self.ledger_dir(m))}
+        scope = f"g{m.generation}i{m.incarnation}"
+        env = {_RUN_ENV: f"{m.id}-{scope}", _LEDGER_ENV: str(self.ledger_dir(m))}
         if man.checkpoint_dir:
             env[_CKPT_DIR_ENV] = man.checkpoint_dir
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
                        max_workers=man.max_replicas, nproc_per_node=1,
-                       max_restarts=self.max_restarts, env=env)
+                       max_restarts=self.max_restarts, env=env, store_scope=scope)
 
     def ledger_dir(self, m: ManagedJob) -> Path:
         """Where the job's workers record the samples they commit (``<name>``, then
@@ -203,8 +211,8 @@ class ClusterState:
                 continue
             ms = memberships.get(m.id) if m.incarnation else None
             job = m.job
-            # Lost nodes take their allocation with them.
-            lost = [n for n in job.placement if not self._alive(n)]
+            # Lost (or shrunk) nodes take their allocation with them.
+            lost = [n for n in job.placement if not self._alive(n) or n in self._withdraw]
             for name in lost:
                 del job.placement[name]
             if ms is None:
@@ -233,6 +241,7 @@ class ClusterState:
             self._measure(m, ms, now)
 
     def plan(self, now: float) -> Plan:
+        self._withdraw.clear()  # sync() has withdrawn their allocations
         jobs = [m.job for m in self.managed.values() if m.ended is None and not
                 (m.held and m.job.phase == Phase.SUSPENDED)]
         cluster = self.cluster()

@@ -73,6 +73,10 @@ class JobSpec:
     max_restarts: int = 3
     """Failure events (an epoch lost to a crash or hang) survived before the job is failed."""
     env: dict[str, str] = field(default_factory=dict)
+    store_scope: str = ""
+    """Names this run of the job in the c10d store's keys: a job that runs again (resumed after
+    a suspension, or submitted again under its name) counts epochs from 1 again, and must not
+    meet its earlier run's keys (gloo would connect to dead peers' addresses)."""
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -431,7 +435,8 @@ class Membership:
         return None
 
     def store_prefix(self, epoch: int | None = None) -> str:
-        return f"job/{self.spec.job_id}/e{self.epoch if epoch is None else epoch}/"
+        scope = f"{self.spec.store_scope}/" if self.spec.store_scope else ""
+        return f"job/{self.spec.job_id}/{scope}e{self.epoch if epoch is None else epoch}/"
 
     def try_open_epoch(self, now: float) -> bool:
         """Open the next epoch if everyone expected has arrived. Returns True when it opened."""

@@ -35,6 +35,7 @@ import secrets
 import sys
 import threading
 import time
+import traceback
 from datetime import timedelta
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -272,8 +273,11 @@ class Coordinator:
                     described = Node(node, slots, **labels)
                 except ValueError as exc:
                     raise BadRequest(str(exc)) from None
-                if self.cluster.node_beat(described, now) and self.db is not None:
+                change = self.cluster.node_beat(described, now)
+                if change and self.db is not None:
                     self.db.put_node(described, now)
+                if change == "node_shrunk":
+                    self._evict_node(node, f"node {node} now has {slots} slots", now)
             start: list[dict[str, Any]] = []
             kill = sorted(self._pending_kills.pop(node, set()))
             # Slots in use: processes the agent runs, and workers it was asked to start that
@@ -403,11 +407,7 @@ class Coordinator:
         cluster = self.cluster
         assert cluster is not None
         for node in cluster.detect_dead_nodes(now):
-            for job in self.jobs.values():
-                for w in job.live_workers():
-                    if w.node == node:
-                        job.evict(w.id, f"node {node} is dead (no agent heartbeat)", now)
-                        self._pending_kills.setdefault(node, set()).add(w.id)
+            self._evict_node(node, f"node {node} is dead (no agent heartbeat)", now)
         cluster.sync(self.jobs, now)
         plan = cluster.plan(now)
         for kind, _, membership in cluster.apply(plan, self.jobs, now):
@@ -418,6 +418,15 @@ class Coordinator:
                                     if m.id in self.jobs and m.incarnation else 0)
         cluster.tick_usage(self.jobs, now)
         return bool(plan.actions)
+
+    def _evict_node(self, node: str, reason: str, now: float) -> None:
+        """Its workers are gone for the coordinator (their jobs recover as from a crash); its
+        agent is told to kill any that still run."""
+        for job in self.jobs.values():
+            for w in job.live_workers():
+                if w.node == node:
+                    job.evict(w.id, reason, now)
+                    self._pending_kills.setdefault(node, set()).add(w.id)
 
     def report(self) -> dict[str, Any]:
         with self.cond:
@@ -705,8 +714,15 @@ class CoordinatorServer:
         return self
 
     def _detector(self) -> None:
+        last = ""
         while not self._stop.wait(self._tick_s):
-            self.coordinator.tick()
+            try:
+                self.coordinator.tick()
+            except Exception:  # a bug: say so (once), but never stop detecting and scheduling
+                text = traceback.format_exc()
+                if text != last:
+                    print(f"maitre: coordinator tick failed:\n{text}", file=sys.stderr, flush=True)
+                    last = text
 
     def stop(self) -> None:
         self._stop.set()
