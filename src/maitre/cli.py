@@ -269,11 +269,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
-    cluster.start()
     print(f"maitre: coordinator at {cluster.address} with {args.nodes} local node(s) x {slots} "
           f"slot(s); state in {cfg.state_dir}", flush=True)
     print(f"maitre: export MAITRE_COORDINATOR={cluster.address} "
           f"MAITRE_TOKEN_FILE={cluster.token_file.resolve()}", flush=True)
+    cluster.start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
