@@ -3,6 +3,7 @@
     cli, launch, local (maitre up), demo  ->  control, agent, runtime, checkpoint  ->  wire
     runtime (the training process)  ->  checkpoint  ->  runtime.statetree (the state encoding)
     scheduling (the policy: pure, no torch) is imported by the coordinator and the simulator
+    sim (the simulator: no torch, no processes) imports only scheduling
 
 The training process never imports the coordinator or the agent; the coordinator never imports
 torch-side training code; the checkpoint package uses only the runtime's state encoding.
@@ -26,6 +27,8 @@ FORBIDDEN = {
     "agent": ("maitre.control", "maitre.checkpoint", *_TOP),
     "scheduling": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
                    *_TOP, "torch"),
+    "sim": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP,
+            "torch"),
 }
 
 

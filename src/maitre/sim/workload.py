@@ -1,0 +1,92 @@
+"""Workloads: the jobs a simulation replays, read from the Pollux workload CSVs (``data/traces``).
+
+A Pollux workload file has one row per job: ``name,time,application,num_replicas,batch_size``
+(submission time in seconds; the replicas and batch size the fixed-size baselines use). Every
+row is checked; a bad file is refused whole with the line and the reason of each problem.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[3] / "data" / "traces"
+APPLICATIONS = ("cifar10", "ncf", "deepspeech2", "bert", "yolov3", "imagenet")
+_COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
+
+
+class WorkloadError(ValueError):
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.problems = problems
+        shown = problems[:10] + ([f"... and {len(problems) - 10} more"] if len(problems) > 10 else [])
+        super().__init__(f"{source}: " + "; ".join(shown))
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    name: str
+    time: float
+    """Submission time, seconds from the start of the workload."""
+    application: str
+    num_replicas: int
+    batch_size: int
+
+
+def load_workload(path: str | Path) -> list[Arrival]:
+    """The jobs of a Pollux workload CSV, in submission order."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise WorkloadError(str(path), [f"cannot read it: {exc.strerror or exc}"]) from None
+    return parse_workload(text, str(path))
+
+
+def parse_workload(text: str, source: str = "workload") -> list[Arrival]:
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise WorkloadError(source, [f"missing column(s) {', '.join(missing)} (a Pollux workload "
+                                     f"has {','.join(_COLUMNS)})"])
+    problems: list[str] = []
+    jobs: list[Arrival] = []
+    names: set[str] = set()
+    for line, row in enumerate(reader, start=2):
+        try:
+            time = float(row["time"])
+            replicas, batch = int(row["num_replicas"]), int(row["batch_size"])
+        except (TypeError, ValueError):
+            problems.append(f"line {line}: time, num_replicas and batch_size must be numbers")
+            continue
+        name, app = (row["name"] or "").strip(), (row["application"] or "").strip()
+        bad = []
+        if not name or name in names:
+            bad.append(f"name {name!r} is empty or repeated")
+        if not math.isfinite(time) or time < 0:
+            bad.append(f"time {row['time']} is not a time >= 0")
+        if app not in APPLICATIONS:
+            bad.append(f"application {app!r} is not one of {', '.join(APPLICATIONS)}")
+        if replicas < 1 or batch < 1:
+            bad.append("num_replicas and batch_size must be at least 1")
+        if bad:
+            problems += [f"line {line}: {b}" for b in bad]
+            continue
+        names.add(name)
+        jobs.append(Arrival(name, time, app, replicas, batch))
+    if problems:
+        raise WorkloadError(source, problems)
+    if not jobs:
+        raise WorkloadError(source, ["no jobs"])
+    return sorted(jobs, key=lambda j: (j.time, j.name))
+
+
+def pollux_workload(number: int, load: float = 1.0) -> Path:
+    """The bundled file of Pollux workload ``number`` (1-8) at ``load`` (0.5, 1.0, 1.5, 2.0)."""
+    folder = {0.5: "workloads-0.5", 1.0: "workloads", 1.5: "workloads-1.5", 2.0: "workloads-2.0"}
+    if load not in folder or not 1 <= number <= 8:
+        raise ValueError(f"Pollux workloads are 1-8 at loads 0.5, 1.0, 1.5, 2.0; got {number} "
+                         f"at {load}")
+    return DATA / "pollux_workloads" / folder[load] / f"workload-{number}.csv"
