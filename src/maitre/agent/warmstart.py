@@ -12,7 +12,9 @@ Only commands that run a Python script or module with this interpreter can start
 starts with :class:`subprocess.Popen` as before. The forked worker gets the command's arguments,
 environment and working directory, its own session (signals meant for it never reach the
 agent), and its stdout and stderr on pipes the agent reads, as a cold-started one does. The fork
-server holds no CUDA context, so forked workers may use CUDA.
+server only imports (torch initialises CUDA lazily, at first use), so forked workers should be
+free to use CUDA; that is not yet checked on a GPU machine: with a CUDA fork error, set
+``MAITRE_WARM_START=0``.
 """
 
 from __future__ import annotations
