@@ -61,8 +61,11 @@ def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
     directory = tmp_path / "ckpt"
     crashed = run_tagged(checkpointed(directory), timeout=200, **{FAULT_ENV: f"{phase}@3"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    completed = 3 * EVERY if phase == "after_rename" else 2 * EVERY  # the 3rd save is at step 15
-    assert assert_all_complete(directory)[0] == completed
+    # The 3rd save is due at step 15: killed after its rename it is complete, else the 2nd
+    # (due at 10) is the newest. A save vetoed by a still-busy writer lands a step or two later.
+    saves = 3 if phase == "after_rename" else 2
+    completed = assert_all_complete(directory)[0]
+    assert saves * EVERY <= completed < (saves + 1) * EVERY, completed
     warnings: list[str] = []
     loaded = load_latest(directory, log=warnings.append)
     assert loaded is not None and loaded.step == completed and not warnings
@@ -180,16 +183,19 @@ def test_saved_by_three_ranks_resumed_by_two_under_torchrun(
         return run_tagged(cmd + (["--out", str(out)] if out else []), timeout=300,
                           TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
 
-    crashed = torchrun(3, **{FAULT_ENV: "after_rename@2"})  # rank 0 dies after step 10's commit
+    crashed = torchrun(3, **{FAULT_ENV: "after_rename@2"})  # rank 0 dies after its 2nd commit
     assert crashed.returncode != 0
-    assert assert_all_complete(directory)[0] == 2 * EVERY
-    manifest = fmt.read_manifest(directory / fmt.step_dir_name(2 * EVERY))
+    # The second save is due at step 10; a rank whose writer is still busy (pre-faulting its
+    # buffer on a loaded machine) vetoes it, and it lands a step or two later (CI saw 11).
+    saved = assert_all_complete(directory)[0]
+    assert 2 * EVERY <= saved < 3 * EVERY, saved
+    manifest = fmt.read_manifest(directory / fmt.step_dir_name(saved))
     assert manifest["world_size"] == 3
     assert len([f for f in manifest["files"] if f.startswith("shard-")]) == 3
 
     out = tmp_path / "resumed.pt"
     resumed = torchrun(2, out)
     assert resumed.returncode == 0, resumed.stderr
-    assert f"at step {2 * EVERY} (saved by 3 worker(s)" in resumed.stdout, resumed.stdout
+    assert f"at step {saved} (saved by 3 worker(s)" in resumed.stdout, resumed.stdout
     err = relative_error(torch.load(out, weights_only=True), reference(STEPS))
     assert err <= 1e-5, f"relative error {err:.3g} after resuming 3 ranks' checkpoint on 2"
