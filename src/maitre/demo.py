@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from maitre.launch import epoch_reports
 from maitre.local import LocalCluster, UpConfig
 from maitre.runtime.ledger import audit
 from maitre.scheduling.model import Queue
@@ -180,7 +181,7 @@ class Demo:
                      f"{'reshard':>7} {'state':>6} {'step':>6} {'paused':>7}")
         recoveries = []
         for jid, status in statuses.items():
-            for r in _epoch_reports(status.get("reports", [])):
+            for r in epoch_reports(status.get("reports", [])):
                 cause, cause_t = self._cause(jid, status, r)
                 detect = None if cause_t is None else r["detected_at"] - cause_t
                 reshard = r["rendezvous_s"] + r["group_s"]
@@ -236,18 +237,3 @@ def _all_hold_state(job: dict[str, Any]) -> bool:
     costs the job one worker, not its progress."""
     steps = [w["step"] for w in job["workers"] if w["id"] in job["members"]]
     return len(steps) > 1 and min(steps) > 0 and min(steps) >= job["step"] - 2
-
-
-def _epoch_reports(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per epoch, the report of the running member that paused longest (joiners' own start-up
-    is not a pause of the job)."""
-    by_epoch: dict[tuple[int, int], dict[str, Any]] = {}
-    for r in reports:
-        if r.get("kind") != "recovery":
-            continue
-        key = (r.get("incarnation", 1), r["epoch"])
-        weight = (r["reason"] != "join", r["to_next_step_s"])
-        old = by_epoch.get(key)
-        if old is None or weight > (old["reason"] != "join", old["to_next_step_s"]):
-            by_epoch[key] = r
-    return [by_epoch[k] for k in sorted(by_epoch)]

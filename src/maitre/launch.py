@@ -288,21 +288,30 @@ def describe(event: dict[str, Any]) -> str:
     return f"{kind}: {fields}"
 
 
+def epoch_reports(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per membership epoch (of each incarnation), the recovery report of the running member
+    that paused longest: a joiner's own start-up is not a pause of the job."""
+    by_epoch: dict[tuple[int, int], dict[str, Any]] = {}
+
+    def weight(r: dict[str, Any]) -> tuple[bool, float]:  # running members before joiners
+        return r["reason"] != "join", r["to_next_step_s"]
+
+    for r in reports:
+        if r.get("kind") != "recovery":
+            continue
+        key = (r.get("incarnation", 1), r["epoch"])
+        if key not in by_epoch or weight(r) > weight(by_epoch[key]):
+            by_epoch[key] = r
+    return [by_epoch[k] for k in sorted(by_epoch)]
+
+
 def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path,
             checkpoint_dir: Path | None = None) -> str:
     lines = ["", f"maitre: job {job['job_id']} {job['state']} at step {job['step']} "
                  f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)"]
     if job.get("failure"):
         lines.append(f"maitre: job failed: {job['failure']}")
-    by_epoch: dict[int, dict[str, Any]] = {}
-    def weight(r: dict[str, Any]) -> tuple[bool, float]:  # running members before joiners
-        return r["reason"] != "join", r["to_next_step_s"]
-
-    for r in job.get("reports", []):  # per epoch, the running member that paused longest
-        if r.get("kind") == "recovery" and (r["epoch"] not in by_epoch or
-                                            weight(r) > weight(by_epoch[r["epoch"]])):
-            by_epoch[r["epoch"]] = r
-    reports = [by_epoch[e] for e in sorted(by_epoch)]
+    reports = epoch_reports(job.get("reports", []))
     if reports:
         lines.append(f"  {'epoch':>5}  {'world':>5}  {'reason':<44} {'rdzv ms':>8} {'group ms':>8} "
                      f"{'state ms':>8} {'to step ms':>10}")
