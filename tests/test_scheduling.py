@@ -114,11 +114,28 @@ def test_no_preemption_when_the_preemptor_would_not_fit_anyway() -> None:
     assert plan.actions == [] and plan.placements["low"] == low.placement
 
 
-def test_equal_priority_in_one_queue_never_preempts() -> None:
+def test_equal_priority_takes_back_elastic_surplus_but_never_suspends() -> None:
     cluster = make_cluster()
-    low = job("a", 1, 16, phase=Phase.RUNNING,
-              placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
-    assert schedule(cluster, [low, job("b", 4)], 0).actions == []
+    full = {"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4}
+    a = job("a", 1, 16, phase=Phase.RUNNING, placement=dict(full))
+    plan = schedule(cluster, [a, job("b", 4)], 0)
+    assert kinds(plan) == [("shrink", "a"), ("preempting", "b")]
+    assert sum(plan.placements["a"].values()) == 12  # one node's worth, no more
+    # a peer at its minimum, or a fixed gang, is never touched; nor with the option off
+    at_min = job("m", 16, 16, phase=Phase.RUNNING, placement=dict(full))
+    assert schedule(cluster, [at_min, job("b", 4)], 0).actions == []
+    lent = job("a", 1, 16, phase=Phase.RUNNING, placement=dict(full))
+    off = PolicyConfig(reclaim_surplus=False)
+    assert schedule(cluster, [lent, job("b", 4)], 0, off).actions == []
+
+
+def test_surplus_is_taken_from_the_largest_peer_first() -> None:
+    cluster = make_cluster()
+    big = job("big", 1, 16, phase=Phase.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4})
+    small = job("small", 1, 16, phase=Phase.RUNNING, placement={"r1n1": 4}, at=1)
+    plan = schedule(cluster, [big, small, job("new", 2, at=2)], 0)
+    assert kinds(plan) == [("shrink", "big"), ("preempting", "new")]
+    assert plan.placements["small"] == {"r1n1": 4}
 
 
 def test_a_queue_reclaims_its_guarantee_from_a_borrower_but_no_further() -> None:
@@ -241,10 +258,18 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
         by_id = {j.id: j for j in jobs}
         reclaimed = set()
         for a in plan.actions:
+            if a.kind == "shrink" and a.reason.startswith("rebalance"):
+                victim = by_id[a.job]  # a peer gives up lent replicas, never below its minimum
+                assert victim.elastic and sum(a.placement.values()) >= victim.min_replicas
+                continue
             if a.kind in ("shrink", "suspend"):
                 victim = by_id[a.job]
                 preemptor = by_id[a.reason.removeprefix("preempted by ")]
-                if victim.priority >= preemptor.priority:  # a reclaim across queues
+                if victim.queue == preemptor.queue and victim.priority == preemptor.priority:
+                    # a peer's elastic surplus: shrunk, never below its minimum
+                    assert a.kind == "shrink"
+                    assert sum(a.placement.values()) >= victim.min_replicas
+                elif victim.priority >= preemptor.priority:  # a reclaim across queues
                     assert victim.queue != preemptor.queue
                     reclaimed.add(victim.queue)
         apply(plan, jobs, now)

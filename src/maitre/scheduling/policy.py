@@ -14,7 +14,10 @@ One pass, in order:
    lowest priority first, then suspend whole preemptible jobs (each gets its grace period to
    checkpoint); victims are jobs of lower priority, or jobs of other queues that borrow beyond
    their guarantee when the preemptor's queue reclaims its own guarantee (never below the
-   victim queue's guarantee). Nothing is touched unless the preemptor fits once the victims let
+   victim queue's guarantee). A job of the same queue and priority may take back another's
+   *elastic surplus* (replicas above its minimum, which elastic fill lent it while they were
+   idle), but never suspends it (``reclaim_surplus``). The largest victim is shrunk first, one
+   replica at a time. Nothing is touched unless the preemptor fits once the victims let
    go; the preemptor itself starts in a later pass, when the slots are really free (so the
    cluster is never over-allocated, even for a moment).
 3. **Elastic fill.** Free slots go one replica at a time to the running elastic job with the
@@ -22,10 +25,16 @@ One pass, in order:
    throughput it reported at each size), while the gain is worth it (``min_gain``) and the job
    was not resized within ``resize_cooldown_s`` (damping: no back-and-forth).
 
+4. **Rebalance**, when no slot is left free: a replica moves from the running elastic job that
+   loses least by giving it up to the one of the same queue and priority that gains most, while
+   the gain exceeds the loss by ``rebalance_gain`` (hysteresis: a move is never undone by the
+   next pass) and neither job is in its cooldown. Only the donors' shrinks are in this plan; the
+   slots they free go to the gainers by the next pass's elastic fill, once really free.
+
 Placement is topology-aware: a job's replicas go to one domain (node, rack or block, from
 ``topology.level``; rack by default) when one can hold them, choosing the tightest domain that
 fits and, inside it, one node if one fits all, else the fewest nodes; ``required`` never spreads.
-Growth prefers the nodes and domains the job already uses.
+Growth prefers the nodes and domains the job already uses, then the node with the most room.
 """
 
 from __future__ import annotations
@@ -43,9 +52,15 @@ _DEFAULT_TOPOLOGY = Topology(level="rack", mode="preferred")
 class PolicyConfig:
     resize_cooldown_s: float = 60.0
     """A running job is not resized again within this many seconds of its last resize."""
+    reclaim_surplus: bool = True
+    """A pending job may shrink running elastic jobs of its own queue and priority toward their
+    minimum (never suspend them): elastic growth is lent, not owned."""
     min_gain: float = 0.1
     """Grow a job only if one more replica adds at least this fraction of one replica's
     throughput (by its speedup model)."""
+    rebalance_gain: float = 0.25
+    """Move a replica between peers only if the taker gains this much more (in units of one
+    replica's throughput) than the giver loses; 0 turns rebalancing off."""
 
 
 @dataclass(slots=True)
@@ -147,8 +162,11 @@ def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | Non
         names = free.members[level][d]
         if sum(fits(n) for n in names) < replicas:
             continue
+        # A new job takes the tightest node that fits (keeps room whole for gangs); a growing
+        # job its own nodes, else the roomiest, where its next replicas can join it.
         one = min((n for n in names if fits(n) >= replicas),
-                  key=lambda n: (n not in prefer, fits(n), n), default=None)
+                  key=lambda n: (n not in prefer, -fits(n) if prefer else fits(n), n),
+                  default=None)
         if one is not None:
             return {one: replicas}
         return _spread(sorted(names, key=lambda n: (n not in prefer, -fits(n), n)), replicas, fits)
@@ -218,7 +236,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             admitted[j.id] = Action("admit", j.id, where)
             plan.actions.append(admitted[j.id])
             continue
-        found = _preemption(j, running, by_id, cluster, free, usage, target, touched)
+        found = _preemption(j, running, by_id, cluster, free, usage, target, touched,
+                            cfg.reclaim_surplus)
         if found is None:
             continue
         victims, where = found
@@ -266,6 +285,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             target[jid][n] = target[jid].get(n, 0) + r
         grown.add(jid)
         heapq.heappush(heap, (-j.priority, -gain(j, size + 1), j.submitted_at, jid))
+    if free.total == 0 and cfg.rebalance_gain > 0:
+        _rebalance(jobs, target, touched | grown, now, cfg, plan)
     for jid in sorted(grown):
         if by_id[jid].phase == Phase.RUNNING:
             plan.actions.append(Action("grow", jid, dict(target[jid])))
@@ -276,7 +297,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
 
 def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Cluster,
                 free: FreeSlots, usage: dict[str, int], target: dict[str, dict[str, int]],
-                touched: set[str]) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
+                touched: set[str], reclaim_surplus: bool = True
+                ) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
     """Victims (with their new placements; empty = suspend) that let ``j``'s minimum fit, and
     where it will go then; None if no admissible set of victims would make it fit. ``running``
     is in the order victims are chosen: lowest priority first, then the youngest."""
@@ -284,9 +306,13 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
     need = j.min_replicas * j.slots_per_replica
     reclaiming = usage[j.queue] + need <= queue.guaranteed
 
+    def peer(v: Job) -> bool:
+        """A job of the preemptor's own rank: only its elastic surplus may be taken."""
+        return reclaim_surplus and v.queue == j.queue and v.priority == j.priority and v.elastic
+
     def room(v: Job) -> float:
         """Slots that may be taken from ``v``'s queue without breaking its guarantee."""
-        if v.priority < j.priority and v.queue == j.queue:
+        if v.priority < j.priority and v.queue == j.queue or peer(v):
             return math.inf
         if v.queue != j.queue and (v.priority < j.priority or reclaiming):
             return usage[v.queue] - cluster.queues[v.queue].guaranteed
@@ -297,7 +323,7 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
     takeable = {q: 0.0 for q in cluster.queues}
     for v in candidates:
         if v.preemptible or v.elastic:
-            keep = 0 if v.preemptible else v.min_replicas * v.slots_per_replica
+            keep = 0 if v.preemptible and not peer(v) else v.min_replicas * v.slots_per_replica
             takeable[v.queue] += sum(target[v.id].values()) * v.slots_per_replica - keep
     if free.total + sum(min(t, max((room(v) for v in candidates if v.queue == q), default=0))
                         for q, t in takeable.items()) < need:
@@ -305,26 +331,34 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
     trial = free.copy()
     taken = {q: 0 for q in cluster.queues}
     plan: dict[str, dict[str, int]] = {}
-    # Phase A: shrink elastic victims toward their minimum, one replica at a time.
-    for v in candidates:
-        if not v.elastic:
-            continue
-        current = dict(target[v.id])
-        while sum(current.values()) > v.min_replicas and \
-                taken[v.queue] + v.slots_per_replica <= room(v):
-            node = min(current, key=lambda n: (current[n], n))  # unpack the thinnest first
-            current[node] -= 1
-            if not current[node]:
-                del current[node]
-            trial.give({node: 1}, v.slots_per_replica)
-            taken[v.queue] += v.slots_per_replica
-            plan[v.id] = dict(current)
-            where = place(j, j.min_replicas, trial)
-            if where is not None:
-                return [(by_id[vid], p) for vid, p in plan.items()], where
+    # Phase A: shrink elastic victims toward their minimum, one replica at a time, the lowest
+    # priority first and, among equals, the largest.
+    current = {v.id: dict(target[v.id]) for v in candidates if v.elastic}
+    rank = {v.id: i for i, v in enumerate(candidates)}
+
+    def shrinkable(v: Job) -> bool:
+        return (sum(current[v.id].values()) > v.min_replicas
+                and taken[v.queue] + v.slots_per_replica <= room(v))
+
+    while True:
+        left = [v for v in candidates if v.id in current and shrinkable(v)]
+        if not left:
+            break
+        v = min(left, key=lambda v: (v.priority, -sum(current[v.id].values()), rank[v.id]))
+        cur = current[v.id]
+        node = min(cur, key=lambda n: (cur[n], n))  # unpack the thinnest first
+        cur[node] -= 1
+        if not cur[node]:
+            del cur[node]
+        trial.give({node: 1}, v.slots_per_replica)
+        taken[v.queue] += v.slots_per_replica
+        plan[v.id] = dict(cur)
+        where = place(j, j.min_replicas, trial)
+        if where is not None:
+            return [(by_id[vid], p) for vid, p in plan.items()], where
     # Phase B: suspend whole preemptible victims.
     for v in candidates:
-        if not v.preemptible:
+        if not v.preemptible or peer(v):
             continue
         remaining = plan.get(v.id, target[v.id])
         slots = sum(remaining.values()) * v.slots_per_replica
@@ -339,3 +373,48 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
             # they count toward the fit, and a minimal set is not worth a second search.
             return [(by_id[vid], p) for vid, p in plan.items()], where
     return None
+
+
+def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[str],
+               now: float, cfg: PolicyConfig, plan: Plan) -> None:
+    """Shrink the peers that lose least so that the peers that gain most can grow (step 4)."""
+    def settled(j: Job) -> bool:
+        return (j.phase == Phase.RUNNING and j.elastic and j.id not in touched
+                and now - j.last_resize_at >= cfg.resize_cooldown_s)
+
+    groups: dict[tuple[str, int], list[Job]] = {}
+    for j in jobs:
+        if settled(j):
+            groups.setdefault((j.queue, j.priority), []).append(j)
+    for peers in groups.values():
+        size = {j.id: sum(target[j.id].values()) for j in peers}
+        given: dict[str, int] = {}
+        taken: set[str] = set()
+        while True:
+            takers = [j for j in peers if size[j.id] < j.max_replicas and j.id not in given]
+            givers = [j for j in peers if size[j.id] > j.min_replicas and j.id not in taken]
+            if not takers or not givers:
+                break
+            t = max(takers, key=lambda j: (j.speedup(size[j.id] + 1) - j.speedup(size[j.id]),
+                                           -j.submitted_at))
+            g = min((j for j in givers if j.id != t.id),
+                    key=lambda j: (j.speedup(size[j.id]) - j.speedup(size[j.id] - 1),
+                                   -j.submitted_at), default=None)
+            if g is None:
+                break
+            gain = t.speedup(size[t.id] + 1) - t.speedup(size[t.id])
+            loss = g.speedup(size[g.id]) - g.speedup(size[g.id] - 1)
+            if gain - loss < cfg.rebalance_gain or g.slots_per_replica != t.slots_per_replica:
+                break
+            size[t.id] += 1
+            size[g.id] -= 1
+            taken.add(t.id)
+            given[g.id] = given.get(g.id, 0) + 1
+            cur = target[g.id]
+            node = min(cur, key=lambda n: (cur[n], n))  # unpack the thinnest first
+            cur[node] -= 1
+            if not cur[node]:
+                del cur[node]
+        for gid, k in sorted(given.items()):
+            plan.actions.append(Action("shrink", gid, dict(target[gid]),
+                                       reason=f"rebalance: {k} replica(s) to peers that gain more"))

@@ -83,7 +83,8 @@ class SimJob:
         self.failures = 0
         self.checkpoint_interval_s = math.inf
         self.throughput: dict[int, float] = {}
-        """Measured progress per second by replica count (fits the maitre speedup model)."""
+        """Measured samples per second by replica count, the last seen at each (fits the maitre
+        speedup model, as the coordinator's measurements do)."""
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -171,6 +172,28 @@ class ProfiledJob(SimJob):
         self.epoch = 0
         self.progress = 0.0
         self.cfg: BatchConfig | None = None
+        self._seen: dict[int, tuple[tuple[int, ...], BatchConfig]] = {}
+
+    @property
+    def throughput(self) -> dict[int, float]:
+        """What the job has measured, per replica count it ran at: samples per second, as the
+        live coordinator measures; for a job whose batch size follows goodput, the goodput on
+        each placement it ran on at the batch size it would pick there now (samples per second
+        times statistical efficiency, under the current gradient statistics), since samples per
+        second alone would favour the large batches it gives up."""
+        epoch = min(self.epoch, self.app.completion_epoch)
+        out = {}
+        for n, (placement, cfg) in self._seen.items():
+            if self.adaptive:
+                cfg = self.app.best_batch(placement, epoch)
+                out[n] = self.app.goodput(placement, cfg, epoch) * self.app.init_batch_size
+            else:
+                out[n] = cfg.batch_size / self.app.iteration_time(placement, cfg)
+        return out
+
+    @throughput.setter
+    def throughput(self, value: dict[int, float]) -> None:
+        pass  # measured from what it ran (see the getter)
 
     def _config(self, placement: tuple[int, ...]) -> BatchConfig:
         if self.adaptive:
@@ -184,8 +207,9 @@ class ProfiledJob(SimJob):
         app, placement, ran = self.app, self.placement, 0.0
         overhead = self._overhead()
         while seconds > 0 and self.completed is None:
-            rate = app.goodput(placement, self.cfg, self.epoch) * overhead
-            self.throughput[len(self.alloc)] = rate
+            seconds_per_step = app.iteration_time(placement, self.cfg)
+            rate = app.gain(self.cfg.batch_size, self.epoch) / seconds_per_step * overhead
+            self._seen[len(self.alloc)] = (placement, self.cfg)
             target = app.progress_at(self.epoch + 1)
             if self.progress + rate * seconds < target:
                 self.progress += rate * seconds
@@ -198,7 +222,7 @@ class ProfiledJob(SimJob):
             self.progress = target
             ran += delta
             seconds -= delta
-            if self.adaptive:
+            if self.adaptive and self.completed is None:
                 self.cfg = self._config(placement)
         return ran
 

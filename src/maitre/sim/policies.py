@@ -25,6 +25,7 @@ answer holds nothing. The simulator applies the answer and charges each changed 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Protocol
 
 from maitre.scheduling import Cluster, Job, Node, Phase, PolicyConfig, Queue, schedule
@@ -275,7 +276,24 @@ class Maitre:
                              submitted_at=j.submitted, phase=phase, placement=placement,
                              last_resize_at=self.resized_at.get(j.name, -math.inf),
                              throughput=dict(j.throughput)))
-        plan = schedule(cluster, views, now, self.cfg)
+        # The live coordinator runs a pass every 0.5 s: a preemptor admitted a pass after its
+        # victims let go starts within a second. Here the passes run back to back.
+        cfg = self.cfg
+        for _ in range(4):
+            plan = schedule(cluster, views, now, cfg)
+            cfg = replace(self.cfg, rebalance_gain=0.0)  # later passes only fill what was freed
+            if not plan.actions_of("preempting") and not any(
+                    a.reason.startswith("rebalance") for a in plan.actions):
+                break
+            for v in views:
+                placement = {n: r for n, r in plan.placements.get(v.id, {}).items() if r}
+                if placement != v.placement:
+                    v.last_resize_at = now
+                if v.placement and not placement:
+                    v.phase = Phase.SUSPENDED
+                elif placement:
+                    v.phase = Phase.RUNNING
+                v.placement = placement
         out: Allocations = {}
         for j in jobs:
             target = {int(n): r for n, r in plan.placements.get(j.name, {}).items() if r}
