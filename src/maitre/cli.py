@@ -1,4 +1,5 @@
-"""``maitre`` command line: run, up, agent, submit, status, scale, suspend, resume, cancel, demo.
+"""``maitre`` command line: run, up, agent, submit, status, scale, suspend, resume, cancel, demo,
+simulate.
 
 Every command validates its input before it starts anything; a bad flag, a missing script or an
 unreachable coordinator is one line on stderr and a non-zero exit, with nothing left running.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import socket
@@ -324,6 +326,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return Demo(cfg).run()
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from maitre.sim import run as sim_run
+    from maitre.sim.scenarios import parse_cluster
+    from maitre.sim.workload import WorkloadError
+
+    policies = [args.policy] + [p for p in (args.compare or "").split(",") if p]
+    try:
+        opts = sim_run.SimOptions(
+            workload=args.workload, policies=policies,
+            cluster=parse_cluster(args.cluster) if args.cluster else None, resize=args.resize,
+            adaptive_batch=args.adaptive_batch, spot=args.spot, price=args.price,
+            spot_price=args.spot_price, spot_life_h=args.spot_life_h, notice_s=args.notice_s,
+            mtbf_h=args.mtbf_h, checkpoint_s=args.checkpoint_s, interval_s=args.interval_s,
+            seed=args.seed, limit=args.limit, plots=not args.no_plots)
+        sim_run.main(opts, Path(args.out), progress=not args.quiet)
+    except WorkloadError as exc:
+        raise UsageError(f"bad workload: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
+
+
 def _check_port(host: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {port}")
@@ -432,6 +456,35 @@ def build_parser() -> argparse.ArgumentParser:
                       help="steps of each elastic job (default 900: about 3 minutes)")
     demo.add_argument("--run-dir", help="where state and ledgers go (default: a temp dir)")
     demo.set_defaults(fn=cmd_demo)
+
+    sim = sub.add_parser("simulate", help="replay a cluster trace through scheduling policies")
+    sim.add_argument("--workload", required=True,
+                     help="a workload CSV (Pollux's or Philly's columns) or pollux-N[@LOAD], "
+                          "philly, daytime-inference, pressure")
+    sim.add_argument("--policy", required=True, help="fifo, tiresias, optimus, pollux, maitre")
+    sim.add_argument("--compare", help="more policies, comma-separated")
+    sim.add_argument("--cluster", help="NODESxGPUS (default: the workload's, 16x4 for Pollux's)")
+    sim.add_argument("--out", required=True, help="directory for summary.json, CSVs and plots")
+    sim.add_argument("--resize", default="30",
+                     help="seconds every resize costs, or 'measured' (maitre's, from "
+                          "benchmarks/results/recovery.json); default 30, Pollux's")
+    sim.add_argument("--adaptive-batch", action="store_true",
+                     help="maitre jobs let the scheduler pick their batch size by goodput")
+    sim.add_argument("--spot", type=float, default=0.0, help="fraction of nodes that are spot")
+    sim.add_argument("--price", type=float, default=2.5, help="on-demand $ per GPU-hour")
+    sim.add_argument("--spot-price", type=float, default=0.75, help="spot $ per GPU-hour")
+    sim.add_argument("--spot-life-h", type=float, default=4.0,
+                     help="mean hours a spot node lives before it is reclaimed")
+    sim.add_argument("--notice-s", type=float, default=120.0, help="spot reclaim notice")
+    sim.add_argument("--mtbf-h", type=float, default=math.inf, help="node MTBF in hours")
+    sim.add_argument("--checkpoint-s", type=float, default=0.0,
+                     help="seconds a checkpoint blocks training (Young/Daly interval)")
+    sim.add_argument("--interval-s", type=float, default=60.0, help="scheduling interval")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--limit", type=int, help="only the first N jobs of the workload")
+    sim.add_argument("--no-plots", action="store_true")
+    sim.add_argument("--quiet", action="store_true", help="no progress bar")
+    sim.set_defaults(fn=cmd_simulate)
 
     status = sub.add_parser("status", help="show jobs, nodes and queues")
     status.add_argument("job", nargs="?")

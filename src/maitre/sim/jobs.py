@@ -82,9 +82,13 @@ class SimJob:
         self.restarts = -1
         self.failures = 0
         self.checkpoint_interval_s = math.inf
-        self.throughput: dict[int, float] = {}
-        """Measured samples per second by replica count, the last seen at each (fits the maitre
-        speedup model, as the coordinator's measurements do)."""
+        self._measured: dict[int, float] = {}
+
+    @property
+    def throughput(self) -> dict[int, float]:
+        """Measured speed by replica count, the last seen at each: what maitre's speedup model
+        is fitted to, as the live coordinator's measurements are."""
+        return dict(self._measured)
 
     # -- allocation ---------------------------------------------------------------------------
 
@@ -191,10 +195,6 @@ class ProfiledJob(SimJob):
                 out[n] = cfg.batch_size / self.app.iteration_time(placement, cfg)
         return out
 
-    @throughput.setter
-    def throughput(self, value: dict[int, float]) -> None:
-        pass  # measured from what it ran (see the getter)
-
     def _config(self, placement: tuple[int, ...]) -> BatchConfig:
         if self.adaptive:
             return self.app.best_batch(placement, self.epoch)
@@ -258,7 +258,7 @@ class TraceJob(SimJob):
 
     def _run(self, seconds: float) -> float:
         rate = self.rate(len(self.alloc)) * self._overhead()
-        self.throughput[len(self.alloc)] = rate
+        self._measured[len(self.alloc)] = rate
         left = (self.work - self.done) / rate
         if left <= seconds:
             self.done = self.work

@@ -197,7 +197,7 @@ class Simulation:
 
     def _check(self, allocs: Allocations, usable: dict[int, int]) -> None:
         used: dict[int, int] = {}
-        for name, alloc in allocs.items():
+        for alloc in allocs.values():
             for n in alloc:
                 used[n] = used.get(n, 0) + 1
         for n, u in used.items():

@@ -90,3 +90,62 @@ def pollux_workload(number: int, load: float = 1.0) -> Path:
         raise ValueError(f"Pollux workloads are 1-8 at loads 0.5, 1.0, 1.5, 2.0; got {number} "
                          f"at {load}")
     return DATA / "pollux_workloads" / folder[load] / f"workload-{number}.csv"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceArrival:
+    """A row of a duration trace (the Philly-derived one): no model, a run time at a size."""
+
+    name: str
+    time: float
+    duration_s: float
+    gpus: int
+    team: str
+
+
+_PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
+
+
+def load_philly(path: str | Path | None = None, limit: int | None = None) -> list[TraceArrival]:
+    """The Philly-derived trace (``timestamp,duration,num_gpus,gpu_time,cluster``): submission
+    times in seconds from the first row, durations in seconds, teams from the virtual cluster."""
+    from datetime import datetime, timezone
+
+    path = Path(path) if path else DATA / "philly_pollux" / "philly_jobs.csv"
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise WorkloadError(str(path), [f"cannot read it: {exc.strerror or exc}"]) from None
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in _PHILLY_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise WorkloadError(str(path), [f"missing column(s) {', '.join(missing)}"])
+    rows, problems = [], []
+    for line, row in enumerate(reader, start=2):
+        try:
+            t = datetime.fromisoformat(row["timestamp"]).replace(tzinfo=timezone.utc).timestamp()
+            duration, gpus = float(row["duration"]), int(row["num_gpus"])
+        except (TypeError, ValueError):
+            problems.append(f"line {line}: timestamp must be YYYY-MM-DD HH:MM:SS, duration and "
+                            "num_gpus numbers")
+            continue
+        if not (math.isfinite(duration) and duration > 0 and gpus >= 1):
+            problems.append(f"line {line}: duration must be > 0 and num_gpus >= 1")
+            continue
+        rows.append((t, duration, gpus, row["cluster"] or "default"))
+        if limit and len(rows) >= limit:
+            break
+    if problems:
+        raise WorkloadError(str(path), problems)
+    if not rows:
+        raise WorkloadError(str(path), ["no jobs"])
+    rows.sort(key=lambda r: r[0])
+    t0 = rows[0][0]
+    return [TraceArrival(f"philly-{i}", t - t0, d, g, team)
+            for i, (t, d, g, team) in enumerate(rows)]
+
+
+def is_philly(path: str | Path) -> bool:
+    with Path(path).open() as f:
+        header = f.readline()
+    return all(c in header for c in _PHILLY_COLUMNS)
