@@ -28,7 +28,7 @@ from maitre.sim import scenarios
 from maitre.sim.jobs import Recovery, SimJob, TraceJob
 from maitre.sim.policies import POLICIES, make_policy
 from maitre.sim.simulator import NodeEvent, SimConfig, SimNode, SimResult, Simulation
-from maitre.sim.workload import (DATA, WorkloadError, is_philly, load_philly, load_workload,
+from maitre.sim.workload import (DATA, is_philly, load_philly, load_workload,
                                  pollux_workload)
 
 REPO = DATA.parents[1]
@@ -116,7 +116,7 @@ def resolve(opts: SimOptions) -> Setup:
     m = re.fullmatch(r"pollux-([1-8])(?:@(0\.5|1\.0|1|1\.5|2\.0|2))?", name)
     if m:
         arrivals = load_workload(pollux_workload(int(m[1]), float(m[2] or 1.0)))
-        return _pollux(arrivals, opts)
+        return _pollux(arrivals[:opts.limit] if opts.limit else arrivals, opts)
     if name == "philly":
         return _philly(load_philly(limit=opts.limit))
     if name == "pressure":
@@ -137,9 +137,7 @@ def resolve(opts: SimOptions) -> Setup:
     if is_philly(path):
         return _philly(load_philly(path, limit=opts.limit))
     arrivals = load_workload(path)
-    if opts.limit:
-        arrivals = arrivals[:opts.limit]
-    return _pollux(arrivals, opts)
+    return _pollux(arrivals[:opts.limit] if opts.limit else arrivals, opts)
 
 
 def _pollux(arrivals, opts: SimOptions) -> Setup:
@@ -201,11 +199,11 @@ def main(opts: SimOptions, out: Path, progress: bool = True) -> list[SimResult]:
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
-    try:
-        results = simulate(opts, progress=progress)
-    except WorkloadError:
-        raise
-    nodes, gpus = opts.cluster or (resolve(opts).nodes, resolve(opts).gpus)
+    if opts.limit is not None and opts.limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {opts.limit}")
+    results = simulate(opts, progress=progress)
+    setup = resolve(opts)
+    nodes, gpus = opts.cluster or (setup.nodes, setup.gpus)
     meta = {"workload": opts.workload, "cluster": f"{nodes}x{gpus}", "resize": opts.resize,
             "adaptive_batch": opts.adaptive_batch, "spot": opts.spot, "seed": opts.seed,
             **opts.meta}

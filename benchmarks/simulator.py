@@ -1,0 +1,104 @@
+"""Simulator benchmark: speed, fidelity and what maitre's policy gives on the Pollux workloads.
+
+    .venv/bin/python benchmarks/simulator.py          # about 5 minutes on 2 cores
+
+- speed: workload-6 with Tiresias (Pollux's own simulator: 32 s on this machine) and the whole
+  Philly-derived trace (82,247 jobs) on a cluster sized to it;
+- fidelity: Tiresias and Optimus mean JCT over the 8 workloads at load 1.0 against Pollux's
+  published results;
+- maitre's policy (goodput batch size, as Pollux) over the 8 workloads at load 1.0, with
+  Pollux's 30 s resize and with maitre's measured resize, against Pollux's published 2751 s;
+- the scenarios: daytime inference (elastic vs a static gang) and spot vs on-demand.
+
+Writes benchmarks/results/simulator.json.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from maitre.sim.jobs import Recovery
+from maitre.sim.policies import make_policy
+from maitre.sim.run import SimOptions, measured_costs, simulate
+from maitre.sim.scenarios import cluster, philly_cluster_size, philly_jobs, pollux_jobs
+from maitre.sim.simulator import Simulation
+from maitre.sim.workload import DATA, load_philly, load_workload, pollux_workload
+
+OUT = Path(__file__).parent / "results" / "simulator.json"
+
+
+def pollux_mean(policy: str, resize_s: float = 30.0, adaptive: bool = False) -> float:
+    total = 0.0
+    for n in range(1, 9):
+        jobs = pollux_jobs(load_workload(pollux_workload(n, 1.0)), policy,
+                           recovery=Recovery(resize_s=resize_s), adaptive_batch=adaptive)
+        total += Simulation(jobs, cluster(16, 4), make_policy(policy)).run().avg_jct_s
+    return total / 8
+
+
+def main() -> None:
+    res: dict = {"machine": f"{platform.machine()}, python {platform.python_version()}"}
+    t = time.perf_counter()
+    jobs = pollux_jobs(load_workload(pollux_workload(6, 1.0)), "tiresias")
+    r = Simulation(jobs, cluster(16, 4), make_policy("tiresias")).run()
+    res["workload6_tiresias_s"] = round(time.perf_counter() - t, 2)
+    res["workload6_tiresias_avg_jct_s"] = round(r.avg_jct_s, 1)
+    res["pollux_simulator_workload6_tiresias_s"] = 32.0
+
+    arrivals = load_philly()
+    nodes = philly_cluster_size(arrivals)
+    t = time.perf_counter()
+    r = Simulation(philly_jobs(arrivals, "tiresias"), cluster(nodes, 8),
+                   make_policy("tiresias")).run()
+    res["philly_full_s"] = round(time.perf_counter() - t, 1)
+    res["philly_full_jobs"] = len(r.jcts)
+    res["philly_cluster"] = f"{nodes}x8"
+    res["philly_tiresias"] = r.summary()
+    print(f"workload-6 tiresias {res['workload6_tiresias_s']} s; philly {res['philly_full_s']} s "
+          f"for {len(r.jcts)} jobs on {nodes}x8", flush=True)
+
+    published = {p: json.loads((DATA / "pollux_reference_results" / f"{p}-1.0.summary.json")
+                               .read_text())["mean"] for p in ("tiresias", "optimus", "pollux")}
+    resize, _ = measured_costs()
+    rows = {
+        "tiresias": (pollux_mean("tiresias"), published["tiresias"]),
+        "optimus": (pollux_mean("optimus"), published["optimus"]),
+        "pollux (greedy)": (pollux_mean("pollux"), published["pollux"]),
+        "maitre, fixed batch": (pollux_mean("maitre"), None),
+        "maitre, goodput batch": (pollux_mean("maitre", adaptive=True), published["pollux"]),
+        f"maitre, goodput batch, {resize * 1000:.0f} ms resize":
+            (pollux_mean("maitre", resize, adaptive=True), published["pollux"]),
+    }
+    res["load1_mean_avg_jct_s"] = {k: {"ours": round(v, 1), "published": p and round(p, 1)}
+                                   for k, (v, p) in rows.items()}
+    print("\nmean of the 8 Pollux workloads' average JCT at load 1.0, 16x4 GPUs")
+    print(f"{'policy':<36} {'maitre sim':>10} {'published':>10}")
+    for k, (v, p) in rows.items():
+        print(f"{k:<36} {v:>10.0f} {p if p is None else round(p):>10}")
+
+    scen = {}
+    for name, policies, extra in [
+            ("daytime-inference", ["maitre", "fifo"], {}),
+            ("pressure", ["maitre", "fifo"], {}),
+            ("pollux-6", ["maitre"], {"adaptive_batch": True}),
+            ("pollux-6", ["maitre"], {"adaptive_batch": True, "spot": 1.0}),
+            ("pollux-6", ["tiresias"], {"spot": 1.0})]:
+        opts = SimOptions(workload=name, policies=policies, **extra)
+        for r in simulate(opts):
+            key = f"{name}/{r.policy}" + ("/spot" if extra.get("spot") else "")
+            scen[key] = r.summary()
+    res["scenarios"] = scen
+    print("\nscenario              avg JCT s  makespan s  alloc   util η   cost $")
+    for k, v in scen.items():
+        print(f"{k:<30} {v['avg_jct_s']:>9.0f} {v['makespan_s']:>10.0f} {v['allocation']:>6.1%} "
+              f"{v['utilization']:>7.1%} {v['cost']:>8,.0f}")
+    OUT.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"\nwrote {OUT}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
