@@ -78,7 +78,7 @@ def main() -> None:
     print("\nmean of the 8 Pollux workloads' average JCT at load 1.0, 16x4 GPUs")
     print(f"{'policy':<36} {'maitre sim':>10} {'published':>10}")
     for k, (v, p) in rows.items():
-        print(f"{k:<36} {v:>10.0f} {p if p is None else round(p):>10}")
+        print(f"{k:<36} {v:>10.0f} {'-' if p is None else str(round(p)):>10}")
 
     scen = {}
     for name, policies, extra in [

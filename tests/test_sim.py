@@ -71,7 +71,7 @@ def test_optimus_gives_the_spare_gpus_to_the_job_whose_time_drops_most() -> None
     long = trace("long", 0, 60000, 1, 1, 4, comm_cost=0.0)
     r = run([short, long], "optimus")
     placements = {}
-    for t, job, g in r.timeline.changes:
+    for _, job, g in r.timeline.changes:
         placements.setdefault(job, g)
     assert placements == {"short": 1, "long": 3}  # the long job's remaining time drops more
 
