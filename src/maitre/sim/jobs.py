@@ -196,8 +196,8 @@ class ProfiledJob(SimJob):
         return out
 
     def _config(self, placement: tuple[int, ...]) -> BatchConfig:
-        if self.adaptive:
-            return self.app.best_batch(placement, self.epoch)
+        if self.adaptive:  # (a finished job may still be moved before it lets go)
+            return self.app.best_batch(placement, min(self.epoch, self.app.completion_epoch))
         return self.app.fixed_batch(self.batch_size, sum(placement))
 
     def _reconfigure(self) -> None:
