@@ -294,3 +294,25 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
                 used[n] = used.get(n, 0) + r * preemptor.slots_per_replica
         for n, u in used.items():
             assert u <= cluster.nodes[n].slots, (n, kinds(plan))
+
+
+def test_rebalance_moves_a_replica_to_the_peer_that_gains_more_and_not_back() -> None:
+    cluster = make_cluster()  # 16 slots
+    # "flat" stopped scaling (its throughput is the same at 2 and 12); "steep" scales well
+    flat = job("flat", 1, 16, phase=Phase.RUNNING, throughput={2: 100.0, 12: 100.0},
+               placement={"r0n0": 4, "r0n1": 4, "r1n0": 4})
+    steep = job("steep", 1, 16, phase=Phase.RUNNING, throughput={1: 100.0, 4: 390.0},
+                placement={"r1n1": 4}, at=1)
+    plan = schedule(cluster, [flat, steep], 1000)
+    assert kinds(plan) == [("shrink", "flat")] and "rebalance" in plan.actions[0].reason
+    assert sum(plan.placements["flat"].values()) < 12
+    apply(plan, [flat, steep], 1000)
+    plan = schedule(cluster, [flat, steep], 1001)  # the freed slots go to the gainer
+    assert kinds(plan) == [("grow", "steep")]
+    apply(plan, [flat, steep], 1001)
+    later = schedule(cluster, [flat, steep], 5000)  # cooldowns over: no move back
+    assert not any(a.job == "steep" and a.kind == "shrink" for a in later.actions)
+    off = PolicyConfig(rebalance_gain=0)
+    flat.placement = {"r0n0": 4, "r0n1": 4, "r1n0": 4}
+    steep.placement, steep.last_resize_at = {"r1n1": 4}, -1e9
+    assert schedule(cluster, [flat, steep], 5000, off).actions == []

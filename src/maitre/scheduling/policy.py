@@ -172,8 +172,10 @@ def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | Non
         return _spread(sorted(names, key=lambda n: (n not in prefer, -fits(n), n)), replicas, fits)
     if topo.mode == "required":
         return None
-    domains = sorted(sums, key=lambda d: (d not in current, -sums[d], d))
-    order = [n for d in domains for n in sorted(free.members[level][d],
+    # Only nodes with room can take a replica: in a full cluster that is a few of thousands.
+    domains = sorted((d for d, s in sums.items() if s >= g), key=lambda d: (d not in current,
+                                                                             -sums[d], d))
+    order = [n for d in domains for n in sorted((n for n in free.members[level][d] if fits(n)),
                                                 key=lambda n: (n not in prefer, -fits(n), n))]
     return _spread(order, replicas, fits)
 
@@ -306,15 +308,18 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
     need = j.min_replicas * j.slots_per_replica
     reclaiming = usage[j.queue] + need <= queue.guaranteed
 
+    jq, jp = j.queue, j.priority
+
     def peer(v: Job) -> bool:
         """A job of the preemptor's own rank: only its elastic surplus may be taken."""
-        return reclaim_surplus and v.queue == j.queue and v.priority == j.priority and v.elastic
+        return reclaim_surplus and v.queue == jq and v.priority == jp and v.elastic
 
     def room(v: Job) -> float:
-        """Slots that may be taken from ``v``'s queue without breaking its guarantee."""
-        if v.priority < j.priority and v.queue == j.queue or peer(v):
-            return math.inf
-        if v.queue != j.queue and (v.priority < j.priority or reclaiming):
+        """Slots that may be taken from ``v``'s queue without breaking its guarantee (called
+        for every running job by every pending job that does not fit: kept cheap)."""
+        if v.queue == jq:
+            return math.inf if v.priority < jp or peer(v) else 0
+        if v.priority < jp or reclaiming:
             return usage[v.queue] - cluster.queues[v.queue].guaranteed
         return 0
 
@@ -345,14 +350,9 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
         if not left:
             break
         v = min(left, key=lambda v: (v.priority, -sum(current[v.id].values()), rank[v.id]))
-        cur = current[v.id]
-        node = min(cur, key=lambda n: (cur[n], n))  # unpack the thinnest first
-        cur[node] -= 1
-        if not cur[node]:
-            del cur[node]
-        trial.give({node: 1}, v.slots_per_replica)
+        trial.give({_drop_one(current[v.id]): 1}, v.slots_per_replica)
         taken[v.queue] += v.slots_per_replica
-        plan[v.id] = dict(cur)
+        plan[v.id] = dict(current[v.id])
         where = place(j, j.min_replicas, trial)
         if where is not None:
             return [(by_id[vid], p) for vid, p in plan.items()], where
@@ -373,6 +373,16 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
             # they count toward the fit, and a minimal set is not worth a second search.
             return [(by_id[vid], p) for vid, p in plan.items()], where
     return None
+
+
+def _drop_one(placement: dict[str, int]) -> str:
+    """Take one replica off ``placement`` (in place), from its thinnest node: unpacking the
+    thinnest first keeps the rest packed. Returns that node."""
+    node = min(placement, key=lambda n: (placement[n], n))
+    placement[node] -= 1
+    if not placement[node]:
+        del placement[node]
+    return node
 
 
 def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[str],
@@ -410,11 +420,7 @@ def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[
             size[g.id] -= 1
             taken.add(t.id)
             given[g.id] = given.get(g.id, 0) + 1
-            cur = target[g.id]
-            node = min(cur, key=lambda n: (cur[n], n))  # unpack the thinnest first
-            cur[node] -= 1
-            if not cur[node]:
-                del cur[node]
+            _drop_one(target[g.id])
         for gid, k in sorted(given.items()):
             plan.actions.append(Action("shrink", gid, dict(target[gid]),
                                        reason=f"rebalance: {k} replica(s) to peers that gain more"))
