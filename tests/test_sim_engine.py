@@ -112,3 +112,11 @@ def test_a_bad_workload_names_every_problem() -> None:
         load_workload("/nonexistent/workload.csv")
     with pytest.raises(ValueError, match="loads 0.5"):
         pollux_workload(9)
+
+
+def test_stop_ends_the_run_after_the_current_event() -> None:
+    engine, seen = Engine(), []
+    engine.at(1.0, lambda: (seen.append(1), engine.stop()))
+    engine.at(2.0, seen.append, 2)
+    engine.run()
+    assert seen == [1] and engine.now == 1.0 and engine.pending() == 1

@@ -41,6 +41,7 @@ class Engine:
         self._heap: list[Event] = []
         self._seq = itertools.count()
         self._rngs: dict[str, random.Random] = {}
+        self._stopped = False
 
     def at(self, time: float, callback: Callable[..., Any], *args: Any) -> Event:
         """Run ``callback(*args)`` at simulated ``time`` (not before now)."""
@@ -65,13 +66,17 @@ class Engine:
             stream = self._rngs[entity] = random.Random(int.from_bytes(digest[:8], "big"))
         return stream
 
+    def stop(self) -> None:
+        """End :meth:`run` after the event being processed; later events never run."""
+        self._stopped = True
+
     def pending(self) -> int:
         return sum(1 for e in self._heap if not e.cancelled)
 
     def run(self, until: float | None = None) -> float:
         """Process events in (time, seq) order until none is left or the next is after
         ``until`` (then the clock stops at ``until``). Returns the clock."""
-        while self._heap:
+        while self._heap and not self._stopped:
             event = self._heap[0]
             if until is not None and event.time > until:
                 self.now = until

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from maitre.sim.profiles import Application, BatchConfig
+from maitre.sim.profiles import Application, BatchConfig, even_placement
 
 
 @dataclass(kw_only=True, slots=True)
@@ -229,7 +229,6 @@ class ProfiledJob(SimJob):
     def rate(self, replicas: int) -> float:
         if replicas <= 0:
             return 0.0
-        from maitre.sim.profiles import even_placement
         placement = even_placement(replicas, self.gpus_per_node)
         epoch = min(self.epoch, self.app.completion_epoch)
         if self.adaptive:

@@ -168,8 +168,9 @@ def _progress_bar(policy: str) -> Callable[[int, int, float], None]:
     return show
 
 
-def simulate(opts: SimOptions, progress: bool = False) -> list[SimResult]:
-    setup = resolve(opts)
+def simulate(opts: SimOptions, progress: bool = False, setup: Setup | None = None
+             ) -> list[SimResult]:
+    setup = setup or resolve(opts)
     nodes, gpus = opts.cluster or (setup.nodes, setup.gpus)
     results = []
     for policy in opts.policies:
@@ -201,8 +202,8 @@ def main(opts: SimOptions, out: Path, progress: bool = True) -> list[SimResult]:
         raise ValueError(f"--out {out} exists and is not a directory")
     if opts.limit is not None and opts.limit < 1:
         raise ValueError(f"--limit must be at least 1, got {opts.limit}")
-    results = simulate(opts, progress=progress)
     setup = resolve(opts)
+    results = simulate(opts, progress=progress, setup=setup)
     nodes, gpus = opts.cluster or (setup.nodes, setup.gpus)
     meta = {"workload": opts.workload, "cluster": f"{nodes}x{gpus}", "resize": opts.resize,
             "adaptive_batch": opts.adaptive_batch, "spot": opts.spot, "seed": opts.seed,

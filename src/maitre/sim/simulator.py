@@ -110,7 +110,9 @@ class Simulation:
         self._record()
         if self.progress:
             self.progress(len(self.done), len(self.jobs), self.engine.now)
-        if len(self.done) < len(self.jobs):
+        if len(self.done) == len(self.jobs):
+            self.engine.stop()  # capacity events after the last job change nothing it reports
+        else:
             if self.engine.now > self.cfg.max_time_s:
                 raise RuntimeError(f"simulation not finished after {self.cfg.max_time_s:.0f} s: "
                                    f"{len(self.jobs) - len(self.done)} jobs left")
@@ -121,8 +123,6 @@ class Simulation:
         self.engine.after(delay, self._fail, node)
 
     def _fail(self, node: SimNode) -> None:
-        if len(self.done) == len(self.jobs):
-            return
         if node.up:
             self._node_event(NodeEvent(self.engine.now, node.index, "down"))
             self.engine.after(self.cfg.repair_s, self._node_event,
@@ -165,7 +165,7 @@ class Simulation:
                 if keep and rec.peer_recovery:
                     j.lose(0.0, rec.failure_pause_s)
                 else:
-                    since = j.clock - (j.started or j.clock)
+                    since = j.clock - j.started if j.started is not None else 0.0
                     lost = self.engine.rng(f"job-{j.name}").uniform(
                         0, min(since, j.checkpoint_interval_s)) if since > 0 else 0.0
                     j.lose(lost, rec.failure_pause_s)
@@ -225,7 +225,9 @@ class Simulation:
     # -- results ------------------------------------------------------------------------------
 
     def cost_until(self, t: float) -> float:
-        return sum(n.cost + ((t - n.up_since) * n.gpus * n.price / 3600 if n.up else 0.0)
+        """What the nodes cost up to ``t`` (between the last completion and the round that
+        sees it, a node that came up has not cost anything yet by ``t``)."""
+        return sum(n.cost + (max(0.0, t - n.up_since) * n.gpus * n.price / 3600 if n.up else 0.0)
                    for n in self.nodes.values())
 
     def run(self) -> "SimResult":
