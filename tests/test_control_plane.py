@@ -193,6 +193,10 @@ def test_the_coordinator_restarts_from_its_store_and_workers_reattach(tmp_path: 
     sim.advance(5)
     before = {j: sim.job(j) for j in ("a", "b")}
     assert all(j["state"] == "RUNNING" for j in before.values())
+    served = {j: sim.co.cluster.managed[j].job.attained_slot_s for j in ("a", "b")}
+    assert 0 < served["b"] <= 2 * 5.0  # b held its 2 slots for at most the 5 s that passed
+    sim.advance(0.25)
+    sim.co.tick()
 
     sim.t += 30.0  # the coordinator is away for 30 s (longer than any worker timeout)...
     sim.restart()  # ...and a new one reads the store
@@ -203,6 +207,8 @@ def test_the_coordinator_restarts_from_its_store_and_workers_reattach(tmp_path: 
         assert job["members"] == old["members"] and job["failures"] == 0
         assert job["step"] > old["step"]
     assert any(e["kind"] == "coordinator_restarted" for e in sim.db.events())
+    for name, was in served.items():  # the service a job had (LAS ordering) survives too
+        assert sim.co.cluster.managed[name].job.attained_slot_s > was
     sim.submit("c", "team-b", 1, 2)  # and it schedules on
     sim.advance(3)
     assert sim.job("c")["state"] == "RUNNING"

@@ -9,6 +9,7 @@ import pytest
 from maitre.scheduling import Cluster, Job, Node, Phase, Plan, PolicyConfig, Queue, Topology
 from maitre.scheduling import place, schedule
 from maitre.scheduling.policy import FreeSlots
+from maitre.scheduling.model import Speedup
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -316,3 +317,50 @@ def test_rebalance_moves_a_replica_to_the_peer_that_gains_more_and_not_back() ->
     flat.placement = {"r0n0": 4, "r0n1": 4, "r1n0": 4}
     steep.placement, steep.last_resize_at = {"r1n1": 4}, -1e9
     assert schedule(cluster, [flat, steep], 5000, off).actions == []
+
+
+# -- the speedup curve, look-ahead and least-attained service ------------------------------------
+def test_speedup_keeps_measurements_interpolates_and_extrapolates_through_the_nearest() -> None:
+    curve = Speedup({1: 100.0, 4: 300.0, 8: 280.0})  # slower on two nodes than on one
+    assert curve(1) == 1.0 and curve(4) == 3.0 and curve(8) == 2.8  # what was measured
+    assert curve(6) == pytest.approx(2.9)  # the straight line between 4 and 8
+    c = curve.comm_cost
+    assert 0 < c < 1
+    # beyond 8: the fitted curve n / (1 + c (n - 1)), scaled through the point at 8
+    assert curve(16) == pytest.approx(2.8 * (16 / (1 + 15 * c)) / (8 / (1 + 7 * c)))
+    assert curve(0) == 0.0
+    assert Speedup({})(4) == pytest.approx(4 / (1 + 3 * 0.05))  # nothing measured: the prior
+    # never measured at one replica: the curve through the smallest measurement sets the base
+    only = Speedup({4: 400.0})
+    assert only(4) == pytest.approx(4 / (1 + 3 * 0.05)) and only(1) == pytest.approx(1.0)
+    assert job("j", 1, 8, throughput={1: 100.0, 4: 300.0}).speedup(4) == 3.0
+
+
+def test_fill_looks_past_a_dip_when_crossing_a_node() -> None:
+    cluster = make_cluster(racks=1, nodes=3, slots=4)
+    # 4 replicas fit one node; 5 to 7 cross to a second and lose; 8 gain again
+    tp = {1: 100.0, 2: 195.0, 4: 380.0, 5: 330.0, 8: 700.0}
+    big = job("big", 1, 8, phase=Phase.RUNNING, placement={"r0n0": 4}, throughput=dict(tp))
+    plan = schedule(cluster, [big], 1000)
+    assert sum(plan.placements["big"].values()) == 8
+    one_step = schedule(cluster, [job("big", 1, 8, phase=Phase.RUNNING, placement={"r0n0": 4},
+                                      throughput=dict(tp))], 1000, PolicyConfig(lookahead=1))
+    assert one_step.placements["big"] == {"r0n0": 4}  # one at a time stops at the dip
+
+
+def test_the_least_served_peer_grows_first() -> None:
+    cluster = make_cluster(racks=1, nodes=1, slots=4)
+    tp = {1: 100.0, 2: 190.0}
+
+    def pair() -> list[Job]:
+        return [job("old", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
+                    attained_slot_s=50 * 3600.0),
+                job("new", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
+                    attained_slot_s=60.0, at=5)]
+
+    plan = schedule(cluster, pair(), 1000, PolicyConfig(min_gain=0.5))
+    # both gain 0.9 from a second replica, but "old" has had 50 slot-hours: "new" gets both
+    # free slots' first pick (and its third replica still gains enough to beat "old"'s second)
+    assert sum(plan.placements["new"].values()) > sum(plan.placements["old"].values())
+    even = schedule(cluster, pair(), 1000, PolicyConfig(min_gain=0.5, las_weight=0))
+    assert sum(even.placements["old"].values()) >= sum(even.placements["new"].values())

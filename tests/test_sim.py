@@ -11,6 +11,7 @@ import pytest
 from maitre.cli import main
 from maitre.sim import run as sim_run
 from maitre.sim.jobs import Recovery, TraceJob, young_daly_interval
+from maitre.sim.perfmodel import PerfParams, fit
 from maitre.sim.policies import make_policy
 from maitre.sim.scenarios import cluster, daytime_inference, pollux_jobs, spot_reclaims
 from maitre.sim.simulator import NodeEvent, SimConfig, SimNode, Simulation
@@ -154,6 +155,41 @@ def test_the_same_inputs_give_the_same_outputs() -> None:
                        SimConfig(node_mtbf_s=24 * 3600, seed=5), node_events=events).run()
         return r.jcts, r.summary(), r.timeline.changes
     assert once() == once()
+
+
+# -- a goodput-following job's model of itself ---------------------------------------------------
+
+def test_the_step_time_model_recovers_known_constants() -> None:
+    true = PerfParams(alpha_c=0.05, beta_c=0.004, alpha_node=0.08, beta_node=0.01,
+                      alpha_local=0.02, beta_local=0.002, gamma=1.5)
+    shapes = [(1, 1), (1, 2), (1, 4), (2, 8), (3, 12), (4, 16)]
+    obs = [(n, r, m) for n, r in shapes for m in (16, 32, 64)]
+    step = [float(true.step_time(n, r, m)) for n, r, m in obs]
+    compute = [true.alpha_c + true.beta_c * m for _, _, m in obs]
+    got = fit(*zip(*obs), step, compute)
+    for n, r, m in [(1, 3, 48), (2, 6, 24), (8, 32, 32)]:  # shapes it never saw
+        assert float(got.step_time(n, r, m)) == pytest.approx(float(true.step_time(n, r, m)),
+                                                               rel=0.05)
+
+
+def test_a_job_that_never_crossed_a_node_assumes_crossing_costs_a_little_more() -> None:
+    obs = [(1, 1, 32), (1, 2, 32), (1, 4, 32)]
+    got = fit(*zip(*obs), [0.30, 0.34, 0.36], [0.28, 0.28, 0.28])
+    assert got.alpha_node >= 1.1 * got.alpha_local and got.beta_node >= 1.1 * got.beta_local
+    assert float(got.step_time(2, 8, 32)) > float(got.step_time(1, 4, 32))
+
+
+def test_a_goodput_job_reports_predictions_up_to_explore_times_its_largest_size() -> None:
+    arrivals = [a for a in load_workload(pollux_workload(1, 1.0)) if a.application == "cifar10"]
+    j, plain = (pollux_jobs(arrivals[:1], "maitre", adaptive_batch=True, explore=x)[0]
+                for x in (4.0, 0.0))
+    for job in (j, plain):
+        job.reallocate([0, 0], job.submitted)
+        job.advance(job.submitted + 600)
+    assert set(plain.throughput) == {2}  # what it measured
+    assert set(j.throughput) == {1, 2, 4, 8}  # and what its model predicts, up to 4 x 2
+    assert j.throughput[2] == plain.throughput[2]  # a measurement is never replaced
+    assert all(v > 0 for v in j.throughput.values())
 
 
 # -- fidelity against Pollux's published simulator ------------------------------------------------

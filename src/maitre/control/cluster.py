@@ -411,6 +411,10 @@ class ClusterState:
             m.seen_trained[wid] = w.trained_s
 
     def tick_usage(self, memberships: dict[str, Membership], now: float) -> None:
+        if self.usage.last is not None and now > self.usage.last:
+            for m in self.managed.values():  # attained service: what least-attained-first orders
+                if m.job.phase == Phase.RUNNING:
+                    m.job.attained_slot_s += m.job.slots * (now - self.usage.last)
         capacity = sum(s.node.slots for s in self.nodes.values() if s.alive)
         held = sum(w.slots for ms in self._all_memberships(memberships) for w in ms.workers.values()
                    if w.ended_at is None and w.state in LIVE)
@@ -472,6 +476,7 @@ class ClusterState:
                 "generation": m.generation,
                 "ended": m.ended, "held": m.held, "admitted_at": m.admitted_at,
                 "ended_at": m.ended_at, "productive_s": m.productive_s,
+                "attained_slot_s": m.job.attained_slot_s,
                 "suspend_deadline": m.suspend_deadline,
                 "membership": None if ms is None else ms.to_json(),
                 "history": [h.to_json() for h in m.history]}

@@ -496,6 +496,7 @@ class Coordinator:
         for job, extra in self.db.jobs():
             manifest = parse_manifest({k: v for k, v in extra["manifest"].items()
                                        if v is not None})
+            job.attained_slot_s = extra.get("attained_slot_s", 0.0)
             managed = ManagedJob(manifest, job, incarnation=extra["incarnation"],
                                  workers_started=extra["workers_started"], ended=extra["ended"],
                                  held=extra["held"], admitted_at=extra["admitted_at"],

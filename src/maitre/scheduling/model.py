@@ -91,6 +91,8 @@ class Job:
     last_resize_at: float = -math.inf
     throughput: dict[int, float] = field(default_factory=dict)
     """Measured samples per second by number of replicas (fits the speedup model)."""
+    attained_slot_s: float = 0.0
+    """Slot-seconds of service the job has had so far (orders peers' growth, least first)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
@@ -112,21 +114,68 @@ class Job:
         return self.min_replicas < self.max_replicas
 
     def speedup(self, replicas: int) -> float:
-        """Throughput at ``replicas`` relative to one replica: ``n / (1 + c (n - 1))``, with the
-        communication cost ``c`` fitted to the measured throughput (0.05 until measured)."""
-        return replicas / (1 + self.comm_cost() * (replicas - 1)) if replicas > 0 else 0.0
+        """Throughput at ``replicas`` relative to one replica (see :class:`Speedup`)."""
+        return Speedup(self.throughput)(replicas)
 
     def comm_cost(self) -> float:
-        points = sorted(self.throughput.items())
+        return Speedup(self.throughput).comm_cost
+
+
+class Speedup:
+    """A job's speedup curve from the throughput it measured at each size.
+
+    At a measured size it is the measurement; between two, the straight line; beyond the
+    largest (or below the smallest), the curve ``n / (1 + c (n - 1))`` through the nearest
+    measured point, with the communication cost ``c`` fitted to all of them (0.05 until two are
+    measured). Measurements are kept as they are, not smoothed into the fit: real curves are not
+    concave (a job that crosses from one node to two often slows down, then gains again at
+    four), and a policy that looks ahead can only see that in the points themselves."""
+
+    __slots__ = ("points", "comm_cost", "base")
+
+    def __init__(self, throughput: dict[int, float]) -> None:
+        self.points = sorted((n, t) for n, t in throughput.items() if n > 0 and t > 0)
+        self.comm_cost = self._fit()
+        if self.points:
+            n0, t0 = self.points[0]
+            self.base = t0 / self._curve(n0)  # throughput of one replica
+        else:
+            self.base = 1.0
+
+    def _curve(self, n: float) -> float:
+        return n / (1 + self.comm_cost * (n - 1))
+
+    def _fit(self) -> float:
+        points = self.points
         if len(points) < 2:
             return 0.05
         # t(n) = t1 * n / (1 + c (n - 1))  =>  n t1 / t(n) - 1 = c (n - 1); least squares in c,
         # with t1 from the smallest size measured.
         n0, t0 = points[0]
         t1 = t0 * (1 + 0.05 * (n0 - 1)) / n0 if n0 > 1 else t0
-        num = sum((n * t1 / t - 1) * (n - 1) for n, t in points if t > 0)
-        den = sum((n - 1) ** 2 for n, t in points if t > 0)
+        num = sum((n * t1 / t - 1) * (n - 1) for n, t in points)
+        den = sum((n - 1) ** 2 for n, t in points)
         return min(1.0, max(0.0, num / den)) if den else 0.05
+
+    def __call__(self, replicas: int) -> float:
+        if replicas <= 0:
+            return 0.0
+        points = self.points
+        if not points:
+            return self._curve(replicas)
+        lo = hi = None
+        for n, t in points:
+            if n == replicas:
+                return t / self.base
+            if n < replicas:
+                lo = (n, t)
+            elif hi is None:
+                hi = (n, t)
+        if lo is not None and hi is not None:
+            (a, ta), (b, tb) = lo, hi
+            return (ta + (tb - ta) * (replicas - a) / (b - a)) / self.base
+        n, t = lo or hi
+        return t / self.base * self._curve(replicas) / self._curve(n)
 
 
 @dataclass(slots=True)

@@ -20,15 +20,18 @@ One pass, in order:
    replica at a time. Nothing is touched unless the preemptor fits once the victims let
    go; the preemptor itself starts in a later pass, when the slots are really free (so the
    cluster is never over-allocated, even for a moment).
-3. **Elastic fill.** Free slots go one replica at a time to the running elastic job with the
-   highest priority and then the largest marginal gain (from its speedup model, fitted to the
-   throughput it reported at each size), while the gain is worth it (``min_gain``) and the job
-   was not resized within ``resize_cooldown_s`` (damping: no back-and-forth).
+3. **Elastic fill.** Free slots go to the running elastic job with the highest priority and
+   then the largest gain per replica (from its speedup curve: the throughput it measured at each
+   size, see :class:`~maitre.scheduling.model.Speedup`), weighted toward the jobs that have had
+   the least service (``las_weight``); a job may take several replicas at once when that pays
+   more per replica than one (``lookahead``: crossing a node often costs before it gains), while
+   the gain is worth it (``min_gain``) and the job was not resized within
+   ``resize_cooldown_s`` (damping: no back-and-forth).
 
 4. **Rebalance**, when no slot is left free: a replica moves from the running elastic job that
-   loses least by giving it up to the one of the same queue and priority that gains most, while
-   the gain exceeds the loss by ``rebalance_gain`` (hysteresis: a move is never undone by the
-   next pass) and neither job is in its cooldown. Only the donors' shrinks are in this plan; the
+   loses least by giving it up to the one of the same queue and priority that gains most (both
+   weighted by service as in the fill), while the gain exceeds the loss by ``rebalance_gain``
+   (hysteresis: a move is never undone by the next pass) and neither job is in its cooldown. Only the donors' shrinks are in this plan; the
    slots they free go to the gainers by the next pass's elastic fill, once really free.
 
 Placement is topology-aware: a job's replicas go to one domain (node, rack or block, from
@@ -41,16 +44,17 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from maitre.scheduling.model import Cluster, Job, Node, Phase, Topology
+from maitre.scheduling.model import Cluster, Job, Node, Phase, Speedup, Topology
 
 _DEFAULT_TOPOLOGY = Topology(level="rack", mode="preferred")
 
 
 @dataclass(kw_only=True, slots=True)
 class PolicyConfig:
-    resize_cooldown_s: float = 60.0
+    resize_cooldown_s: float = 180.0
     """A running job is not resized again within this many seconds of its last resize."""
     reclaim_surplus: bool = True
     """A pending job may shrink running elastic jobs of its own queue and priority toward their
@@ -61,6 +65,16 @@ class PolicyConfig:
     rebalance_gain: float = 0.25
     """Move a replica between peers only if the taker gains this much more (in units of one
     replica's throughput) than the giver loses; 0 turns rebalancing off."""
+    lookahead: int = 64
+    """Elastic fill weighs growing a job by up to this many replicas at once, by gain per
+    replica: speedup is not concave (a job crossing from one node to two may slow down and gain
+    again at four), and one-at-a-time growth would stop at the dip."""
+    las_weight: float = 0.5
+    """Among jobs of one priority, gains are weighted by ``(1 + attained / las_scale_s) **
+    -las_weight`` (attained: slot-seconds of service so far), so the least-served grow first:
+    least-attained-service ordering (Tiresias), which shortens mean completion time when job
+    lengths are unknown and heavy-tailed. 0 turns it off."""
+    las_scale_s: float = 4 * 3600.0
 
 
 @dataclass(slots=True)
@@ -255,10 +269,34 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             v.id for v, _ in victims)))
 
     # 3. elastic fill by marginal gain
-    def gain(j: Job, n: int) -> float:
-        return j.speedup(n + 1) - j.speedup(n)
+    curves: dict[str, Speedup] = {}
 
-    heap: list[tuple[int, float, float, str]] = []
+    def speedup(j: Job, n: int) -> float:
+        if j.id not in curves:
+            curves[j.id] = Speedup(j.throughput)
+        return curves[j.id](n)
+
+    def weight(j: Job) -> float:
+        return _las_weight(j, cfg)
+
+    def step(j: Job, n: int, most: int) -> tuple[float, int]:
+        """The best growth of ``j`` from ``n`` by at most ``most`` replicas: (gain per replica,
+        replicas). A look-ahead, since speedup is not concave (crossing a node costs)."""
+        base = speedup(j, n)
+        best = (-math.inf, 0)
+        for k in range(1, min(most, j.max_replicas - n, cfg.lookahead) + 1):
+            g = (speedup(j, n + k) - base) / k
+            if g > best[0] + 1e-12:
+                best = (g, k)
+        return best
+
+    heap: list[tuple[int, float, float, str, int]] = []
+
+    def push(j: Job, size: int, most: int) -> None:
+        g, k = step(j, size, most)
+        if k and g >= cfg.min_gain:
+            heapq.heappush(heap, (-j.priority, -g * weight(j), j.submitted_at, j.id, k))
+
     for j in jobs:
         size = sum(target[j.id].values())
         running = j.phase == Phase.RUNNING or (j.id in touched and size > 0)
@@ -268,27 +306,29 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             continue  # shrunk for a preemptor this pass
         if j.phase == Phase.RUNNING and now - j.last_resize_at < cfg.resize_cooldown_s:
             continue
-        heapq.heappush(heap, (-j.priority, -gain(j, size), j.submitted_at, j.id))
+        push(j, size, free.total // j.slots_per_replica)
     grown: set[str] = set()
     while heap:
-        _, neg_gain, _, jid = heapq.heappop(heap)
+        _, _, _, jid, k = heapq.heappop(heap)
         j = by_id[jid]
         size = sum(target[jid].values())
-        if -neg_gain < cfg.min_gain or size >= j.max_replicas:
+        k = min(k, int((cluster.queues[j.queue].ceiling - usage[j.queue]) // j.slots_per_replica)
+                if math.isfinite(cluster.queues[j.queue].ceiling) else k)
+        if k <= 0:
             continue
-        if usage[j.queue] + j.slots_per_replica > cluster.queues[j.queue].ceiling:
-            continue
-        where = place(j, 1, free, prefer=target[jid])
+        where = place(j, k, free, prefer=target[jid])
         if where is None:
+            if k > 1:
+                push(j, size, k - 1)
             continue
         free.take(where, j.slots_per_replica)
-        usage[j.queue] += j.slots_per_replica
+        usage[j.queue] += k * j.slots_per_replica
         for n, r in where.items():
             target[jid][n] = target[jid].get(n, 0) + r
         grown.add(jid)
-        heapq.heappush(heap, (-j.priority, -gain(j, size + 1), j.submitted_at, jid))
+        push(j, size + k, free.total // j.slots_per_replica)
     if free.total == 0 and cfg.rebalance_gain > 0:
-        _rebalance(jobs, target, touched | grown, now, cfg, plan)
+        _rebalance(jobs, target, touched | grown, now, cfg, plan, speedup)
     for jid in sorted(grown):
         if by_id[jid].phase == Phase.RUNNING:
             plan.actions.append(Action("grow", jid, dict(target[jid])))
@@ -375,6 +415,13 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
     return None
 
 
+def _las_weight(j: Job, cfg: PolicyConfig) -> float:
+    """How much a job's gains count by the service it has had (see ``las_weight``)."""
+    if not cfg.las_weight:
+        return 1.0
+    return (1 + j.attained_slot_s / cfg.las_scale_s) ** -cfg.las_weight
+
+
 def _drop_one(placement: dict[str, int]) -> str:
     """Take one replica off ``placement`` (in place), from its thinnest node: unpacking the
     thinnest first keeps the rest packed. Returns that node."""
@@ -386,7 +433,8 @@ def _drop_one(placement: dict[str, int]) -> str:
 
 
 def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[str],
-               now: float, cfg: PolicyConfig, plan: Plan) -> None:
+               now: float, cfg: PolicyConfig, plan: Plan,
+               speedup: Callable[[Job, int], float]) -> None:
     """Shrink the peers that lose least so that the peers that gain most can grow (step 4)."""
     def settled(j: Job) -> bool:
         return (j.phase == Phase.RUNNING and j.elastic and j.id not in touched
@@ -398,6 +446,14 @@ def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[
             groups.setdefault((j.queue, j.priority), []).append(j)
     for peers in groups.values():
         size = {j.id: sum(target[j.id].values()) for j in peers}
+        weight = {j.id: _las_weight(j, cfg) for j in peers}
+
+        def gain(j: Job) -> float:  # of one more replica, weighted by service
+            return (speedup(j, size[j.id] + 1) - speedup(j, size[j.id])) * weight[j.id]
+
+        def loss(j: Job) -> float:  # of one fewer
+            return (speedup(j, size[j.id]) - speedup(j, size[j.id] - 1)) * weight[j.id]
+
         given: dict[str, int] = {}
         taken: set[str] = set()
         while True:
@@ -405,16 +461,12 @@ def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[
             givers = [j for j in peers if size[j.id] > j.min_replicas and j.id not in taken]
             if not takers or not givers:
                 break
-            t = max(takers, key=lambda j: (j.speedup(size[j.id] + 1) - j.speedup(size[j.id]),
-                                           -j.submitted_at))
-            g = min((j for j in givers if j.id != t.id),
-                    key=lambda j: (j.speedup(size[j.id]) - j.speedup(size[j.id] - 1),
-                                   -j.submitted_at), default=None)
+            t = max(takers, key=lambda j: (gain(j), -j.submitted_at))
+            g = min((j for j in givers if j.id != t.id), key=lambda j: (loss(j), -j.submitted_at),
+                    default=None)
             if g is None:
                 break
-            gain = t.speedup(size[t.id] + 1) - t.speedup(size[t.id])
-            loss = g.speedup(size[g.id]) - g.speedup(size[g.id] - 1)
-            if gain - loss < cfg.rebalance_gain or g.slots_per_replica != t.slots_per_replica:
+            if gain(t) - loss(g) < cfg.rebalance_gain or g.slots_per_replica != t.slots_per_replica:
                 break
             size[t.id] += 1
             size[g.id] -= 1

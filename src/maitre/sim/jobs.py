@@ -23,6 +23,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
+from maitre.sim.perfmodel import PerfParams, fit
 from maitre.sim.profiles import Application, BatchConfig, even_placement
 
 
@@ -152,7 +155,8 @@ class SimJob:
         """Fraction of time left to training once checkpoints at the interval are written."""
         if not math.isfinite(self.checkpoint_interval_s):
             return 1.0
-        return self.checkpoint_interval_s / (self.checkpoint_interval_s + self.recovery.checkpoint_s)
+        interval = self.checkpoint_interval_s
+        return interval / (interval + self.recovery.checkpoint_s)
 
     def rate(self, replicas: int) -> float:
         """Progress per second at ``replicas`` on as few nodes as possible (for policies)."""
@@ -166,7 +170,7 @@ class SimJob:
 class ProfiledJob(SimJob):
     def __init__(self, name: str, submitted: float, app: Application, *, replicas: int,
                  batch_size: int | None, adaptive: bool = False, gpus_per_node: int = 4,
-                 **kw) -> None:
+                 explore: float = 0.0, **kw) -> None:
         super().__init__(name, submitted, replicas=replicas, **kw)
         self.app = app
         self.batch_size = batch_size
@@ -177,6 +181,14 @@ class ProfiledJob(SimJob):
         self.progress = 0.0
         self.cfg: BatchConfig | None = None
         self._seen: dict[int, tuple[tuple[int, ...], BatchConfig]] = {}
+        self.explore = explore
+        """A goodput-following job also reports the goodput its fitted step-time model predicts
+        on sizes it has not run, up to this many times the largest it ran (0: none)."""
+        self._timed: dict[tuple[int, int, int], tuple[float, float]] = {}
+        """(nodes, replicas, per-GPU batch) -> (step, sync) seconds, as the job timed them."""
+        self._perf: PerfParams | None = None
+        self._perf_basis: tuple[frozenset, int] = (frozenset(), 0)
+        self._predicted: tuple[tuple, dict[int, float]] = ((), {})
 
     @property
     def throughput(self) -> dict[int, float]:
@@ -193,6 +205,44 @@ class ProfiledJob(SimJob):
                 out[n] = self.app.goodput(placement, cfg, epoch) * self.app.init_batch_size
             else:
                 out[n] = cfg.batch_size / self.app.iteration_time(placement, cfg)
+        if self.adaptive and self.explore and self._timed:
+            for n, rate in self._predictions(epoch).items():
+                out.setdefault(n, rate)
+        return out
+
+    def _perf_model(self) -> PerfParams:
+        """The step-time model, refitted when the job has run on a new shape (nodes, replicas)
+        or doubled its timings since the last fit."""
+        sizes = frozenset(k[:2] for k in self._timed)
+        basis, count = self._perf_basis
+        if self._perf is None or not sizes <= basis or len(self._timed) >= 4 * count:
+            keys = list(self._timed)
+            self._perf = fit([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
+                             [self._timed[k][0] for k in keys],
+                             [self._timed[k][0] - self._timed[k][1] for k in keys],
+                             start=self._perf)
+            self._perf_basis = (sizes, len(self._timed))
+        return self._perf
+
+    def _predictions(self, epoch: int) -> dict[int, float]:
+        """Predicted goodput (as ``throughput`` reports it) at powers of two up to ``explore``
+        times the largest size run."""
+        limit = min(self.max_replicas, int(self.explore * max(self._seen)))
+        params = self._perf_model()
+        key = (id(params), epoch, limit)
+        if self._predicted[0] == key:
+            return self._predicted[1]
+        app, out, n = self.app, {}, 1
+        while n <= limit:
+            placement = even_placement(n, self.gpus_per_node)
+            grid = app.batch_grid(n)
+            if grid:
+                steps = params.step_time(len(placement), n, [c.atomic for c in grid],
+                                         [c.accum_steps for c in grid])
+                gains = np.array([app.gain(c.batch_size, epoch) for c in grid])
+                out[n] = float(np.max(gains / steps)) * app.init_batch_size
+            n *= 2
+        self._predicted = (key, out)
         return out
 
     def _config(self, placement: tuple[int, ...]) -> BatchConfig:
@@ -210,6 +260,10 @@ class ProfiledJob(SimJob):
             seconds_per_step = app.iteration_time(placement, self.cfg)
             rate = app.gain(self.cfg.batch_size, self.epoch) / seconds_per_step * overhead
             self._seen[len(self.alloc)] = (placement, self.cfg)
+            if self.explore:
+                key = (sum(1 for c in placement if c), len(self.alloc), self.cfg.atomic)
+                if key not in self._timed:
+                    self._timed[key] = app.step_time(placement, self.cfg.atomic)
             target = app.progress_at(self.epoch + 1)
             if self.progress + rate * seconds < target:
                 self.progress += rate * seconds

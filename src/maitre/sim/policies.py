@@ -19,7 +19,8 @@ answer holds nothing. The simulator applies the answer and charges each changed 
   speedup, with Pollux's restart penalty, at the batch size that maximizes goodput.
 - ``maitre``: maitre's own policy, :func:`maitre.scheduling.schedule`, through the same data model
   as the live coordinator: gang admission at ``min_replicas``, preemption that shrinks before it
-  suspends, elastic fill by marginal gain from a speedup model fitted to measured throughput.
+  suspends, elastic fill by gain per replica on the speedup curve each job reports (with a
+  look-ahead past node crossings), least-served first.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ class Maitre:
                              min_replicas=j.min_replicas, max_replicas=j.max_replicas,
                              submitted_at=j.submitted, phase=phase, placement=placement,
                              last_resize_at=self.resized_at.get(j.name, -math.inf),
-                             throughput=dict(j.throughput)))
+                             throughput=dict(j.throughput), attained_slot_s=j.attained_s))
         # The live coordinator runs a pass every 0.5 s: a preemptor admitted a pass after its
         # victims let go starts within a second. Here the passes run back to back.
         cfg = self.cfg

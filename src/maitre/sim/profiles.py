@@ -219,17 +219,16 @@ class Application:
         """Progress per second at this placement and batch split during ``epoch``."""
         return self.gain(cfg.batch_size, epoch) / self.iteration_time(placement, cfg)
 
-    def best_batch(self, placement: tuple[int, ...], epoch: int) -> BatchConfig:
-        """The batch split with the most goodput on ``placement`` (the ``adaptive`` batch
-        size): total batch sizes on a geometric grid from the smallest allowed to the largest
-        measured, each split as little as the per-GPU limit allows."""
-        key = ("best", placement, epoch)
+    def batch_grid(self, replicas: int) -> list[BatchConfig]:
+        """The batch splits a goodput-following job may take on ``replicas`` GPUs: total batch
+        sizes on a geometric grid from the smallest allowed to the largest measured, each split
+        as little as the per-GPU limit allows."""
+        key = ("grid", replicas)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        replicas = sum(placement)
         lo = max(self.init_batch_size, self.min_local_bsz * replicas)
-        best, best_rate = None, -1.0
+        grid = []
         for b in np.geomspace(lo, max(lo, self.max_batch_size), 24):
             local = b / replicas
             accum = math.ceil(local / self.max_local_bsz - _EPS) - 1
@@ -239,8 +238,21 @@ class Application:
             if not self.min_local_bsz <= atomic <= self.max_local_bsz:
                 continue
             cfg = BatchConfig(replicas, atomic, accum)
-            if cfg.batch_size > self.max_batch_size:
-                continue
+            if cfg.batch_size <= self.max_batch_size:
+                grid.append(cfg)
+        self._memo[key] = grid
+        return grid
+
+    def best_batch(self, placement: tuple[int, ...], epoch: int) -> BatchConfig:
+        """The batch split with the most goodput on ``placement`` (the ``adaptive`` batch
+        size): total batch sizes on a geometric grid from the smallest allowed to the largest
+        measured, each split as little as the per-GPU limit allows."""
+        key = ("best", placement, epoch)
+        hit = self._memo.get(key)
+        if hit is not None:
+            return hit
+        best, best_rate = None, -1.0
+        for cfg in self.batch_grid(sum(placement)):
             try:
                 rate = self.goodput(placement, cfg, epoch)
             except ValueError:
@@ -248,6 +260,7 @@ class Application:
             if rate > best_rate:
                 best, best_rate = cfg, rate
         if best is None:
+            replicas = sum(placement)
             best = self.fixed_batch(max(self.init_batch_size, self.min_local_bsz * replicas),
                                     replicas)
         self._memo[key] = best

@@ -9,7 +9,9 @@ How a Pollux workload row becomes a job depends on the policy, as in Pollux's ev
   32768 on one GPU, as in Pollux's runs);
 - ``maitre`` scales from 1 at the workload's batch size (maitre's default: the job learns what a
   fixed-size run learns), or at the goodput-best batch size when ``adaptive_batch`` is asked
-  for, which is what makes it comparable with Pollux.
+  for, which is what makes it comparable with Pollux. Such a job, like Pollux's, also reports
+  the goodput its fitted step-time model (:mod:`maitre.sim.perfmodel`) predicts on sizes up to
+  ``explore`` times the largest it ran (2: Pollux's exploration limit).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def elastic_cap(app_name: str) -> int:
 
 
 def pollux_jobs(arrivals: list[Arrival], policy: str, *, recovery: Recovery | None = None,
-                adaptive_batch: bool = False, gpus_per_node: int = 4) -> list[SimJob]:
+                adaptive_batch: bool = False, gpus_per_node: int = 4,
+                explore: float = 2.0) -> list[SimJob]:
     jobs: list[SimJob] = []
     for a in arrivals:
         app = application(a.application)
@@ -55,6 +58,7 @@ def pollux_jobs(arrivals: list[Arrival], policy: str, *, recovery: Recovery | No
             batch, adaptive = 32768, False
         jobs.append(ProfiledJob(a.name, a.time, app, replicas=a.num_replicas,
                                 batch_size=None if adaptive else batch,
+                                explore=explore if policy == "maitre" and adaptive else 0.0,
                                 max_replicas=elastic_cap(app.name) if adaptive else
                                 max(1, min(64, batch // app.min_local_bsz)), **kw))
     return jobs
