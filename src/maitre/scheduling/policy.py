@@ -445,34 +445,39 @@ def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[
         if settled(j):
             groups.setdefault((j.queue, j.priority), []).append(j)
     for peers in groups.values():
-        size = {j.id: sum(target[j.id].values()) for j in peers}
-        weight = {j.id: _las_weight(j, cfg) for j in peers}
+        _rebalance_peers(peers, target, cfg, plan, speedup)
 
-        def gain(j: Job) -> float:  # of one more replica, weighted by service
-            return (speedup(j, size[j.id] + 1) - speedup(j, size[j.id])) * weight[j.id]
 
-        def loss(j: Job) -> float:  # of one fewer
-            return (speedup(j, size[j.id]) - speedup(j, size[j.id] - 1)) * weight[j.id]
+def _rebalance_peers(peers: list[Job], target: dict[str, dict[str, int]], cfg: PolicyConfig,
+                     plan: Plan, speedup: Callable[[Job, int], float]) -> None:
+    size = {j.id: sum(target[j.id].values()) for j in peers}
+    weight = {j.id: _las_weight(j, cfg) for j in peers}
 
-        given: dict[str, int] = {}
-        taken: set[str] = set()
-        while True:
-            takers = [j for j in peers if size[j.id] < j.max_replicas and j.id not in given]
-            givers = [j for j in peers if size[j.id] > j.min_replicas and j.id not in taken]
-            if not takers or not givers:
-                break
-            t = max(takers, key=lambda j: (gain(j), -j.submitted_at))
-            g = min((j for j in givers if j.id != t.id), key=lambda j: (loss(j), -j.submitted_at),
-                    default=None)
-            if g is None:
-                break
-            if gain(t) - loss(g) < cfg.rebalance_gain or g.slots_per_replica != t.slots_per_replica:
-                break
-            size[t.id] += 1
-            size[g.id] -= 1
-            taken.add(t.id)
-            given[g.id] = given.get(g.id, 0) + 1
-            _drop_one(target[g.id])
-        for gid, k in sorted(given.items()):
-            plan.actions.append(Action("shrink", gid, dict(target[gid]),
-                                       reason=f"rebalance: {k} replica(s) to peers that gain more"))
+    def gain(j: Job) -> float:  # of one more replica, weighted by service
+        return (speedup(j, size[j.id] + 1) - speedup(j, size[j.id])) * weight[j.id]
+
+    def loss(j: Job) -> float:  # of one fewer
+        return (speedup(j, size[j.id]) - speedup(j, size[j.id] - 1)) * weight[j.id]
+
+    given: dict[str, int] = {}
+    taken: set[str] = set()
+    while True:
+        takers = [j for j in peers if size[j.id] < j.max_replicas and j.id not in given]
+        givers = [j for j in peers if size[j.id] > j.min_replicas and j.id not in taken]
+        if not takers or not givers:
+            break
+        t = max(takers, key=lambda j: (gain(j), -j.submitted_at))
+        g = min((j for j in givers if j.id != t.id), key=lambda j: (loss(j), -j.submitted_at),
+                default=None)
+        if g is None:
+            break
+        if gain(t) - loss(g) < cfg.rebalance_gain or g.slots_per_replica != t.slots_per_replica:
+            break
+        size[t.id] += 1
+        size[g.id] -= 1
+        taken.add(t.id)
+        given[g.id] = given.get(g.id, 0) + 1
+        _drop_one(target[g.id])
+    for gid, k in sorted(given.items()):
+        plan.actions.append(Action("shrink", gid, dict(target[gid]),
+                                   reason=f"rebalance: {k} replica(s) to peers that gain more"))
