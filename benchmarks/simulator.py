@@ -1,6 +1,6 @@
 """Simulator benchmark: speed, fidelity and what maitre's policy gives on the Pollux workloads.
 
-    .venv/bin/python benchmarks/simulator.py          # about 20 minutes on 2 cores
+    .venv/bin/python benchmarks/simulator.py          # about 27 minutes on 2 cores
 
 - speed: workload-6 with Tiresias (Pollux's own simulator: 32 s on this machine) and the whole
   Philly-derived trace (82,247 jobs) on a cluster sized to it;
