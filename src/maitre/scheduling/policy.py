@@ -27,12 +27,12 @@ One pass, in order:
    more per replica than one (``lookahead``: crossing a node often costs before it gains), while
    the gain is worth it (``min_gain``) and the job was not resized within
    ``resize_cooldown_s`` (damping: no back-and-forth).
-
 4. **Rebalance**, when no slot is left free: a replica moves from the running elastic job that
    loses least by giving it up to the one of the same queue and priority that gains most (both
    weighted by service as in the fill), while the gain exceeds the loss by ``rebalance_gain``
-   (hysteresis: a move is never undone by the next pass) and neither job is in its cooldown. Only the donors' shrinks are in this plan; the
-   slots they free go to the gainers by the next pass's elastic fill, once really free.
+   (hysteresis: a move is never undone by the next pass) and neither job is in its cooldown.
+   Only the donors' shrinks are in this plan; the slots they free go to the gainers by the next
+   pass's elastic fill, once really free.
 
 Placement is topology-aware: a job's replicas go to one domain (node, rack or block, from
 ``topology.level``; rack by default) when one can hold them, choosing the tightest domain that
@@ -276,9 +276,6 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             curves[j.id] = Speedup(j.throughput)
         return curves[j.id](n)
 
-    def weight(j: Job) -> float:
-        return _las_weight(j, cfg)
-
     def step(j: Job, n: int, most: int) -> tuple[float, int]:
         """The best growth of ``j`` from ``n`` by at most ``most`` replicas: (gain per replica,
         replicas). A look-ahead, since speedup is not concave (crossing a node costs)."""
@@ -295,7 +292,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
     def push(j: Job, size: int, most: int) -> None:
         g, k = step(j, size, most)
         if k and g >= cfg.min_gain:
-            heapq.heappush(heap, (-j.priority, -g * weight(j), j.submitted_at, j.id, k))
+            heapq.heappush(heap, (-j.priority, -g * _las_weight(j, cfg), j.submitted_at, j.id, k))
 
     for j in jobs:
         size = sum(target[j.id].values())
@@ -312,10 +309,11 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
         _, _, _, jid, k = heapq.heappop(heap)
         j = by_id[jid]
         size = sum(target[jid].values())
-        k = min(k, int((cluster.queues[j.queue].ceiling - usage[j.queue]) // j.slots_per_replica)
-                if math.isfinite(cluster.queues[j.queue].ceiling) else k)
-        if k <= 0:
-            continue
+        headroom = cluster.queues[j.queue].ceiling - usage[j.queue]  # inf: no borrowing limit
+        if headroom < k * j.slots_per_replica:
+            k = int(headroom // j.slots_per_replica)
+            if k <= 0:
+                continue
         where = place(j, k, free, prefer=target[jid])
         if where is None:
             if k > 1:

@@ -212,7 +212,7 @@ class ProfiledJob(SimJob):
 
     def _perf_model(self) -> PerfParams:
         """The step-time model, refitted when the job has run on a new shape (nodes, replicas)
-        or doubled its timings since the last fit."""
+        or has four times the timings of the last fit."""
         sizes = frozenset(k[:2] for k in self._timed)
         basis, count = self._perf_basis
         if self._perf is None or not sizes <= basis or len(self._timed) >= 4 * count:
@@ -229,7 +229,7 @@ class ProfiledJob(SimJob):
         times the largest size run."""
         limit = min(self.max_replicas, int(self.explore * max(self._seen)))
         params = self._perf_model()
-        key = (id(params), epoch, limit)
+        key = (params, epoch, limit)  # by value: a refit's new object may reuse an old id
         if self._predicted[0] == key:
             return self._predicted[1]
         app, out, n = self.app, {}, 1
