@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
-from maitre.control.server import CoordinatorServer
+from maitre.control.api import CoordinatorServer
 from maitre.launch import Run, RunConfig
 from maitre.wire import ApiError, Client
 

@@ -1,5 +1,7 @@
 """The live control plane without processes: a coordinator with a cluster and a store, agents and
-workers simulated by calling it the way they do over HTTP, on an injected clock.
+workers simulated by calling it with the messages they send over HTTP, on an injected clock.
+Workers' liveness and progress travel in their node's beat, as the agent carries them; a worker
+reads the view its agent got (views come only when they changed, as the agent caches them).
 
 Every node heartbeat checks the invariant the scheduler promises: the workers a node runs never
 hold more slots than it has, not even between a shrink and the preemptor's start.
@@ -12,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from maitre import protocol as p
 from maitre.control.cluster import ClusterState
+from maitre.control.coordinator import Coordinator
 from maitre.control.detector import PhiAccrual, PhiConfig
 from maitre.control.membership import WorkerState
-from maitre.control.server import BadRequest, Coordinator
 from maitre.control.store import Store
+from maitre.errors import BadRequest
 from maitre.scheduling.model import Queue
 from maitre.scheduling.policy import PolicyConfig
 
@@ -38,6 +42,8 @@ class Sim:
         self.running: dict[str, set[str]] = {n: set() for n in nodes}
         self.down: set[str] = set()
         self.steps: dict[str, int] = {}
+        self.views: dict[str, dict] = {}
+        self.version: dict[str, int] = {n: -1 for n in nodes}
 
     def _coordinator(self) -> Coordinator:
         cluster = ClusterState(list(self.queues), run_dir=self.tmp,
@@ -48,6 +54,7 @@ class Sim:
     def restart(self) -> None:
         """A new coordinator process on the same store (the old one is gone without a word)."""
         self.co = self._coordinator()
+        self.version = {n: -1 for n in self.slots}  # a new coordinator counts anew
 
     def submit(self, name: str, queue: str, lo: int, hi: int, priority: str = "normal",
                checkpoint: bool = True, preemptible: bool = True) -> None:
@@ -72,8 +79,13 @@ class Sim:
             for node in self.slots:
                 if node in self.down:
                     continue
-                reply = self.co.node_heartbeat(node, {"slots": self.slots[node],
-                                                      "running": sorted(self.running[node])})
+                beat = p.NodeBeat(slots=self.slots[node], since=self.version[node], workers=[
+                    p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0)
+                    for w in sorted(self.running[node])])
+                reply = self.co.node_heartbeat(node, beat)
+                self.version[node] = reply["version"]
+                if reply["views"] is not None:
+                    self.views.update(reply["views"])
                 for wid in reply["kill"]:
                     self._exit(node, wid, -9)
                 for order in reply["start"]:
@@ -89,15 +101,15 @@ class Sim:
     def _worker(self, node: str, wid: str) -> None:
         ms = self.co._worker_job[wid]
         w = ms.workers[wid]
-        hb = self.co.worker_heartbeat(wid, {"step": self.steps.get(wid, 0), "stalled": False,
-                                            "trained_s": 0.0})
+        hb = self.views[wid]
         if hb["stop"]:
             self._exit(node, wid, 0)
             return
-        if w.state in (WorkerState.STARTING, WorkerState.READY) or hb["closed"] or \
-                (hb["change"] or hb["leave"]):
-            answer = self.co.rendezvous(wid, {"from_epoch": w.epoch, "wait_s": 0,
-                                              "step": self.steps.get(wid, 0)})
+        news = hb["member_epoch"] == w.epoch  # as the loop reads it: older views are stale
+        if w.state in (WorkerState.STARTING, WorkerState.READY) or \
+                (news and (hb["closed"] or hb["change"] or hb["leave"])):
+            answer = self.co.rendezvous(wid, p.RendezvousRequest(
+                from_epoch=w.epoch, wait_s=0, step=self.steps.get(wid, 0)))
             if answer["action"] == "leave":
                 self.co.worker_left(wid)
                 self._exit(node, wid, 0)
@@ -110,13 +122,13 @@ class Sim:
     def _exit(self, node: str, wid: str, code: int) -> None:
         if wid in self.running[node]:
             self.running[node].discard(wid)
-            self.co.worker_exit(wid, {"code": code})
+            self.co.worker_exit(wid, p.ExitRequest(code=code))
 
     def finish(self, name: str) -> None:
         """The job's members finish their loop."""
         ms = self.co.jobs[name]
         for wid in list(ms.members):
-            self.co.worker_done(wid, {"step": self.steps.get(wid, 0)})
+            self.co.worker_done(wid, p.DoneRequest(step=self.steps.get(wid, 0)))
             node = ms.workers[wid].node
             self._exit(node, wid, 0)
 
@@ -221,7 +233,7 @@ def test_a_user_suspension_holds_until_resume_and_cancel_ends_a_job(tmp_path: Pa
     sim.co.suspend("a", "by a test")
     # The members checkpoint and report themselves suspended.
     for wid in list(sim.co.jobs["a"].members):
-        sim.co.worker_done(wid, {"step": 5, "suspended": True})
+        sim.co.worker_done(wid, p.DoneRequest(step=5, suspended=True))
         sim._exit("n0", wid, 0)
     sim.advance(3)
     assert sim.job("a")["state"] == "SUSPENDED" and sim.job("a")["held"] is True
@@ -251,8 +263,7 @@ def test_an_invalid_manifest_names_every_problem_and_stores_nothing(tmp_path: Pa
         assert problem in text
     assert sim.db.jobs() == []
     with pytest.raises(BadRequest, match="manifest"):
-        sim.co.create_job({"job_id": "x", "command": ["python"], "min_workers": 1,
-                           "max_workers": 1})
+        sim.co.submit(["not", "a", "manifest"])
 
 
 def test_scale_sets_a_managed_jobs_ceiling(tmp_path: Path) -> None:

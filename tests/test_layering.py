@@ -55,5 +55,28 @@ def test_import_direction(package: str) -> None:
 
 
 @pytest.mark.timeout(30)
-def test_wire_imports_nothing_of_maitre() -> None:
-    assert not [n for n in imports(SRC / "wire.py") if n.startswith("maitre")]
+def test_wire_imports_nothing_of_maitre_but_its_errors() -> None:
+    """The CLI's and the worker's client stays stdlib (``maitre status`` starts fast)."""
+    assert not [n for n in imports(SRC / "wire.py")
+                if n.startswith("maitre") and not n.startswith("maitre.errors")]
+
+
+@pytest.mark.timeout(30)
+def test_the_wire_speaks_the_protocols_prefix() -> None:
+    from maitre import protocol, wire
+
+    assert wire.API == protocol.API
+
+
+@pytest.mark.timeout(30)
+def test_every_maitre_variable_is_named_in_the_protocol_only() -> None:
+    """``MAITRE_*`` names are spelt once, in :mod:`maitre.protocol`; the rest import them."""
+    import re
+
+    spelt = []
+    for path in sorted(SRC.rglob("*.py")):
+        if path.name == "protocol.py":
+            continue
+        for match in re.finditer(r"[\"']MAITRE_[A-Z_]+", path.read_text()):
+            spelt.append(f"{path.relative_to(SRC)}: {match.group(0)}")
+    assert not spelt, "\n".join(spelt)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from maitre.agent.agent import WorkerBeats
 from maitre.control.membership import (DetectorConfig, JobSpec, JobState, Membership,
                                        WorkerState)
 
@@ -30,13 +31,23 @@ def start(m: Membership, n: int, now: float = 1.0, node: str = "n0") -> list[str
     return wids
 
 
+def heartbeat(m: Membership, wid: str, t: float, step: int, stalled: bool) -> dict:
+    """A worker's heartbeat as it reaches the coordinator: its agent measures the rhythm and
+    reports it with the step in the node's beat; the reply is the view the agent hands back."""
+    beats = m.__dict__.setdefault("_agent", {}).setdefault(wid, WorkerBeats())
+    beats.beat(t, step, stalled, 0.0)
+    r = beats.report(wid, t)
+    m.progress(wid, t, step, stalled, 0.0, r["gap_mean_s"], r["gap_std_s"])
+    return m.view(wid, t)
+
+
 def beat(m: Membership, wids: list[str], t0: float, t1: float, *, stalled: bool = False,
          dt: float = 0.1) -> float:
     """Regular heartbeats of wids from t0 up to t1; returns the time of the last beat."""
     t = t0
     while t <= t1 + 1e-9:
         for w in wids:
-            m.heartbeat(w, t, step=0, stalled=stalled)
+            heartbeat(m, w, t, step=0, stalled=stalled)
         last = t
         t = round(t + dt, 6)
     return last
@@ -112,7 +123,7 @@ def test_first_epoch_grace_for_starting_workers(third, t_open, expect_members):
         assert m.members == [w1, w2]
         if third == "starting":
             assert state(m, w3) == WorkerState.STARTING
-            assert m.heartbeat(w3, 3.1, 0, False)["member_epoch"] == 0
+            assert heartbeat(m, w3, 3.1, 0, False)["member_epoch"] == 0
 
 
 def test_no_grace_when_nobody_is_starting():
@@ -147,14 +158,14 @@ def test_ranks_ordered_by_node_then_slot(placements, arrival_order, expected_ran
 def test_member_exit_closes_epoch_and_survivors_open_the_next():
     m = make(min_w=2, max_w=3)
     w1, w2, w3 = start(m, 3)
-    assert m.heartbeat(w1, 2.0, 5, False)["closed"] is False
+    assert heartbeat(m, w1, 2.0, 5, False)["closed"] is False
     m.exited(w2, 1, "RuntimeError: CUDA error", 2.5)
     assert (m.state, m.failures, state(m, w2)) == (JobState.RENDEZVOUS, 1, WorkerState.DEAD)
     assert m.workers[w2].error == "RuntimeError: CUDA error"
     assert m.assignment(w2, 1) == {"action": "stop", "reason": "this worker was removed from the job"}
-    hb = m.heartbeat(w1, 2.6, 5, True)
+    hb = heartbeat(m, w1, 2.6, 5, True)
     assert (hb["closed"], hb["epoch"], hb["member_epoch"], hb["stop"]) == (True, 1, 1, False)
-    assert m.heartbeat(w2, 2.6, 5, False)["stop"] is True
+    assert heartbeat(m, w2, 2.6, 5, False)["stop"] is True
 
     m.arrive(w3, 1, 5, "allreduce failed", 3.0)
     assert not m.try_open_epoch(3.0)  # w1 is expected too
@@ -168,7 +179,7 @@ def test_member_exit_closes_epoch_and_survivors_open_the_next():
     assert m.assignment(w1, 2) is None  # already in epoch 2: nothing new
     assert m.failures == 1
     assert m.wants_workers() == 1  # a replacement for w2
-    hb = m.heartbeat(w1, 3.2, 5, False)
+    hb = heartbeat(m, w1, 3.2, 5, False)
     assert (hb["closed"], hb["epoch"], hb["member_epoch"]) == (False, 2, 2)
 
 
@@ -249,11 +260,11 @@ def test_hang_rule_needs_every_other_member_stalled():
     beat(m, [w1, w2, w3], 10.1, 12.0)
     t = 12.1
     while t <= 14.0:
-        m.heartbeat(w1, t, 0, True)
-        m.heartbeat(w3, t, 0, False)  # w3 is still computing: not evidence of a hang
+        heartbeat(m, w1, t, 0, True)
+        heartbeat(m, w3, t, 0, False)  # w3 is still computing: not evidence of a hang
         t = round(t + 0.1, 6)
     assert m.detect_failures(14.0) == []
-    m.heartbeat(w3, 14.05, 0, True)
+    heartbeat(m, w3, 14.05, 0, True)
     assert m.detect_failures(14.1) == [w2]
 
 
@@ -271,7 +282,7 @@ def test_adaptive_suspect_timeout_for_irregular_heartbeats():
     t = 0.0
     for i in range(40):  # w2 beats irregularly: gaps of 0.1 and 1.0 s
         t = round(t + (0.1 if i % 2 else 1.0), 6)
-        m.heartbeat(w2, t, 0, False)
+        heartbeat(m, w2, t, 0, False)
     last = t
     timeout = m.workers[w2].suspect_after(m.cfg)
     assert 2.5 < timeout < m.cfg.dead_after_s
@@ -300,7 +311,7 @@ def test_scale_down_marks_highest_ranks_leaving():
     assert [state(m, w) for w in (w1, w2, w3, w4)] == [
         WorkerState.ACTIVE, WorkerState.ACTIVE, WorkerState.LEAVING, WorkerState.LEAVING]
     assert m.assignment(w4, 1) == {"action": "leave"}
-    hb3, hb1 = m.heartbeat(w3, 2.1, 9, False), m.heartbeat(w1, 2.1, 9, False)
+    hb3, hb1 = heartbeat(m, w3, 2.1, 9, False), heartbeat(m, w1, 2.1, 9, False)
     assert (hb3["leave"], hb3["change"], hb3["closed"]) == (True, True, False)
     assert (hb1["leave"], hb1["change"]) == (False, True)
     assert m.wants_workers() == 0
@@ -317,7 +328,7 @@ def test_scale_down_marks_highest_ranks_leaving():
     assert (m.epoch, m.members, m.failures) == (2, [w1, w2], 0)
     assert state(m, w3) == WorkerState.LEFT and state(m, w4) == WorkerState.LEFT
     assert m.assignment(w2, 1)["world_size"] == 2
-    assert m.heartbeat(w1, 2.6, 9, False)["change"] is False
+    assert heartbeat(m, w1, 2.6, 9, False)["change"] is False
 
 
 def test_scale_out_of_range_raises():
@@ -348,25 +359,25 @@ def test_heartbeat_change_when_a_ready_joiner_exists_and_members_below_target():
     for w in (w1, w2):
         m.arrive(w, 0, 0, "join", 1.0)
     assert m.try_open_epoch(1.0)  # nobody STARTING: no grace
-    assert m.heartbeat(w1, 1.1, 1, False)["change"] is False
+    assert heartbeat(m, w1, 1.1, 1, False)["change"] is False
     w3, = add(m, [("n1", 0)], now=1.2)
-    assert m.heartbeat(w1, 1.3, 1, False)["change"] is False  # STARTING is not ready
+    assert heartbeat(m, w1, 1.3, 1, False)["change"] is False  # STARTING is not ready
     m.arrive(w3, 0, 0, "join", 1.4)
     assert state(m, w3) == WorkerState.READY
-    hb = m.heartbeat(w1, 1.5, 2, False)
+    hb = heartbeat(m, w1, 1.5, 2, False)
     assert (hb["change"], hb["closed"], hb["epoch"], hb["member_epoch"]) == (True, False, 1, 1)
-    hb3 = m.heartbeat(w3, 1.5, 0, False)
+    hb3 = heartbeat(m, w3, 1.5, 0, False)
     assert (hb3["closed"], hb3["member_epoch"], hb3["change"]) == (True, 0, True)
 
     # members stop at the step boundary and come to the round
     m.arrive(w1, 1, 2, "resize", 1.6)
-    hb = m.heartbeat(w2, 1.65, 2, False)  # w2 has not arrived yet: its epoch is closed
+    hb = heartbeat(m, w2, 1.65, 2, False)  # w2 has not arrived yet: its epoch is closed
     assert (hb["closed"], hb["change"], hb["epoch"], hb["member_epoch"]) == (True, False, 1, 1)
     m.arrive(w2, 1, 2, "resize", 1.7)
     assert m.try_open_epoch(1.7)
     assert m.members == [w1, w2, w3]
     for w in (w1, w3):
-        hb = m.heartbeat(w, 1.8, 2, False)
+        hb = heartbeat(m, w, 1.8, 2, False)
         assert (hb["closed"], hb["change"], hb["epoch"], hb["member_epoch"]) == (False, False, 2, 2)
 
 
@@ -378,9 +389,9 @@ def test_heartbeat_no_change_when_members_at_target():
     m.arrive(w4, 0, 0, "join", 1.7)  # arrive makes a STARTING worker READY
     assert state(m, w4) == WorkerState.READY
     assert m.change_pending() is False
-    assert m.heartbeat(w1, 1.8, 0, False)["change"] is False
+    assert heartbeat(m, w1, 1.8, 0, False)["change"] is False
     m.scale(4, 1.9)
-    assert m.heartbeat(w1, 2.0, 0, False)["change"] is True
+    assert heartbeat(m, w1, 2.0, 0, False)["change"] is True
 
 
 def test_leaving_member_left_out_of_next_epoch_sees_stale_member_epoch():
@@ -390,7 +401,7 @@ def test_leaving_member_left_out_of_next_epoch_sees_stale_member_epoch():
     for w in (w1, w2, w3):
         m.arrive(w, 1, 3, "resize", 2.1)
     assert m.try_open_epoch(2.1)
-    hb = m.heartbeat(w3, 2.2, 3, False)
+    hb = heartbeat(m, w3, 2.2, 3, False)
     assert (hb["epoch"], hb["member_epoch"], hb["closed"], hb["leave"]) == (2, 1, True, True)
 
 
@@ -407,7 +418,7 @@ def test_same_error_on_every_member_fails_the_job_with_it():
     assert m.failure == f"every worker failed with: {err}"
     assert m.failures == 1  # one lost epoch: far from max_restarts
     assert m.assignment(w1, 1) == {"action": "stop", "reason": m.failure}
-    assert m.heartbeat(w1, 2.2, 0, False)["stop"] is True
+    assert heartbeat(m, w1, 2.2, 0, False)["stop"] is True
     assert m.wants_workers() == 0
     assert not m.try_open_epoch(2.3)
 
@@ -459,7 +470,7 @@ def test_below_min_with_no_restarts_left_fails_in_rendezvous():
     assert m.state == JobState.RENDEZVOUS and m.failures == 1
     m.arrive(w1, 1, 0, "lost", 2.1)
     assert not m.try_open_epoch(2.1)  # 1 < min workers
-    m.heartbeat(w1, 2.2, 0, True)
+    heartbeat(m, w1, 2.2, 0, True)
     m.detect_failures(2.3)
     assert m.state == JobState.FAILED and "below the minimum" in m.failure
 
@@ -496,7 +507,7 @@ def test_code_zero_exit_without_done_is_a_failure():
 def test_unknown_worker_raises_key_error():
     m = make()
     with pytest.raises(KeyError, match="unknown worker"):
-        m.heartbeat("nope", 0.0, 0, False)
+        heartbeat(m, "nope", 0.0, 0, False)
 
 
 # -- bugs found by these tests, fixed ------------------------------------------------------------
@@ -517,8 +528,8 @@ def test_member_that_missed_a_short_lived_epoch_can_still_rendezvous():
     for _ in range(20):  # w2 long-polls: re-arrive with the same body, look for an answer
         t += 5.0
         m.arrive(w2, 1, 4, "resize", t)
-        m.heartbeat(w1, t, 4, True)
-        m.heartbeat(w2, t, 4, True)
+        heartbeat(m, w1, t, 4, True)
+        heartbeat(m, w2, t, 4, True)
         m.try_open_epoch(t)
         m.detect_failures(t)
         answer = m.assignment(w2, 1)
@@ -569,7 +580,7 @@ def test_member_told_to_leave_before_it_joined_its_epoch_ends_that_epoch() -> No
     assert m.assignment(w3, 0) == {"action": "leave"}
     m.left(w3, 2.1)
     assert m.state == JobState.RENDEZVOUS
-    assert m.heartbeat(w1, 2.2, 5, False)["closed"] is True
+    assert heartbeat(m, w1, 2.2, 5, False)["closed"] is True
     for w in (w1, w2):
         m.arrive(w, 1, 5, "the coordinator closed the epoch", 2.3)
     assert m.try_open_epoch(2.3)
@@ -592,7 +603,7 @@ def test_suspend_waits_for_every_member_to_checkpoint():
     a, b = start(m, 2)
     m.suspend("preempted", 2.0)
     assert m.state == JobState.RUNNING and m.wants_workers() == 0
-    reply = m.heartbeat(a, 2.1, step=7, stalled=False)
+    reply = heartbeat(m, a, 2.1, step=7, stalled=False)
     assert reply["suspend"] and not reply["stop"] and not reply["change"]
     m.done(a, 8, 2.5, suspended=True)
     assert m.state == JobState.RUNNING  # b still training
@@ -638,7 +649,7 @@ def test_losing_every_worker_that_held_the_state_is_logged():
     newest checkpoint, or from step 0)."""
     m = make(min_w=1, max_w=2)
     (w1,) = start(m, 1)
-    m.heartbeat(w1, 1.5, step=40, stalled=False)
+    heartbeat(m, w1, 1.5, step=40, stalled=False)
     (w2,) = add(m, [("n1", 0)], now=2.0)
     m.arrive(w2, 0, 0, "join", 2.0)
     m.arrive(w1, m.epoch, 40, "resize", 2.1)
@@ -651,7 +662,7 @@ def test_losing_every_worker_that_held_the_state_is_logged():
     assert m.assignment(w2, m.epoch - 1)["state_lost"] is True  # w2 records the rollback
     # An ordinary change, with a member that has the state, logs nothing of the kind.
     (w3,) = add(m, [("n0", 1)], now=3.0)
-    m.heartbeat(w2, 3.0, step=2, stalled=False)
+    heartbeat(m, w2, 3.0, step=2, stalled=False)
     m.arrive(w3, 0, 0, "join", 3.1)
     m.arrive(w2, m.epoch, 2, "resize", 3.1)
     assert m.try_open_epoch(3.1)

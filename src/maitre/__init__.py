@@ -3,14 +3,47 @@
 The public surface of a training script is small: an :class:`ElasticSampler` for the data, an
 :class:`ElasticLoop` that owns the step boundary, and optionally a scaling rule. Everything else
 (coordinator, agents, CLI) runs around the script.
+
+The names are imported on first use (PEP 562), so that ``import maitre`` and the parts that never
+touch a tensor (the CLI's client commands, the scheduling policy, the simulator) do not pay for
+importing torch.
 """
 
-from maitre.checkpoint import CheckpointConfig, IntervalConfig
-from maitre.runtime.loop import Batch, ElasticLoop
-from maitre.runtime.sampler import ElasticSampler
-from maitre.runtime.scaling import ConstantBatch, LinearScaling, SqrtScaling
-from maitre.runtime.state import TrainState
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from maitre.checkpoint import CheckpointConfig, IntervalConfig
+    from maitre.runtime.loop import Batch, ElasticLoop
+    from maitre.runtime.sampler import ElasticSampler
+    from maitre.runtime.scaling import ConstantBatch, LinearScaling, SqrtScaling
+    from maitre.runtime.state import TrainState
+
+_HOMES = {
+    "Batch": "maitre.runtime.loop",
+    "CheckpointConfig": "maitre.checkpoint.checkpointer",
+    "ConstantBatch": "maitre.runtime.scaling",
+    "ElasticLoop": "maitre.runtime.loop",
+    "ElasticSampler": "maitre.runtime.sampler",
+    "IntervalConfig": "maitre.checkpoint.policy",
+    "LinearScaling": "maitre.runtime.scaling",
+    "SqrtScaling": "maitre.runtime.scaling",
+    "TrainState": "maitre.runtime.state",
+}
+"""Where each public name is defined."""
 
 __all__ = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
            "IntervalConfig", "LinearScaling", "SqrtScaling", "TrainState"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'maitre' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # the next lookup is an ordinary one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -18,6 +19,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
+from maitre.protocol import COORDINATOR as _COORDINATOR
+from maitre.protocol import LOG as _LOG
+from maitre.protocol import TOKEN as _TOKEN
+from maitre.protocol import TOKEN_FILE as _TOKEN_FILE
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
 
 if TYPE_CHECKING:
@@ -53,15 +58,15 @@ def _positive(name: str, value: int) -> int:
 
 
 def _coordinator(args: argparse.Namespace) -> Client:
-    address = args.coordinator or os.environ.get("MAITRE_COORDINATOR")
+    address = args.coordinator or os.environ.get(_COORDINATOR)
     if not address:
         raise UsageError("no coordinator: pass --coordinator HOST:PORT or set MAITRE_COORDINATOR")
     try:
         parse_address(address)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    token = os.environ.get("MAITRE_TOKEN") or None
-    token_file = args.token_file or os.environ.get("MAITRE_TOKEN_FILE")
+    token = os.environ.get(_TOKEN) or None
+    token_file = args.token_file or os.environ.get(_TOKEN_FILE)
     if token_file:
         try:
             token = Path(token_file).read_text().strip()
@@ -148,15 +153,23 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
+    from maitre.agent import netaddr
     from maitre.agent.agent import Agent
 
     client = _coordinator(args)
     nproc = _positive("--nproc-per-node", args.nproc_per_node)
     labels = _labels(args.label or [])
+    if args.iface and args.iface not in {name for _, name in socket.if_nameindex()}:
+        raise UsageError(f"--iface {args.iface}: no such network interface on this machine")
     client.get("/jobs")  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
-    agent = Agent(client.address, node, nproc, token=client.token, labels=labels)
+    agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
+                  iface=args.iface)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
+    advertised = netaddr.worker_env(client.address, os.environ, args.iface)
+    if advertised:
+        print("maitre: workers advertise " + " ".join(f"{k}={v}" for k, v in advertised.items()),
+              flush=True)
     try:
         agent.serve()
     except KeyboardInterrupt:
@@ -273,8 +286,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
     print(f"maitre: coordinator at {cluster.address} with {args.nodes} local node(s) x {slots} "
           f"slot(s); state in {cfg.state_dir}", flush=True)
-    print(f"maitre: export MAITRE_COORDINATOR={cluster.address} "
-          f"MAITRE_TOKEN_FILE={cluster.token_file.resolve()}", flush=True)
+    print(f"maitre: export {_COORDINATOR}={cluster.address} "
+          f"{_TOKEN_FILE}={cluster.token_file.resolve()}", flush=True)
     cluster.start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -407,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--node-id", help="node name (default: host name and pid)")
     agent.add_argument("--label", action="append", help="rack=R, block=B, capacity_type="
                        "on-demand|spot or accelerator=A (repeatable)")
+    agent.add_argument("--iface", metavar="NAME", help="network interface the workers advertise "
+                       "to their peers (default: the one that reaches the coordinator, none on "
+                       "loopback; $GLOO_SOCKET_IFNAME and $NCCL_SOCKET_IFNAME, if set, win)")
     agent.set_defaults(fn=cmd_agent)
 
     scale = sub.add_parser("scale", help="set a job's number of workers (a submitted job: its "
@@ -494,7 +510,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _logging() -> None:
+    """maitre's own modules log through ``logging`` (``maitre.coordinator``, ``maitre.agent``,
+    ...); the CLI shows their warnings on stderr, ``MAITRE_LOG=debug`` shows more. What a
+    command prints for its user (tables, events, summaries) is not logging."""
+    level = os.environ.get(_LOG, "warning").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING),
+                        format="maitre: %(name)s: %(levelname)s: %(message)s")
+    logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING,
+                                                    logging.getLogger().level))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    _logging()
     try:
         args = build_parser().parse_args(argv)
         return args.fn(args)

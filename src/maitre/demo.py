@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,7 +37,9 @@ from maitre.runtime.ledger import audit
 from maitre.scheduling.model import Queue
 from maitre.scheduling.policy import PolicyConfig
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train.py"
+EXAMPLE = resources.files("maitre") / "examples" / "train.py"
+"""The example training script, package data (the repository's ``examples/train.py`` links to
+it), so that an installed wheel runs the demo too."""
 TARGETS = {"allocation": 0.90, "utilization": 0.85}
 
 
@@ -52,7 +55,8 @@ class DemoConfig:
     cooldown_s: float = 15.0
     timeout_s: float = 600.0
     """A safety net: about 150 s on 2 cores; a slower machine still gets its report."""
-    script: Path = EXAMPLE
+    script: Path | None = None
+    """The script the jobs run; None: :data:`EXAMPLE`."""
     nodes: int = 4
     slots_per_node: int = 2
 
@@ -64,6 +68,8 @@ class Demo:
         self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix="maitre-demo-"))
         self.causes: list[tuple[float, str, str]] = []
         """(time, job, what): the demo's own interventions (kills), for the recovery table."""
+        self.script: Path | None = None
+        """The script as a file on disk, while :meth:`run` runs."""
 
     def _manifest(self, name: str, queue: str, lo: int, hi: int, steps: int,
                   priority: str = "normal", preemptible: bool = True) -> dict[str, Any]:
@@ -71,11 +77,17 @@ class Demo:
                 "minReplicas": lo, "maxReplicas": hi, "preemptible": preemptible,
                 "gracePeriodSeconds": 30, "topology": {"level": "rack", "mode": "preferred"},
                 "checkpointDir": str(self.run_dir / "checkpoints" / name),
-                "command": [sys.executable, str(self.cfg.script), "--steps", str(steps),
+                "command": [sys.executable, str(self.script), "--steps", str(steps),
                             "--log-every", "100000",
                             "--device-ms-per-sample", str(self.cfg.device_ms_per_sample)]}
 
     def run(self) -> int:
+        # Package data need not be a file (a zipped install); the workers need one to run.
+        with resources.as_file(self.cfg.script or EXAMPLE) as script:
+            self.script = script
+            return self._run()
+
+    def _run(self) -> int:
         cfg = self.cfg
         capacity = cfg.nodes * cfg.slots_per_node
         gang, a_quota, b_quota = max(1, capacity // 2), max(1, capacity // 2), capacity // 4

@@ -31,9 +31,9 @@ from typing import Any, Callable
 from maitre.agent.agent import Agent
 from maitre.checkpoint import checkpointer as ckpt_env
 from maitre.checkpoint.loader import newest_complete
-from maitre.control.membership import ENDED, DetectorConfig, JobState, WorkerState
-from maitre.control.server import CoordinatorServer
-from maitre.runtime import env as envvars
+from maitre import protocol
+from maitre.control.api import CoordinatorServer
+from maitre.control.membership import ENDED, DetectorConfig, JobSpec, JobState, WorkerState
 from maitre.runtime.ledger import audit
 
 EVENT_KINDS = ("kill", "hang", "join", "leave")
@@ -119,11 +119,10 @@ class Run:
             if cfg.mtbf_s:
                 env[ckpt_env.MTBF_ENV] = str(cfg.mtbf_s)
             env[ckpt_env.KEEP_ENV] = str(cfg.checkpoint_keep)
-        self.coordinator.create_job({
-            "job_id": cfg.job_id, "command": cfg.command,
-            "min_workers": cfg.min_nodes * cfg.nproc_per_node,
-            "max_workers": cfg.max_nodes * cfg.nproc_per_node,
-            "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts, "env": env})
+        self.coordinator.create_job(JobSpec(
+            job_id=cfg.job_id, command=cfg.command, min_workers=cfg.min_nodes * cfg.nproc_per_node,
+            max_workers=cfg.max_nodes * cfg.nproc_per_node, nproc_per_node=cfg.nproc_per_node,
+            max_restarts=cfg.max_restarts, env=env))
         write_token(self.token_file, self.token)
         self.out(f"maitre: coordinator at {self.server.address}; add a node with "
                  f"`maitre agent --coordinator {self.server.address} --token-file "
@@ -133,9 +132,9 @@ class Run:
         return self
 
     def add_node(self) -> Agent:
-        extra = {envvars.RUN_ID: self.run_id}
+        extra = {protocol.RUN_ID: self.run_id}
         if self.cfg.ledger:
-            extra[envvars.LEDGER_DIR] = str(self.ledger_dir)
+            extra[protocol.LEDGER_DIR] = str(self.ledger_dir)
         output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
         with self._lock:
             agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,

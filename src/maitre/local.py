@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from maitre.agent.agent import Agent
+from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.control.detector import PhiConfig
 from maitre.control.membership import DetectorConfig
-from maitre.control.server import CoordinatorServer
 from maitre.control.store import Store
 from maitre.launch import describe, write_token
 from maitre.scheduling.model import Queue
@@ -68,7 +68,7 @@ class LocalCluster:
         for q in cfg.queues:
             self.db.put_queue(q)
             cluster.queues[q.name] = q
-        self.db.put_meta("ports", {"http": self.server.httpd.server_address[1],
+        self.db.put_meta("ports", {"http": self.server.port,
                                    "store": self.server.store.port})
         write_token(self.token_file, self.token)
         self.agents: list[Agent] = []

@@ -1,12 +1,13 @@
-"""The coordinator's HTTP API as seen by its clients (workers, agents, the CLI).
+"""A small stdlib JSON client for maitre's HTTP APIs: the coordinator's (workers, agents, the
+CLI) and an agent's unix socket (its workers' heartbeats).
 
-JSON over HTTP/1.1 with keep-alive: a worker's heartbeat is one small request on a connection that
-stays open. This module is the only place that knows URLs and status codes, so the runtime and the
-agent can talk to the coordinator without importing it.
+JSON over HTTP/1.1 with keep-alive: each thread keeps one connection open. Routes and message
+shapes are :mod:`maitre.protocol`'s; this module only moves them, so the training process talks to
+its agent and the coordinator without an HTTP library.
 
-Errors:
+Errors (:mod:`maitre.errors`):
     CoordinatorUnreachable  the connection failed or timed out (the caller decides whether to retry)
-    ApiError                the coordinator answered 4xx/5xx; ``status`` and ``message`` say why
+    ApiError                the server answered 4xx/5xx; ``status`` and ``message`` say why
 """
 
 from __future__ import annotations
@@ -17,18 +18,10 @@ import socket
 import threading
 from typing import Any
 
-API = "/v1"
+from maitre.errors import ApiError, CoordinatorUnreachable
 
-
-class CoordinatorUnreachable(ConnectionError):
-    pass
-
-
-class ApiError(RuntimeError):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"coordinator answered {status}: {message}")
-        self.status = status
-        self.message = message
+__all__ = ["ApiError", "Client", "CoordinatorUnreachable", "UnixClient", "parse_address"]
+API = "/v1"  # maitre.protocol.API (not imported: it needs pydantic, the training process not)
 
 
 def parse_address(address: str) -> tuple[str, int]:
@@ -49,10 +42,13 @@ class Client:
         self.timeout_s = timeout_s
         self._local = threading.local()
 
+    def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+            conn = self._connect(timeout_s)
             self._local.conn = conn
         conn.timeout = timeout_s
         if conn.sock is not None:
@@ -101,3 +97,34 @@ class Client:
 
     def close(self) -> None:
         self._drop()
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class UnixClient(Client):
+    """The same client over a unix socket (a worker to its agent)."""
+
+    def __init__(self, path: str, timeout_s: float = 2.0) -> None:
+        self.address = path
+        self.token = None
+        self.host, self.port = "localhost", 0
+        self.timeout_s = timeout_s
+        self._local = threading.local()
+        self._path = path
+
+    def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        return _UnixConnection(self._path, timeout_s)

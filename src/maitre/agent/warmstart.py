@@ -29,7 +29,7 @@ import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-ENV = "MAITRE_WARM_START"
+from maitre.protocol import WARM_START as ENV
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "maitre",
            "maitre.runtime.loop"]
 """Imported once in the fork server. torch._dynamo is what `torch.optim` optimizers import

@@ -6,12 +6,43 @@ thread writes safetensors and JSON files, fsyncs them, and the committing rank w
 of checksums and renames the directory into place). :mod:`.loader` verifies every checksum before
 using a byte and falls back to the previous complete checkpoint; :mod:`.policy` picks the
 interval (Young/Daly). :mod:`.format` is the one place that knows the bytes on disk.
+
+The names below are imported on first use (PEP 562): :mod:`.policy` needs no torch, and importing
+it, or ``maitre.IntervalConfig``, should not import torch through this file.
 """
 
-from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
-from maitre.checkpoint.format import CorruptCheckpoint
-from maitre.checkpoint.loader import Loaded, load, load_latest
-from maitre.checkpoint.policy import IntervalConfig, daly_interval_s
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+    from maitre.checkpoint.format import CorruptCheckpoint
+    from maitre.checkpoint.loader import Loaded, load, load_latest
+    from maitre.checkpoint.policy import IntervalConfig, daly_interval_s
+
+_HOMES = {
+    "CheckpointConfig": "maitre.checkpoint.checkpointer",
+    "Checkpointer": "maitre.checkpoint.checkpointer",
+    "CorruptCheckpoint": "maitre.checkpoint.format",
+    "IntervalConfig": "maitre.checkpoint.policy",
+    "Loaded": "maitre.checkpoint.loader",
+    "daly_interval_s": "maitre.checkpoint.policy",
+    "load": "maitre.checkpoint.loader",
+    "load_latest": "maitre.checkpoint.loader",
+}
+"""Where each public name is defined."""
 
 __all__ = ["CheckpointConfig", "Checkpointer", "CorruptCheckpoint", "IntervalConfig", "Loaded",
            "daly_interval_s", "load", "load_latest"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'maitre.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # the next lookup is an ordinary one
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -20,11 +20,10 @@ from maitre.checkpoint import loader
 from maitre.checkpoint.policy import IntervalConfig, IntervalPolicy
 from maitre.checkpoint.snapshot import SnapshotBuffers, part_bytes
 from maitre.checkpoint.writer import SaveResult, Writer, fault_point
-
-DIR_ENV = "MAITRE_CHECKPOINT_DIR"
-EVERY_ENV = "MAITRE_CHECKPOINT_EVERY"
-MTBF_ENV = "MAITRE_MTBF_S"
-KEEP_ENV = "MAITRE_CHECKPOINT_KEEP"
+from maitre.protocol import CHECKPOINT_DIR as DIR_ENV
+from maitre.protocol import CHECKPOINT_EVERY as EVERY_ENV
+from maitre.protocol import CHECKPOINT_KEEP as KEEP_ENV
+from maitre.protocol import MTBF_S as MTBF_ENV
 
 
 def _stderr(line: str) -> None:

@@ -31,11 +31,11 @@ from typing import Callable
 
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint.snapshot import Snapshot
+from maitre.protocol import CHECKPOINT_FAULT as FAULT_ENV
 
-FAULT_ENV = "MAITRE_CHECKPOINT_FAULT"
-"""Fault injection for tests: ``PHASE@N`` kills this process with SIGKILL at PHASE of its N-th
-save (1-based). Phases: ``snapshot`` (halfway through the copy), ``mid_file`` (halfway through
-the shard), ``between_files``, ``before_manifest``, ``before_rename``, ``after_rename``."""
+# FAULT_ENV, for tests: ``PHASE@N`` kills this process with SIGKILL at PHASE of its N-th save
+# (1-based). Phases: ``snapshot`` (halfway through the copy), ``mid_file`` (halfway through the
+# shard), ``between_files``, ``before_manifest``, ``before_rename``, ``after_rename``.
 PHASES = ("snapshot", "mid_file", "between_files", "before_manifest", "before_rename",
           "after_rename")
 _POLL_S = 0.02

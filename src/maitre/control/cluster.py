@@ -41,15 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from maitre import protocol
 from maitre.control.detector import PhiAccrual, PhiConfig
 from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, JobState,
                                        Membership, WorkerState)
 from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue
 from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
 from maitre.scheduling.spec import JobManifest
-
-# Environment of a managed job's workers (the names the runtime reads; no runtime import here).
-_CKPT_DIR_ENV, _LEDGER_ENV, _RUN_ENV = "MAITRE_CHECKPOINT_DIR", "MAITRE_LEDGER_DIR", "MAITRE_RUN_ID"
 
 THROUGHPUT_WINDOW_S = 4.0
 """Shortest stretch of uninterrupted training a throughput sample is taken over."""
@@ -113,6 +111,7 @@ class ClusterState:
         """``log(now, kind, job=None, **fields)``: the coordinator's event sink."""
         self.usage = Usage()
         self._withdraw: set[str] = set()
+        self._by_node: dict[str, list[str]] = {}
         """Nodes whose allocations the next sync withdraws (they lost slots)."""
 
     # -- nodes -----------------------------------------------------------------------------------
@@ -175,9 +174,9 @@ class ClusterState:
     def incarnation_spec(self, m: ManagedJob) -> JobSpec:
         man = m.manifest
         scope = f"g{m.generation}i{m.incarnation}"
-        env = {_RUN_ENV: f"{m.id}-{scope}", _LEDGER_ENV: str(self.ledger_dir(m))}
+        env = {protocol.RUN_ID: f"{m.id}-{scope}", protocol.LEDGER_DIR: str(self.ledger_dir(m))}
         if man.checkpoint_dir:
-            env[_CKPT_DIR_ENV] = man.checkpoint_dir
+            env[protocol.CHECKPOINT_DIR] = man.checkpoint_dir
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
                        max_workers=man.max_replicas, nproc_per_node=1,
                        max_restarts=self.max_restarts, env=env, store_scope=scope)
@@ -188,16 +187,26 @@ class ClusterState:
         name = m.id if not m.generation else f"{m.id}.{m.generation}"
         return self.run_dir / "ledger" / name
 
-    def allowed_on(self, job_id: str, membership: Membership, node: str) -> int:
-        """Workers of a managed job that may still start on ``node`` (its allocation there minus
-        its workers there that are not leaving)."""
+    def allowed_on(self, job_id: str, node: str, staying_here: int) -> int:
+        """Workers of a managed job that may still start on ``node``: its allocation there minus
+        its workers there that are not leaving (``staying_here``)."""
         m = self.managed.get(job_id)
-        if m is None:
+        if m is None or m.ended is not None:
             return 0
-        alloc = m.job.placement.get(node, 0)
-        here = sum(1 for w in membership.live_workers()
-                   if w.node == node and w.state != WorkerState.LEAVING)
-        return max(0, alloc - here)
+        return max(0, m.job.placement.get(node, 0) - staying_here)
+
+    def allocated_on(self, node: str) -> list[str]:
+        """The jobs with an allocation on ``node``, as of the last :meth:`index_allocations`
+        (allocations grow only in a scheduling pass, which ends with one)."""
+        return self._by_node.get(node, [])
+
+    def index_allocations(self) -> None:
+        by_node: dict[str, list[str]] = {}
+        for m in self.managed.values():
+            if m.ended is None:
+                for node in m.job.placement:
+                    by_node.setdefault(node, []).append(m.id)
+        self._by_node = by_node
 
     def slots_per_worker(self, job_id: str) -> int:
         m = self.managed.get(job_id)

@@ -18,10 +18,14 @@ so ring neighbours share a node) and the store prefix the process group is built
 Who is expected in the next epoch: the members of the current epoch that are alive and not asked
 to leave, plus workers that are ready to join (they did their slow start-up first), up to the
 job's target size. Members that die while the round is open drop out of it. Workers learn of a
-closed epoch from their heartbeat reply and come to the round themselves; a member that stopped
-(SIGSTOP, partition) is declared dead by :meth:`Membership.detect_failures`: its heartbeats lapsed
-past an adaptive timeout while every other member waited in a collective, or lapsed past the hard
-timeout whatever the others do.
+closed epoch from their :meth:`~Membership.view` (their agent hands it over) and come to the round
+themselves; a member that stopped (SIGSTOP, partition) is declared dead by
+:meth:`Membership.detect_failures`: its heartbeats (as its agent reports them with
+:meth:`~Membership.progress`) lapsed past an adaptive timeout while every other member waited in a
+collective, or lapsed past the hard timeout whatever the others do.
+
+Workers are counted by state as they change (:meth:`_set_state`), so what a node beat asks of a
+job of thousands of workers (does it want more, is a change pending) costs O(1).
 
 Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock and a condition.
 """
@@ -29,6 +33,7 @@ Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock an
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
 from typing import Any
@@ -120,7 +125,7 @@ class Worker:
     last_heartbeat: float = 0.0
     gap_mean: float = 0.0
     gap_var: float = 0.0
-    num_gaps: int = 0
+    """The rhythm of its heartbeats (mean and variance of their gaps), as its agent sees it."""
     stalled: bool = False
     exit_code: int | None = None
     error: str | None = None
@@ -132,17 +137,8 @@ class Worker:
     trained_s: float = 0.0
     """Seconds it spent in steps that committed (reported with its heartbeats)."""
 
-    def beat(self, now: float) -> None:
-        # Gaps count only once the process is up: its start-up (seconds of imports) is no
-        # measure of how regularly it beats.
-        if self.state != WorkerState.STARTING and self.last_heartbeat:
-            gap = now - self.last_heartbeat
-            self.num_gaps += 1
-            alpha = max(0.05, 1.0 / self.num_gaps)
-            delta = gap - self.gap_mean
-            self.gap_mean += alpha * delta
-            self.gap_var = (1 - alpha) * (self.gap_var + alpha * delta * delta)
-        self.last_heartbeat = now
+    def seen(self, now: float) -> None:
+        self.last_heartbeat = max(self.last_heartbeat, now)
 
     def suspect_after(self, cfg: DetectorConfig) -> float:
         adaptive = self.gap_mean + cfg.suspect_sigmas * math.sqrt(self.gap_var)
@@ -190,6 +186,10 @@ class Membership:
         self._node_order: dict[str, int] = {}
         self._next_worker = first_worker
         """Worker ids go on from here (a resumed job's new workers never reuse an old id)."""
+        self._count: Counter[WorkerState] = Counter()
+        """Workers by state, so that what a heartbeat asks (is a change pending, does the job
+        want workers) costs the same for 2 workers and for 2,000."""
+        self._leaving_members = 0
 
     # -- workers come and go ---------------------------------------------------------------------
     def add_worker(self, node: str, slot: int, now: float, slots: int = 1) -> Worker:
@@ -198,7 +198,25 @@ class Membership:
         worker = Worker(id=f"{self.spec.job_id}-w{self._next_worker}", node=node, slot=slot,
                         last_heartbeat=now, slots=slots, started_at=now)
         self.workers[worker.id] = worker
+        self._count[worker.state] += 1
         return worker
+
+    def _is_member(self, w: Worker) -> bool:
+        """Member of the current epoch (only members are ever given an epoch's number)."""
+        return self.epoch > 0 and w.epoch == self.epoch
+
+    def _set_state(self, w: Worker, state: WorkerState) -> None:
+        """Every worker state change goes through here (it keeps the counts true)."""
+        self._count[w.state] -= 1
+        self._count[state] += 1
+        if self._is_member(w):
+            self._leaving_members += (state == WorkerState.LEAVING) - (w.state == WorkerState.LEAVING)
+        w.state = state
+
+    def _recount(self) -> None:
+        self._count = Counter(w.state for w in self.workers.values())
+        self._leaving_members = sum(1 for w in self.workers.values()
+                                    if w.state == WorkerState.LEAVING and self._is_member(w))
 
     @property
     def workers_added(self) -> int:
@@ -212,26 +230,46 @@ class Membership:
         """How many more worker processes the job would start now."""
         if self.state in ENDED or self.suspending:
             return 0
-        live = sum(1 for w in self.live_workers() if w.state != WorkerState.LEAVING)
-        return max(0, self.target - live)
+        return max(0, self.target - self.staying())
+
+    def staying(self) -> int:
+        """Live workers not asked to leave."""
+        c = self._count
+        return c[WorkerState.STARTING] + c[WorkerState.READY] + c[WorkerState.ACTIVE]
+
+    def view_key(self) -> tuple[Any, ...]:
+        """Changes whenever any worker's :meth:`view` may have changed (or its slots' use)."""
+        c = self._count
+        return (self.state, self.epoch, self.target, self.change_pending(), self.suspending,
+                self.failures, c[WorkerState.LEAVING], c[WorkerState.DEAD], c[WorkerState.LEFT],
+                c[WorkerState.DONE], c[WorkerState.READY], c[WorkerState.STARTING])
 
     def ready(self, wid: str, now: float) -> None:
         """The worker finished its start-up and wants to join the next epoch."""
         w = self._worker(wid)
         if w.state == WorkerState.STARTING:
-            w.state = WorkerState.READY
+            self._set_state(w, WorkerState.READY)
             w.ready_at = now
             w.last_heartbeat = now
-        w.beat(now)
+        w.seen(now)
 
-    def heartbeat(self, wid: str, now: float, step: int, stalled: bool,
-                  trained_s: float = 0.0) -> dict[str, Any]:
+    def progress(self, wid: str, seen_at: float, step: int, stalled: bool,
+                 trained_s: float = 0.0, gap_mean_s: float = 0.0, gap_std_s: float = 0.0) -> None:
+        """What the worker's agent reports of it: it last heard from the worker at ``seen_at``
+        (which is never older than what was known), at its step, stalled or not, with the
+        rhythm of its heartbeats (mean and deviation of their gaps) as the agent measured it."""
         w = self._worker(wid)
-        w.beat(now)
+        if seen_at > w.last_heartbeat:
+            w.last_heartbeat = seen_at
+        w.gap_mean, w.gap_var = gap_mean_s, gap_std_s * gap_std_s
         w.trained_s = max(w.trained_s, trained_s)
         if w.state in (WorkerState.ACTIVE, WorkerState.LEAVING):
             w.step = max(w.step, step)
             w.stalled = stalled
+
+    def view(self, wid: str, now: float) -> dict[str, Any]:
+        """What the worker must know between two steps (see :class:`maitre.protocol.WorkerView`)."""
+        w = self._worker(wid)
         closed = w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or \
             w.epoch != self.epoch or self.state != JobState.RUNNING
         return {"job_state": self.state.value, "epoch": self.epoch, "member_epoch": w.epoch,
@@ -245,10 +283,9 @@ class Membership:
         """Members should stop at the next step boundary and rendezvous."""
         if self.state != JobState.RUNNING or self.suspending:
             return False
-        if any(self.workers[m].state == WorkerState.LEAVING for m in self.members):
+        if self._leaving_members:
             return True
-        waiting = [w for w in self.workers.values() if w.state == WorkerState.READY]
-        return bool(waiting) and len(self.members) < self.target
+        return self._count[WorkerState.READY] > 0 and len(self.members) < self.target
 
     def exited(self, wid: str, code: int, error: str | None, now: float) -> None:
         """The agent saw the worker process exit."""
@@ -262,7 +299,7 @@ class Membership:
             self.left(wid, now)
             return
         if self.state in ENDED:  # stopped with its job
-            w.state = WorkerState.LEFT if code == 0 else WorkerState.DEAD
+            self._set_state(w, WorkerState.LEFT if code == 0 else WorkerState.DEAD)
             return
         if error:
             w.error = error
@@ -277,8 +314,8 @@ class Membership:
         self._mark_dead(self._worker(wid), reason, now)
 
     def _mark_dead(self, w: Worker, reason: str, now: float) -> None:
-        was_member = w.id in self.members and w.epoch == self.epoch
-        w.state = WorkerState.DEAD
+        was_member = self._is_member(w)
+        self._set_state(w, WorkerState.DEAD)
         w.arrived_from = None
         if was_member and self._check_completed(now):
             return  # a member finished the last step: the others' exits are no failure
@@ -317,8 +354,8 @@ class Membership:
         step boundary); a member that leaves an epoch that still runs (it was asked to leave
         before it picked up its assignment) ends it, or its peers would wait for it forever."""
         w = self._worker(wid)
-        was_member = w.id in self.members and w.epoch == self.epoch
-        w.state = WorkerState.LEFT
+        was_member = self._is_member(w)
+        self._set_state(w, WorkerState.LEFT)
         w.arrived_from = None
         self._log(now, "worker_left", worker=wid)
         if was_member and self.state == JobState.RUNNING:
@@ -327,7 +364,7 @@ class Membership:
     def done(self, wid: str, step: int, now: float, suspended: bool = False) -> None:
         """The worker finished its training loop, or (``suspended``) checkpointed and stopped."""
         w = self._worker(wid)
-        w.state = WorkerState.DONE if not suspended else WorkerState.LEFT
+        self._set_state(w, WorkerState.DONE if not suspended else WorkerState.LEFT)
         w.step = max(w.step, step)
         if suspended:
             self._check_suspended(now)
@@ -387,18 +424,18 @@ class Membership:
         for wid in leave or []:  # chosen ones that never joined go at once
             w = self.workers.get(wid)
             if w is not None and w.state in (WorkerState.STARTING, WorkerState.READY):
-                w.state = WorkerState.LEAVING
+                self._set_state(w, WorkerState.LEAVING)
         staying = [m for m in self.members if self.workers[m].state == WorkerState.ACTIVE]
         chosen = [m for m in staying if m in (leave or [])]
         order = chosen + [m for m in reversed(staying) if m not in chosen]
         excess = max(0, len(staying) - target)
         leaving = [m for m in staying if m in order[:excess]]
         for wid in leaving:
-            self.workers[wid].state = WorkerState.LEAVING
+            self._set_state(self.workers[wid], WorkerState.LEAVING)
         for w in self.workers.values():  # joiners that are no longer wanted
             if w.state in (WorkerState.STARTING, WorkerState.READY) and \
                     len(staying) - len(leaving) >= target:
-                w.state = WorkerState.LEAVING
+                self._set_state(w, WorkerState.LEAVING)
         self._log(now, "scale", target=target, leaving=leaving)
         return leaving
 
@@ -406,12 +443,12 @@ class Membership:
     def arrive(self, wid: str, from_epoch: int, step: int, reason: str, now: float) -> None:
         """A worker asks for the epoch after ``from_epoch`` (0 for a joiner)."""
         w = self._worker(wid)
-        w.beat(now)
+        w.seen(now)
         if w.state == WorkerState.STARTING:
             self.ready(wid, now)
         w.arrived_from = from_epoch
         w.step = max(w.step, step)
-        if self.state == JobState.RUNNING and from_epoch == self.epoch and w.id in self.members:
+        if self.state == JobState.RUNNING and from_epoch == self.epoch and self._is_member(w):
             self._close(f"{reason} (reported by {wid})", now)
 
     def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
@@ -474,9 +511,10 @@ class Membership:
         self.epoch += 1
         self.members = [w.id for w in expected]
         for rank, w in enumerate(expected):
-            w.state, w.epoch, w.rank, w.arrived_from, w.stalled = (
-                WorkerState.ACTIVE, self.epoch, rank, None, False)
+            self._set_state(w, WorkerState.ACTIVE)
+            w.epoch, w.rank, w.arrived_from, w.stalled = self.epoch, rank, None, False
             w.last_heartbeat = max(w.last_heartbeat, now)
+        self._leaving_members = 0
         self.state = JobState.RUNNING
         self._log(now, "epoch", epoch=self.epoch, members=list(self.members),
                   reason=self.close_reason or "start",
@@ -575,8 +613,8 @@ class Membership:
             if w.state in LIVE:
                 w.last_heartbeat = now
                 w.gap_mean = w.gap_var = 0.0
-                w.num_gaps = 0
             m.workers[w.id] = w
+        m._recount()
         return m
 
     def summary(self) -> dict[str, Any]:

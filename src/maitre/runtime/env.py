@@ -1,7 +1,7 @@
 """How a worker process finds out where it runs: maitre's variables, else torchrun's.
 
-Under ``maitre`` the agent sets ``MAITRE_COORDINATOR``, ``MAITRE_WORKER_ID``, ``MAITRE_STORE`` and
-``LOCAL_RANK``; rank and world size are not known at start and come from each membership epoch
+Under ``maitre`` the agent sets ``MAITRE_COORDINATOR``, ``MAITRE_WORKER_ID``, ``MAITRE_STORE``,
+``MAITRE_AGENT`` and ``LOCAL_RANK``; rank and world size are not known at start and come from each membership epoch
 (the loop then sets ``RANK`` and ``WORLD_SIZE`` for scripts that read them). Under plain
 ``torchrun`` the usual ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` make a fixed
 group. With neither, the script runs as a single process.
@@ -14,17 +14,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping
 
-COORDINATOR = "MAITRE_COORDINATOR"
-WORKER_ID = "MAITRE_WORKER_ID"
-JOB_ID = "MAITRE_JOB_ID"
-STORE = "MAITRE_STORE"
-LEDGER_DIR = "MAITRE_LEDGER_DIR"
-RUN_ID = "MAITRE_RUN_ID"
-TOKEN = "MAITRE_TOKEN"
-SLOTS = "MAITRE_SLOTS"
-"""The node's slots (GPU indices) a worker holds, comma-separated: ``gpusPerReplica`` of them."""
-HEARTBEAT_S = "MAITRE_HEARTBEAT_S"
-COORDINATOR_TIMEOUT_S = "MAITRE_COORDINATOR_TIMEOUT_S"
+from maitre.protocol import (AGENT, COORDINATOR, COORDINATOR_TIMEOUT_S, HEARTBEAT_S, JOB_ID,
+                             LEDGER_DIR, RUN_ID, STORE, TOKEN, WORKER_ID)
 
 
 class Mode(str, Enum):
@@ -40,6 +31,8 @@ class WorkerEnv:
     local_rank: int
     coordinator: str = ""
     store: str = ""
+    agent: str = ""
+    """The agent's unix socket (heartbeats go there)."""
     job_id: str = ""
     ledger_dir: str = ""
     run_id: str = ""
@@ -56,12 +49,12 @@ class WorkerEnv:
         common = {"local_rank": local_rank, "ledger_dir": env.get(LEDGER_DIR, ""),
                   "run_id": env.get(RUN_ID, "")}
         if env.get(COORDINATOR):
-            missing = [k for k in (WORKER_ID, STORE) if not env.get(k)]
+            missing = [k for k in (WORKER_ID, STORE, AGENT) if not env.get(k)]
             if missing:
                 raise RuntimeError(f"{COORDINATOR} is set but {', '.join(missing)} is not: "
                                    "workers must be started by a maitre agent")
             return cls(mode=Mode.ELASTIC, worker_id=env[WORKER_ID], coordinator=env[COORDINATOR],
-                       store=env[STORE], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
+                       store=env[STORE], agent=env[AGENT], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
                        heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
                        coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
                        **common)

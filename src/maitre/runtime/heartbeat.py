@@ -1,14 +1,17 @@
 """The worker's heartbeat thread: liveness for the coordinator, news for the training loop.
 
-Every ``interval_s`` the thread tells the coordinator the worker's committed step, the seconds it
-spent in steps that committed (the cluster's utilization accounting), and whether it is stalled (waiting in a collective for longer than the loop's stall threshold, which is derived
-from observed step times). The reply says whether the worker's epoch was closed (a peer died,
-hung or the job is resizing), whether a change is pending (a joiner is ready, a member must
-leave), and whether this worker must stop. The training loop reads these flags between wait
-slices and at step boundaries; the thread itself never touches the process group.
+Every ``interval_s`` the thread tells its agent (on the agent's unix socket, never the
+coordinator: the agent carries all its node's workers in one beat) the worker's committed step,
+the seconds it spent in steps that committed (the cluster's utilization accounting), and whether
+it is stalled (waiting in a collective for longer than the loop's stall threshold, which is
+derived from observed step times). The reply is the worker's view as the coordinator last sent
+it: whether the worker's epoch was closed (a peer died, hung or the job is resizing), whether a
+change is pending (a joiner is ready, a member must leave), and whether this worker must stop.
+The training loop reads these flags between wait slices and at step boundaries; the thread
+itself never touches the process group.
 
-If the coordinator cannot be reached the flags keep their last values: the current epoch goes on
-training, and only the next membership change waits for the coordinator to come back.
+If the agent or the coordinator cannot be reached the flags keep their last values: the current
+epoch goes on training, and only the next membership change waits for the coordinator.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
+
+_ROUTE = "/workers/{worker}/heartbeat"  # maitre.protocol.WORKER_HEARTBEAT, on the agent
 
 
 @dataclass(slots=True)
@@ -60,7 +65,7 @@ class Heartbeat:
         while not self._stop.is_set():
             step, stalled, trained_s = self.progress()
             try:
-                reply = self.client.post(f"/workers/{self.worker_id}/heartbeat",
+                reply = self.client.post(_ROUTE.format(worker=self.worker_id),
                                          {"step": step, "stalled": stalled,
                                           "trained_s": round(trained_s, 4)}, timeout_s=2.0)
             except (CoordinatorUnreachable, ApiError):

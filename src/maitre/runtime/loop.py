@@ -57,7 +57,7 @@ from maitre.runtime.sampler import ElasticSampler, StepSlice
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.transfer import broadcast_state, sync_steps
-from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
+from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
 # loss sum, sample count, resize flag; save request, stop request, save token, writer busy
 _CONTROL = 7
@@ -340,7 +340,8 @@ class ElasticLoop:
             self._sync_state(Recovery("start", time.time()))
             return
         self._client = Client(self.env.coordinator, token=self.env.token or None)
-        self._heartbeat = Heartbeat(self._client, self.env.worker_id, self.env.heartbeat_s,
+        self._heartbeat = Heartbeat(UnixClient(self.env.agent), self.env.worker_id,
+                                    self.env.heartbeat_s,
                                     self._progress).start()
         self._recovery = Recovery("join", time.time())
         self._rendezvous("join", from_epoch=0)

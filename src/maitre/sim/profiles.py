@@ -25,7 +25,7 @@ import csv
 import math
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
+from importlib.resources.abc import Traversable
 
 import numpy as np
 
@@ -39,7 +39,7 @@ _MAX_EPOCHS = {"bert": 2, "cifar10": 100, "ncf": 10, "imagenet": 90, "deepspeech
 _MAX_LOCAL_BSZ = {"yolov3": 8}
 
 
-def _read(path: Path) -> list[dict[str, str]]:
+def _read(path: Traversable) -> list[dict[str, str]]:
     with path.open(newline="") as f:
         return list(csv.DictReader(f))
 
@@ -78,14 +78,16 @@ class Application:
     _memo: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def load(cls, name: str, root: Path = PROFILES) -> "Application":
+    def load(cls, name: str, root: Traversable = PROFILES) -> "Application":
         folder = root / name
         if not folder.is_dir():
             raise ValueError(f"no profile for application {name!r} in {root}")
         validation = {}
-        for path in folder.glob("validation-*.csv"):
+        for path in folder.iterdir():
+            if not (path.name.startswith("validation-") and path.name.endswith(".csv")):
+                continue
             rows = _read(path)
-            validation[int(path.stem.split("-")[-1])] = {
+            validation[int(path.name.removesuffix(".csv").split("-")[-1])] = {
                 col: np.array([float(r[col]) for r in rows])
                 for col in ("progress", "iteration", "grad_sqr", "grad_var")}
         validation = dict(sorted(validation.items()))

@@ -28,11 +28,10 @@ from maitre.sim import scenarios
 from maitre.sim.jobs import Recovery, SimJob, TraceJob
 from maitre.sim.policies import POLICIES, make_policy
 from maitre.sim.simulator import NodeEvent, SimConfig, SimNode, SimResult, Simulation
-from maitre.sim.workload import (DATA, is_philly, load_philly, load_workload,
-                                 pollux_workload)
+from maitre.sim.workload import is_philly, load_philly, load_workload, pollux_workload
 
-REPO = DATA.parents[1]
-_RECOVERY_JSON = REPO / "benchmarks" / "results" / "recovery.json"
+# In the repository, not in the package: an installed package uses the constants below.
+_RECOVERY_JSON = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "recovery.json"
 # maitre's measured costs (benchmarks/results/recovery.json, the median of 3 runs): the pause of
 # the running workers while a joiner enters, and a crash to the next step with the survivors.
 MEASURED_RESIZE_S = 0.020

@@ -1,4 +1,5 @@
-"""Workloads: the jobs a simulation replays, read from the Pollux workload CSVs (``data/traces``).
+"""Workloads: the jobs a simulation replays, read from the Pollux workload CSVs (``data/traces``,
+package data: :data:`DATA`).
 
 A Pollux workload file has one row per job: ``name,time,application,num_replicas,batch_size``
 (submission time in seconds; the replicas and batch size the fixed-size baselines use). Every
@@ -11,9 +12,12 @@ import csv
 import io
 import math
 from dataclasses import dataclass
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parents[3] / "data" / "traces"
+DATA = resources.files("maitre") / "data" / "traces"
+"""The bundled traces and profiles: package data, so an installed wheel has them too."""
 APPLICATIONS = ("cifar10", "ncf", "deepspeech2", "bert", "yolov3", "imagenet")
 _COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
 
@@ -35,9 +39,10 @@ class Arrival:
     batch_size: int
 
 
-def load_workload(path: str | Path) -> list[Arrival]:
-    """The jobs of a Pollux workload CSV, in submission order."""
-    path = Path(path)
+def load_workload(path: str | Traversable) -> list[Arrival]:
+    """The jobs of a Pollux workload CSV (a path, or a file of :data:`DATA`), in submission
+    order."""
+    path = Path(path) if isinstance(path, str) else path
     try:
         text = path.read_text()
     except OSError as exc:
@@ -83,7 +88,7 @@ def parse_workload(text: str, source: str = "workload") -> list[Arrival]:
     return sorted(jobs, key=lambda j: (j.time, j.name))
 
 
-def pollux_workload(number: int, load: float = 1.0) -> Path:
+def pollux_workload(number: int, load: float = 1.0) -> Traversable:
     """The bundled file of Pollux workload ``number`` (1-8) at ``load`` (0.5, 1.0, 1.5, 2.0)."""
     folder = {0.5: "workloads-0.5", 1.0: "workloads", 1.5: "workloads-1.5", 2.0: "workloads-2.0"}
     if load not in folder or not 1 <= number <= 8:
@@ -106,12 +111,16 @@ class TraceArrival:
 _PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
 
 
-def load_philly(path: str | Path | None = None, limit: int | None = None) -> list[TraceArrival]:
+def load_philly(path: str | Traversable | None = None,
+                limit: int | None = None) -> list[TraceArrival]:
     """The Philly-derived trace (``timestamp,duration,num_gpus,gpu_time,cluster``): submission
     times in seconds from the first row, durations in seconds, teams from the virtual cluster."""
     from datetime import datetime, timezone
 
-    path = Path(path) if path else DATA / "philly_pollux" / "philly_jobs.csv"
+    if not path:
+        path = DATA / "philly_pollux" / "philly_jobs.csv"
+    elif isinstance(path, str):
+        path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:

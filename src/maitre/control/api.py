@@ -1,0 +1,357 @@
+"""The coordinator's HTTP API: FastAPI on uvicorn, the routes and messages of :mod:`maitre.protocol`.
+
+Every request body is a pydantic model (a misspelt field is refused); every refusal is a JSON
+:class:`~maitre.protocol.ErrorReply` that names the field, with 400 for a bad request (pydantic's
+422 included), 401 without the token, 404 for an unknown job, node, worker or route, 413 for a
+body over :data:`~maitre.protocol.MAX_BODY`. Handlers that only read or change state are plain
+functions (FastAPI runs them on its thread pool, since they take the coordinator's lock); the two
+long-polls, a node's watch and a worker's rendezvous, are coroutines that hold no thread while
+they wait: the coordinator tells :class:`Waiters` which nodes and jobs changed, and only their
+waiters wake.
+
+:class:`CoordinatorServer` puts it together: the c10d ``TCPStore`` that every epoch's process
+group rendezvous on, the coordinator, uvicorn on a thread of its own and the detector thread that
+ticks the coordinator every ``tick_s``.
+
+With a ``token`` every route but ``/health`` (left open for liveness probes) needs the header
+``Authorization: Bearer <token>``. With ``tls_cert`` and ``tls_key`` the API is served over HTTPS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Annotated, Any, Callable
+
+import torch.distributed as dist
+import uvicorn
+from fastapi import Depends, FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from maitre import protocol as p
+from maitre.control.cluster import ClusterState
+from maitre.control.coordinator import Coordinator
+from maitre.control.membership import DetectorConfig
+from maitre.control.store import Store
+from maitre.errors import NotFound, RequestError
+
+log = logging.getLogger("maitre.api")
+
+Name = Annotated[str, Path(pattern=p.NAME_PATTERN, max_length=128)]
+"""A job, node or worker name in a path."""
+
+
+class Waiters:
+    """Long-polls waiting on a node's orders or a job's membership, woken by key.
+
+    ``event(key)`` is taken before the waiter checks its condition, and :meth:`fire` sets the
+    events of the keys it is given and replaces them, so a change between the check and the
+    wait is never missed."""
+
+    def __init__(self) -> None:
+        self._events: dict[tuple[str, str], asyncio.Event] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False
+        """The server is stopping: long-polls answer now instead of waiting."""
+
+    def event(self, key: tuple[str, str]) -> asyncio.Event:
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = asyncio.Event()
+        return ev
+
+    def fire(self, keys: list[tuple[str, str]]) -> None:
+        for key in keys:
+            ev = self._events.pop(key, None)
+            if ev is not None:
+                ev.set()
+
+    def wake(self, nodes: set[str], jobs: set[str]) -> None:
+        """From any thread (the coordinator calls it under its lock)."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or not (nodes or jobs):
+            return
+        keys = [("node", n) for n in nodes] + [("job", j) for j in jobs]
+        try:
+            loop.call_soon_threadsafe(self.fire, keys)
+        except RuntimeError:  # the loop is shutting down
+            pass
+
+    def close(self) -> None:
+        """From any thread: every long-poll answers now (the server is stopping)."""
+        self.closing = True
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self.fire, list(self._events))
+            except RuntimeError:
+                pass
+
+    async def wait(self, event: asyncio.Event, timeout_s: float) -> None:
+        if timeout_s > 0 and not self.closing:
+            try:
+                await asyncio.wait_for(event.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+
+
+def _error(status: int, message: str, problems: list[p.Problem] | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    body = p.ErrorReply(error=message, problems=problems or [])
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
+    """The ASGI app over ``co`` (see the module docstring)."""
+    waiters = Waiters()
+    co.on_wake = waiters.wake
+    app = FastAPI(title="maitre coordinator", version="1", openapi_url=p.API + "/openapi.json",
+                  docs_url=None, redoc_url=None,
+                  description="Routes and messages of maitre's coordinator "
+                              "(see maitre.protocol).")
+    app.state.waiters = waiters
+    expected = f"Bearer {token}".encode() if token else None
+
+    app.add_middleware(_Limits, waiters=waiters)
+
+    def authorized(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            raise _Unauthorized()
+
+    @app.exception_handler(_Unauthorized)
+    async def unauthorized(request: Request, exc: _Unauthorized) -> JSONResponse:
+        return _error(401, "missing or wrong token: pass the coordinator's token file with "
+                           "--token-file, or set MAITRE_TOKEN",
+                      [p.Problem(field="header.authorization", message="wrong or missing")])
+
+    @app.exception_handler(RequestError)
+    async def refused(request: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc.status, exc.message, [p.Problem(field=exc.field, message=exc.message)])
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [p.Problem(field=".".join(str(x) for x in e.get("loc", ())) or "body",
+                              message=str(e.get("msg", "invalid")))
+                    for e in exc.errors()]
+        text = "; ".join(f"{pr.field}: {pr.message}" for pr in problems)
+        return _error(400, f"invalid request: {text}", problems)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) \
+            else str(exc.detail)
+        return _error(exc.status_code, message, [p.Problem(field="path", message=message)],
+                      headers=exc.headers)  # a 405's Allow (RFC 9110)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:  # say so, keep serving
+        log.exception("coordinator bug answering %s %s", request.method, request.url.path)
+        return _error(500, f"{type(exc).__name__}: {exc}")
+
+    auth = [Depends(authorized)]
+    errors = {code: {"model": p.ErrorReply} for code in (400, 401, 404, 413)}
+
+    def route(method: str, path: str, model: Any, **kw: Any) -> Callable[..., Any]:
+        return app.api_route(p.API + path, methods=[method], response_model=model,
+                             dependencies=auth, responses=errors, **kw)
+
+    @app.get(p.API + p.HEALTH, response_model=p.Health)
+    def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @route("GET", p.JOBS, p.JobList)
+    def jobs() -> dict[str, Any]:
+        return {"jobs": co.job_list()}
+
+    @route("POST", p.JOBS, p.Submitted)
+    def submit(req: p.SubmitRequest) -> dict[str, Any]:
+        return co.submit(req.manifest)
+
+    @route("GET", p.JOB, p.JobStatus)
+    def job(job: Name) -> dict[str, Any]:
+        return co.job_status(job)
+
+    @route("POST", p.JOB_SCALE, p.Scaled)
+    def scale(req: p.ScaleRequest, job: Name) -> dict[str, Any]:
+        return co.scale(job, req.workers)
+
+    @route("POST", p.JOB_SUSPEND, p.JobStateReply)
+    def suspend(job: Name, req: p.SuspendRequest | None = None) -> dict[str, Any]:
+        return co.suspend(job, (req or p.SuspendRequest()).reason)
+
+    @route("POST", p.JOB_RESUME, p.JobStateReply)
+    def resume(job: Name) -> dict[str, Any]:
+        return co.resume(job)
+
+    @route("POST", p.JOB_CANCEL, p.JobStateReply)
+    def cancel(job: Name) -> dict[str, Any]:
+        return co.cancel(job)
+
+    @route("GET", p.NODES, p.NodeList)
+    def nodes() -> dict[str, Any]:
+        return {"nodes": co.nodes_view()}
+
+    @route("GET", p.QUEUES, p.QueueList)
+    def queues() -> dict[str, Any]:
+        return {"queues": co.queues_view()}
+
+    @route("GET", p.REPORT, p.Report)
+    def report() -> dict[str, Any]:
+        return co.report()
+
+    @route("POST", p.NODE_HEARTBEAT, p.NodeOrders)
+    def node_heartbeat(beat: p.NodeBeat, node: Name) -> dict[str, Any]:
+        return co.node_heartbeat(node, beat)
+
+    @route("POST", p.NODE_WATCH, p.NodeOrders)
+    async def node_watch(req: p.WatchRequest, node: Name) -> dict[str, Any]:
+        if node not in co.nodes:
+            raise NotFound(f"no node {node!r}: it has not sent a heartbeat", "path.node")
+        deadline = asyncio.get_running_loop().time() + req.wait_s
+        while True:
+            event = waiters.event(("node", node))
+            remaining = deadline - asyncio.get_running_loop().time()
+            if co.node_version(node) > req.since or remaining <= 0 or waiters.closing:
+                break
+            await waiters.wait(event, remaining)
+        return await run_in_threadpool(co.node_orders, node, req.since)
+
+    @route("POST", p.WORKER_EXIT, p.Empty)
+    def worker_exit(req: p.ExitRequest, worker: Name) -> dict[str, Any]:
+        return co.worker_exit(worker, req)
+
+    @route("POST", p.WORKER_RENDEZVOUS, p.Assignment)
+    async def rendezvous(req: p.RendezvousRequest, worker: Name) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.wait_s
+        job_id, answer = await run_in_threadpool(co.arrive, worker, req)
+        while answer is None:
+            event = waiters.event(("job", job_id))
+            answer = await run_in_threadpool(co.assignment, worker, req.from_epoch)
+            remaining = deadline - loop.time()
+            if answer is not None or remaining <= 0 or waiters.closing:
+                break
+            await waiters.wait(event, min(remaining, 1.0))
+        return answer if answer is not None else {"action": "wait"}
+
+    @route("POST", p.WORKER_DONE, p.Empty)
+    def worker_done(req: p.DoneRequest, worker: Name) -> dict[str, Any]:
+        return co.worker_done(worker, req)
+
+    @route("POST", p.WORKER_LEFT, p.Empty)
+    def worker_left(worker: Name) -> dict[str, Any]:
+        return co.worker_left(worker)
+
+    @route("POST", p.WORKER_REPORT, p.Empty)
+    def worker_report(req: p.RecoveryReport, worker: Name) -> dict[str, Any]:
+        return co.worker_report(worker, req.model_dump())
+
+    return app
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+class _Limits:
+    """ASGI middleware: a body over :data:`~maitre.protocol.MAX_BODY` is refused before it is
+    read (413); the first request tells the waiters which event loop is theirs."""
+
+    def __init__(self, app: Any, waiters: Waiters) -> None:
+        self.app = app
+        self.waiters = waiters
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            if self.waiters.loop is None:
+                self.waiters.loop = asyncio.get_running_loop()
+            length = dict(scope.get("headers", ())).get(b"content-length", b"0")
+            if not length.isdigit() or int(length) > p.MAX_BODY:
+                response = _error(413, f"request body of {length.decode(errors='replace')} bytes "
+                                       f"is over the limit of {p.MAX_BODY}",
+                                  [p.Problem(field="header.content-length", message="too large")])
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class CoordinatorServer:
+    """The coordinator's HTTP server, its c10d store and its detector thread."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, store_port: int = 0,
+                 cfg: DetectorConfig | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 tick_s: float = 0.05, token: str | None = None,
+                 cluster: ClusterState | None = None, db: Store | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))  # raises OSError: the caller says where and why
+        self._sock.listen(4096)  # connections queue from now on, before uvicorn runs
+        self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=30))
+        self.coordinator = Coordinator(f"{host}:{self.store.port}", cfg, on_event=on_event,
+                                       cluster=cluster, store=db)
+        self.token = token
+        self.app = build_app(self.coordinator, token)
+        self.port = self._sock.getsockname()[1]
+        self.address = f"{host}:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=120, timeout_graceful_shutdown=1,
+                                ssl_certfile=tls_cert, ssl_keyfile=tls_key, backlog=4096)
+        self.httpd = uvicorn.Server(config)
+        self._tick_s = tick_s
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._serve, name="maitre-http", daemon=True),
+                         threading.Thread(target=self._detector, name="maitre-detector",
+                                          daemon=True)]
+
+    def _serve(self) -> None:
+        self.httpd.run(sockets=[self._sock])
+
+    def start(self) -> "CoordinatorServer":
+        for t in self._threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not self.httpd.started and self._threads[0].is_alive() and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
+        if not self.httpd.started:
+            raise RuntimeError("the coordinator's HTTP server did not start")
+        return self
+
+    def _detector(self) -> None:
+        last = ""
+        while not self._stop.wait(self._tick_s):
+            try:
+                self.coordinator.tick()
+            except Exception as exc:  # a bug: say so (once), but never stop detecting
+                text = repr(exc)
+                if text != last:
+                    log.exception("coordinator tick failed")
+                    last = text
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.app.state.waiters.close()
+        self.httpd.should_exit = True
+        for t in self._threads:
+            t.join(timeout=5)
+        self._sock.close()
+
+    def __enter__(self) -> "CoordinatorServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

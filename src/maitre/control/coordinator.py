@@ -1,0 +1,643 @@
+"""The coordinator: the one owner of every job's membership and of the cluster's nodes.
+
+It answers agents (a node heartbeat carries the liveness and progress of all the node's workers
+at once; a watch long-polls for the node's orders) and workers (rendezvous, done, left,
+recovery reports: per membership change, never per step), runs the failure detectors and the
+scheduling pass every ``tick``, and persists what changed. Transport is elsewhere
+(:mod:`maitre.control.api`): this class is called with validated messages
+(:mod:`maitre.protocol`) under its own lock, with time from ``clock``, so tests drive it
+directly on an injected clock.
+
+Work per call is proportional to what the call touches, not to the cluster:
+
+- workers are indexed by node (``_on_node``: the workers that hold or may hold its slots) and
+  by id (``_worker_job``); a node beat reads and writes only its own workers;
+- a job's memberships count their workers by state, so "does it want workers", "is a change
+  pending" cost O(1);
+- a node's orders carry a version (``_node_version``): views of its workers are sent only when
+  something they show changed (:meth:`Membership.view_key` moved), and only the nodes of the
+  job that changed are woken (``on_wake``).
+
+With a :class:`ClusterState` (``maitre up``) jobs are submitted as manifests and the scheduling
+policy sizes and places them; with a :class:`Store` every change is persisted and a restarted
+coordinator carries on from it. Without either (``maitre run``) there is one job, sized by hand,
+on whichever nodes join.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import threading
+import time
+from typing import Any, Callable
+
+from maitre import protocol as p
+from maitre.control.cluster import ClusterState, ManagedJob
+from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, Membership,
+                                       Worker, WorkerState)
+from maitre.control.store import Store
+from maitre.errors import BadRequest, NotFound
+from maitre.scheduling.model import Node, Phase
+from maitre.scheduling.spec import ManifestError, parse_manifest
+
+log = logging.getLogger("maitre.coordinator")
+
+_NOT_STARTED = {"epoch": 0, "members": [], "step": 0, "failures": 0, "failure": None,
+                "workers": [], "target": 0, "min_workers": 0, "max_workers": 0}
+_SAVE_EVERY_S = 5.0
+"""Progress and accounting (steps, trained seconds, usage) are saved this often; every state
+change is saved when it happens."""
+
+
+class Coordinator:
+    """Thread-safe owner of all jobs and nodes (see the module docstring)."""
+
+    def __init__(self, store_address: str, cfg: DetectorConfig | None = None,
+                 clock: Callable[[], float] = time.time,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 cluster: ClusterState | None = None, store: Store | None = None,
+                 pass_s: float = 0.5) -> None:
+        self.store_address = store_address
+        self.store_id = secrets.token_hex(8)
+        """Names this coordinator's c10d store: workers reconnect when it changes (a restart)."""
+        self.cfg = cfg or DetectorConfig()
+        self.clock = clock
+        self.on_event = on_event
+        self.on_wake: Callable[[set[str], set[str]], None] = lambda nodes, jobs: None
+        """Called (under the lock) with the nodes whose orders changed and the jobs whose
+        membership changed: the API wakes the watches and rendezvous waiting on them."""
+        self.lock = threading.RLock()
+        self.jobs: dict[str, Membership] = {}
+        self.nodes: dict[str, dict[str, Any]] = {}
+        self.reports: dict[str, list[dict[str, Any]]] = {}
+        self.cluster = cluster
+        self.db = store
+        self.pass_s = pass_s
+        self._next_pass = 0.0
+        self._next_save = 0.0
+        self._persisted: dict[str, str] = {}
+        self._worker_job: dict[str, Membership] = {}
+        self._on_node: dict[str, set[str]] = {}
+        """Per node, the workers that hold (or may still hold) its slots."""
+        self._pending_kills: dict[str, set[str]] = {}
+        self._emitted: dict[str, int] = {}
+        self._keys: dict[str, tuple[Any, ...]] = {}
+        """Each membership's :meth:`~Membership.view_key` when its nodes were last told."""
+        self._version = 0
+        self._node_version: dict[str, int] = {}
+        self._wake_nodes: set[str] = set()
+        self._wake_jobs: set[str] = set()
+        if cluster is not None:
+            cluster.log = self._cluster_event
+            if store is not None:
+                self._restore()
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def create_job(self, spec: JobSpec) -> dict[str, Any]:
+        """``maitre run``'s one job (in process; over HTTP jobs come as manifests)."""
+        with self.lock:
+            if spec.job_id in self.jobs:
+                raise BadRequest(f"job {spec.job_id!r} already exists", "body.job_id")
+            self._install(Membership(spec, self.cfg, self.clock()))
+            return {"job_id": spec.job_id}
+
+    def submit(self, manifest: Any) -> dict[str, Any]:
+        """A job manifest (YAML text or a mapping): checked whole, stored, then scheduled."""
+        if self.cluster is None:
+            raise BadRequest("this coordinator runs one job (maitre run); submit jobs to a "
+                             "cluster started with maitre up", "body.manifest")
+        if not isinstance(manifest, (str, dict)):
+            raise BadRequest("the request needs 'manifest': the job's YAML text or mapping",
+                             "body.manifest")
+        with self.lock:
+            try:
+                parsed = parse_manifest(manifest, queues=set(self.cluster.queues))
+                managed = self.cluster.submit(parsed, self.clock())
+            except (ManifestError, ValueError) as exc:
+                raise BadRequest(str(exc), "body.manifest") from None
+            self._persist({managed.id})
+            self._next_pass = 0.0  # schedule it in the next tick
+            return {"job_id": managed.id, "queue": parsed.queue, "priority": parsed.priority}
+
+    def _install(self, membership: Membership) -> None:
+        job_id = membership.spec.job_id
+        self.jobs[job_id] = membership
+        self.reports.setdefault(job_id, [])
+        self._emitted[job_id] = 0
+        for w in membership.workers.values():
+            self._index(membership, w)
+
+    def _index(self, ms: Membership, w: Worker) -> None:
+        self._worker_job[w.id] = ms
+        if w.ended_at is None:
+            self._on_node.setdefault(w.node, set()).add(w.id)
+
+    def job(self, job_id: str) -> Membership:
+        try:
+            return self.jobs[job_id]
+        except KeyError:
+            raise NotFound(f"no job {job_id!r}", "path.job") from None
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        with self.lock:
+            if self.cluster is not None and job_id in self.cluster.managed and \
+                    job_id not in self.jobs:  # submitted, never admitted yet
+                return {**_NOT_STARTED, **self._managed_summary(job_id), "events": [],
+                        "reports": []}
+            job = self.job(job_id)
+            return {**job.summary(), **self._managed_summary(job_id), "events": list(job.events),
+                    "reports": list(self.reports[job_id])}
+
+    def job_list(self) -> list[dict[str, Any]]:
+        with self.lock:
+            ids = list(self.jobs) + [j for j in (self.cluster.managed if self.cluster else {})
+                                     if j not in self.jobs]
+            out = []
+            for jid in ids:
+                base = self.jobs[jid].summary() if jid in self.jobs else _NOT_STARTED
+                out.append({**base, **self._managed_summary(jid)})
+            return out
+
+    def _managed_summary(self, job_id: str) -> dict[str, Any]:
+        """The scheduler's side of a managed job (nothing for a ``maitre run`` job)."""
+        m = self.cluster.managed.get(job_id) if self.cluster is not None else None
+        if m is None:
+            return {}
+        state = m.ended or m.job.phase.value
+        if m.ended is None and m.job.phase == Phase.RUNNING and m.id in self.jobs:
+            state = self.jobs[m.id].state.value  # PENDING (gang forming), RENDEZVOUS, RUNNING
+        return {"job_id": m.id, "state": state, "phase": m.job.phase.value, "queue": m.job.queue,
+                "priority": m.job.priority, "min_workers": m.job.min_replicas,
+                "max_workers": m.job.max_replicas, "placement": dict(m.job.placement),
+                "incarnation": m.incarnation, "held": m.held,
+                "waiting_for": m.last_waiting if m.job.phase == Phase.PENDING else ""}
+
+    def scale(self, job_id: str, workers: int) -> dict[str, Any]:
+        with self.lock:
+            now = self.clock()
+            if self.cluster is not None:
+                try:
+                    self.cluster.set_max(job_id, workers, now)
+                    self.cluster.shrink_to_max(job_id, self.jobs.get(job_id), now)
+                except KeyError as exc:
+                    raise NotFound(exc.args[0], "path.job") from None
+                except ValueError as exc:
+                    raise BadRequest(str(exc), "body.workers") from None
+                self._next_pass = 0.0
+                self._changed(job_id, persist=True)
+                return {"target": workers, "leaving": [], "max_replicas": workers}
+            job = self.job(job_id)
+            if job.state in ENDED:
+                raise BadRequest(f"job {job_id} is {job.state.value}", "path.job")
+            try:
+                leaving = job.scale(workers, now)
+            except ValueError as exc:
+                raise BadRequest(str(exc), "body.workers") from None
+            self._changed(job_id, persist=True)
+            return {"target": workers, "leaving": leaving}
+
+    def suspend(self, job_id: str, reason: str = "suspended by request") -> dict[str, Any]:
+        with self.lock:
+            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            if managed is not None:
+                if managed.ended is not None:
+                    raise BadRequest(f"job {job_id} is {managed.ended}", "path.job")
+                if not managed.manifest.checkpoint_dir:
+                    raise BadRequest(f"job {job_id} has no checkpointDir: suspending it would "
+                                     "lose its progress (cancel it instead)", "path.job")
+                managed.held = True  # a user's suspension lasts until `maitre resume`
+                if managed.job.phase != Phase.RUNNING:
+                    self._changed(job_id, persist=True)
+                    return {"state": managed.job.phase.value}
+                managed.job.phase = Phase.SUSPENDING
+                managed.suspend_deadline = self.clock() + managed.job.grace_period_s
+            job = self.job(job_id)
+            try:
+                job.suspend(str(reason), self.clock())
+            except ValueError as exc:
+                raise BadRequest(str(exc), "path.job") from None
+            self._changed(job_id, persist=True)
+            return {"state": job.state.value}
+
+    def resume(self, job_id: str) -> dict[str, Any]:
+        with self.lock:
+            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            if managed is None:
+                raise NotFound(f"no managed job {job_id!r}", "path.job")
+            if not managed.held:
+                raise BadRequest(f"job {job_id} was not suspended by a user", "path.job")
+            managed.held = False
+            self._next_pass = 0.0
+            self._changed(job_id, persist=True)
+            return {"state": managed.job.phase.value}
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        with self.lock:
+            if self.cluster is None:
+                raise BadRequest("cancel is for submitted jobs (maitre up); stop a maitre run "
+                                 "with Ctrl-C", "path.job")
+            try:
+                self.cluster.cancel(job_id, self.jobs.get(job_id), self.clock())
+            except KeyError as exc:
+                raise NotFound(exc.args[0], "path.job") from None
+            except ValueError as exc:
+                raise BadRequest(str(exc), "path.job") from None
+            self._next_pass = 0.0
+            self._changed(job_id, persist=True)
+            return {"state": "CANCELLED"}
+
+    # -- agents ----------------------------------------------------------------------------------
+    def node_heartbeat(self, node: str, beat: p.NodeBeat) -> dict[str, Any]:
+        """An agent's beat: its node, and what each of its workers is doing. Returns its
+        orders: workers to start and to kill, and its workers' views when they changed."""
+        labels = beat.labels.given()
+        now = self.clock()
+        with self.lock:
+            info = self.nodes.setdefault(node, {"slots": beat.slots, "registered_at": now})
+            info.update(slots=beat.slots, last_heartbeat=now, labels=labels)
+            if self.cluster is not None:
+                try:
+                    described = Node(node, beat.slots, **labels)
+                except ValueError as exc:
+                    raise BadRequest(str(exc), "body.labels") from None
+                change = self.cluster.node_beat(described, now)
+                if change and self.db is not None:
+                    self.db.put_node(described, now)
+                if change == "node_shrunk":
+                    self._evict_node(node, f"node {node} now has {beat.slots} slots", now)
+                if change:
+                    self._bump(node)
+            running = set()
+            for wb in beat.workers:
+                running.add(wb.id)
+                ms = self._worker_job.get(wb.id)
+                if ms is None or ms.workers[wb.id].node != node:
+                    continue  # not ours (a leftover of another coordinator's run): killed below
+                seen = now - wb.silent_s if wb.silent_s is not None else 0.0
+                ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s,
+                            wb.gap_std_s)
+            info["running"] = running
+            return self._orders(node, beat.since, now)
+
+    def node_version(self, node: str) -> int:
+        return self._node_version.get(node, 0)
+
+    def node_orders(self, node: str, since: int) -> dict[str, Any]:
+        """A watch's answer: the node's orders as of now (the node must have beaten once)."""
+        with self.lock:
+            if node not in self.nodes:
+                raise NotFound(f"no node {node!r}: it has not sent a heartbeat", "path.node")
+            return self._orders(node, since, self.clock())
+
+    def _orders(self, node: str, since: int, now: float) -> dict[str, Any]:
+        info = self.nodes[node]
+        running: set[str] = info.get("running", set())
+        kill = sorted(self._pending_kills.pop(node, set()))
+        # Slots in use: processes the agent runs, and workers it was asked to start that it
+        # does not list yet (it starts them off its heartbeat thread).
+        used: set[int] = set()
+        here = self._on_node.get(node, set())
+        for wid in list(here):
+            ms = self._worker_job[wid]
+            w = ms.workers[wid]
+            listed = wid in running
+            if listed or (w.state in LIVE and w.ended_at is None and w.exit_code is None):
+                used.update(range(w.slot, w.slot + w.slots))
+            elif w.state not in LIVE:
+                here.discard(wid)  # gone: its slots are free
+            # Processes the coordinator gave up on, or leftovers of an ended run.
+            if listed and wid not in kill and (w.state == WorkerState.DEAD or (
+                    ms.state in ENDED and w.state not in (WorkerState.DONE, WorkerState.LEFT))):
+                kill.append(wid)
+        for wid in running:
+            if wid not in self._worker_job and wid not in kill:
+                kill.append(wid)  # no job of this coordinator knows it
+        start = self._start_orders(node, info["slots"], used, now)
+        self._flush()  # (may bump this node: the views below are as of the version returned)
+        version = self._node_version.setdefault(node, 0)
+        views = None
+        if version > since or start:
+            here = self._on_node.get(node, set())  # with the workers just started
+            views = {wid: self._worker_job[wid].view(wid, now) for wid in sorted(here)
+                     if self._worker_job[wid].workers[wid].state in LIVE}
+        return {"version": version, "start": start, "kill": kill, "views": views}
+
+    def _start_orders(self, node: str, slots: int, used: set[int],
+                      now: float) -> list[dict[str, Any]]:
+        alive = self.cluster is None or (node in self.cluster.nodes and
+                                         self.cluster.nodes[node].alive)
+        if not alive:
+            return []
+        if self.cluster is None:
+            candidates = list(self.jobs.values())
+        else:
+            candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
+        start: list[dict[str, Any]] = []
+        for job in candidates:
+            want = job.wants_workers()
+            per = 1
+            if want and self.cluster is not None:
+                staying_here = sum(1 for wid in self._on_node.get(node, ())
+                                   if self._worker_job[wid] is job and job.workers[wid].state
+                                   in (WorkerState.STARTING, WorkerState.READY,
+                                       WorkerState.ACTIVE))
+                want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
+                per = self.cluster.slots_per_worker(job.spec.job_id)
+            for _ in range(want):
+                slot = next((s for s in range(0, slots - per + 1)
+                             if not used.intersection(range(s, s + per))), None)
+                if slot is None:
+                    break
+                worker = job.add_worker(node, slot, now, slots=per)
+                used.update(range(slot, slot + per))
+                self._index(job, worker)
+                self._touch(job.spec.job_id)
+                start.append({"worker_id": worker.id, "job_id": job.spec.job_id,
+                              "command": job.spec.command, "env": dict(job.spec.env),
+                              "local_rank": slot, "slots": per, "store": self.store_address})
+        return start
+
+    def worker_exit(self, wid: str, req: p.ExitRequest) -> dict[str, Any]:
+        with self.lock:
+            ms = self._job_of(wid)
+            ms.exited(wid, req.code, req.error, self.clock())
+            self._bump(ms.workers[wid].node)  # its slots are free: a replacement may start
+            self._changed(ms.spec.job_id)
+        return {}
+
+    # -- workers ---------------------------------------------------------------------------------
+    def arrive(self, wid: str, req: p.RendezvousRequest) -> tuple[str, dict[str, Any] | None]:
+        """A worker enters the rendezvous after ``from_epoch``. Returns its job and its answer,
+        or None while it must wait (:meth:`assignment` asks again when the job changes)."""
+        with self.lock:
+            job = self._job_of(wid)
+            job.arrive(wid, req.from_epoch, req.step, req.reason, self.clock())
+            job_id = job.spec.job_id
+            self._touch(job_id)
+            answer = self._answer(job, wid, req.from_epoch)
+            self._flush()
+            return job_id, answer
+
+    def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
+        with self.lock:
+            answer = self._answer(self._job_of(wid), wid, from_epoch)
+            self._flush()
+            return answer
+
+    def _answer(self, job: Membership, wid: str, from_epoch: int) -> dict[str, Any] | None:
+        if job.try_open_epoch(self.clock()):
+            self._touch(job.spec.job_id)
+        answer = job.assignment(wid, from_epoch)
+        if answer is not None:
+            answer["store"] = self.store_address
+            answer["store_id"] = self.store_id
+        return answer
+
+    def rendezvous(self, wid: str, req: p.RendezvousRequest) -> dict[str, Any]:
+        """:meth:`arrive` and wait (blocking this thread) up to ``wait_s`` for the answer; the
+        API waits without holding a thread, this is for in-process callers and tests."""
+        deadline = time.monotonic() + req.wait_s
+        _, answer = self.arrive(wid, req)
+        while answer is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+            answer = self.assignment(wid, req.from_epoch)
+        return answer if answer is not None else {"action": "wait"}
+
+    def worker_done(self, wid: str, req: p.DoneRequest) -> dict[str, Any]:
+        with self.lock:
+            ms = self._job_of(wid)
+            ms.done(wid, req.step, self.clock(), suspended=req.suspended)
+            self._changed(ms.spec.job_id)
+        return {}
+
+    def worker_left(self, wid: str) -> dict[str, Any]:
+        with self.lock:
+            ms = self._job_of(wid)
+            ms.left(wid, self.clock())
+            self._changed(ms.spec.job_id)
+        return {}
+
+    def worker_report(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            job_id = self._job_of(wid).spec.job_id
+            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            report = {"worker": wid, **body,  # epochs count again in each incarnation
+                      "incarnation": managed.incarnation if managed is not None else 1}
+            self.reports[job_id].append(report)
+            self._emit(job_id, "report", report)
+        return {}
+
+    # -- failure detector and scheduler ----------------------------------------------------------
+    def tick(self) -> None:
+        with self.lock:
+            now = self.clock()
+            for job_id, job in self.jobs.items():
+                dead = job.detect_failures(now)
+                for wid in dead:
+                    node = job.workers[wid].node
+                    self._pending_kills.setdefault(node, set()).add(wid)
+                    self._bump(node)
+                if job.try_open_epoch(now) or dead:
+                    self._touch(job_id)
+            if self.cluster is not None and now >= self._next_pass:
+                self._next_pass = now + self.pass_s
+                self._schedule(now)
+            if self.db is not None and self.cluster is not None and now >= self._next_save:
+                self._next_save = now + _SAVE_EVERY_S  # progress, accounting
+                self._persist(set(self.cluster.managed))
+                self.db.put_meta("usage", self.cluster.usage.snapshot())
+            self._flush()
+
+    def _schedule(self, now: float) -> None:
+        """One pass: dead nodes, the policy, its actions, the accounting."""
+        cluster = self.cluster
+        assert cluster is not None
+        for node in cluster.detect_dead_nodes(now):
+            self._evict_node(node, f"node {node} is dead (no agent heartbeat)", now)
+        cluster.sync(self.jobs, now)
+        before = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
+        plan = cluster.plan(now)
+        for kind, _, membership in cluster.apply(plan, self.jobs, now):
+            if kind == "start":
+                self._install(membership)
+        for m in cluster.managed.values():
+            m.workers_started = max(m.workers_started, self.jobs[m.id].workers_added
+                                    if m.id in self.jobs and m.incarnation else 0)
+            if m.job.placement != before.get(m.id):
+                for node in set(m.job.placement) | set(before.get(m.id, {})):
+                    self._bump(node)  # start orders (or a shrink) for its agent
+                self._touch(m.id, persist=True)
+            else:
+                self._touch(m.id)  # sync and the plan may have moved its membership
+        for action in plan.actions:
+            self._touch(action.job, persist=True)
+        cluster.index_allocations()
+        cluster.tick_usage(self.jobs, now)
+
+    def _evict_node(self, node: str, reason: str, now: float) -> None:
+        """Its workers are gone for the coordinator (their jobs recover as from a crash); its
+        agent is told to kill any that still run."""
+        for wid in list(self._on_node.get(node, ())):
+            ms = self._worker_job[wid]
+            if ms.workers[wid].state in LIVE:
+                ms.evict(wid, reason, now)
+                self._pending_kills.setdefault(node, set()).add(wid)
+                self._touch(ms.spec.job_id)
+        self._bump(node)
+
+    def report(self) -> dict[str, Any]:
+        with self.lock:
+            if self.cluster is None:
+                raise BadRequest("no cluster report: this coordinator runs one job (maitre run)",
+                                 "path")
+            return self.cluster.report(self.jobs, self.clock())
+
+    def nodes_view(self) -> list[dict[str, Any]]:
+        with self.lock:
+            now = self.clock()
+            out = []
+            for name, info in sorted(self.nodes.items()):
+                held = [wid for wid in sorted(self._on_node.get(name, ()))
+                        if self._worker_job[wid].workers[wid].state in LIVE]
+                state = self.cluster.nodes.get(name) if self.cluster is not None else None
+                out.append({"node": name, "slots": info["slots"], "labels": info.get("labels", {}),
+                            "alive": True if state is None else state.alive,
+                            "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
+                            "used": sum(self._worker_job[w].workers[w].slots for w in held),
+                            "workers": held,
+                            "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2)})
+            return out
+
+    def queues_view(self) -> list[dict[str, Any]]:
+        with self.lock:
+            if self.cluster is None:
+                return []
+            usage: dict[str, int] = {}
+            for m in self.cluster.managed.values():
+                if m.ended is None:
+                    usage[m.job.queue] = usage.get(m.job.queue, 0) + m.job.slots
+            return [{"queue": q.name, "guaranteed": q.guaranteed,
+                     "borrowing_limit": q.borrowing_limit, "weight": q.weight,
+                     "allocated": usage.get(q.name, 0),
+                     "jobs": sum(1 for m in self.cluster.managed.values()
+                                 if m.job.queue == q.name and m.ended is None)}
+                    for q in self.cluster.queues.values()]
+
+    # -- changes ---------------------------------------------------------------------------------
+    def _bump(self, node: str) -> None:
+        """The node's orders changed: its watch answers."""
+        self._version += 1
+        self._node_version[node] = self._version
+        self._wake_nodes.add(node)
+
+    def _touch(self, job_id: str, persist: bool = False) -> None:
+        self._wake_jobs.add(job_id)
+        if persist:
+            self._keys.pop(job_id, None)
+
+    def _changed(self, job_id: str, persist: bool = False) -> None:
+        self._touch(job_id, persist)
+        self._flush()
+
+    def _flush(self) -> None:
+        """After a call: every job it touched whose views moved wakes its nodes, is saved, and
+        its new events go out."""
+        if not self._wake_jobs and not self._wake_nodes:
+            return
+        jobs, self._wake_jobs = self._wake_jobs, set()
+        save = set()
+        for job_id in jobs:
+            ms = self.jobs.get(job_id)
+            if ms is None:
+                save.add(job_id)  # a managed job not admitted yet
+                continue
+            key = ms.view_key()
+            if self._keys.get(job_id) != key:
+                self._keys[job_id] = key
+                save.add(job_id)
+                for w in ms.workers.values():
+                    if w.ended_at is None and w.state in LIVE:
+                        self._bump(w.node)
+            events = ms.events
+            for event in events[self._emitted[job_id]:]:
+                self._emit(job_id, event["kind"], event)
+            self._emitted[job_id] = len(events)
+        self._persist(save)
+        nodes, self._wake_nodes = self._wake_nodes, set()
+        self.on_wake(nodes, jobs)
+
+    # -- persistence -----------------------------------------------------------------------------
+    def _persist(self, job_ids: set[str]) -> None:
+        """Write the managed jobs among ``job_ids`` whose saved state changed."""
+        if self.db is None or self.cluster is None:
+            return
+        for job_id in sorted(job_ids):
+            m = self.cluster.managed.get(job_id)
+            if m is None:
+                continue
+            ms = self.jobs.get(m.id) if m.incarnation else None
+            extra = self.cluster.job_extra(m, ms)
+            text = json.dumps([extra, m.job.phase.value, m.job.placement, m.job.max_replicas,
+                               m.job.throughput, m.job.last_resize_at], sort_keys=True, default=str)
+            if self._persisted.get(m.id) != text:
+                self.db.put_job(m.job, extra)
+                self._persisted[m.id] = text
+
+    def _restore(self) -> None:
+        """Carry on from the store: nodes, queues, jobs and their memberships."""
+        assert self.cluster is not None and self.db is not None
+        now = self.clock()
+        cluster = self.cluster
+        stored = self.db.cluster()
+        for q in stored.queues.values():
+            cluster.queues.setdefault(q.name, q)
+        for q in cluster.queues.values():
+            self.db.put_queue(q)
+        for node in stored.nodes.values():
+            cluster.node_beat(node, now)
+            self.nodes[node.name] = {"slots": node.slots, "registered_at": now,
+                                     "last_heartbeat": now}
+        for job, extra in self.db.jobs():
+            manifest = parse_manifest({k: v for k, v in extra["manifest"].items()
+                                       if v is not None})
+            job.attained_slot_s = extra.get("attained_slot_s", 0.0)
+            managed = ManagedJob(manifest, job, incarnation=extra["incarnation"],
+                                 workers_started=extra["workers_started"], ended=extra["ended"],
+                                 held=extra["held"], admitted_at=extra["admitted_at"],
+                                 ended_at=extra["ended_at"], productive_s=extra["productive_s"],
+                                 suspend_deadline=extra["suspend_deadline"],
+                                 generation=extra.get("generation", 0))
+            managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
+            for h in managed.history:
+                for wid in h.workers:
+                    self._worker_job[wid] = h
+            cluster.managed[job.id] = managed
+            if extra["membership"] is not None:
+                ms = Membership.from_json(extra["membership"], self.cfg, now)
+                managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
+                self._install(ms)
+        usage = self.db.meta("usage")
+        if usage:
+            cluster.usage.restore(usage)
+        if cluster.managed or cluster.nodes:
+            cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
+                        nodes=len(cluster.nodes))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _job_of(self, wid: str) -> Membership:
+        try:
+            return self._worker_job[wid]
+        except KeyError:
+            raise NotFound(f"unknown worker {wid!r}", "path.worker") from None
+
+    def _cluster_event(self, now: float, kind: str, job: str | None = None, **fields: Any) -> None:
+        self._emit(job, kind, {"t": round(now, 4), **fields})
+
+    def _emit(self, job_id: str | None, kind: str, event: dict[str, Any]) -> None:
+        if self.db is not None:
+            body = {k: v for k, v in event.items() if k not in ("kind", "t")}
+            self.db.add_event(event.get("t", self.clock()), kind, job_id, **body)
+        if self.on_event is not None:
+            self.on_event(job_id or "", {**event, "kind": kind})

@@ -1,0 +1,136 @@
+"""A character-level transformer on Macbeth, trained elastically. Copy this file to start.
+
+    maitre run --nnodes 2:4 examples/train.py --steps 300           # elastic, embedded coordinator
+    torchrun --nproc-per-node 2 examples/train.py --steps 300       # the same script, fixed size
+    python examples/train.py --steps 300                            # one process
+    python examples/train.py --checkpoint-dir ckpt                  # checkpointed; rerun to resume
+
+The maitre parts are the sampler (which sample indices each rank trains on), the loop (which
+finishes each step: gradient mean over the global batch, optimizer step, commit), and the
+``reduction="sum"`` loss: the loop divides by the global sample count, so the update is the mean
+over the same global batch at any world size. The model has no dropout, so an elastic run matches
+a fixed-size run with the same seed and global batch.
+"""
+
+import argparse
+import math
+import os
+import time
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import maitre
+
+# The corpus ships inside the maitre package, so a copy of this script runs from anywhere.
+DATA = resources.files("maitre") / "data" / "text" / "macbeth.txt"
+
+
+class CharTransformer(nn.Module):
+    def __init__(self, vocab: int, block: int, d_model: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Embedding(block, d_model)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0,
+                                           batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(block))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
+        h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
+        return self.head(self.norm(h))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--global-batch", type=int, default=32, help="sequences per step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=16, help="most sequences per forward pass")
+    p.add_argument("--block", type=int, default=64, help="characters per sequence")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker on cuda:LOCAL_RANK)")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device-ms-per-sample", type=float, default=0.0,
+                   help="also wait this long per sequence, standing in for accelerator time "
+                   "(so that many workers on a few CPU cores scale like GPUs; `maitre demo`)")
+    p.add_argument("--out", type=Path, help="write the final parameters here (rank 0)")
+    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint here and resume from here "
+                   "(under `maitre run`, its --checkpoint-dir is used when this is not given)")
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints "
+                   "(default: the Young/Daly interval)")
+    p.add_argument("--mtbf", type=float, help="mean time between failures (s) for the interval")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)  # every rank builds the same initial model
+    torch.set_default_dtype(getattr(torch, args.dtype))
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    text = DATA.read_text()
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+    num_seqs = (len(ids) - 1) // args.block
+
+    def sequences(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = torch.tensor(indices) * args.block
+        window = starts[:, None] + torch.arange(args.block + 1)
+        chunk = ids[window].to(device)
+        return chunk[:, :-1], chunk[:, 1:]
+
+    model = CharTransformer(len(vocab), args.block, args.d_model, args.layers, args.heads).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
+                                                 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=args.seed)
+    checkpoint = None if args.checkpoint_dir is None else maitre.CheckpointConfig(
+        directory=args.checkpoint_dir,
+        interval=maitre.IntervalConfig(every_steps=args.checkpoint_every, mtbf_s=args.mtbf))
+    loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
+                              micro_batch_size=args.micro_batch, checkpoint=checkpoint)
+
+    started, tokens = time.monotonic(), 0
+    for batch in loop.run(max_steps=args.steps):
+        for idx in batch.micro_batches:
+            if not idx:
+                continue
+            x, y = sequences(idx)
+            logits = model(x)
+            # Sum over sequences, mean over positions: the loop divides by the global count.
+            loss = F.cross_entropy(logits.reshape(-1, len(vocab)), y.reshape(-1),
+                                   reduction="sum") / args.block
+            loss.backward()
+            batch.log_loss(loss)
+            if args.device_ms_per_sample:  # a GPU computes while the CPU waits
+                time.sleep(len(idx) * args.device_ms_per_sample / 1000)
+        tokens += batch.global_batch_size * args.block
+        if batch.rank == 0 and loop.last_loss is not None and loop.step % args.log_every == 0:
+            rate = tokens / (time.monotonic() - started)
+            print(f"step {loop.step:5d}  loss {loop.last_loss:.4f}  world {batch.world_size}  "
+                  f"{rate:,.0f} tok/s", flush=True)
+
+    if loop.rank == 0:
+        loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
+        print(f"done: {loop.step} steps, final loss {loss}", flush=True)
+        if args.out is not None:
+            torch.save(model.state_dict(), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,383 @@
+"""maitre's protocol: every route of the coordinator, every message shape, every ``MAITRE_*``
+variable. Both sides import this module and nothing else of each other.
+
+Who talks to whom::
+
+    CLI / dashboard ──(token)──────────────▶ coordinator   jobs, nodes, queues, report
+    agent (one per node) ──(token)─────────▶ coordinator   node heartbeat (its workers' liveness
+                                                           and progress in one beat), watch
+                                                           (long-poll for orders), worker exits
+    worker ──(token)───────────────────────▶ coordinator   rendezvous (long-poll), done, left,
+                                                           recovery reports: per change, never
+                                                           per step
+    worker ──(unix socket, 10 Hz)──────────▶ its agent     heartbeat; the reply is the worker's
+                                                           view (epoch closed, change pending,
+                                                           leave, stop, suspend)
+
+The hot path is per node, not per worker: a node of 8 workers costs the coordinator one beat a
+second in steady state, plus a watch reply whenever something its workers must know changed.
+Step-boundary decisions never pass through the coordinator: they ride in the gradient allreduce.
+
+Requests are validated here (``extra="forbid"``: a misspelt field is an error, not ignored);
+the coordinator's API (:mod:`maitre.control.api`) turns every problem into a 4xx whose JSON body
+names the field. Replies are plain models too; the worker's side reads them with a small stdlib
+client (:mod:`maitre.wire`), so the training process needs no HTTP library.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+API = "/v1"
+"""Every route below is under this prefix."""
+
+# -- environment variables -------------------------------------------------------------------
+COORDINATOR = "MAITRE_COORDINATOR"
+"""``HOST:PORT`` of the coordinator's HTTP API (workers, agents and the CLI)."""
+TOKEN = "MAITRE_TOKEN"
+"""The coordinator's token (workers get it from their agent)."""
+TOKEN_FILE = "MAITRE_TOKEN_FILE"
+"""A file holding the token (the CLI's default for ``--token-file``)."""
+WORKER_ID = "MAITRE_WORKER_ID"
+JOB_ID = "MAITRE_JOB_ID"
+STORE = "MAITRE_STORE"
+"""``HOST:PORT`` of the c10d store the job's process groups rendezvous on."""
+AGENT = "MAITRE_AGENT"
+"""Path of the agent's unix socket: where a worker sends its heartbeats."""
+SLOTS = "MAITRE_SLOTS"
+"""The node's slots (GPU indices) a worker holds, comma-separated: ``gpusPerReplica`` of them."""
+LEDGER_DIR = "MAITRE_LEDGER_DIR"
+"""Where workers record the samples they commit (the exactly-once audit)."""
+RUN_ID = "MAITRE_RUN_ID"
+HEARTBEAT_S = "MAITRE_HEARTBEAT_S"
+"""Seconds between a worker's heartbeats to its agent (default 0.1)."""
+COORDINATOR_TIMEOUT_S = "MAITRE_COORDINATOR_TIMEOUT_S"
+"""How long a worker in rendezvous waits for an unreachable coordinator before it gives up."""
+CHECKPOINT_DIR = "MAITRE_CHECKPOINT_DIR"
+CHECKPOINT_EVERY = "MAITRE_CHECKPOINT_EVERY"
+CHECKPOINT_KEEP = "MAITRE_CHECKPOINT_KEEP"
+MTBF_S = "MAITRE_MTBF_S"
+CHECKPOINT_FAULT = "MAITRE_CHECKPOINT_FAULT"
+"""Fault injection for tests: make the checkpoint writer fail at a chosen point."""
+WARM_START = "MAITRE_WARM_START"
+"""``0`` starts workers with a fresh interpreter instead of forking them warm."""
+LOG = "MAITRE_LOG"
+"""The CLI's log level for maitre's loggers (``debug``, ``info``, ``warning``: the default)."""
+
+ENV_PREFIX = "MAITRE_"
+
+# -- routes (relative to API) ----------------------------------------------------------------
+HEALTH = "/health"
+JOBS = "/jobs"
+JOB = "/jobs/{job}"
+JOB_SCALE = "/jobs/{job}/scale"
+JOB_SUSPEND = "/jobs/{job}/suspend"
+JOB_RESUME = "/jobs/{job}/resume"
+JOB_CANCEL = "/jobs/{job}/cancel"
+NODES = "/nodes"
+QUEUES = "/queues"
+REPORT = "/report"
+NODE_HEARTBEAT = "/nodes/{node}/heartbeat"
+NODE_WATCH = "/nodes/{node}/watch"
+WORKER_EXIT = "/workers/{worker}/exit"
+WORKER_RENDEZVOUS = "/workers/{worker}/rendezvous"
+WORKER_DONE = "/workers/{worker}/done"
+WORKER_LEFT = "/workers/{worker}/left"
+WORKER_REPORT = "/workers/{worker}/report"
+WORKER_HEARTBEAT = "/workers/{worker}/heartbeat"
+"""On the agent's unix socket only: the coordinator never sees a worker's heartbeat."""
+
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
+"""Job, node and worker names in paths."""
+
+MAX_BODY = 1 << 20
+"""Largest request body the coordinator reads (a manifest is a few hundred bytes)."""
+
+LABELS = ("rack", "block", "capacity_type", "accelerator")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ----------------------------------------------------------------------------------
+class Problem(_Reply):
+    field: str
+    """Where in the request: ``body.slots``, ``path.job``, ``header.authorization``..."""
+    message: str
+
+
+class ErrorReply(_Reply):
+    """Every 4xx and 5xx: ``error`` in one line, ``problems`` one per field."""
+
+    error: str
+    problems: list[Problem] = []
+
+
+# -- the CLI's requests ----------------------------------------------------------------------
+class Health(_Reply):
+    ok: bool
+
+
+class SubmitRequest(_Request):
+    manifest: str | dict[str, Any]
+    """The job's manifest: YAML text, or the mapping it parses to (see
+    :mod:`maitre.scheduling.spec`)."""
+
+
+class Submitted(_Reply):
+    job_id: str
+    queue: str
+    priority: int
+
+
+class ScaleRequest(_Request):
+    workers: int = Field(ge=0, le=1_000_000)
+
+
+class Scaled(_Reply):
+    target: int
+    leaving: list[str]
+    max_replicas: int | None = None
+
+
+class SuspendRequest(_Request):
+    reason: str = Field("suspended by request", max_length=500)
+
+
+class JobStateReply(_Reply):
+    state: str
+
+
+class WorkerSummary(_Reply):
+    id: str
+    node: str
+    slot: int
+    state: str
+    rank: int
+    epoch: int
+    step: int
+    exit_code: int | None
+    error: str | None
+    trained_s: float
+
+
+class JobSummary(_Reply):
+    job_id: str
+    state: str
+    epoch: int
+    members: list[str]
+    target: int
+    min_workers: int
+    max_workers: int
+    step: int
+    failures: int
+    failure: str | None
+    workers: list[WorkerSummary]
+    # The scheduler's side (absent for ``maitre run``'s job).
+    queue: str | None = None
+    priority: int | None = None
+    phase: str | None = None
+    placement: dict[str, int] = {}
+    incarnation: int | None = None
+    held: bool | None = None
+    waiting_for: str = ""
+
+
+class JobStatus(JobSummary):
+    events: list[dict[str, Any]]
+    reports: list[dict[str, Any]]
+
+
+class JobList(_Reply):
+    jobs: list[JobSummary]
+
+
+class NodeSummary(_Reply):
+    node: str
+    slots: int
+    labels: dict[str, str]
+    alive: bool
+    phi: float | None
+    used: int
+    workers: list[str]
+    last_heartbeat_s: float
+
+
+class NodeList(_Reply):
+    nodes: list[NodeSummary]
+
+
+class QueueSummary(_Reply):
+    queue: str
+    guaranteed: int
+    borrowing_limit: int | None
+    weight: float
+    allocated: int
+    jobs: int
+
+
+class QueueList(_Reply):
+    queues: list[QueueSummary]
+
+
+class JobReport(_Reply):
+    state: str
+    queue: str
+    priority: int
+    incarnations: int
+    waited_s: float
+    ran_s: float
+    productive_s: float
+    ettr: float | None
+    held_slot_s: float
+    trained_slot_s: float
+    throughput: dict[str, float]
+
+
+class Report(_Reply):
+    allocation: float | None
+    contended_s: float
+    utilization: float | None
+    held_slot_s: float
+    trained_slot_s: float
+    jobs: dict[str, JobReport]
+
+
+# -- agents ----------------------------------------------------------------------------------
+class Labels(_Request):
+    rack: str | None = Field(None, min_length=1, max_length=128)
+    block: str | None = Field(None, min_length=1, max_length=128)
+    capacity_type: Literal["on-demand", "spot"] | None = None
+    accelerator: str | None = Field(None, min_length=1, max_length=128)
+
+    def given(self) -> dict[str, str]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class WorkerBeat(_Request):
+    """What the agent knows of one worker process it runs."""
+
+    id: str = Field(pattern=NAME_PATTERN)
+    step: int = Field(0, ge=0)
+    """The worker's committed steps."""
+    stalled: bool = False
+    """Waiting in a collective (or for a new group's members) past its stall threshold."""
+    trained_s: float = Field(0.0, ge=0)
+    """Seconds it spent in steps that committed."""
+    silent_s: float | None = Field(None, ge=0)
+    """Seconds since the worker's last heartbeat to the agent (None: it never sent one, it is
+    still starting)."""
+    gap_mean_s: float = Field(0.0, ge=0, le=3600)
+    gap_std_s: float = Field(0.0, ge=0, le=3600)
+    """The rhythm of the worker's heartbeats to the agent: mean and deviation of their gaps
+    (the coordinator's hang detector adapts to it)."""
+
+
+class NodeBeat(_Request):
+    slots: int = Field(ge=1, le=4096)
+    labels: Labels = Labels()
+    workers: list[WorkerBeat] = Field([], max_length=4096)
+    """The worker processes the agent runs now, with their liveness and progress."""
+    since: int = Field(-1, ge=-1)
+    """The orders version the agent last saw (views come back only when newer)."""
+
+
+class WatchRequest(_Request):
+    since: int = Field(ge=-1)
+    wait_s: float = Field(10.0, ge=0, le=60)
+
+
+class StartOrder(_Reply):
+    worker_id: str
+    job_id: str
+    command: list[str]
+    env: dict[str, str]
+    local_rank: int
+    slots: int
+    store: str
+
+
+class WorkerView(_Reply):
+    """What a worker must know between two steps (the agent hands it over at 10 Hz)."""
+
+    job_state: str
+    epoch: int
+    member_epoch: int
+    closed: bool
+    """The worker's epoch is over (a peer died, hung or left): abandon the collective."""
+    change: bool
+    """Stop at the next step boundary and rendezvous (a joiner is ready, a member leaves)."""
+    leave: bool
+    stop: bool
+    suspend: bool
+    """Checkpoint after the current step and exit."""
+    failures: int
+    age_s: float
+
+
+class NodeOrders(_Reply):
+    version: int
+    """The node's orders version: send it back as ``since``."""
+    start: list[StartOrder] = []
+    kill: list[str] = []
+    views: dict[str, WorkerView] | None = None
+    """Every live worker's view, when it changed since ``since`` (else None)."""
+
+
+class ExitRequest(_Request):
+    code: int = Field(ge=-255, le=255)
+    """The process's exit code; negative: killed by that signal."""
+    error: str | None = Field(None, max_length=4000)
+
+
+# -- workers ---------------------------------------------------------------------------------
+class RendezvousRequest(_Request):
+    from_epoch: int = Field(ge=0)
+    """The epoch this worker leaves (0 for a joiner)."""
+    step: int = Field(0, ge=0)
+    reason: str = Field("", max_length=500)
+    wait_s: float = Field(5.0, ge=0, le=30)
+
+
+class Assignment(_Reply):
+    action: Literal["train", "wait", "leave", "stop"]
+    reason: str | None = None
+    epoch: int | None = None
+    rank: int | None = None
+    world_size: int | None = None
+    store_prefix: str | None = None
+    members: list[str] | None = None
+    state_lost: bool | None = None
+    store: str | None = None
+    store_id: str | None = None
+
+
+class DoneRequest(_Request):
+    step: int = Field(0, ge=0)
+    suspended: bool = False
+
+
+class RecoveryReport(_Request):
+    kind: Literal["recovery"]
+    epoch: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    reason: str = Field(max_length=500)
+    world_size: int = Field(ge=1)
+    detected_at: float
+    rendezvous_s: float
+    group_s: float
+    state_s: float
+    state_bytes: int = Field(ge=0)
+    to_next_step_s: float
+    step: int = Field(ge=0)
+
+
+class Empty(_Reply):
+    pass
