@@ -668,3 +668,17 @@ def test_losing_every_worker_that_held_the_state_is_logged():
     assert m.try_open_epoch(3.1)
     assert len([e for e in m.events if e["kind"] == "state_lost"]) == 1
     assert m.assignment(w3, 0)["state_lost"] is False
+
+
+def test_a_group_that_cannot_be_built_is_a_failure_and_ends_the_job_with_the_setting_to_change():
+    m = make(min_w=2, max_w=2, max_restarts=1)
+    w1, w2 = start(m, 2, now=1.0)
+    for epoch in (1, 2):  # every member says so; it counts once per epoch
+        for w in (w1, w2):
+            m.arrive(w, epoch, 0, "group not built: Gloo connectFullMesh failed", 2.0 * epoch,
+                     group_failed=True, unreachable=["127.0.0.1"])
+        if epoch == 1:
+            assert m.failures == 1 and m.try_open_epoch(2.5) and m.epoch == 2
+    assert m.state == JobState.FAILED and m.failures == 2
+    assert "unreachable: 127.0.0.1" in m.failure and "GLOO_SOCKET_IFNAME" in m.failure
+    assert "--iface" in m.failure

@@ -18,10 +18,11 @@ The hot path is per node, not per worker: a node of 8 workers costs the coordina
 second in steady state, plus a watch reply whenever something its workers must know changed.
 Step-boundary decisions never pass through the coordinator: they ride in the gradient allreduce.
 
-Requests are validated here (``extra="forbid"``: a misspelt field is an error, not ignored);
-the coordinator's API (:mod:`maitre.control.api`) turns every problem into a 4xx whose JSON body
-names the field. Replies are plain models too; the worker's side reads them with a small stdlib
-client (:mod:`maitre.wire`), so the training process needs no HTTP library.
+Requests are validated here (``extra="forbid"``: a misspelt field is an error, not ignored;
+``strict``: ``"2"`` or ``true`` is no integer); the coordinator's API (:mod:`maitre.control.api`)
+turns every problem into a 4xx whose JSON body names the field. Replies are plain models too;
+the worker's side reads them with a small stdlib client (:mod:`maitre.wire`), so the training
+process needs no HTTP library.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ LABELS = ("rack", "block", "capacity_type", "accelerator")
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Reply(BaseModel):
@@ -344,6 +345,11 @@ class RendezvousRequest(_Request):
     step: int = Field(0, ge=0)
     reason: str = Field("", max_length=500)
     wait_s: float = Field(5.0, ge=0, le=30)
+    group_failed: bool = False
+    """The epoch's process group could not be built: its members could not all connect (a
+    failure of the epoch, counted like a crash)."""
+    unreachable: list[str] = Field([], max_length=64)
+    """The peer addresses the backend could not reach, when it named them."""
 
 
 class Assignment(_Reply):

@@ -373,7 +373,8 @@ class Coordinator:
         or None while it must wait (:meth:`assignment` asks again when the job changes)."""
         with self.lock:
             job = self._job_of(wid)
-            job.arrive(wid, req.from_epoch, req.step, req.reason, self.clock())
+            job.arrive(wid, req.from_epoch, req.step, req.reason, self.clock(),
+                       group_failed=req.group_failed, unreachable=req.unreachable)
             job_id = job.spec.job_id
             self._touch(job_id)
             answer = self._answer(job, wid, req.from_epoch)

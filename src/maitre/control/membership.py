@@ -440,14 +440,32 @@ class Membership:
         return leaving
 
     # -- rendezvous ------------------------------------------------------------------------------
-    def arrive(self, wid: str, from_epoch: int, step: int, reason: str, now: float) -> None:
-        """A worker asks for the epoch after ``from_epoch`` (0 for a joiner)."""
+    def arrive(self, wid: str, from_epoch: int, step: int, reason: str, now: float, *,
+               group_failed: bool = False, unreachable: list[str] | None = None) -> None:
+        """A worker asks for the epoch after ``from_epoch`` (0 for a joiner). With
+        ``group_failed`` its epoch's process group could not be built: one failure of the epoch
+        (however many members say so), and past ``max_restarts`` the job fails saying which
+        addresses could not be reached and what to set, instead of opening epochs forever."""
         w = self._worker(wid)
         w.seen(now)
         if w.state == WorkerState.STARTING:
             self.ready(wid, now)
         w.arrived_from = from_epoch
         w.step = max(w.step, step)
+        if group_failed and from_epoch == self.epoch and self._is_member(w) and \
+                self._failed_epoch != self.epoch and self.state not in ENDED:
+            self.failures += 1
+            self._failed_epoch = self.epoch
+            where = ", ".join(unreachable or []) or "not named by the backend"
+            self._log(now, "group_failed", epoch=self.epoch, worker=wid, unreachable=where)
+            if self.failures > self.spec.max_restarts:
+                self._fail(f"the process group of epoch {self.epoch} could not be built "
+                           f"({reason}; unreachable: {where}), {self.failures} failures exceeded "
+                           f"--max-restarts={self.spec.max_restarts}. Workers advertise the "
+                           "address their host name resolves to unless GLOO_SOCKET_IFNAME "
+                           "(NCCL_SOCKET_IFNAME on GPUs) or `maitre agent --iface` names an "
+                           "interface their peers can reach", now)
+                return
         if self.state == JobState.RUNNING and from_epoch == self.epoch and self._is_member(w):
             self._close(f"{reason} (reported by {wid})", now)
 

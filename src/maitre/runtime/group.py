@@ -36,10 +36,15 @@ BACKEND_TIMEOUT = timedelta(minutes=30)
 class EpochLost(Exception):
     """The membership epoch ended under a collective: a peer crashed, hung or was removed."""
 
-    def __init__(self, reason: str, detected_at: float) -> None:
+    def __init__(self, reason: str, detected_at: float, *, unbuilt: bool = False,
+                 unreachable: list[str] | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.detected_at = detected_at
+        self.unbuilt = unbuilt
+        """The epoch's group could not be built (its members could not all connect)."""
+        self.unreachable = unreachable or []
+        """The peer addresses the backend named, when it did (``remote=[...]``)."""
 
 
 class EpochGroup:
@@ -107,8 +112,10 @@ class EpochGroup:
                 abandoned.set()
                 raise EpochLost(closed, time.monotonic())
         if "error" in built:
+            error = str(built["error"])
             raise EpochLost(f"group not built: {_first_line(built['error'])}",  # type: ignore[arg-type]
-                            time.monotonic())
+                            time.monotonic(), unbuilt=True,
+                            unreachable=sorted(set(re.findall(r"remote=\[([^\]]{1,100})\]", error))))
         return cls(built["backend"], rank, world_size, device, epoch_closed)
 
     # -- collectives -------------------------------------------------------------------------

@@ -368,9 +368,10 @@ class ElasticLoop:
         if self.env.mode != Mode.ELASTIC:
             raise RuntimeError(f"collective failed outside maitre: {lost.reason}") from lost
         self._recovery = Recovery(lost.reason, time.time() - (time.monotonic() - lost.detected_at))
-        self._rendezvous(lost.reason)
+        self._rendezvous(lost.reason, unbuilt=lost)
 
-    def _rendezvous(self, reason: str, from_epoch: int | None = None) -> None:
+    def _rendezvous(self, reason: str, from_epoch: int | None = None,
+                    unbuilt: EpochLost | None = None) -> None:
         """Leave the current epoch and enter the next one (or leave the job)."""
         assert self._client is not None
         if self._recovery is None:
@@ -380,7 +381,9 @@ class ElasticLoop:
             self.group = None
         deadline = time.monotonic() + self.env.coordinator_timeout_s
         body = {"from_epoch": self.epoch if from_epoch is None else from_epoch,
-                "step": self.state.step, "reason": reason, "wait_s": 5.0}
+                "step": self.state.step, "reason": reason[:500], "wait_s": 5.0}
+        if unbuilt is not None and unbuilt.unbuilt:  # the coordinator counts it as a failure
+            body.update(group_failed=True, unreachable=unbuilt.unreachable[:64])
         while True:
             try:
                 answer = self._client.post(f"/workers/{self.env.worker_id}/rendezvous", body,
