@@ -302,7 +302,7 @@ class Agent:
             env[protocol.TOKEN] = self.token
         env.update({
             protocol.COORDINATOR: self.coordinator, protocol.WORKER_ID: wid,
-            protocol.JOB_ID: order["job_id"], protocol.STORE: order["store"],
+            protocol.JOB_ID: order["job_id"], protocol.STORE: self._store_address(order["store"]),
             protocol.AGENT: self.socket_path,
             "LOCAL_RANK": str(order["local_rank"]), "LOCAL_WORLD_SIZE": str(self.slots),
             "TORCHELASTIC_RUN_ID": order["job_id"], "PYTHONUNBUFFERED": "1",
@@ -334,6 +334,14 @@ class Agent:
             self.workers[wid] = worker
         for t in worker.threads:
             t.start()
+
+    def _store_address(self, store: str) -> str:
+        """A coordinator bound to every interface (``0.0.0.0``, ``::``) names its store by that
+        wildcard: its workers reach it where the agent reaches the coordinator."""
+        host, _, port = store.rpartition(":")
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
+            return f"{self.client.host}:{port}"
+        return store
 
     def _pump(self, worker: _Worker, stream: TextIO | None, is_err: bool) -> None:
         assert stream is not None

@@ -239,7 +239,9 @@ class ElasticLoop:
             for buf in flat:
                 self._allreduce(buf)
         except EpochLost as lost:
-            self._buffers.zero()
+            # The abandoned allreduce still holds these buffers and may yet finish (a peer that
+            # was cut off comes back) and write into them: never hand them to the next epoch.
+            self._buffers = _GradBuffers(self.params)
             self._recover(lost)
             return False
         count = int(round(float(control[1])))
@@ -410,6 +412,8 @@ class ElasticLoop:
             # First epoch, or the coordinator restarted since the last one: its c10d store is
             # a new server (same address), so connect again.
             host, port = parse_address(answer.get("store") or self.env.store)
+            if host.strip("[]") in ("0.0.0.0", "::"):  # bound everywhere: where we reach it
+                host = parse_address(self.env.coordinator)[0]
             self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
             self._store_id = answer.get("store_id")
         rec = self._recovery
