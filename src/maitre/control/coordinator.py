@@ -85,6 +85,8 @@ class Coordinator:
         self._emitted: dict[str, int] = {}
         self._keys: dict[str, tuple[Any, ...]] = {}
         """Each membership's :meth:`~Membership.view_key` when its nodes were last told."""
+        self._assigned: dict[str, tuple[Any, ...]] = {}
+        """... and its :meth:`~Membership.assignment_key` when its waiters last asked."""
         self._version = 0
         self._node_version: dict[str, int] = {}
         self._wake_nodes: set[str] = set()
@@ -180,7 +182,10 @@ class Coordinator:
             if self.cluster is not None:
                 try:
                     self.cluster.set_max(job_id, workers, now)
-                    self.cluster.shrink_to_max(job_id, self.jobs.get(job_id), now)
+                    ms = self.jobs.get(job_id)
+                    if ms is not None and ms.state not in ENDED:  # it may grow past its manifest
+                        ms.spec.max_workers = max(workers, ms.spec.min_workers)
+                    self.cluster.shrink_to_max(job_id, ms, now)
                 except KeyError as exc:
                     raise NotFound(exc.args[0], "path.job") from None
                 except ValueError as exc:
@@ -548,12 +553,16 @@ class Coordinator:
         if not self._wake_jobs and not self._wake_nodes:
             return
         jobs, self._wake_jobs = self._wake_jobs, set()
-        save = set()
+        save, woken = set(), set()
         for job_id in jobs:
             ms = self.jobs.get(job_id)
             if ms is None:
                 save.add(job_id)  # a managed job not admitted yet
                 continue
+            assigned = ms.assignment_key()
+            if self._assigned.get(job_id) != assigned:  # its rendezvous waiters ask again
+                self._assigned[job_id] = assigned
+                woken.add(job_id)
             key = ms.view_key()
             if self._keys.get(job_id) != key:
                 self._keys[job_id] = key
@@ -567,7 +576,7 @@ class Coordinator:
             self._emitted[job_id] = len(events)
         self._persist(save)
         nodes, self._wake_nodes = self._wake_nodes, set()
-        self.on_wake(nodes, jobs)
+        self.on_wake(nodes, woken)
 
     # -- persistence -----------------------------------------------------------------------------
     def _persist(self, job_ids: set[str]) -> None:

@@ -238,11 +238,18 @@ class Membership:
         return c[WorkerState.STARTING] + c[WorkerState.READY] + c[WorkerState.ACTIVE]
 
     def view_key(self) -> tuple[Any, ...]:
-        """Changes whenever any worker's :meth:`view` may have changed (or its slots' use)."""
+        """Changes whenever any worker's :meth:`view` may have changed, or how many workers
+        the job wants (a worker turning ready changes neither: 256 arrivals are not 256
+        wake-ups of every node of the job)."""
         c = self._count
         return (self.state, self.epoch, self.target, self.change_pending(), self.suspending,
                 self.failures, c[WorkerState.LEAVING], c[WorkerState.DEAD], c[WorkerState.LEFT],
-                c[WorkerState.DONE], c[WorkerState.READY], c[WorkerState.STARTING])
+                c[WorkerState.DONE])
+
+    def assignment_key(self) -> tuple[Any, ...]:
+        """Changes whenever a waiting worker's :meth:`assignment` may have changed."""
+        c = self._count
+        return (self.state, self.epoch, c[WorkerState.LEAVING], c[WorkerState.DEAD])
 
     def ready(self, wid: str, now: float) -> None:
         """The worker finished its start-up and wants to join the next epoch."""
