@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import socket
 import threading
@@ -35,6 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState
@@ -109,6 +111,12 @@ def _error(status: int, message: str, problems: list[p.Problem] | None = None,
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
+def _where(error: dict[str, Any]) -> tuple[Any, ...]:
+    """Where a validation error is; a body that is not JSON is ``body`` (not ``body.<offset>``)."""
+    loc = tuple(error.get("loc", ()))
+    return loc[:1] if error.get("type") == "json_invalid" else loc
+
+
 def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     """The ASGI app over ``co`` (see the module docstring)."""
     waiters = Waiters()
@@ -141,7 +149,7 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [p.Problem(field=".".join(str(x) for x in e.get("loc", ())) or "body",
+        problems = [p.Problem(field=".".join(str(x) for x in _where(e)) or "body",
                               message=str(e.get("msg", "invalid")))
                     for e in exc.errors()]
         text = "; ".join(f"{pr.field}: {pr.message}" for pr in problems)
@@ -151,8 +159,13 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) \
             else str(exc.detail)
+        headers = exc.headers
+        if exc.status_code == 405:  # Allow (RFC 9110): every route of the path, not just one
+            methods = {m for r in app.router.routes if isinstance(r, Route) and r.methods
+                       and r.matches(request.scope)[0] == Match.PARTIAL for m in r.methods}
+            headers = {"Allow": ", ".join(sorted(methods))}
         return _error(exc.status_code, message, [p.Problem(field="path", message=message)],
-                      headers=exc.headers)  # a 405's Allow (RFC 9110)
+                      headers=headers)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:  # say so, keep serving
@@ -160,7 +173,11 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return _error(500, f"{type(exc).__name__}: {exc}")
 
     auth = [Depends(authorized)]
-    errors = {code: {"model": p.ErrorReply} for code in (400, 401, 404, 413)}
+    errors: dict[int | str, dict[str, Any]] = {
+        code: {"model": p.ErrorReply} for code in (400, 401, 404, 413)}
+    # Every refusal has this shape; documenting 4XX also keeps FastAPI from documenting a 422
+    # this API never sends (a request that does not validate is a 400).
+    errors["4XX"] = {"model": p.ErrorReply, "description": "Any other refusal (405)"}
 
     def route(method: str, path: str, model: Any, **kw: Any) -> Callable[..., Any]:
         return app.api_route(p.API + path, methods=[method], response_model=model,
@@ -258,6 +275,14 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return co.worker_report(worker, req.model_dump())
 
     return app
+
+
+def openapi_document() -> str:
+    """The API's OpenAPI schema as ``docs/openapi.json`` holds it (sorted keys, indented):
+    ``print(openapi_document(), end='')`` into that file regenerates it (tests/test_api.py checks
+    that it is current)."""
+    schema = build_app(Coordinator("127.0.0.1:0")).openapi()
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
 class _Unauthorized(Exception):

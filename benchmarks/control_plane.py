@@ -1,0 +1,724 @@
+"""Control-plane benchmark: the coordinator's cost at 64, 256 and 1,024 nodes of 8 slots.
+
+    python benchmarks/control_plane.py [--sizes 64,256,1024] [--steady-s 25]
+                                       [--before-sizes 64,256] [--generators 2]
+                                       [--out benchmarks/results/control_plane.json]
+
+The real coordinator (``CoordinatorServer`` over a ``ClusterState`` and a ``Store`` in a temporary
+directory, built as ``maitre up --nodes 0`` builds it) runs in a child process of its own, so its
+CPU time is that process's utime + stime (``/proc/<pid>/stat``, every thread). Simulated agents
+and workers speak the real protocol over HTTP/1.1 keep-alive connections from ``--generators``
+other processes (asyncio, raw sockets), each driving a share of the nodes:
+
+* **new protocol** (this tree): a node beat (``NodeBeat`` with its 8 workers' progress) every 1 s
+  on a fixed schedule, one ``watch`` long-poll always open; workers rendezvous (long-poll) and
+  never beat the coordinator.
+* **before** (commit 5913ed4, from ``/tmp/maitre-before/src`` first on ``PYTHONPATH``): a node
+  beat (``{slots, labels, running}``) every 0.25 s, and every worker's own heartbeat every 0.1 s.
+
+A simulated agent starts a worker for every start order (from a beat reply or a watch); the
+worker rendezvous from epoch 0 until told ``train``, then makes progress (reported in its node's
+beat, or in its own heartbeat before); a view that says ``change`` or ``closed`` sends it back to
+rendezvous. The cluster is filled with fixed gangs of 256 (``minReplicas == maxReplicas``, one
+slot each), one fixed job of 240 and an elastic job ``grow`` of 8, leaving 8 slots idle.
+
+Measured per size, in a steady window of ``--steady-s`` seconds once every worker trains:
+
+* ``hb_p50_ms`` / ``hb_p99_ms``: node beat round trips (before: also ``worker_hb_*``);
+* ``cpu_s_per_s``: coordinator CPU seconds per wall second;
+* ``epoch_open_256_s``: for each 256-job, the last worker's first rendezvous request to the first
+  ``train`` answer (the worst of the jobs; the median too);
+* ``grow_to_start_s``: ``POST /jobs/grow/scale`` 8 -> 16 to the first start order a simulated agent
+  receives (and to the last; the split between the scheduling pass, seen in the coordinator's
+  events, and delivery is reported).
+
+The load generators' own lag is measured too (how late each beat is sent against its schedule,
+and their CPU), so that a saturated generator is not mistaken for a slow coordinator. The
+before-coordinator is run at the ``--before-sizes`` it survives: a size where beats' p99 passes
+1 s, or where the cluster never fills in time, is recorded as not surviving and larger ones are
+skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+NEW_SRC = HERE.parent / "src"
+BEFORE_SRC = Path("/tmp/maitre-before/src")
+SLOTS = 8
+GANG = 256
+TARGETS = {"hb_p99_ms": 50.0, "cpu_s_per_s": 0.5, "epoch_open_256_s": 1.0, "grow_to_start_s": 1.0}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+# -- the coordinator, in a child process --------------------------------------------------------
+def serve_coordinator(state_dir: str) -> None:
+    """Child process: the coordinator as ``maitre up --nodes 0`` builds it; prints its address."""
+    import secrets
+
+    import maitre
+    from maitre.control.cluster import ClusterState
+    from maitre.control.detector import PhiConfig
+    from maitre.control.membership import DetectorConfig
+    from maitre.control.store import Store
+    from maitre.scheduling.model import Queue
+    from maitre.scheduling.policy import PolicyConfig
+    try:
+        from maitre.control.api import CoordinatorServer
+    except ImportError:  # the coordinator of 5913ed4
+        from maitre.control.server import CoordinatorServer
+    _raise_nofile()
+    root = Path(state_dir)
+    db = Store(root / "state.db")
+    token = secrets.token_urlsafe(32)
+    cluster = ClusterState([Queue("default")], run_dir=root, policy=PolicyConfig(),
+                           phi=PhiConfig(), detector=DetectorConfig(), max_restarts=3)
+    server = CoordinatorServer("127.0.0.1", 0, 0, on_event=lambda job, event: None,
+                               token=token, cluster=cluster, db=db)
+    server.start()
+    print(json.dumps({"address": server.address, "token": token, "pid": os.getpid(),
+                      "maitre": maitre.__file__}), flush=True)
+    sys.stdin.read()  # until the parent closes it
+    server.stop()
+    db.close()
+
+
+class Coordinator:
+    def __init__(self, which: str) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix=f"maitre-cp-{which}-")
+        src = NEW_SRC if which == "new" else BEFORE_SRC
+        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", self.dir.name],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {which} coordinator did not start")
+        info = json.loads(line)
+        if not info["maitre"].startswith(str(src)):
+            raise RuntimeError(f"the {which} coordinator imported {info['maitre']}")
+        self.address, self.token, self.pid = info["address"], info["token"], info["pid"]
+
+    def call(self, method: str, path: str, body: Any = None, timeout_s: float = 30.0) -> Any:
+        import http.client
+        host, port = self.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, "/v1" + path, body=data,
+                         headers={"Authorization": f"Bearer {self.token}",
+                                  "Content-Type": "application/json"})
+            reply = conn.getresponse()
+            out = json.loads(reply.read() or b"{}")
+            if reply.status != 200:
+                raise RuntimeError(f"{method} {path}: {reply.status} {out}")
+            return out
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.dir.cleanup()
+
+
+# -- the load generators ------------------------------------------------------------------------
+class Conn:
+    """One HTTP/1.1 keep-alive connection (a request at a time)."""
+
+    def __init__(self, host: str, port: int, token: str) -> None:
+        self.host, self.port = host, port
+        self.auth = f"Authorization: Bearer {token}\r\n"
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict[str, Any], timeout_s: float) -> tuple[int, Any]:
+        try:
+            return await asyncio.wait_for(self._post(path, body), timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write((f"POST /v1{path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}"
+                           f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+                           ).encode() + data)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length, close = 0, False
+        for line in lines[1:]:
+            k, _, v = line.partition(":")
+            k = k.strip().lower()
+            if k == "content-length":
+                length = int(v)
+            elif k == "connection" and v.strip().lower() == "close":
+                close = True
+        payload = await self.reader.readexactly(length) if length else b""
+        if close:
+            self.close()
+        return status, json.loads(payload) if payload else {}
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+
+class SimWorker:
+    __slots__ = ("wid", "job", "node", "epoch", "state", "t_train", "task", "hb_task")
+
+    def __init__(self, wid: str, job: str, node: "SimNode") -> None:
+        self.wid, self.job, self.node = wid, job, node
+        self.epoch, self.state, self.t_train = 0, "rdv", 0.0
+        self.task: asyncio.Task | None = None
+        self.hb_task: asyncio.Task | None = None
+
+    def progress(self, now: float) -> tuple[int, float]:
+        if self.state != "train":
+            return 0, 0.0
+        return int((now - self.t_train) * 2), round(now - self.t_train, 3)
+
+
+class SimNode:
+    def __init__(self, gen: "Generator", index: int) -> None:
+        self.gen, self.name = gen, f"node-{index}"
+        self.labels = {"rack": f"rack-{index // 32}"}
+        self.version = -1
+        self.workers: dict[str, SimWorker] = {}
+        self.beat_conn = gen.conn()
+        self.watch_conn = gen.conn()
+
+
+class Generator:
+    """One process's share of the nodes, on one asyncio loop."""
+
+    def __init__(self, cfg: dict[str, Any], pipe: Any, counters: Any) -> None:
+        self.cfg = cfg
+        self.new = cfg["protocol"] == "new"
+        self.host, port = cfg["address"].rsplit(":", 1)
+        self.port = int(port)
+        self.pipe, self.counters = pipe, counters
+        self.node_beats: list[tuple[float, float, float]] = []  # (scheduled, lag, latency)
+        self.worker_beats: list[tuple[float, float, float]] = []
+        self.starts: list[tuple[str, str, float, float]] = []  # (job, worker, mono, wall)
+        self.rdv: dict[str, dict[str, Any]] = {}  # worker -> first sent, train received
+        self.errors: dict[str, int] = {}
+        self.stop = False
+
+    def conn(self) -> Conn:
+        return Conn(self.host, self.port, self.cfg["token"])
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+        self.counters[2] += 1
+
+    # -- agents ------------------------------------------------------------------------------
+    async def beat_loop(self, node: SimNode) -> None:
+        period = 1.0 if self.new else 0.25
+        due = time.monotonic() + random.random() * period
+        first = True
+        while not self.stop:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            sent = time.monotonic()
+            if self.new:
+                body = {"slots": SLOTS, "labels": node.labels, "since": node.version,
+                        "workers": [self.worker_beat(w, sent) for w in node.workers.values()]}
+            else:
+                body = {"slots": SLOTS, "labels": node.labels, "running": list(node.workers)}
+            try:
+                status, reply = await node.beat_conn.post(f"/nodes/{node.name}/heartbeat", body,
+                                                          10.0)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+                self.error("node_beat")
+                status, reply = 0, {}
+            got = time.monotonic()
+            self.node_beats.append((due, sent - due, got - sent if status == 200 else -1.0))
+            if status == 200:
+                self.apply(node, reply)
+                if first and self.new:
+                    first = False
+                    asyncio.ensure_future(self.watch_loop(node))
+                if first:
+                    first = False
+                    self.counters[3] += 1
+            due += period
+
+    @staticmethod
+    def worker_beat(w: SimWorker, now: float) -> dict[str, Any]:
+        step, trained = w.progress(now)
+        return {"id": w.wid, "step": step, "stalled": False, "trained_s": trained,
+                "silent_s": round(random.random() * 0.1, 4), "gap_mean_s": 0.1,
+                "gap_std_s": 0.01}
+
+    async def watch_loop(self, node: SimNode) -> None:
+        self.counters[3] += 1
+        while not self.stop:
+            try:
+                status, reply = await node.watch_conn.post(
+                    f"/nodes/{node.name}/watch", {"since": node.version, "wait_s": 10.0}, 30.0)
+            except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+                self.error("watch")
+                await asyncio.sleep(0.5)
+                continue
+            if status == 200:
+                self.apply(node, reply)
+            else:
+                self.error(f"watch_{status}")
+                await asyncio.sleep(0.5)
+
+    def apply(self, node: SimNode, orders: dict[str, Any]) -> None:
+        now, wall = time.monotonic(), time.time()
+        if "version" in orders:
+            node.version = max(node.version, orders["version"])
+        for order in orders.get("start", []):
+            wid = order["worker_id"]
+            self.starts.append((order["job_id"], wid, now, wall))
+            w = node.workers[wid] = SimWorker(wid, order["job_id"], node)
+            self.counters[0] += 1
+            w.task = asyncio.ensure_future(self.rendezvous(w, 0))
+            if not self.new:
+                w.hb_task = asyncio.ensure_future(self.worker_hb_loop(w))
+        for wid in orders.get("kill", []):
+            self.remove(node, wid)
+            asyncio.ensure_future(self.once(f"/workers/{wid}/exit", {"code": -9}))
+        for wid, view in (orders.get("views") or {}).items():
+            self.on_view(node, wid, view)
+
+    def on_view(self, node: SimNode, wid: str, view: dict[str, Any]) -> None:
+        w = node.workers.get(wid)
+        if w is None:
+            return
+        if view.get("stop"):
+            self.remove(node, wid)
+            asyncio.ensure_future(self.once(f"/workers/{wid}/exit", {"code": 0}))
+        elif view.get("leave") and w.state == "train":
+            self.remove(node, wid)
+            asyncio.ensure_future(self.once(f"/workers/{wid}/left", {}))
+        elif w.state == "train" and view.get("member_epoch") == w.epoch and (
+                view.get("closed") or view.get("change")):
+            w.state = "rdv"
+            self.counters[1] -= 1
+            w.task = asyncio.ensure_future(self.rendezvous(w, w.epoch))
+
+    def remove(self, node: SimNode, wid: str) -> None:
+        w = node.workers.pop(wid, None)
+        if w is None:
+            return
+        if w.state == "train":
+            self.counters[1] -= 1
+        w.state = "gone"
+        for t in (w.task, w.hb_task):
+            if t is not None and t is not asyncio.current_task():
+                t.cancel()
+
+    async def once(self, path: str, body: dict[str, Any]) -> None:
+        c = self.conn()
+        try:
+            await c.post(path, body, 10.0)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+            self.error(path.rsplit("/", 1)[1])
+        finally:
+            c.close()
+
+    # -- workers -----------------------------------------------------------------------------
+    async def rendezvous(self, w: SimWorker, from_epoch: int) -> None:
+        c = self.conn()
+        rec = self.rdv.setdefault(w.wid, {"job": w.job, "first": None, "first_wall": None, "train": None,
+                                          "epoch": None}) if from_epoch == 0 else None
+        try:
+            while not self.stop and w.state == "rdv":
+                sent = time.monotonic()
+                if rec is not None and rec["first"] is None:
+                    rec["first"], rec["first_wall"] = sent, time.time()
+                try:
+                    status, reply = await c.post(
+                        f"/workers/{w.wid}/rendezvous",
+                        {"from_epoch": from_epoch, "step": w.progress(sent)[0],
+                         "reason": "joining" if from_epoch == 0 else "membership change",
+                         "wait_s": 30.0}, 60.0)
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+                    self.error("rendezvous")
+                    await asyncio.sleep(0.5)
+                    continue
+                if status != 200:
+                    self.error(f"rendezvous_{status}")
+                    await asyncio.sleep(0.5)
+                    continue
+                action = reply.get("action")
+                if action == "train":
+                    w.epoch, w.state, w.t_train = reply["epoch"], "train", time.monotonic()
+                    self.counters[1] += 1
+                    if rec is not None:
+                        rec["train"], rec["epoch"] = w.t_train, reply["epoch"]
+                    return
+                if action in ("leave", "stop"):
+                    self.remove(w.node, w.wid)
+                    return
+        finally:
+            c.close()
+
+    async def worker_hb_loop(self, w: SimWorker) -> None:
+        """Before: every worker beats the coordinator at 10 Hz."""
+        c = self.conn()
+        due = time.monotonic() + random.random() * 0.1
+        try:
+            while not self.stop and w.state != "gone":
+                await asyncio.sleep(max(0.0, due - time.monotonic()))
+                sent = time.monotonic()
+                step, trained = w.progress(sent)
+                try:
+                    status, reply = await c.post(f"/workers/{w.wid}/heartbeat",
+                                                 {"step": step, "stalled": False,
+                                                  "trained_s": trained}, 10.0)
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
+                    self.error("worker_beat")
+                    status, reply = 0, {}
+                got = time.monotonic()
+                self.worker_beats.append((due, sent - due, got - sent if status == 200 else -1.0))
+                if status == 200:
+                    self.on_view(w.node, w.wid, reply)
+                due += 0.1
+        finally:
+            c.close()
+
+    # -- the process -------------------------------------------------------------------------
+    async def main(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+        loop.add_reader(self.pipe.fileno(), stopped.set)
+        nodes = [SimNode(self, i) for i in self.cfg["nodes"]]
+        tasks = [asyncio.ensure_future(self.beat_loop(n)) for n in nodes]
+        cpu0, t0 = cpu_s(os.getpid()), time.monotonic()
+        await stopped.wait()
+        window = self.pipe.recv()
+        self.stop = True
+        for t in tasks:
+            t.cancel()
+        return {"node_beats": self.node_beats, "worker_beats": self.worker_beats,
+                "starts": self.starts, "rdv": self.rdv, "errors": self.errors,
+                "cpu_s": cpu_s(os.getpid()) - cpu0, "wall_s": time.monotonic() - t0,
+                "window": window}
+
+
+def generator_main(cfg: dict[str, Any], pipe: Any, counters: Any) -> None:
+    _raise_nofile()
+    gen = Generator(cfg, pipe, counters)
+    pipe.send(asyncio.run(gen.main()))
+
+
+# -- one size, one coordinator ------------------------------------------------------------------
+def wait_for(pred: Any, timeout_s: float, what: str) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s:.0f} s")
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def manifest(name: str, lo: int, hi: int) -> dict[str, Any]:
+    return {"manifest": {"name": name, "queue": "default", "minReplicas": lo, "maxReplicas": hi,
+                         "gpusPerReplica": 1, "command": ["python", "train.py"]}}
+
+
+def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
+             log: Any) -> dict[str, Any]:
+    """Fill a cluster of ``num_nodes`` x 8, measure; returns the row (raises nothing)."""
+    row: dict[str, Any] = {"hb_p50_ms": None, "hb_p99_ms": None, "cpu_s_per_s": None,
+                           "epoch_open_256_s": None, "grow_to_start_s": None}
+    notes: list[str] = []
+    slots = num_nodes * SLOTS
+    gangs = slots // GANG - 1
+    jobs = [(f"fill-{i}", GANG, GANG) for i in range(gangs)] + \
+        [("fill-rest", GANG - 16, GANG - 16)]
+    expected = slots - 8
+    co = Coordinator(which)
+    ctx = mp.get_context("fork")
+    gens = []
+    try:
+        for g in range(num_gens):
+            parent, child = ctx.Pipe()
+            counters = ctx.Array("l", 4, lock=False)  # started, training, errors, nodes up
+            cfg = {"protocol": which, "address": co.address, "token": co.token,
+                   "nodes": list(range(g, num_nodes, num_gens))}
+            proc = ctx.Process(target=generator_main, args=(cfg, child, counters), daemon=True)
+            proc.start()
+            gens.append((proc, parent, counters))
+        total = lambda k: sum(c[k] for _, _, c in gens)  # noqa: E731
+        t_start = time.monotonic()
+        wait_for(lambda: total(3) >= num_nodes, 30 + num_nodes * 0.05, "every node beating")
+        log(f"  {which} {num_nodes}: {num_nodes} nodes up in {time.monotonic() - t_start:.1f} s")
+        t_submit, c_submit = time.monotonic(), cpu_s(co.pid)
+        # grow: 8 of at most 16 (the manifest's ceiling, so that the membership may grow to 16;
+        # see the report), held at 8 by a scale before its first scheduling pass
+        co.call("POST", "/jobs", manifest("grow", 8, 16))
+        co.call("POST", "/jobs/grow/scale", {"workers": 8})
+        for name, lo, hi in jobs:
+            co.call("POST", "/jobs", manifest(name, lo, hi))
+        try:
+            t_full = wait_for(lambda: total(1) >= expected, 60 + num_nodes * 0.1,
+                              f"{expected} workers training")
+        except TimeoutError as exc:
+            notes.append(f"{exc} ({total(0)} started, {total(1)} training)")
+            row["survived"] = False
+            t_full = None
+        if t_full is not None:
+            row["fill_s"] = round(t_full - t_submit, 2)
+            log(f"  {which} {num_nodes}: {expected} workers training {row['fill_s']} s after "
+                f"submitting")
+            time.sleep(3.0)  # let the last epochs' views settle
+            w0, c0 = time.monotonic(), cpu_s(co.pid)
+            gen_c0 = [cpu_s(p.pid) for p, _, _ in gens]
+            time.sleep(steady_s)
+            w1, c1 = time.monotonic(), cpu_s(co.pid)
+            gen_c1 = [cpu_s(p.pid) for p, _, _ in gens]
+            row["cpu_s_per_s"] = round((c1 - c0) / (w1 - w0), 3)
+            row["gen_cpu_s_per_s"] = [round((b - a) / (w1 - w0), 3)
+                                      for a, b in zip(gen_c0, gen_c1)]
+            # grow: 8 -> 16 on the idle slots
+            t_scale = time.monotonic()
+            wall_scale = time.time()
+            try:
+                co.call("POST", "/jobs/grow/scale", {"workers": 16}, timeout_s=10)
+            except Exception as exc:  # noqa: BLE001 - record it, measure the rest
+                notes.append(f"scale failed: {exc}")
+            t_scaled = time.monotonic()
+            try:
+                wait_for(lambda: total(0) >= expected + 8, 15, "8 grow start orders")
+            except TimeoutError as exc:
+                notes.append(str(exc))
+            time.sleep(1.0)
+        else:  # never steady: the beats and CPU of the fill itself are the evidence
+            w0, w1 = t_submit, time.monotonic()
+            row["cpu_s_per_s"] = round((cpu_s(co.pid) - c_submit) / (w1 - w0), 3)
+            notes.append("hb and cpu measured during the fill (it never became steady)")
+            t_scale = t_scaled = wall_scale = 0.0
+        results = []
+        for proc, pipe, _ in gens:
+            pipe.send((w0, w1))
+        for proc, pipe, _ in gens:
+            results.append(pipe.recv() if pipe.poll(60) else None)
+            proc.join(timeout=10)
+        if any(r is None for r in results):
+            notes.append("a load generator did not answer")
+            results = [r for r in results if r is not None]
+        # -- the numbers ---------------------------------------------------------------------
+        in_window = lambda rows: [r for r in rows if w0 <= r[0] <= w1]  # noqa: E731
+        nb = [r for res in results for r in in_window(res["node_beats"])]
+        wb = [r for res in results for r in in_window(res["worker_beats"])]
+        lat = [r[2] * 1000 for r in nb if r[2] >= 0]
+        row["hb_p50_ms"] = round(pct(lat, 0.5), 2) if lat else None
+        row["hb_p99_ms"] = round(pct(lat, 0.99), 2) if lat else None
+        row["hb_count"] = len(nb)
+        row["hb_failed"] = sum(1 for r in nb if r[2] < 0)
+        row["hb_max_ms"] = round(max(lat), 1) if lat else None
+        lag = [r[1] * 1000 for r in nb]
+        row["gen_lag_p50_ms"] = round(pct(lag, 0.5), 2) if lag else None
+        row["gen_lag_p99_ms"] = round(pct(lag, 0.99), 2) if lag else None
+        if wb:
+            wl = [r[2] * 1000 for r in wb if r[2] >= 0]
+            row["worker_hb_p50_ms"] = round(pct(wl, 0.5), 2) if wl else None
+            row["worker_hb_p99_ms"] = round(pct(wl, 0.99), 2) if wl else None
+            row["worker_hb_count"] = len(wb)
+            row["worker_hb_failed"] = sum(1 for r in wb if r[2] < 0)
+            wlag = [r[1] * 1000 for r in wb]
+            row["worker_gen_lag_p99_ms"] = round(pct(wlag, 0.99), 2)
+            # beats sent in the window against the schedule's count: does it keep real time?
+            row["worker_hb_per_s"] = round(len(wb) / max(1e-9, w1 - w0), 1)
+        if nb:
+            row["hb_per_s"] = round(len(nb) / max(1e-9, w1 - w0), 1)
+        errors: dict[str, int] = {}
+        for res in results:
+            for k, v in res["errors"].items():
+                errors[k] = errors.get(k, 0) + v
+        if errors:
+            row["errors"] = errors
+        # epoch open of the 256-gangs
+        rdv = {wid: r for res in results for wid, r in res["rdv"].items()}
+        opens, spreads = [], []
+        for name, lo, _ in jobs:
+            if lo != GANG:
+                continue
+            rs = [r for r in rdv.values() if r["job"] == name]
+            if len(rs) < GANG or any(r["train"] is None for r in rs):
+                continue
+            opens.append(min(r["train"] for r in rs) - max(r["first"] for r in rs))
+            spreads.append(max(r["first"] for r in rs) - min(r["first"] for r in rs))
+            if name == "fill-0":
+                last_wall = max(r["first_wall"] for r in rs)
+                try:
+                    ev = co.call("GET", "/jobs/fill-0", timeout_s=30).get("events", [])
+                    ep = [e["t"] for e in ev if e.get("kind") == "epoch"]
+                    if ep:
+                        row["epoch_open_256_coordinator_s"] = round(ep[0] - last_wall, 4)
+                except Exception as exc:  # noqa: BLE001
+                    notes.append(f"fill-0 events: {exc}")
+        if spreads:
+            row["arrival_spread_256_s"] = round(max(spreads), 3)
+        if opens:
+            row["epoch_open_256_s"] = round(max(opens), 4)
+            row["epoch_open_256_median_s"] = round(statistics.median(opens), 4)
+            row["epoch_open_256_jobs"] = len(opens)
+        # grow
+        grow = sorted(t for res in results for (job, _, t, _) in res["starts"]
+                      if job == "grow" and t >= t_scale > 0)
+        if grow:
+            row["grow_to_start_s"] = round(grow[0] - t_scale, 4)
+            row["grow_to_last_start_s"] = round(grow[-1] - t_scale, 4)
+            row["grow_scale_call_s"] = round(t_scaled - t_scale, 4)
+            row["grow_starts"] = len(grow)
+            joined = [r["train"] for r in rdv.values() if r["job"] == "grow" and r["train"]
+                      and r["first"] >= t_scale]
+            if joined:
+                row["grow_to_joiners_train_s"] = round(max(joined) - t_scale, 4)
+            try:
+                events = co.call("GET", "/jobs/grow", timeout_s=30).get("events", [])
+                placed = [e for e in events if isinstance(e.get("t"), (int, float))
+                          and e["t"] >= wall_scale and e.get("kind") not in ("max_replicas",)]
+                if placed:
+                    first = min(placed, key=lambda e: e["t"])
+                    row["grow_first_event"] = {"kind": first.get("kind"),
+                                               "after_scale_s": round(first["t"] - wall_scale, 4)}
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"grow events: {exc}")
+        if row.get("survived") is None:
+            row["survived"] = bool(row["hb_p99_ms"] is not None and row["hb_p99_ms"] <= 1000 and
+                                   (not wb or (row.get("worker_hb_p99_ms") or 1e9) <= 1000))
+        if notes:
+            row["notes"] = "; ".join(notes)
+        return row
+    except Exception as exc:  # noqa: BLE001 - a size that fails is a result, not a crash
+        row["survived"] = False
+        row["notes"] = "; ".join(notes + [f"{type(exc).__name__}: {exc}"])
+        return row
+    finally:
+        for proc, pipe, _ in gens:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        co.stop()
+
+
+# -- the table ----------------------------------------------------------------------------------
+def fmt(v: Any, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3g}{unit}" if isinstance(v, float) else f"{v}{unit}"
+
+
+def table(result: dict[str, Any]) -> str:
+    cols = [("hb_p50_ms", " ms"), ("hb_p99_ms", " ms"), ("worker_hb_p99_ms", " ms"),
+            ("cpu_s_per_s", ""), ("epoch_open_256_s", " s"), ("grow_to_start_s", " s"),
+            ("gen_lag_p99_ms", " ms"), ("gen_cpu_s_per_s", "")]
+    head = ["nodes", "coordinator"] + [c for c, _ in cols]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    sizes = sorted({int(s) for s in result["nodes"]} | {int(s) for s in result["before"]})
+    for size in sizes:
+        for label, key in (("new", "nodes"), ("before", "before")):
+            r = result[key].get(str(size))
+            if r is None:
+                continue
+            cells = []
+            for c, unit in cols:
+                v = r.get(c)
+                cells.append("/".join(fmt(x) for x in v) if isinstance(v, list) else fmt(v, unit))
+            if label == "before" and not r.get("survived", True):
+                label = "before (did not survive)"
+            lines.append(f"| {size} | {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="64,256,1024")
+    p.add_argument("--before-sizes", default="64,256,1024",
+                   help="sizes for the coordinator of 5913ed4 (stops at the first it fails)")
+    p.add_argument("--steady-s", type=float, default=25.0)
+    p.add_argument("--generators", type=int, default=2)
+    p.add_argument("--out", type=Path, default=HERE / "results" / "control_plane.json")
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve:
+        serve_coordinator(args.serve)
+        return
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    result: dict[str, Any] = {"nodes": {}, "before": {}}
+    notes: list[str] = []
+    for size in (int(s) for s in args.sizes.split(",") if s):
+        log(f"new coordinator, {size} nodes x {SLOTS} slots")
+        result["nodes"][str(size)] = run_size("new", size, args.steady_s, args.generators, log)
+    if BEFORE_SRC.exists():
+        for size in (int(s) for s in args.before_sizes.split(",") if s):
+            log(f"coordinator of 5913ed4, {size} nodes x {SLOTS} slots")
+            row = run_size("before", size, args.steady_s, args.generators, log)
+            result["before"][str(size)] = row
+            if not row.get("survived"):
+                notes.append(f"before: did not survive {size} nodes; larger sizes not run")
+                break
+    else:
+        notes.append(f"before: {BEFORE_SRC} missing (git archive 5913ed4 src | tar -x -C "
+                     f"/tmp/maitre-before)")
+    big = result["nodes"].get("1024")
+    if big is not None:
+        met = {}
+        for key, limit in TARGETS.items():
+            v = big.get(key)
+            met[key] = None if v is None else v <= limit
+        result["targets_1024"] = met
+    result["machine"] = {"cpus": os.cpu_count(), "generators": args.generators,
+                         "steady_s": args.steady_s}
+    if notes:
+        result["notes"] = "; ".join(notes)
+    print(table(result))
+    if "targets_1024" in result:
+        for key, ok in result["targets_1024"].items():
+            verdict = "not measured" if ok is None else ("met" if ok else "NOT met")
+            print(f"target at 1,024 nodes: {key} <= {TARGETS[key]:g}: {verdict} "
+                  f"({fmt(big.get(key))})")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
