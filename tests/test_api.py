@@ -279,8 +279,6 @@ def test_a_worker_of_one_job_cannot_speak_for_a_worker_of_another(api: Api,
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="Coordinator.suspend marks the managed job held and "
-                                       "SUSPENDING before Membership.suspend refuses an ended job")
 def test_a_refused_suspend_leaves_the_job_as_it_was(api: Api, client: TestClient) -> None:
     started = api.start_two_jobs(client)
     ok(client.post(f"/v1/workers/{started['alpha']['worker_id']}/done", json={"step": 1}))

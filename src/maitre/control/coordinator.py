@@ -212,17 +212,19 @@ class Coordinator:
                 if not managed.manifest.checkpoint_dir:
                     raise BadRequest(f"job {job_id} has no checkpointDir: suspending it would "
                                      "lose its progress (cancel it instead)", "path.job")
-                managed.held = True  # a user's suspension lasts until `maitre resume`
                 if managed.job.phase != Phase.RUNNING:
+                    managed.held = True  # a user's suspension lasts until `maitre resume`
                     self._changed(job_id, persist=True)
                     return {"state": managed.job.phase.value}
-                managed.job.phase = Phase.SUSPENDING
-                managed.suspend_deadline = self.clock() + managed.job.grace_period_s
             job = self.job(job_id)
-            try:
+            try:  # refused (the membership ended meanwhile): nothing is changed
                 job.suspend(str(reason), self.clock())
             except ValueError as exc:
                 raise BadRequest(str(exc), "path.job") from None
+            if managed is not None:
+                managed.held = True
+                managed.job.phase = Phase.SUSPENDING
+                managed.suspend_deadline = self.clock() + managed.job.grace_period_s
             self._changed(job_id, persist=True)
             return {"state": job.state.value}
 
