@@ -10,7 +10,7 @@ CPU time is that process's utime + stime (``/proc/<pid>/stat``, every thread). S
 and workers speak the real protocol over HTTP/1.1 keep-alive connections from ``--generators``
 other processes (asyncio, raw sockets), each driving a share of the nodes:
 
-* **new protocol** (this tree): a node beat (``NodeBeat`` with its 8 workers' progress) every 1 s
+* **new protocol** (this tree): a node beat (``NodeBeat`` with its 8 workers' progress) every 2 s
   on a fixed schedule, one ``watch`` long-poll always open; workers rendezvous (long-poll) and
   never beat the coordinator.
 * **before** (commit 5913ed4, from ``/tmp/maitre-before/src`` first on ``PYTHONPATH``): a node
@@ -26,8 +26,10 @@ Measured per size, in a steady window of ``--steady-s`` seconds once every worke
 
 * ``hb_p50_ms`` / ``hb_p99_ms``: node beat round trips (before: also ``worker_hb_*``);
 * ``cpu_s_per_s``: coordinator CPU seconds per wall second;
-* ``epoch_open_256_s``: for each 256-job, the last worker's first rendezvous request to the first
-  ``train`` answer (the worst of the jobs; the median too);
+* ``epoch_open_256_s``: a gang of 256 forming in the steady cluster (``fill-0`` is cancelled and
+  ``again`` takes its slots): its last worker's first rendezvous request to the first ``train``
+  answer; ``epoch_open_256_fill_s``: the same for every gang forming at once while the cluster
+  fills (the worst of them; the median too), where the arrivals of all of them queue together;
 * ``grow_to_start_s``: ``POST /jobs/grow/scale`` 8 -> 16 to the first start order a simulated agent
   receives (and to the last; the split between the scheduling pass, seen in the coordinator's
   events, and delivery is reported).
@@ -110,7 +112,21 @@ def serve_coordinator(state_dir: str) -> None:
     server.start()
     print(json.dumps({"address": server.address, "token": token, "pid": os.getpid(),
                       "maitre": maitre.__file__}), flush=True)
+    import gc
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def gc_timer(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            pauses.append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(gc_timer)
     sys.stdin.read()  # until the parent closes it
+    if pauses:
+        print(f"coordinator gc: {len(pauses)} collections, max {max(pauses) * 1000:.1f} ms, "
+              f"total {sum(pauses):.2f} s", file=sys.stderr, flush=True)
     server.stop()
     db.close()
 
@@ -254,7 +270,7 @@ class Generator:
 
     # -- agents ------------------------------------------------------------------------------
     async def beat_loop(self, node: SimNode) -> None:
-        period = 1.0 if self.new else 0.25
+        period = 2.0 if self.new else 0.25
         due = time.monotonic() + random.random() * period
         first = True
         while not self.stop:
@@ -295,7 +311,7 @@ class Generator:
         while not self.stop:
             try:
                 status, reply = await node.watch_conn.post(
-                    f"/nodes/{node.name}/watch", {"since": node.version, "wait_s": 10.0}, 30.0)
+                    f"/nodes/{node.name}/watch", {"since": node.version, "wait_s": 30.0}, 45.0)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
                 self.error("watch")
                 await asyncio.sleep(0.5)
@@ -501,6 +517,13 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         except TimeoutError as exc:
             notes.append(f"{exc} ({total(0)} started, {total(1)} training)")
             row["survived"] = False
+            try:  # which jobs did not get there, as the coordinator sees them
+                stuck = {j["job_id"]: f"{j['state']} epoch {j['epoch']} members "
+                         f"{len(j['members'])}/{j.get('max_workers')} {j.get('waiting_for', '')}"
+                         for j in co.call("GET", "/jobs", timeout_s=30)["jobs"]}
+                notes.append(f"jobs: {stuck}")
+            except Exception as exc2:  # noqa: BLE001
+                notes.append(f"jobs: {exc2}")
             t_full = None
         if t_full is not None:
             row["fill_s"] = round(t_full - t_submit, 2)
@@ -528,6 +551,15 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
             except TimeoutError as exc:
                 notes.append(str(exc))
             time.sleep(1.0)
+            # one gang of 256 forming in a steady cluster: fill-0 ends, "again" takes its slots
+            try:
+                co.call("POST", "/jobs/fill-0/cancel", {}, timeout_s=10)
+                wait_for(lambda: total(1) <= expected + 8 - GANG, 30, "fill-0's workers gone")
+                co.call("POST", "/jobs", manifest("again", GANG, GANG), timeout_s=10)
+                wait_for(lambda: total(1) >= expected + 8, 30, "again's 256 workers training")
+            except (TimeoutError, RuntimeError, OSError) as exc:
+                notes.append(f"again: {exc}")
+            time.sleep(0.5)
         else:  # never steady: the beats and CPU of the fill itself are the evidence
             w0, w1 = t_submit, time.monotonic()
             row["cpu_s_per_s"] = round((cpu_s(co.pid) - c_submit) / (w1 - w0), 3)
@@ -576,6 +608,12 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         # epoch open of the 256-gangs
         rdv = {wid: r for res in results for wid, r in res["rdv"].items()}
         opens, spreads = [], []
+        again = [r for r in rdv.values() if r["job"] == "again"]
+        if len(again) == GANG and all(r["train"] is not None for r in again):
+            row["epoch_open_256_s"] = round(min(r["train"] for r in again) -
+                                            max(r["first"] for r in again), 4)
+            row["arrival_spread_again_s"] = round(max(r["first"] for r in again) -
+                                                  min(r["first"] for r in again), 4)
         for name, lo, _ in jobs:
             if lo != GANG:
                 continue
@@ -595,10 +633,10 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
                     notes.append(f"fill-0 events: {exc}")
         if spreads:
             row["arrival_spread_256_s"] = round(max(spreads), 3)
-        if opens:
-            row["epoch_open_256_s"] = round(max(opens), 4)
-            row["epoch_open_256_median_s"] = round(statistics.median(opens), 4)
-            row["epoch_open_256_jobs"] = len(opens)
+        if opens:  # every gang forming at once, as the cluster fills: the worst, the median
+            row["epoch_open_256_fill_s"] = round(max(opens), 4)
+            row["epoch_open_256_fill_median_s"] = round(statistics.median(opens), 4)
+            row["epoch_open_256_fill_jobs"] = len(opens)
         # grow
         grow = sorted(t for res in results for (job, _, t, _) in res["starts"]
                       if job == "grow" and t >= t_scale > 0)
@@ -648,7 +686,8 @@ def fmt(v: Any, unit: str = "") -> str:
 
 def table(result: dict[str, Any]) -> str:
     cols = [("hb_p50_ms", " ms"), ("hb_p99_ms", " ms"), ("worker_hb_p99_ms", " ms"),
-            ("cpu_s_per_s", ""), ("epoch_open_256_s", " s"), ("grow_to_start_s", " s"),
+            ("cpu_s_per_s", ""), ("epoch_open_256_s", " s"), ("epoch_open_256_fill_s", " s"),
+            ("grow_to_start_s", " s"),
             ("gen_lag_p99_ms", " ms"), ("gen_cpu_s_per_s", "")]
     head = ["nodes", "coordinator"] + [c for c, _ in cols]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -36,6 +36,7 @@ and persists what changed (:mod:`maitre.control.store`).
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -250,12 +251,32 @@ class ClusterState:
             self._measure(m, ms, now)
 
     def plan(self, now: float) -> Plan:
+        view, jobs = self.prepare(now)
+        return schedule(view, jobs, now, self.policy)
+
+    def prepare(self, now: float) -> tuple[Cluster, list[Job]]:
+        """What the policy is called with (after the repair of gangs below their minimum): a
+        view of the live nodes and copies of the jobs, so that the pass can run while the
+        coordinator serves on (:meth:`fingerprint` tells whether its plan still applies)."""
         self._withdraw.clear()  # sync() has withdrawn their allocations
         jobs = [m.job for m in self.managed.values() if m.ended is None and not
                 (m.held and m.job.phase == Phase.SUSPENDED)]
         cluster = self.cluster()
         self._repair(cluster, jobs, now)
-        return schedule(cluster, jobs, now, self.policy)
+        copies = []
+        for j in jobs:
+            c = copy.copy(j)
+            c.placement, c.throughput = dict(j.placement), dict(j.throughput)
+            copies.append(c)
+        return cluster, copies
+
+    def fingerprint(self) -> tuple[Any, ...]:
+        """What a plan was made from: jobs' phase, bounds and placement, nodes' life and size.
+        A plan made on one fingerprint is applied only on the same one."""
+        return (tuple((m.id, m.ended, m.held, m.job.phase, m.job.min_replicas,
+                       m.job.max_replicas, tuple(sorted(m.job.placement.items())))
+                      for m in self.managed.values()),
+                tuple((n, s.alive, s.node) for n, s in self.nodes.items()))
 
     def _repair(self, cluster: Cluster, jobs: list[Job], now: float) -> None:
         """A running job that lost replicas below its minimum with a node gets them back on

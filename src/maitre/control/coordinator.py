@@ -26,12 +26,13 @@ on whichever nodes join.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import secrets
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState, ManagedJob
@@ -40,15 +41,36 @@ from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, Mem
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.model import Node, Phase
+from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, parse_manifest
 
 log = logging.getLogger("maitre.coordinator")
 
 _NOT_STARTED = {"epoch": 0, "members": [], "step": 0, "failures": 0, "failure": None,
                 "workers": [], "target": 0, "min_workers": 0, "max_workers": 0}
+_LOST_CHECK_S = 0.5
+"""Workers silent past ``dead_after_s`` (15 s) are looked for this often; hangs, every tick."""
 _SAVE_EVERY_S = 5.0
 """Progress and accounting (steps, trained seconds, usage) are saved this often; every state
 change is saved when it happens."""
+_SAVES_PER_TICK = 2
+"""... a few jobs a tick, so that no tick holds the lock for long (see _save_progress)."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def acknowledged(method: F) -> F:
+    """A call's changes are durable before it answers: it waits (its lock released, so the
+    others go on) for the store's commit of what it staged (:meth:`Store.acknowledge`)."""
+    @functools.wraps(method)
+    def call(self: "Coordinator", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self.db is not None:
+                self.db.acknowledge()
+    return call  # type: ignore[return-value]
 
 
 class Coordinator:
@@ -77,6 +99,8 @@ class Coordinator:
         self.pass_s = pass_s
         self._next_pass = 0.0
         self._next_save = 0.0
+        self._to_save: list[str] = []
+        self._next_lost_check = 0.0
         self._persisted: dict[str, str] = {}
         self._worker_job: dict[str, Membership] = {}
         self._on_node: dict[str, set[str]] = {}
@@ -97,6 +121,7 @@ class Coordinator:
                 self._restore()
 
     # -- jobs ------------------------------------------------------------------------------------
+    @acknowledged
     def create_job(self, spec: JobSpec) -> dict[str, Any]:
         """``maitre run``'s one job (in process; over HTTP jobs come as manifests)."""
         with self.lock:
@@ -105,6 +130,7 @@ class Coordinator:
             self._install(Membership(spec, self.cfg, self.clock()))
             return {"job_id": spec.job_id}
 
+    @acknowledged
     def submit(self, manifest: Any) -> dict[str, Any]:
         """A job manifest (YAML text or a mapping): checked whole, stored, then scheduled."""
         if self.cluster is None:
@@ -176,6 +202,7 @@ class Coordinator:
                 "incarnation": m.incarnation, "held": m.held,
                 "waiting_for": m.last_waiting if m.job.phase == Phase.PENDING else ""}
 
+    @acknowledged
     def scale(self, job_id: str, workers: int) -> dict[str, Any]:
         with self.lock:
             now = self.clock()
@@ -203,6 +230,7 @@ class Coordinator:
             self._changed(job_id, persist=True)
             return {"target": workers, "leaving": leaving}
 
+    @acknowledged
     def suspend(self, job_id: str, reason: str = "suspended by request") -> dict[str, Any]:
         with self.lock:
             managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
@@ -228,6 +256,7 @@ class Coordinator:
             self._changed(job_id, persist=True)
             return {"state": job.state.value}
 
+    @acknowledged
     def resume(self, job_id: str) -> dict[str, Any]:
         with self.lock:
             managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
@@ -240,6 +269,7 @@ class Coordinator:
             self._changed(job_id, persist=True)
             return {"state": managed.job.phase.value}
 
+    @acknowledged
     def cancel(self, job_id: str) -> dict[str, Any]:
         with self.lock:
             if self.cluster is None:
@@ -256,6 +286,7 @@ class Coordinator:
             return {"state": "CANCELLED"}
 
     # -- agents ----------------------------------------------------------------------------------
+    @acknowledged
     def node_heartbeat(self, node: str, beat: p.NodeBeat) -> dict[str, Any]:
         """An agent's beat: its node, and what each of its workers is doing. Returns its
         orders: workers to start and to kill, and its workers' views when they changed."""
@@ -288,9 +319,23 @@ class Coordinator:
             info["running"] = running
             return self._orders(node, beat.since, now)
 
+    def try_now(self, method: Callable[..., Any], *args: Any) -> tuple[Any, int] | None:
+        """Call ``method`` (one of the :func:`acknowledged` ones) if the lock is free now, else
+        return None having done nothing; it does not wait for the store: returns the result and
+        what to wait for before it goes out (:meth:`Store.wait`; 0 for nothing). The API answers
+        most beats and arrivals this way on its event loop, without a thread hand-off each."""
+        if not self.lock.acquire(blocking=False):
+            return None
+        try:
+            result = method.__wrapped__(self, *args)
+        finally:
+            self.lock.release()
+        return result, (self.db.take_staged() if self.db is not None else 0)
+
     def node_version(self, node: str) -> int:
         return self._node_version.get(node, 0)
 
+    @acknowledged
     def node_orders(self, node: str, since: int) -> dict[str, Any]:
         """A watch's answer: the node's orders as of now (the node must have beaten once)."""
         with self.lock:
@@ -366,6 +411,7 @@ class Coordinator:
                               "local_rank": slot, "slots": per, "store": self.store_address})
         return start
 
+    @acknowledged
     def worker_exit(self, wid: str, req: p.ExitRequest) -> dict[str, Any]:
         with self.lock:
             ms = self._job_of(wid)
@@ -375,6 +421,7 @@ class Coordinator:
         return {}
 
     # -- workers ---------------------------------------------------------------------------------
+    @acknowledged
     def arrive(self, wid: str, req: p.RendezvousRequest) -> tuple[str, dict[str, Any] | None]:
         """A worker enters the rendezvous after ``from_epoch``. Returns its job and its answer,
         or None while it must wait (:meth:`assignment` asks again when the job changes)."""
@@ -388,6 +435,7 @@ class Coordinator:
             self._flush()
             return job_id, answer
 
+    @acknowledged
     def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
         with self.lock:
             answer = self._answer(self._job_of(wid), wid, from_epoch)
@@ -413,6 +461,7 @@ class Coordinator:
             answer = self.assignment(wid, req.from_epoch)
         return answer if answer is not None else {"action": "wait"}
 
+    @acknowledged
     def worker_done(self, wid: str, req: p.DoneRequest) -> dict[str, Any]:
         with self.lock:
             ms = self._job_of(wid)
@@ -420,6 +469,7 @@ class Coordinator:
             self._changed(ms.spec.job_id)
         return {}
 
+    @acknowledged
     def worker_left(self, wid: str) -> dict[str, Any]:
         with self.lock:
             ms = self._job_of(wid)
@@ -427,6 +477,7 @@ class Coordinator:
             self._changed(ms.spec.job_id)
         return {}
 
+    @acknowledged
     def worker_report(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             job_id = self._job_of(wid).spec.job_id
@@ -441,32 +492,73 @@ class Coordinator:
     def tick(self) -> None:
         with self.lock:
             now = self.clock()
+            lost = now >= self._next_lost_check
+            if lost:
+                self._next_lost_check = now + _LOST_CHECK_S
             for job_id, job in self.jobs.items():
-                dead = job.detect_failures(now)
+                dead = job.detect_failures(now, lost=lost)
                 for wid in dead:
                     node = job.workers[wid].node
                     self._pending_kills.setdefault(node, set()).add(wid)
                     self._bump(node)
                 if job.try_open_epoch(now) or dead:
                     self._touch(job_id)
+            pending = None
             if self.cluster is not None and now >= self._next_pass:
                 self._next_pass = now + self.pass_s
-                self._schedule(now)
-            if self.db is not None and self.cluster is not None and now >= self._next_save:
-                self._next_save = now + _SAVE_EVERY_S  # progress, accounting
-                self._persist(set(self.cluster.managed))
-                self.db.put_meta("usage", self.cluster.usage.snapshot())
+                pending = self._begin_pass(now)
+            if self.db is not None and self.cluster is not None:
+                self._save_progress(now)
+            self._flush()
+        if pending is None:
+            return
+        # The policy runs with the lock free (tens of milliseconds at a thousand nodes: beats
+        # go on meanwhile); its plan is applied only to the cluster it was made for.
+        assert self.cluster is not None
+        view, jobs, before, made_on = pending
+        plan = schedule(view, jobs, now, self.cluster.policy)
+        with self.lock:
+            if self.cluster.fingerprint() == made_on:
+                self._end_pass(plan, before, self.clock())
+            else:
+                self._next_pass = 0.0  # the cluster changed meanwhile: plan again next tick
             self._flush()
 
-    def _schedule(self, now: float) -> None:
-        """One pass: dead nodes, the policy, its actions, the accounting."""
+    def _save_progress(self, now: float) -> None:
+        """Progress and accounting (steps, trained seconds, throughput, usage) of every job
+        every :data:`_SAVE_EVERY_S`, a few jobs a tick: saving 8,192 workers at once held the
+        lock for a third of a second, and every beat behind it waited."""
+        assert self.db is not None and self.cluster is not None
+        if now >= self._next_save:
+            self._next_save = now + _SAVE_EVERY_S
+            self._to_save = sorted(self.cluster.managed)
+            self.db.put_meta("usage", self.cluster.usage.snapshot())
+        some, self._to_save = self._to_save[:_SAVES_PER_TICK], self._to_save[_SAVES_PER_TICK:]
+        self._persist(set(some))
+
+    def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, dict[str, int]],
+                                                tuple[Any, ...]]:
+        """A pass, under the lock: dead nodes, the jobs brought up to date, what the policy
+        will see (and the fingerprint it is made on)."""
         cluster = self.cluster
         assert cluster is not None
         for node in cluster.detect_dead_nodes(now):
             self._evict_node(node, f"node {node} is dead (no agent heartbeat)", now)
         cluster.sync(self.jobs, now)
         before = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
-        plan = cluster.plan(now)
+        view, jobs = cluster.prepare(now)
+        for m in cluster.managed.values():
+            if m.job.placement != before.get(m.id):  # repaired: its agents start workers
+                for node in m.job.placement:
+                    self._bump(node)
+                self._touch(m.id, persist=True)
+        cluster.index_allocations()
+        return view, jobs, before, cluster.fingerprint()
+
+    def _end_pass(self, plan: Any, before: dict[str, dict[str, int]], now: float) -> None:
+        """The plan carried out, under the lock, and the accounting."""
+        cluster = self.cluster
+        assert cluster is not None
         for kind, _, membership in cluster.apply(plan, self.jobs, now):
             if kind == "start":
                 self._install(membership)
