@@ -1,7 +1,7 @@
 """Control-plane benchmark: the coordinator's cost at 64, 256 and 1,024 nodes of 8 slots.
 
-    python benchmarks/control_plane.py [--sizes 64,256,1024] [--steady-s 25]
-                                       [--before-sizes 64,256] [--generators 2]
+    python benchmarks/control_plane.py [--sizes 16,64,256,1024] [--steady-s 25]
+                                       [--before-sizes 16,32,64,256,1024] [--generators 2]
                                        [--out benchmarks/results/control_plane.json]
 
 The real coordinator (``CoordinatorServer`` over a ``ClusterState`` and a ``Store`` in a temporary
@@ -484,9 +484,11 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
                            "epoch_open_256_s": None, "grow_to_start_s": None}
     notes: list[str] = []
     slots = num_nodes * SLOTS
-    gangs = slots // GANG - 1
-    jobs = [(f"fill-{i}", GANG, GANG) for i in range(gangs)] + \
-        [("fill-rest", GANG - 16, GANG - 16)]
+    gang = min(GANG, slots // 2)  # a small cluster gets gangs of half its slots
+    row["gang"] = gang
+    gangs = slots // gang - 1
+    jobs = [(f"fill-{i}", gang, gang) for i in range(gangs)] + \
+        [("fill-rest", gang - 16, gang - 16)]
     expected = slots - 8
     co = Coordinator(which)
     ctx = mp.get_context("fork")
@@ -554,8 +556,8 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
             # one gang of 256 forming in a steady cluster: fill-0 ends, "again" takes its slots
             try:
                 co.call("POST", "/jobs/fill-0/cancel", {}, timeout_s=10)
-                wait_for(lambda: total(1) <= expected + 8 - GANG, 30, "fill-0's workers gone")
-                co.call("POST", "/jobs", manifest("again", GANG, GANG), timeout_s=10)
+                wait_for(lambda: total(1) <= expected + 8 - gang, 30, "fill-0's workers gone")
+                co.call("POST", "/jobs", manifest("again", gang, gang), timeout_s=10)
                 wait_for(lambda: total(1) >= expected + 8, 30, "again's 256 workers training")
             except (TimeoutError, RuntimeError, OSError) as exc:
                 notes.append(f"again: {exc}")
@@ -609,16 +611,24 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         rdv = {wid: r for res in results for wid, r in res["rdv"].items()}
         opens, spreads = [], []
         again = [r for r in rdv.values() if r["job"] == "again"]
-        if len(again) == GANG and all(r["train"] is not None for r in again):
+        if len(again) == gang and all(r["train"] is not None for r in again):
             row["epoch_open_256_s"] = round(min(r["train"] for r in again) -
                                             max(r["first"] for r in again), 4)
             row["arrival_spread_again_s"] = round(max(r["first"] for r in again) -
                                                   min(r["first"] for r in again), 4)
+            try:  # the coordinator's own clock: when the epoch opened, after the last arrival
+                ev = co.call("GET", "/jobs/again", timeout_s=30).get("events", [])
+                ep = [e["t"] for e in ev if e.get("kind") == "epoch"]
+                if ep:
+                    row["epoch_open_256_coordinator_again_s"] = round(
+                        ep[0] - max(r["first_wall"] for r in again), 4)
+            except Exception as exc:  # noqa: BLE001
+                notes.append(f"again events: {exc}")
         for name, lo, _ in jobs:
-            if lo != GANG:
+            if lo != gang:
                 continue
             rs = [r for r in rdv.values() if r["job"] == name]
-            if len(rs) < GANG or any(r["train"] is None for r in rs):
+            if len(rs) < gang or any(r["train"] is None for r in rs):
                 continue
             opens.append(min(r["train"] for r in rs) - max(r["first"] for r in rs))
             spreads.append(max(r["first"] for r in rs) - min(r["first"] for r in rs))
@@ -709,8 +719,8 @@ def table(result: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="64,256,1024")
-    p.add_argument("--before-sizes", default="64,256,1024",
+    p.add_argument("--sizes", default="16,64,256,1024")
+    p.add_argument("--before-sizes", default="16,32,64,256,1024",
                    help="sizes for the coordinator of 5913ed4 (stops at the first it fails)")
     p.add_argument("--steady-s", type=float, default=25.0)
     p.add_argument("--generators", type=int, default=2)
