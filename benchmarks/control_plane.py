@@ -72,6 +72,19 @@ def _raise_nofile() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
+def listen_overflows() -> int:
+    """This host's count of connections dropped from a full accept queue (TcpExt)."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return -1
+    for names, values in zip(lines[::2], lines[1::2]):
+        if names.startswith("TcpExt:"):
+            table = dict(zip(names.split()[1:], values.split()[1:]))
+            return int(table.get("ListenOverflows", -1))
+    return -1
+
+
 def cpu_s(pid: int) -> float:
     """utime + stime of a process, all its threads."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -490,6 +503,7 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
     jobs = [(f"fill-{i}", gang, gang) for i in range(gangs)] + \
         [("fill-rest", gang - 16, gang - 16)]
     expected = slots - 8
+    overflows0 = listen_overflows()
     co = Coordinator(which)
     ctx = mp.get_context("fork")
     gens = []
@@ -607,6 +621,9 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
                 errors[k] = errors.get(k, 0) + v
         if errors:
             row["errors"] = errors
+        # Connections the kernel dropped from a full accept queue during this size (their
+        # clients retry after 1 s, 3 s...): a burst of new connections the loop did not accept
+        row["listen_overflows"] = listen_overflows() - overflows0
         # epoch open of the 256-gangs
         rdv = {wid: r for res in results for wid, r in res["rdv"].items()}
         opens, spreads = [], []

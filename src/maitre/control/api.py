@@ -229,9 +229,9 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         done = co.try_now(method, *args)
         if done is None:
             return await run_in_threadpool(method, co, *args)
-        result, staged = done
-        if staged and co.db is not None:
-            await run_in_threadpool(co.db.wait, staged)
+        result, (need, staged) = done
+        if (need or staged) and co.db is not None:
+            await run_in_threadpool(co.durable, need, staged)
         return result
 
     async def beat(node: str, beat: p.NodeBeat) -> dict[str, Any]:
