@@ -9,8 +9,9 @@ touch a tensor (the CLI's client commands, the scheduling policy, the simulator)
 importing torch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from maitre._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from maitre.checkpoint import CheckpointConfig, IntervalConfig
@@ -37,13 +38,4 @@ __all__ = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "Elastic
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'maitre' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # the next lookup is an ordinary one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -19,6 +19,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
 
+from maitre import protocol
 from maitre.protocol import COORDINATOR as _COORDINATOR
 from maitre.protocol import LOG as _LOG
 from maitre.protocol import TOKEN as _TOKEN
@@ -161,7 +162,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     labels = _labels(args.label or [])
     if args.iface and args.iface not in {name for _, name in socket.if_nameindex()}:
         raise UsageError(f"--iface {args.iface}: no such network interface on this machine")
-    client.get("/jobs")  # fail fast (unreachable, or a wrong token), before any worker starts
+    client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
                   iface=args.iface)
@@ -180,23 +181,24 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    reply = _coordinator(args).post(f"/jobs/{args.job}/scale", {"workers": args.workers})
+    reply = _coordinator(args).post(protocol.JOB_SCALE.format(job=args.job), {"workers": args.workers})
     leaving = ", ".join(reply["leaving"]) or "none"
     print(f"maitre: job {args.job} scaled to {reply['target']} workers (leaving: {leaving})")
     return 0
 
 
 def cmd_suspend(args: argparse.Namespace) -> int:
-    reply = _coordinator(args).post(f"/jobs/{args.job}/suspend", {"reason": "maitre suspend"})
+    reply = _coordinator(args).post(protocol.JOB_SUSPEND.format(job=args.job), {"reason": "maitre suspend"})
     print(f"maitre: job {args.job} is {reply['state']}: its workers checkpoint, then stop")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     client = _coordinator(args)
-    jobs = [client.get(f"/jobs/{args.job}")] if args.job else client.get("/jobs")["jobs"]
-    nodes = [] if args.job else client.get("/nodes")["nodes"]
-    queues = [] if args.job else client.get("/queues")["queues"]
+    jobs = [client.get(protocol.JOB.format(job=args.job))] if args.job else \
+        client.get(protocol.JOBS)["jobs"]
+    nodes = [] if args.job else client.get(protocol.NODES)["nodes"]
+    queues = [] if args.job else client.get(protocol.QUEUES)["queues"]
     if args.json:
         print(json.dumps({"jobs": jobs, "nodes": nodes, "queues": queues} if not args.job
                          else jobs[0], indent=2))
@@ -311,20 +313,20 @@ def cmd_submit(args: argparse.Namespace) -> int:
         parse_manifest(text)  # every problem here, before the coordinator is even asked
     except ManifestError as exc:
         raise UsageError(f"{args.manifest}: {exc}") from None
-    reply = _coordinator(args).post("/jobs", {"manifest": text})
+    reply = _coordinator(args).post(protocol.JOBS, {"manifest": text})
     print(f"maitre: job {reply['job_id']} submitted to queue {reply['queue']} "
           f"(priority {reply['priority']})")
     return 0
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    _coordinator(args).post(f"/jobs/{args.job}/cancel")
+    _coordinator(args).post(protocol.JOB_CANCEL.format(job=args.job))
     print(f"maitre: job {args.job} cancelled: its workers stop")
     return 0
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    reply = _coordinator(args).post(f"/jobs/{args.job}/resume")
+    reply = _coordinator(args).post(protocol.JOB_RESUME.format(job=args.job))
     print(f"maitre: job {args.job} may run again ({reply['state']}); it resumes from its newest "
           "checkpoint when the scheduler admits it")
     return 0

@@ -107,7 +107,8 @@ class WorkerBeats:
 
 _NO_VIEW = {"job_state": "", "epoch": 0, "member_epoch": 0, "closed": False, "change": False,
             "leave": False, "stop": False, "suspend": False, "failures": 0, "age_s": 0.0}
-_BEAT_ROUTE = re.compile(r"/v1/workers/(?P<w>[A-Za-z0-9_.-]+)/heartbeat")
+_BEAT_ROUTE = re.compile(re.escape(protocol.API + protocol.WORKER_HEARTBEAT)
+                         .replace(r"\{worker\}", "(?P<w>[A-Za-z0-9_.-]+)"))
 
 
 class Agent:

@@ -11,8 +11,9 @@ The names below are imported on first use (PEP 562): :mod:`.policy` needs no tor
 it, or ``maitre.IntervalConfig``, should not import torch through this file.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from maitre._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
@@ -36,13 +37,4 @@ __all__ = ["CheckpointConfig", "Checkpointer", "CorruptCheckpoint", "IntervalCon
            "daly_interval_s", "load", "load_latest"]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _HOMES:
-        raise AttributeError(f"module 'maitre.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_HOMES[name]), name)
-    globals()[name] = value  # the next lookup is an ordinary one
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _HOMES)

@@ -20,9 +20,8 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from maitre.protocol import WORKER_HEARTBEAT
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
-
-_ROUTE = "/workers/{worker}/heartbeat"  # maitre.protocol.WORKER_HEARTBEAT, on the agent
 
 
 @dataclass(slots=True)
@@ -65,7 +64,7 @@ class Heartbeat:
         while not self._stop.is_set():
             step, stalled, trained_s = self.progress()
             try:
-                reply = self.client.post(_ROUTE.format(worker=self.worker_id),
+                reply = self.client.post(WORKER_HEARTBEAT.format(worker=self.worker_id),
                                          {"step": step, "stalled": stalled,
                                           "trained_s": round(trained_s, 4)}, timeout_s=2.0)
             except (CoordinatorUnreachable, ApiError):

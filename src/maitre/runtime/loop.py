@@ -48,6 +48,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from maitre import protocol
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
@@ -311,7 +312,7 @@ class ElasticLoop:
                   file=sys.stderr, flush=True)
         if self.env.mode == Mode.ELASTIC and self._client is not None:
             try:
-                self._client.post(f"/workers/{self.env.worker_id}/done",
+                self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id),
                                   {"step": self.state.step, "suspended": True})
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report the suspension: {exc}", file=sys.stderr)
@@ -388,7 +389,7 @@ class ElasticLoop:
             body.update(group_failed=True, unreachable=unbuilt.unreachable[:64])
         while True:
             try:
-                answer = self._client.post(f"/workers/{self.env.worker_id}/rendezvous", body,
+                answer = self._client.post(protocol.WORKER_RENDEZVOUS.format(worker=self.env.worker_id), body,
                                            timeout_s=15.0)
             except CoordinatorUnreachable as exc:
                 if time.monotonic() > deadline:
@@ -402,7 +403,7 @@ class ElasticLoop:
             if action == "train":
                 break
             if action == "leave":
-                self._client.post(f"/workers/{self.env.worker_id}/left")
+                self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
                 self._exit(0, None)
             if action == "stop":
                 ended = ("job completed", "job suspended", "job cancelled")
@@ -497,7 +498,7 @@ class ElasticLoop:
                   "state_s": rec.synced_at - rec.group_at, "state_bytes": rec.state_bytes,
                   "to_next_step_s": now - rec.detected_at, "step": self.state.step}
         try:
-            self._client.post(f"/workers/{self.env.worker_id}/report", report, timeout_s=2.0)
+            self._client.post(protocol.WORKER_REPORT.format(worker=self.env.worker_id), report, timeout_s=2.0)
         except (CoordinatorUnreachable, ApiError):
             pass
 
@@ -511,7 +512,7 @@ class ElasticLoop:
             self.group = None
         if self._client is not None:
             try:
-                self._client.post(f"/workers/{self.env.worker_id}/done", {"step": self.state.step})
+                self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id), {"step": self.state.step})
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report completion: {exc}", file=sys.stderr)
 
