@@ -326,10 +326,11 @@ class Coordinator:
             info["running"] = running
             return self._orders(node, beat.since, now)
 
-    def try_now(self, method: Callable[..., Any], *args: Any) -> tuple[Any, int] | None:
+    def try_now(self, method: Callable[..., Any], *args: Any
+                ) -> tuple[Any, tuple[int, int]] | None:
         """Call ``method`` (one of the :func:`acknowledged` ones) if the lock is free now, else
         return None having done nothing; it does not wait for the store: returns the result and
-        what to wait for before it goes out (:meth:`Store.wait`; 0 for nothing). The API answers
+        what to wait for before it goes out (:meth:`take_pending`, for :meth:`durable`). The API answers
         most beats and arrivals this way on its event loop, without a thread hand-off each."""
         if not self.lock.acquire(blocking=False):
             return None
