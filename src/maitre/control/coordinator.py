@@ -330,8 +330,9 @@ class Coordinator:
                 ) -> tuple[Any, tuple[int, int]] | None:
         """Call ``method`` (one of the :func:`acknowledged` ones) if the lock is free now, else
         return None having done nothing; it does not wait for the store: returns the result and
-        what to wait for before it goes out (:meth:`take_pending`, for :meth:`durable`). The API answers
-        most beats and arrivals this way on its event loop, without a thread hand-off each."""
+        what to wait for before it goes out (:meth:`take_pending`, for :meth:`durable`). The API
+        answers most beats and arrivals this way on its event loop, without a thread hand-off
+        each."""
         if not self.lock.acquire(blocking=False):
             return None
         try:
