@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from maitre.agent.agent import Agent
+from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
 from maitre.checkpoint import checkpointer as ckpt_env
 from maitre.checkpoint.loader import newest_complete
 from maitre import protocol
@@ -138,7 +138,8 @@ class Run:
         output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
         with self._lock:
             agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,
-                          extra_env=extra, output=output, token=self.token)
+                          extra_env=extra, output=output, token=self.token,
+                          heartbeat_s=LOCAL_HEARTBEAT_S)
             self.agents.append(agent)
         return agent.start()
 

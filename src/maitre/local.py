@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from maitre.agent.agent import Agent
+from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.control.detector import PhiConfig
@@ -95,7 +95,8 @@ class LocalCluster:
             output = (lambda wid, line: None) if self.cfg.quiet_workers else \
                 (lambda wid, line: self.out(f"[{wid}] {line.rstrip()}"))
             agent = Agent(self.address, f"node-{index}", slots or self.cfg.slots_per_node,
-                          output=output, token=self.token, labels=labels or {"rack": rack})
+                          output=output, token=self.token, labels=labels or {"rack": rack},
+                          heartbeat_s=LOCAL_HEARTBEAT_S)
             self.agents.append(agent)
         return agent.start()
 

@@ -70,6 +70,12 @@ class _Worker:
         self.threads: list[threading.Thread] = []
 
 
+LOCAL_HEARTBEAT_S = 0.25
+"""The beat of agents that share their machine with a coordinator serving a handful of nodes
+(``maitre run``, ``maitre up``'s local nodes): the cost is nothing there, and the job's step as
+the coordinator shows it (``maitre status``, a scripted story's ``kill@STEP``) is fresh. The
+default (2 s) is for clusters, where news for workers comes by the watch, not the beat."""
+
 _SILENT_S = 0.3
 """A worker silent this long (or stalled) makes its agent beat every ``urgent_s``."""
 
