@@ -347,9 +347,9 @@ class Generator:
             w.task = asyncio.ensure_future(self.rendezvous(w, 0))
             if not self.new:
                 w.hb_task = asyncio.ensure_future(self.worker_hb_loop(w))
-        for wid in orders.get("kill", []):
-            self.remove(node, wid)
-            asyncio.ensure_future(self.once(f"/workers/{wid}/exit", {"code": -9}))
+        for wid in orders.get("kill", []):  # an agent reports each process's exit once
+            if self.remove(node, wid):
+                asyncio.ensure_future(self.once(f"/workers/{wid}/exit", {"code": -9}))
         for wid, view in (orders.get("views") or {}).items():
             self.on_view(node, wid, view)
 
@@ -369,16 +369,17 @@ class Generator:
             self.counters[1] -= 1
             w.task = asyncio.ensure_future(self.rendezvous(w, w.epoch))
 
-    def remove(self, node: SimNode, wid: str) -> None:
+    def remove(self, node: SimNode, wid: str) -> bool:
         w = node.workers.pop(wid, None)
         if w is None:
-            return
+            return False
         if w.state == "train":
             self.counters[1] -= 1
         w.state = "gone"
         for t in (w.task, w.hb_task):
             if t is not None and t is not asyncio.current_task():
                 t.cancel()
+        return True
 
     async def once(self, path: str, body: dict[str, Any]) -> None:
         c = self.conn()

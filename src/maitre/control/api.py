@@ -223,16 +223,31 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return co.report()
 
     async def now(method: Callable[..., Any], *args: Any) -> Any:
-        """The hot calls (beats, arrivals): on the loop when the coordinator's lock is free (they
-        touch their own node or job only: microseconds), else on the thread pool; a change is
-        durable before it is answered either way."""
+        """The hot calls (beats, arrivals, exits): on the loop when the coordinator's lock is
+        free (they touch their own node or job only: microseconds), else on the thread pool,
+        which then waits for the lock only; a change is durable before it is answered either
+        way, awaited without a thread."""
         done = co.try_now(method, *args)
         if done is None:
-            return await run_in_threadpool(method, co, *args)
+            done = await run_in_threadpool(co.try_now, method, *args, block=True)
         result, (need, staged) = done
-        if (need or staged) and co.db is not None:
-            await run_in_threadpool(co.durable, need, staged)
+        if need or staged:
+            await durable(need, staged)
         return result
+
+    async def durable(need: int, staged: int) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+
+        def settle(error: BaseException | None) -> None:
+            if not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(error)
+
+        co.when_durable(need, staged, lambda error: loop.call_soon_threadsafe(settle, error))
+        await future
 
     async def beat(node: str, beat: p.NodeBeat) -> dict[str, Any]:
         return await now(Coordinator.node_heartbeat, node, beat)
@@ -255,8 +270,8 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return await now(Coordinator.node_orders, node, req.since)
 
     @route("POST", p.WORKER_EXIT, p.Empty)
-    def worker_exit(req: p.ExitRequest, worker: Name) -> dict[str, Any]:
-        return co.worker_exit(worker, req)
+    async def worker_exit(req: p.ExitRequest, worker: Name) -> dict[str, Any]:
+        return await now(Coordinator.worker_exit, worker, req)
 
     @route("POST", p.WORKER_RENDEZVOUS, p.Assignment)
     async def rendezvous(req: p.RendezvousRequest, worker: Name) -> dict[str, Any]:
@@ -280,16 +295,16 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
               (_route_pattern(p.WORKER_RENDEZVOUS), "path.worker", p.RendezvousRequest, meet)]
 
     @route("POST", p.WORKER_DONE, p.Empty)
-    def worker_done(req: p.DoneRequest, worker: Name) -> dict[str, Any]:
-        return co.worker_done(worker, req)
+    async def worker_done(req: p.DoneRequest, worker: Name) -> dict[str, Any]:
+        return await now(Coordinator.worker_done, worker, req)
 
     @route("POST", p.WORKER_LEFT, p.Empty)
-    def worker_left(worker: Name) -> dict[str, Any]:
-        return co.worker_left(worker)
+    async def worker_left(worker: Name) -> dict[str, Any]:
+        return await now(Coordinator.worker_left, worker)
 
     @route("POST", p.WORKER_REPORT, p.Empty)
-    def worker_report(req: p.RecoveryReport, worker: Name) -> dict[str, Any]:
-        return co.worker_report(worker, req.model_dump())
+    async def worker_report(req: p.RecoveryReport, worker: Name) -> dict[str, Any]:
+        return await now(Coordinator.worker_report, worker, req.model_dump())
 
     return app
 

@@ -105,8 +105,9 @@ class Coordinator:
         """Jobs changed and not yet saved; saved in rounds (see :meth:`durable`)."""
         self._dirty_round = 1
         self._saved_round = 0
-        self._saving = False
         self._save_cv = threading.Condition()
+        self._durable_waits: list[tuple[int, int, Callable[[BaseException | None], None]]] = []
+        self._saver: threading.Thread | None = None
         self._next_lost_check = 0.0
         self._persisted: dict[str, str] = {}
         self._worker_job: dict[str, Membership] = {}
@@ -326,17 +327,21 @@ class Coordinator:
             info["running"] = running
             return self._orders(node, beat.since, now)
 
-    def try_now(self, method: Callable[..., Any], *args: Any
+    def try_now(self, method: Callable[..., Any], *args: Any, block: bool = False
                 ) -> tuple[Any, tuple[int, int]] | None:
-        """Call ``method`` (one of the :func:`acknowledged` ones) if the lock is free now, else
-        return None having done nothing; it does not wait for the store: returns the result and
-        what to wait for before it goes out (:meth:`take_pending`, for :meth:`durable`). The API
-        answers most beats and arrivals this way on its event loop, without a thread hand-off
-        each."""
-        if not self.lock.acquire(blocking=False):
+        """Call ``method`` (one of the :func:`acknowledged` ones) if the lock is free now (or
+        once it is, with ``block``), else return None having done nothing. It does not wait for
+        the store: it returns the result and what to wait for before the result goes out
+        (:meth:`take_pending`, for :meth:`when_durable`). The API answers most beats and
+        arrivals this way on its event loop, without a thread hand-off each, and no thread of
+        its pool ever waits for a commit."""
+        if not self.lock.acquire(blocking=block):
             return None
         try:
             result = method.__wrapped__(self, *args)
+        except BaseException:
+            self.take_pending()  # a refused call changed nothing: nothing to wait for
+            raise
         finally:
             self.lock.release()
         return result, self.take_pending()
@@ -350,34 +355,62 @@ class Coordinator:
 
     def durable(self, need: int, staged: int) -> None:
         """Wait until the jobs changed by a call are saved (save round ``need``) and what it
-        staged is committed (``staged``). Saving is grouped: the first caller to find jobs to
-        save serializes every job changed so far, under the lock, once; the others wait for its
-        round. So the 256 exits of a cancelled gang save their job a few times, not 256 (each
-        save is O(the job's workers): 256 exits took 1.3 s when each saved it)."""
+        staged is committed (``staged``): :meth:`when_durable`, waited for here."""
+        if self.db is None or not (need or staged):
+            return
+        done = threading.Event()
+        failed: list[BaseException | None] = []
+        self.when_durable(need, staged, lambda exc: (failed.append(exc), done.set()))
+        done.wait()
+        if failed[0] is not None:
+            raise failed[0]
+
+    def when_durable(self, need: int, staged: int,
+                     then: Callable[[BaseException | None], None]) -> None:
+        """Call ``then(None)`` once save round ``need`` is saved and store commit ``staged`` is
+        in (``then(error)`` if the store failed), from the saver thread, or at once for nothing
+        to wait for. Saving is grouped: the saver serializes every job changed so far, under the
+        lock, once a round, while the calls that changed them wait; so the 256 exits of a
+        cancelled gang save their job a few times, not 256 (each save is O(the job's workers):
+        256 exits took 1.3 s when each saved it). Waiting holds no thread: the API's event loop
+        awaits a future, and 256 exits no longer fill its thread pool ahead of the arrivals of
+        the gang that takes their slots (that queue made such a gang open 3 s late at 64
+        nodes)."""
+        if self.db is None or not (need or staged):
+            then(None)
+            return
+        with self._save_cv:
+            self._durable_waits.append((need, staged, then))
+            if self._saver is None:
+                self._saver = threading.Thread(target=self._save_rounds, name="maitre-saver",
+                                               daemon=True)
+                self._saver.start()
+            self._save_cv.notify()
+
+    def _save_rounds(self) -> None:
         assert self.db is not None
-        while need:
+        while True:
             with self._save_cv:
-                if self._saved_round >= need:
-                    break
-                if self._saving:
+                while not self._durable_waits:
                     self._save_cv.wait()
-                    continue
-                self._saving = True
-            done = 0
+                waits, self._durable_waits = self._durable_waits, []
+            error: BaseException | None = None
             try:
-                with self.lock:
-                    jobs, self._dirty = self._dirty, set()
-                    done = self._dirty_round
-                    self._dirty_round += 1
-                    self._write_jobs(jobs)
-                self.db.acknowledge()
-            finally:
-                with self._save_cv:
-                    self._saving = False
-                    self._saved_round = max(self._saved_round, done)
-                    self._save_cv.notify_all()
-        if staged:
-            self.db.wait(staged)
+                seq = max(staged for _, staged, _ in waits)
+                if max(need for need, _, _ in waits) > self._saved_round:
+                    with self.lock:
+                        jobs, self._dirty = self._dirty, set()
+                        done = self._dirty_round
+                        self._dirty_round += 1
+                        self._write_jobs(jobs)
+                    seq = max(seq, self.db.take_staged())
+                    self._saved_round = done
+                if seq:
+                    self.db.wait(seq)
+            except Exception as exc:  # the store failed: every waiter hears it
+                error = exc
+            for _, _, then in waits:
+                then(error)
 
     def node_version(self, node: str) -> int:
         return self._node_version.get(node, 0)
@@ -406,8 +439,11 @@ class Coordinator:
                 used.update(range(w.slot, w.slot + w.slots))
             elif w.state not in LIVE:
                 here.discard(wid)  # gone: its slots are free
-            # Processes the coordinator gave up on, or leftovers of an ended run.
-            if listed and wid not in kill and (w.state == WorkerState.DEAD or (
+            # Processes the coordinator gave up on, or leftovers of an ended run, until their
+            # exit is in (the node's list is up to a beat old: asking again after the exit made
+            # every order of a cancelled gang's nodes repeat its kills, once per exit).
+            if listed and wid not in kill and w.exit_code is None and (
+                    w.state == WorkerState.DEAD or (
                     ms.state in ENDED and w.state not in (WorkerState.DONE, WorkerState.LEFT))):
                 kill.append(wid)
         for wid in running:
