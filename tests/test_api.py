@@ -260,22 +260,36 @@ def test_a_worker_that_does_not_exist_is_refused_and_changes_nothing(api: Api,
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason="workers are not yet authenticated per job: issue 12, "
-                                       "locked doors")
 def test_a_worker_of_one_job_cannot_speak_for_a_worker_of_another(api: Api,
                                                                   client: TestClient) -> None:
+    """A worker holds its run's token (its start order's), never the coordinator's: it acts for
+    its own worker on the worker routes, and is refused everywhere else, changing nothing."""
     started = api.start_two_jobs(client)
+    alpha_token = started["alpha"]["token"]
+    assert alpha_token and alpha_token != TOKEN and alpha_token != started["beta"]["token"]
     before = api.fingerprint()
-    # What alpha's worker holds: the token its agent put in its environment (today, the
-    # cluster's token, which every agent and worker has).
-    alpha_token = started["alpha"]["env"].get(p.TOKEN, TOKEN)
     beta = started["beta"]["worker_id"]
     with TestClient(api.app, headers={"Authorization": f"Bearer {alpha_token}"}) as alpha:
         for route, body in (("done", {"step": 3}), ("left", None), ("exit", {"code": -9}),
-                            ("rendezvous", {"from_epoch": 1, "wait_s": 0})):
-            response = alpha.post(f"/v1/workers/{beta}/{route}", json=body)
-            assert response.status_code in (401, 403, 404), (route, response.text)
-    assert api.fingerprint() == before
+                            ("rendezvous", {"from_epoch": 1, "wait_s": 0}),
+                            ("report", {"epoch": 1})):
+            refused(alpha.post(f"/v1/workers/{beta}/{route}", json=body), 403,
+                    "header.authorization")
+        refused(alpha.post("/v1/workers/nobody/done", json={"step": 3}), 404, "path.worker")
+        # the coordinator's routes: not even reading
+        refused(alpha.get("/v1/jobs"), 403, "header.authorization")
+        refused(alpha.post("/v1/jobs/beta/cancel"), 403, "header.authorization")
+        refused(alpha.post("/v1/nodes/n0/heartbeat", json={"slots": 2}), 403,
+                "header.authorization")
+        assert api.fingerprint() == before
+        # ... and its own worker's routes are open to it
+        ok(alpha.post(f"/v1/workers/{started['alpha']['worker_id']}/done", json={"step": 3}))
+    with TestClient(api.app, headers={"Authorization": "Bearer not-a-token"}) as stranger:
+        refused(stranger.post(f"/v1/workers/{beta}/done", json={"step": 3}), 401,
+                "header.authorization")
+    # a job's token is not in anything the API shows
+    for path in ("/v1/jobs", "/v1/jobs/alpha", "/v1/report", "/v1/nodes"):
+        assert alpha_token not in client.get(path).text, path
 
 
 @pytest.mark.timeout(60)

@@ -69,7 +69,7 @@ class LocalCluster:
             self.db.put_queue(q)
             cluster.queues[q.name] = q
         self.db.put_meta("ports", {"http": self.server.port,
-                                   "store": self.server.store.port})
+                                   "store": self.server.door.port})
         write_token(self.token_file, self.token)
         self.agents: list[Agent] = []
         self._lock = threading.Lock()

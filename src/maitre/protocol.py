@@ -38,7 +38,8 @@ API = "/v1"
 COORDINATOR = "MAITRE_COORDINATOR"
 """``HOST:PORT`` of the coordinator's HTTP API (workers, agents and the CLI)."""
 TOKEN = "MAITRE_TOKEN"
-"""The coordinator's token (workers get it from their agent)."""
+"""The token this process presents: the coordinator's (the CLI, agents), or its run's (a worker:
+its agent sets it from the start order; it opens the worker's own routes and store only)."""
 TOKEN_FILE = "MAITRE_TOKEN_FILE"
 """A file holding the token (the CLI's default for ``--token-file``)."""
 WORKER_ID = "MAITRE_WORKER_ID"
@@ -303,6 +304,8 @@ class StartOrder(_Reply):
     local_rank: int
     slots: int
     store: str
+    token: str
+    """The run's token: the worker presents it to the API and at its store's door."""
 
 
 class WorkerView(_Reply):
@@ -362,7 +365,11 @@ class Assignment(_Reply):
     members: list[str] | None = None
     state_lost: bool | None = None
     store: str | None = None
+    """``HOST:PORT`` of the door to the run's c10d store."""
+    store_key: str | None = None
+    """The run's name at that door."""
     store_id: str | None = None
+    """Changes when the store is a new one (a restart): the worker connects again."""
 
 
 class DoneRequest(_Request):

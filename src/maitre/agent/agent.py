@@ -150,7 +150,6 @@ class Agent:
         self._dir = Path(tempfile.mkdtemp(prefix="maitre-agent-"))  # mode 0700: ours only
         self.socket_path = str(self._dir / "agent.sock")
         self._local = _LocalServer(self.socket_path, self)
-        self.token = token
         self.coordinator = coordinator
         self.node_id = node_id
         self.slots = slots
@@ -307,8 +306,10 @@ class Agent:
         env.update(netaddr.worker_env(self.coordinator, env, self.iface))  # peers reach it
         for key in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # known only per membership epoch
-        if self.token:
-            env[protocol.TOKEN] = self.token
+        # The worker holds its run's token, never the agent's: it opens that worker's own routes
+        # and store only (a training script is the user's code).
+        env.pop(protocol.TOKEN_FILE, None)
+        env[protocol.TOKEN] = order["token"]
         env.update({
             protocol.COORDINATOR: self.coordinator, protocol.WORKER_ID: wid,
             protocol.JOB_ID: order["job_id"], protocol.STORE: self._store_address(order["store"]),

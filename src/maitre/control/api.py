@@ -2,19 +2,22 @@
 
 Every request body is a pydantic model (a misspelt field is refused); every refusal is a JSON
 :class:`~maitre.protocol.ErrorReply` that names the field, with 400 for a bad request (pydantic's
-422 included), 401 without the token, 404 for an unknown job, node, worker or route, 413 for a
+422 included), 401 without a token, 403 for a job's token outside its own workers' routes, 404
+for an unknown job, node, worker or route, 413 for a
 body over :data:`~maitre.protocol.MAX_BODY`. Handlers that only read or change state are plain
 functions (FastAPI runs them on its thread pool, since they take the coordinator's lock); the two
 long-polls, a node's watch and a worker's rendezvous, are coroutines that hold no thread while
 they wait: the coordinator tells :class:`Waiters` which nodes and jobs changed, and only their
 waiters wake.
 
-:class:`CoordinatorServer` puts it together: the c10d ``TCPStore`` that every epoch's process
-group rendezvous on, the coordinator, uvicorn on a thread of its own and the detector thread that
-ticks the coordinator every ``tick_s``.
+:class:`CoordinatorServer` puts it together: the door to the runs' c10d stores that every
+epoch's process group rendezvous on (:mod:`maitre.control.storedoor`), the coordinator, uvicorn on
+a thread of its own and the detector thread that ticks the coordinator every ``tick_s``.
 
 With a ``token`` every route but ``/health`` (left open for liveness probes) needs the header
-``Authorization: Bearer <token>``. With ``tls_cert`` and ``tls_key`` the API is served over HTTPS.
+``Authorization: Bearer <token>``: the coordinator's token (the CLI, agents), or a run's token
+(its workers, given in their start orders), which opens that run's own workers' routes only.
+With ``tls_cert`` and ``tls_key`` the API is served over HTTPS.
 """
 
 from __future__ import annotations
@@ -29,10 +32,8 @@ import logging
 import socket
 import threading
 import time
-from datetime import timedelta
 from typing import Annotated, Any, Callable
 
-import torch.distributed as dist
 import uvicorn
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
@@ -47,6 +48,7 @@ from maitre.control.cluster import ClusterState
 from maitre.control.coordinator import Coordinator
 from maitre.control.membership import DetectorConfig
 from maitre.control.store import Store
+from maitre.control.storedoor import StoreDoor, Stores
 from maitre.errors import NotFound, RequestError
 
 log = logging.getLogger("maitre.api")
@@ -137,7 +139,8 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
                               "(see maitre.protocol).", **extra)
     app.state.waiters = waiters
     lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]] = []
-    app.add_middleware(_Gate, waiters=waiters, token=token, lanes=lanes)
+    app.add_middleware(_Gate, waiters=waiters, token=token, lanes=lanes,
+                       credential=co.credential)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -169,7 +172,7 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return _error(500, f"{type(exc).__name__}: {exc}")
 
     errors: dict[int | str, dict[str, Any]] = {
-        code: {"model": p.ErrorReply} for code in (400, 401, 404, 413)}
+        code: {"model": p.ErrorReply} for code in (400, 401, 403, 404, 413)}
     # Every refusal has this shape; documenting 4XX also keeps FastAPI from documenting a 422
     # this API never sends (a request that does not validate is a 400).
     errors["4XX"] = {"model": p.ErrorReply, "description": "Any other refusal (405)"}
@@ -328,6 +331,7 @@ def _route_pattern(route: str) -> re.Pattern[str]:
 
 
 _NAME = re.compile(p.NAME_PATTERN)
+_WORKER_ROUTE = re.compile(re.escape(p.API) + r"/workers/([^/]+)/[^/]+$")
 
 
 class _Gate:
@@ -342,11 +346,13 @@ class _Gate:
     uvicorn's bare minimum). FastAPI still declares these routes, for the schema."""
 
     def __init__(self, app: Any, waiters: Waiters, token: str | None,
-                 lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]]) -> None:
+                 lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]],
+                 credential: Callable[[str, str], int]) -> None:
         self.app = app
         self.waiters = waiters
         self.expected = f"Bearer {token}".encode() if token else None
         self.lanes = lanes
+        self.credential = credential
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
@@ -359,12 +365,10 @@ class _Gate:
                 response = _error(413, f"request body of {length.decode(errors='replace')} bytes "
                                        f"is over the limit of {p.MAX_BODY}",
                                   [p.Problem(field="header.content-length", message="too large")])
-            elif self.expected is not None and scope.get("path") not in _OPEN and \
-                    not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                response = _error(401, "missing or wrong token: pass the coordinator's token file "
-                                       "with --token-file, or set MAITRE_TOKEN",
-                                  [p.Problem(field="header.authorization",
-                                             message="wrong or missing")])
+            elif self.expected is not None and scope.get("path") not in _OPEN:
+                given = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(given, self.expected):
+                    response = self._as_worker(given, scope.get("path", ""))
             if response is None and scope.get("method") == "POST":
                 for pattern, field, model, handler in self.lanes:
                     match = pattern.match(scope.get("path", ""))
@@ -376,6 +380,26 @@ class _Gate:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+    def _as_worker(self, given: bytes, path: str) -> Any:
+        """A request without the coordinator's token may still carry a run's token: it acts
+        for that run's own workers, on their routes, and for nothing else (None: let it in)."""
+        token = given[7:].decode("ascii", "replace") if given.startswith(b"Bearer ") else ""
+        match = _WORKER_ROUTE.match(path)
+        status = self.credential(token, match.group(1) if match else None) if token else 401
+        if status == 200 and match:
+            return None
+        if status == 404:
+            return _error(404, f"no worker {match.group(1)!r}" if match else "not found",
+                          [p.Problem(field="path.worker", message="no such worker")])
+        if status == 403:
+            return _error(403, "this token is a job's: it acts for that job's own workers, on "
+                               "their routes, and for nothing else",
+                          [p.Problem(field="header.authorization",
+                                     message="not this worker's job")])
+        return _error(401, "missing or wrong token: pass the coordinator's token file with "
+                           "--token-file, or set MAITRE_TOKEN",
+                      [p.Problem(field="header.authorization", message="wrong or missing")])
 
     async def _lane(self, name: str, field: str, model: type[Any],
                     handler: Callable[..., Any], receive: Any) -> Any:
@@ -421,10 +445,10 @@ class CoordinatorServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))  # raises OSError: the caller says where and why
         self._sock.listen(4096)  # connections queue from now on, before uvicorn runs
-        self.store = dist.TCPStore(host, store_port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=30))
-        self.coordinator = Coordinator(f"{host}:{self.store.port}", cfg, on_event=on_event,
-                                       cluster=cluster, store=db)
+        self.stores = Stores()
+        self.door = StoreDoor(self.stores, host, store_port)  # raises OSError, as above
+        self.coordinator = Coordinator(f"{host}:{self.door.port}", cfg, on_event=on_event,
+                                       cluster=cluster, store=db, stores=self.stores)
         self.token = token
         self.app = build_app(self.coordinator, token)
         self.port = self._sock.getsockname()[1]
@@ -452,6 +476,7 @@ class CoordinatorServer:
         # And the young generation collected every 50,000 allocations, not 700: a beat makes a
         # few hundred objects, nearly all freed by reference counting at once.
         gc.set_threshold(50_000, 20, 20)
+        self.door.start()
         for t in self._threads:
             t.start()
         deadline = time.monotonic() + 30
@@ -480,6 +505,8 @@ class CoordinatorServer:
         for t in self._threads:
             t.join(timeout=5)
         self._sock.close()
+        self.door.stop()
+        self.stores.retain(set())
 
     def __enter__(self) -> "CoordinatorServer":
         return self.start()

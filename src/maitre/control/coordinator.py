@@ -32,7 +32,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState, ManagedJob
@@ -43,6 +43,9 @@ from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.model import Node, Phase
 from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, parse_manifest
+
+if TYPE_CHECKING:  # (torch: the controller itself never imports it)
+    from maitre.control.storedoor import Stores
 
 log = logging.getLogger("maitre.coordinator")
 
@@ -80,10 +83,17 @@ class Coordinator:
                  clock: Callable[[], float] = time.time,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  cluster: ClusterState | None = None, store: Store | None = None,
-                 pass_s: float = 0.5) -> None:
+                 pass_s: float = 0.5, stores: "Stores | None" = None) -> None:
         self.store_address = store_address
+        """Where workers reach the door of their run's c10d store (``HOST:PORT``)."""
+        self.stores = stores
+        """One c10d store per run of a job, behind that door (None: in-process tests)."""
         self.store_id = secrets.token_hex(8)
-        """Names this coordinator's c10d store: workers reconnect when it changes (a restart)."""
+        """Names this coordinator's stores: workers reconnect when it changes (a restart)."""
+        self._tokens: dict[str, Membership] = {}
+        """Each run's token -> its membership: what a worker's credential opens."""
+        self._runs_ended: dict[str, float] = {}
+        self._next_store_check = 0.0
         self.cfg = cfg or DetectorConfig()
         self.clock = clock
         self.on_event = on_event
@@ -160,6 +170,7 @@ class Coordinator:
     def _install(self, membership: Membership) -> None:
         job_id = membership.spec.job_id
         self.jobs[job_id] = membership
+        self._tokens[membership.spec.token] = membership
         self.reports.setdefault(job_id, [])
         self._emitted[job_id] = 0
         for w in membership.workers.values():
@@ -491,7 +502,8 @@ class Coordinator:
                 self._touch(job.spec.job_id)
                 start.append({"worker_id": worker.id, "job_id": job.spec.job_id,
                               "command": job.spec.command, "env": dict(job.spec.env),
-                              "local_rank": slot, "slots": per, "store": self.store_address})
+                              "local_rank": slot, "slots": per, "store": self.store_address,
+                              "token": job.spec.token})
         return start
 
     @acknowledged
@@ -530,9 +542,27 @@ class Coordinator:
             self._touch(job.spec.job_id)
         answer = job.assignment(wid, from_epoch)
         if answer is not None:
-            answer["store"] = self.store_address
-            answer["store_id"] = self.store_id
+            key = job.spec.run_key
+            if self.stores is not None:
+                self.stores.open(key, job.spec.token)
+            answer.update(store=self.store_address, store_key=key,
+                          store_id=f"{self.store_id}/{key}")
         return answer
+
+    def credential(self, token: str, wid: str | None) -> int:
+        """May a request presenting ``token`` act for worker ``wid`` (None: on a route that is
+        no worker's)? 200: yes (one of that run's workers), 401: it is no run's token, 403: no
+        (another job's worker, or not a worker's route), 404: no such worker. Read without the
+        lock (a dict lookup or two), for the API's gate."""
+        ms = self._tokens.get(token)
+        if ms is None:
+            return 401
+        if wid is None:
+            return 403
+        owner = self._worker_job.get(wid)
+        if owner is None:
+            return 404
+        return 200 if owner.spec.token == token else 403
 
     def rendezvous(self, wid: str, req: p.RendezvousRequest) -> dict[str, Any]:
         """:meth:`arrive` and wait (blocking this thread) up to ``wait_s`` for the answer; the
@@ -592,6 +622,9 @@ class Coordinator:
                 pending = self._begin_pass(now)
             if self.db is not None and self.cluster is not None:
                 self._save_progress(now)
+            if self.stores is not None and now >= self._next_store_check:
+                self._next_store_check = now + 1.0
+                self._close_stores(now)
             self._flush()
         if self.db is not None:
             self.durable(*self.take_pending())
@@ -610,6 +643,20 @@ class Coordinator:
             self._flush()
         if self.db is not None:
             self.durable(*self.take_pending())
+
+    def _close_stores(self, now: float) -> None:
+        """Close the c10d stores of runs over for a minute (their workers have long stopped
+        using them; a store is only met while a group forms)."""
+        assert self.stores is not None
+        keep = set()
+        for ms in self.jobs.values():
+            key = ms.spec.run_key
+            if ms.state not in ENDED:
+                self._runs_ended.pop(key, None)
+                keep.add(key)
+            elif now - self._runs_ended.setdefault(key, now) < 60.0:
+                keep.add(key)
+        self.stores.retain(keep)
 
     def _save_progress(self, now: float) -> None:
         """Progress and accounting (steps, trained seconds, throughput, usage) of every job
@@ -809,6 +856,7 @@ class Coordinator:
                                  generation=extra.get("generation", 0))
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
             for h in managed.history:
+                self._tokens[h.spec.token] = h  # its workers may still report their exits
                 for wid in h.workers:
                     self._worker_job[wid] = h
             cluster.managed[job.id] = managed

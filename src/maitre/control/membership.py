@@ -33,6 +33,7 @@ Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock an
 from __future__ import annotations
 
 import math
+import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 from enum import Enum
@@ -83,6 +84,15 @@ class JobSpec:
     """Names this run of the job in the c10d store's keys: a job that runs again (resumed after
     a suspension, or submitted again under its name) counts epochs from 1 again, and must not
     meet its earlier run's keys (gloo would connect to dead peers' addresses)."""
+    token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    """This run's credential: its workers present it to the API (for their own worker routes
+    only) and, by challenge and response, at the door of its c10d store. It reaches them in
+    their start orders and is never logged or shown."""
+
+    @property
+    def run_key(self) -> str:
+        """Names this run's c10d store at the door (:mod:`maitre.control.storedoor`)."""
+        return f"{self.job_id}/{self.store_scope}"
 
     def __post_init__(self) -> None:
         if not self.command:

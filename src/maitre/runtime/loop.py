@@ -57,6 +57,7 @@ from maitre.runtime.ledger import Ledger
 from maitre.runtime.sampler import ElasticSampler, StepSlice
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
+from maitre.runtime.storelink import StoreLink, StoreLinkError
 from maitre.runtime.transfer import broadcast_state, sync_steps
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
@@ -160,6 +161,7 @@ class ElasticLoop:
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
         self._store_id: str | None = None
+        self._store_link: StoreLink | None = None
         self._state_lost = False
         """The coordinator says every worker that held the job's state was lost."""
         self._recovery: Recovery | None = None
@@ -410,13 +412,9 @@ class ElasticLoop:
                 self._exit(0 if answer.get("reason") in ended else 1,
                            f"maitre: worker stopped: {answer.get('reason')}")
         if self._store is None or answer.get("store_id") != self._store_id:
-            # First epoch, or the coordinator restarted since the last one: its c10d store is
-            # a new server (same address), so connect again.
-            host, port = parse_address(answer.get("store") or self.env.store)
-            if host.strip("[]") in ("0.0.0.0", "::"):  # bound everywhere: where we reach it
-                host = parse_address(self.env.coordinator)[0]
-            self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-            self._store_id = answer.get("store_id")
+            # First epoch, or the coordinator restarted since the last one: the run's c10d
+            # store is a new server (behind the same door), so connect again.
+            self._connect_store(answer)
         rec = self._recovery
         rec.assigned_at = time.time()
         self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]
@@ -435,6 +433,30 @@ class ElasticLoop:
             return
         self.scaling.on_resize(self.world_size, self.state.step)
         rec.synced_at = time.time()
+
+    def _connect_store(self, answer: dict[str, Any]) -> None:
+        """The run's c10d store, through its door (:class:`StoreLink`): ``TCPStore`` connects to
+        the link on loopback, the link proves the run's token at the door."""
+        host, port = parse_address(answer.get("store") or self.env.store)
+        if host.strip("[]") in ("0.0.0.0", "::"):  # bound everywhere: where we reach it
+            host = parse_address(self.env.coordinator)[0]
+        if self._store_link is not None:
+            self._store_link.close()
+        self._store = None
+        self._store_link = StoreLink((host.strip("[]"), port), answer["store_key"],
+                                     self.env.token)
+        deadline = time.monotonic() + 60.0  # as long as TCPStore's own connect would wait
+        while True:
+            try:
+                self._store_link.check()
+                break
+            except StoreLinkError as exc:
+                if exc.refused or time.monotonic() > deadline:
+                    self._exit(1, f"maitre: {exc}")
+                time.sleep(0.5)  # the coordinator restarting: its door opens again
+        self._store = dist.TCPStore("127.0.0.1", self._store_link.port, is_master=False,
+                                    timeout=timedelta(seconds=60))
+        self._store_id = answer.get("store_id")
 
     def _catch_sigterm(self) -> None:
         """Under torchrun or alone, SIGTERM (preemption, ``scancel``, a pod deleted) means: finish
