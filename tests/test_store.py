@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sqlite3
+import stat
 import subprocess
 import sys
 import textwrap
@@ -112,3 +114,16 @@ def test_kill9_mid_write_leaves_a_consistent_store(tmp_path: Path) -> None:
     assert [e["n"] for e in events] == list(range(1, len(events) + 1))
     assert len(events) in (len(jobs) - 1, len(jobs))  # the kill fell between the two writes
     store.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_database_is_its_owner_s_only(tmp_path: Path) -> None:
+    """It holds every run's token: created 0600, and an older, looser one is made so."""
+    store = Store(tmp_path / "state.db")
+    store.close()
+    assert stat.S_IMODE(os.stat(tmp_path / "state.db").st_mode) == 0o600
+    loose = tmp_path / "old.db"
+    Store(loose).close()
+    os.chmod(loose, 0o644)
+    Store(loose).close()
+    assert stat.S_IMODE(os.stat(loose).st_mode) == 0o600

@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import sys
+import ssl
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Sequence
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, NoReturn, Sequence
 from maitre import protocol
 from maitre.protocol import COORDINATOR as _COORDINATOR
 from maitre.protocol import LOG as _LOG
+from maitre.protocol import TLS_CA as _TLS_CA
 from maitre.protocol import TOKEN as _TOKEN
 from maitre.protocol import TOKEN_FILE as _TOKEN_FILE
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, parse_address
@@ -75,7 +77,11 @@ def _coordinator(args: argparse.Namespace) -> Client:
             raise UsageError(f"cannot read --token-file: {exc}") from None
         if not token:
             raise UsageError(f"--token-file {token_file} is empty")
-    return Client(address, timeout_s=5.0, token=token)
+    tls_ca = args.tls_ca or os.environ.get(_TLS_CA) or None
+    try:
+        return Client(address, timeout_s=5.0, token=token, tls_ca=tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-ca {tls_ca}: not a PEM certificate bundle ({exc})") from None
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -165,7 +171,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
-                  iface=args.iface)
+                  iface=args.iface, tls_ca=client.tls_ca)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
     advertised = netaddr.worker_env(client.address, os.environ, args.iface)
     if advertised:
@@ -265,6 +271,31 @@ def parse_queue(text: str) -> "Queue":
         raise UsageError(f"--queue {text!r}: {exc}") from None
 
 
+def _tls(args: argparse.Namespace) -> dict[str, str | None]:
+    """``maitre up``'s certificate and key, checked as a pair before anything starts; the CA
+    its own agents (and the printed export line) check it with: ``--tls-ca``, else the
+    certificate itself (a self-signed one is its own CA)."""
+    if not args.tls_cert and not args.tls_key:
+        if args.tls_ca:
+            raise UsageError("--tls-ca is for a coordinator served over HTTPS: give --tls-cert "
+                             "and --tls-key too")
+        return {}
+    if not (args.tls_cert and args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.tls_cert,
+                                                                             args.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-cert {args.tls_cert} / --tls-key {args.tls_key}: not a PEM "
+                         f"certificate and its key ({exc})") from None
+    ca = args.tls_ca or args.tls_cert
+    try:
+        ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise UsageError(f"--tls-ca {ca}: not a PEM certificate bundle ({exc})") from None
+    return {"tls_cert": args.tls_cert, "tls_key": args.tls_key, "tls_ca": ca}
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from maitre.control.store import StoreError
     from maitre.local import LocalCluster, UpConfig
@@ -277,9 +308,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     if len({q.name for q in queues}) != len(queues):
         raise UsageError("--queue: a queue is given twice")
     _check_port(args.host, args.port)
+    tls = _tls(args)
     cfg = UpConfig(state_dir=Path(args.state_dir), queues=queues, nodes=args.nodes,
                    slots_per_node=slots, racks=racks, host=args.host, port=args.port,
-                   quiet_workers=not args.worker_output)
+                   quiet_workers=not args.worker_output, **tls)
     try:
         cluster = LocalCluster(cfg)
     except StoreError as exc:
@@ -288,8 +320,9 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
     print(f"maitre: coordinator at {cluster.address} with {args.nodes} local node(s) x {slots} "
           f"slot(s); state in {cfg.state_dir}", flush=True)
+    ca = f" {_TLS_CA}={Path(cfg.tls_ca).resolve()}" if cfg.tls_ca else ""
     print(f"maitre: export {_COORDINATOR}={cluster.address} "
-          f"{_TOKEN_FILE}={cluster.token_file.resolve()}", flush=True)
+          f"{_TOKEN_FILE}={cluster.token_file.resolve()}{ca}", flush=True)
     cluster.start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -378,6 +411,8 @@ def _coordinator_args(parser: argparse.ArgumentParser) -> None:
     """Where the coordinator is and the token it wants (see :func:`_coordinator`)."""
     parser.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
     parser.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+    parser.add_argument("--tls-ca", metavar="PEM", help="speak HTTPS to the coordinator and "
+                        "check its certificate against these (default: $MAITRE_TLS_CA)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -453,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=0, help="HTTP port (0: the stored one or any)")
     up.add_argument("--worker-output", action="store_true", help="print workers' output")
+    up.add_argument("--tls-cert", metavar="PEM", help="serve the API over HTTPS with this "
+                    "certificate (its names must include the address agents use)")
+    up.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    up.add_argument("--tls-ca", metavar="PEM", help="what signs the certificate, for the local "
+                    "nodes and the export line (default: the certificate, if self-signed)")
     up.set_defaults(fn=cmd_up)
 
     submit = sub.add_parser("submit", help="submit a job manifest (YAML) to the scheduler")

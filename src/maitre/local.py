@@ -42,6 +42,10 @@ class UpConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     max_restarts: int = 3
     quiet_workers: bool = True
+    tls_cert: str | None = None
+    """With ``tls_key``: the API is served over HTTPS (``tls_ca`` checks it, for local nodes)."""
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
 
 class LocalCluster:
@@ -64,7 +68,8 @@ class LocalCluster:
                                max_restarts=cfg.max_restarts)
         self.server = CoordinatorServer(cfg.host, port, ports.get("store", 0),
                                         on_event=on_event or self._print_event,
-                                        token=self.token, cluster=cluster, db=self.db)
+                                        token=self.token, cluster=cluster, db=self.db,
+                                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         for q in cfg.queues:
             self.db.put_queue(q)
             cluster.queues[q.name] = q
@@ -96,7 +101,7 @@ class LocalCluster:
                 (lambda wid, line: self.out(f"[{wid}] {line.rstrip()}"))
             agent = Agent(self.address, f"node-{index}", slots or self.cfg.slots_per_node,
                           output=output, token=self.token, labels=labels or {"rack": rack},
-                          heartbeat_s=LOCAL_HEARTBEAT_S)
+                          heartbeat_s=LOCAL_HEARTBEAT_S, tls_ca=self.cfg.tls_ca)
             self.agents.append(agent)
         return agent.start()
 

@@ -40,6 +40,9 @@ COORDINATOR = "MAITRE_COORDINATOR"
 TOKEN = "MAITRE_TOKEN"
 """The token this process presents: the coordinator's (the CLI, agents), or its run's (a worker:
 its agent sets it from the start order; it opens the worker's own routes and store only)."""
+TLS_CA = "MAITRE_TLS_CA"
+"""A PEM file of the certificate(s) that sign the coordinator's: set, clients speak HTTPS to it
+and check its certificate (the CLI's default for ``--tls-ca``; agents pass it to workers)."""
 TOKEN_FILE = "MAITRE_TOKEN_FILE"
 """A file holding the token (the CLI's default for ``--token-file``)."""
 WORKER_ID = "MAITRE_WORKER_ID"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import ssl
 import threading
 from typing import Any
 
@@ -35,14 +36,23 @@ def parse_address(address: str) -> tuple[str, int]:
 class Client:
     """A thread-safe JSON client; each thread keeps its own keep-alive connection."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None) -> None:
+    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None,
+                 tls_ca: str | None = None) -> None:
+        """``tls_ca``: a PEM file of the certificates that sign the coordinator's; given, the
+        client speaks HTTPS and checks the coordinator's certificate and name (raises
+        ``OSError`` or ``ssl.SSLError`` for a file that is not such a bundle)."""
         self.address = address
         self.token = token
+        self.tls_ca = tls_ca
         self.host, self.port = parse_address(address)
         self.timeout_s = timeout_s
         self._local = threading.local()
+        self._tls = ssl.create_default_context(cafile=tls_ca) if tls_ca else None
 
     def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        if self._tls is not None:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s,
+                                               context=self._tls)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
@@ -120,7 +130,7 @@ class UnixClient(Client):
 
     def __init__(self, path: str, timeout_s: float = 2.0) -> None:
         self.address = path
-        self.token = None
+        self.token = self.tls_ca = None
         self.host, self.port = "localhost", 0
         self.timeout_s = timeout_s
         self._local = threading.local()

@@ -136,11 +136,13 @@ class Agent:
     def __init__(self, coordinator: str, node_id: str, slots: int, *, heartbeat_s: float = 2.0,
                  urgent_s: float = 0.1, extra_env: dict[str, str] | None = None,
                  output: Output = print_output, token: str | None = None,
-                 labels: dict[str, str] | None = None, iface: str | None = None) -> None:
+                 labels: dict[str, str] | None = None, iface: str | None = None,
+                 tls_ca: str | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
-        self.client = Client(coordinator, timeout_s=5.0, token=token)
-        self.watcher = Client(coordinator, timeout_s=30.0, token=token)
+        self.client = Client(coordinator, timeout_s=5.0, token=token, tls_ca=tls_ca)
+        self.watcher = Client(coordinator, timeout_s=30.0, token=token, tls_ca=tls_ca)
+        self.tls_ca = tls_ca
         self.urgent_s = urgent_s
         self.version = -1
         """The node's orders version the agent last applied (the coordinator's count)."""
@@ -310,6 +312,8 @@ class Agent:
         # and store only (a training script is the user's code).
         env.pop(protocol.TOKEN_FILE, None)
         env[protocol.TOKEN] = order["token"]
+        if self.tls_ca:
+            env[protocol.TLS_CA] = str(Path(self.tls_ca).resolve())
         env.update({
             protocol.COORDINATOR: self.coordinator, protocol.WORKER_ID: wid,
             protocol.JOB_ID: order["job_id"], protocol.STORE: self._store_address(order["store"]),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -60,6 +61,7 @@ class Store:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
+        _owner_only(self.path)  # it holds every run's token
         try:
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -279,3 +281,13 @@ class _Transaction:
             self.store._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
         finally:
             self.store._lock.release()
+
+
+def _owner_only(path: Path) -> None:
+    """Create the database file readable and writable by its owner only, or make an older one
+    so (SQLite gives its -wal and -shm files the database file's mode)."""
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        os.chmod(path, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot open {path}: {exc}") from None

@@ -15,7 +15,7 @@ from enum import Enum
 from typing import Mapping
 
 from maitre.protocol import (AGENT, COORDINATOR, COORDINATOR_TIMEOUT_S, HEARTBEAT_S, JOB_ID,
-                             LEDGER_DIR, RUN_ID, STORE, TOKEN, WORKER_ID)
+                             LEDGER_DIR, RUN_ID, STORE, TLS_CA, TOKEN, WORKER_ID)
 
 
 class Mode(str, Enum):
@@ -37,6 +37,9 @@ class WorkerEnv:
     ledger_dir: str = ""
     run_id: str = ""
     token: str = ""
+    """Its run's token (the API's worker routes, the store's door)."""
+    tls_ca: str = ""
+    """Set: the coordinator speaks HTTPS, signed by these certificates."""
     heartbeat_s: float = 0.1
     coordinator_timeout_s: float = 300.0
     rank: int = 0
@@ -55,6 +58,7 @@ class WorkerEnv:
                                    "workers must be started by a maitre agent")
             return cls(mode=Mode.ELASTIC, worker_id=env[WORKER_ID], coordinator=env[COORDINATOR],
                        store=env[STORE], agent=env[AGENT], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
+                       tls_ca=env.get(TLS_CA, ""),
                        heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
                        coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
                        **common)

@@ -344,7 +344,8 @@ class ElasticLoop:
                                     self.device)
             self._sync_state(Recovery("start", time.time()))
             return
-        self._client = Client(self.env.coordinator, token=self.env.token or None)
+        self._client = Client(self.env.coordinator, token=self.env.token or None,
+                              tls_ca=self.env.tls_ca or None)
         self._heartbeat = Heartbeat(UnixClient(self.env.agent), self.env.worker_id,
                                     self.env.heartbeat_s,
                                     self._progress).start()
