@@ -29,10 +29,11 @@ def test_a_full_manifest() -> None:
     assert (m.name, m.queue, m.priority, m.min_replicas, m.max_replicas, m.gpus_per_replica) == \
         ("bert-large", "team-a", 1000, 2, 8, 2)
     assert not m.preemptible and m.grace_period_s == 90.0
-    assert m.topology == Topology(level="rack", mode="required")
+    assert (m.topology.level, m.topology.mode) == ("rack", "required")
     assert m.command == ("python", "train.py", "--steps", "300")
     job = m.job(submitted_at=12.0)
     assert job.phase == Phase.PENDING and job.slots_per_replica == 2 and job.elastic
+    assert job.topology == Topology(level="rack", mode="required")
 
 
 def test_defaults_make_a_fixed_gang_of_one() -> None:
@@ -63,7 +64,7 @@ command: []
     expected = ["unknown field 'minReplica' (did you mean 'minReplicas'?)", "name 'Bad_Name'",
                 "no queue 'nope' (queues: team-a)", "not both", "maxReplicas 2 is less than",
                 "gpusPerReplica must be at least 1", "preemptible must be true or false",
-                "gracePeriodSeconds must be a number", "topology level must be",
+                "gracePeriodSeconds must be at least 0", "topology.level must be",
                 "command is empty"]
     for text in expected:
         assert any(text in p for p in problems), (text, problems)
