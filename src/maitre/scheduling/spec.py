@@ -27,7 +27,6 @@ import re
 import shlex
 from typing import Any, Literal, get_args
 
-import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
                       field_validator)
 from pydantic.alias_generators import to_camel
@@ -56,8 +55,10 @@ def _problem(text: str) -> PydanticCustomError:
 
 class _Fields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, alias_generator=to_camel,
-                              use_attribute_docstrings=True,
-                              field_title_generator=lambda name, field: field.alias or name)
+                              field_title_generator=lambda name, f: f.alias or to_camel(name),
+                              use_attribute_docstrings=True, defer_build=True)
+    # defer_build: built when first used (maitre.protocol, which every process imports, names
+    # the model for the API's schema only)
 
 
 class TopologySpec(_Fields):
@@ -95,7 +96,7 @@ class JobManifest(_Fields):
     @field_validator("name")
     @classmethod
     def _name(cls, name: str) -> str:
-        if not re.match(_NAME, name):
+        if not re.fullmatch(_NAME, name):
             raise _problem(f"name {name!r} must be 1-63 lowercase letters, digits or '-', "
                            "starting and ending with a letter or digit")
         return name
@@ -176,6 +177,8 @@ def parse_manifest(source: str | dict[str, Any], *, queues: set[str] | None = No
     """Check and parse a manifest (YAML text or an already-loaded mapping); raises
     :class:`ManifestError` naming every problem. ``queues``, when given, are the known ones."""
     if isinstance(source, str):
+        import yaml  # only here: maitre.protocol (every process) imports this module
+
         try:
             doc = yaml.safe_load(source)
         except yaml.YAMLError as exc:
