@@ -27,9 +27,11 @@ process needs no HTTP library.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from maitre.scheduling.spec import JobManifest
 
 API = "/v1"
 """Every route below is under this prefix."""
@@ -131,9 +133,13 @@ class Health(_Reply):
 
 
 class SubmitRequest(_Request):
-    manifest: str | dict[str, Any]
+    manifest: Annotated[str | dict[str, Any],
+                        BeforeValidator(lambda given: given,
+                                        json_schema_input_type=str | JobManifest)]
     """The job's manifest: YAML text, or the mapping it parses to (see
-    :mod:`maitre.scheduling.spec`)."""
+    :mod:`maitre.scheduling.spec`). The schema documents its fields; the coordinator checks them
+    (:func:`~maitre.scheduling.spec.parse_manifest`: every problem at once, with the closest field
+    for a misspelt one), so here it is only text or a mapping."""
 
 
 class Submitted(_Reply):

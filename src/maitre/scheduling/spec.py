@@ -14,8 +14,10 @@ The field names are the ones users know from Kubeflow's training operators, Volc
     command: ["python", "train.py", "--steps", "300"]   # or one string, split like a shell
     checkpointDir: /shared/ckpt/bert-large
 
-:func:`parse_manifest` reports every problem at once (a misspelt key with the closest valid
-one), so a user fixes a manifest in one round.
+:class:`JobManifest` is the pydantic model of it (``extra="forbid"``, strict: ``"2"`` or
+``true`` is no integer; the API's schema documents it). :func:`parse_manifest` reports every
+problem at once, each naming its field (``topology.level``), a misspelt key with the closest
+valid one, so a user fixes a manifest in one round.
 """
 
 from __future__ import annotations
@@ -23,19 +25,19 @@ from __future__ import annotations
 import difflib
 import re
 import shlex
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, get_args
 
-import yaml
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
+                      field_validator)
+from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 from maitre.scheduling.model import Job, Topology
 
 PRIORITY_CLASSES = {"low": 0, "normal": 100, "high": 1000}
-_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?")
-_FIELDS = {"name", "queue", "priorityClassName", "priority", "minReplicas", "maxReplicas",
-           "gpusPerReplica", "preemptible", "gracePeriodSeconds", "topology", "command",
-           "checkpointDir"}
-_REQUIRED = ("name", "queue", "command")
+_NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+_DERIVED = object()
+"""The default of a field whose default depends on others (see its ``before`` validator)."""
 
 
 class ManifestError(ValueError):
@@ -46,140 +48,188 @@ class ManifestError(ValueError):
         super().__init__("invalid job manifest: " + "; ".join(problems))
 
 
-@dataclass(frozen=True, slots=True)
-class JobManifest:
-    name: str
-    queue: str
-    priority: int
-    min_replicas: int
-    max_replicas: int
-    gpus_per_replica: int
-    preemptible: bool
-    grace_period_s: float
-    topology: Topology | None
+def _problem(text: str) -> PydanticCustomError:
+    """A validator's refusal, worded in full (the text goes in the context: it may hold braces)."""
+    return PydanticCustomError("manifest", "{problem}", {"problem": text})
+
+
+class _Fields(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, alias_generator=to_camel,
+                              field_title_generator=lambda name, f: f.alias or to_camel(name),
+                              use_attribute_docstrings=True, defer_build=True)
+    # defer_build: built when first used (maitre.protocol, which every process imports, names
+    # the model for the API's schema only)
+
+
+class TopologySpec(_Fields):
+    level: Literal["node", "rack", "block"] = "rack"
+    """The domain the job should fit in."""
+    mode: Literal["required", "preferred"] = "preferred"
+    """required: never placed across domains; preferred: packed, but may spread."""
+
+
+class JobManifest(_Fields):
+    """A job as its user submits it (``maitre submit job.yaml``)."""
+
+    name: str = Field(json_schema_extra={"pattern": _NAME})
+    """1-63 lowercase letters, digits or '-', starting and ending with a letter or digit."""
+    queue: str = Field(min_length=1)
+    """Kueue's LocalQueue, Volcano's queue: one the coordinator knows."""
+    priority_class_name: str | None = None
+    """low (0), normal (100) or high (1000); or give priority."""
+    priority: int = Field(default_factory=lambda: _DERIVED, validate_default=True)
+    """Higher runs first (default: priorityClassName's, else 0)."""
+    min_replicas: int = Field(1, ge=1)
+    """The gang that must start together."""
+    max_replicas: int = Field(default_factory=lambda: _DERIVED, validate_default=True, ge=1)
+    """At most this many replicas (default: minReplicas, a fixed gang)."""
+    gpus_per_replica: int = Field(1, ge=1)
+    preemptible: bool = True
+    """May be suspended (checkpoint, then stop) for others: needs checkpointDir."""
+    grace_period_s: float = Field(30.0, ge=0, alias="gracePeriodSeconds")
+    """Seconds to checkpoint when suspended."""
+    topology: TopologySpec | None = None
     command: tuple[str, ...]
-    checkpoint_dir: str | None
+    """A list of arguments, or one string split like a shell."""
+    checkpoint_dir: str | None = Field(None, min_length=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, name: str) -> str:
+        if not re.fullmatch(_NAME, name):
+            raise _problem(f"name {name!r} must be 1-63 lowercase letters, digits or '-', "
+                           "starting and ending with a letter or digit")
+        return name
+
+    @field_validator("queue")
+    @classmethod
+    def _queue(cls, queue: str, info: ValidationInfo) -> str:
+        known = (info.context or {}).get("queues")
+        if known is not None and queue not in known:
+            raise _problem(f"no queue {queue!r} (queues: {', '.join(sorted(known)) or 'none'})")
+        return queue
+
+    @field_validator("priority_class_name")
+    @classmethod
+    def _known_class(cls, name: str | None, info: ValidationInfo) -> str | None:
+        classes = _classes(info)
+        if name is not None and name not in classes:
+            raise _problem(f"unknown priorityClassName {name!r} (known: "
+                           f"{', '.join(f'{k}={v}' for k, v in classes.items())})")
+        return name
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority(cls, value: Any, info: ValidationInfo) -> Any:
+        named = info.data.get("priority_class_name")
+        if value is _DERIVED:
+            return 0 if named is None else _classes(info)[named]
+        if named is not None:
+            raise _problem("give priority or priorityClassName, not both")
+        return value
+
+    @field_validator("max_replicas", mode="before")
+    @classmethod
+    def _fixed_gang(cls, value: Any, info: ValidationInfo) -> Any:
+        return info.data.get("min_replicas", 1) if value is _DERIVED else value
+
+    @field_validator("max_replicas")
+    @classmethod
+    def _at_least_min(cls, value: int, info: ValidationInfo) -> int:
+        low = info.data.get("min_replicas")
+        if low is not None and value < low:
+            raise _problem(f"maxReplicas {value} is less than minReplicas {low}")
+        return value
+
+    @field_validator("command", mode="before", json_schema_input_type=str | list[str | int | float])
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = shlex.split(value)
+            except ValueError as exc:
+                raise _problem(f"command: {exc}") from None
+        elif not isinstance(value, list) or any(
+                isinstance(a, bool) or not isinstance(a, (str, int, float)) for a in value):
+            raise _problem(f"command must be a string or a list of strings, got {value!r}")
+        if not value:
+            raise _problem("command is empty")
+        return tuple(str(a) for a in value)
 
     def job(self, submitted_at: float) -> Job:
         """The scheduler's view of this manifest, pending."""
+        topology = None if self.topology is None else Topology(self.topology.level,
+                                                               self.topology.mode)
         return Job(id=self.name, queue=self.queue, priority=self.priority,
                    min_replicas=self.min_replicas, max_replicas=self.max_replicas,
                    slots_per_replica=self.gpus_per_replica, preemptible=self.preemptible,
-                   grace_period_s=self.grace_period_s, topology=self.topology,
+                   grace_period_s=self.grace_period_s, topology=topology,
                    submitted_at=submitted_at)
+
+
+def _classes(info: ValidationInfo) -> dict[str, int]:
+    classes: dict[str, int] | None = (info.context or {}).get("priority_classes")
+    return PRIORITY_CLASSES if classes is None else classes
 
 
 def parse_manifest(source: str | dict[str, Any], *, queues: set[str] | None = None,
                    priority_classes: dict[str, int] | None = None) -> JobManifest:
     """Check and parse a manifest (YAML text or an already-loaded mapping); raises
     :class:`ManifestError` naming every problem. ``queues``, when given, are the known ones."""
-    classes = PRIORITY_CLASSES if priority_classes is None else priority_classes
     if isinstance(source, str):
+        import yaml  # only here: maitre.protocol (every process) imports this module
+
         try:
             doc = yaml.safe_load(source)
         except yaml.YAMLError as exc:
             raise ManifestError([f"not valid YAML: {' '.join(str(exc).split())}"]) from None
     else:
         doc = source
+    if doc is None:
+        raise ManifestError(["the manifest is empty"])
     if not isinstance(doc, dict):
         raise ManifestError([f"a manifest is a mapping of fields, got {type(doc).__name__}"])
-    problems: list[str] = []
-    for key in doc:
-        if key not in _FIELDS:
-            close = difflib.get_close_matches(str(key), sorted(_FIELDS), n=1)
-            problems.append(f"unknown field {key!r}" + (f" (did you mean {close[0]!r}?)"
-                                                         if close else ""))
-    for key in _REQUIRED:
-        if key not in doc:
-            problems.append(f"{key} is required")
+    try:
+        return JobManifest.model_validate(doc, context={"queues": queues,
+                                                        "priority_classes": priority_classes})
+    except ValidationError as exc:
+        raise ManifestError([_say(e) for e in exc.errors()]) from None
 
-    def integer(key: str, default: int | None, low: int) -> int | None:
-        value = doc.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{key} must be an integer, got {value!r}")
-            return None
-        if value < low:
-            problems.append(f"{key} must be at least {low}, got {value}")
-            return None
-        return value
 
-    name = doc.get("name")
-    if "name" in doc and not (isinstance(name, str) and _NAME.fullmatch(name)):
-        problems.append(f"name {name!r} must be 1-63 lowercase letters, digits or '-', "
-                        "starting and ending with a letter or digit")
-    queue = doc.get("queue")
-    if "queue" in doc:
-        if not isinstance(queue, str) or not queue:
-            problems.append(f"queue must be a name, got {queue!r}")
-        elif queues is not None and queue not in queues:
-            problems.append(f"no queue {queue!r} (queues: {', '.join(sorted(queues)) or 'none'})")
+_SAYS = {
+    "missing": "{at} is required",
+    "int_type": "{at} must be an integer, got {got}",
+    "float_type": "{at} must be a number, got {got}",
+    "bool_type": "{at} must be true or false, got {got}",
+    "string_type": "{at} must be a string, got {got}",
+    "string_too_short": "{at} must not be empty",
+    "greater_than_equal": "{at} must be at least {ge}, got {got}",
+    "literal_error": "{at} must be {expected}, got {got}",
+    "model_type": "{at} must be a mapping of {keys}, got {got}",
+}
+"""pydantic's errors, in this module's words (any other: its own message)."""
 
-    priority = 0
-    if "priority" in doc and "priorityClassName" in doc:
-        problems.append("give priority or priorityClassName, not both")
-    elif "priorityClassName" in doc:
-        cls = doc["priorityClassName"]
-        if cls not in classes:
-            problems.append(f"unknown priorityClassName {cls!r} (known: "
-                            f"{', '.join(f'{k}={v}' for k, v in classes.items())})")
-        else:
-            priority = classes[cls]
-    elif "priority" in doc:
-        value = doc["priority"]
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"priority must be an integer, got {value!r}")
-        else:
-            priority = value
 
-    lo = integer("minReplicas", 1, 1)
-    hi = integer("maxReplicas", lo if lo is not None else 1, 1)
-    if lo is not None and hi is not None and hi < lo:
-        problems.append(f"maxReplicas {hi} is less than minReplicas {lo}")
-    gpus = integer("gpusPerReplica", 1, 1)
+def _say(error: Any) -> str:
+    loc = error["loc"]
+    at = ".".join(str(part) for part in loc)
+    if error["type"] == "manifest":
+        return str(error["ctx"]["problem"])
+    if error["type"] in ("extra_forbidden", "invalid_key"):  # a misspelt key, or no string
+        close = difflib.get_close_matches(str(loc[-1]), _keys(loc[:-1]), n=1)
+        return f"unknown field {at!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+    says = _SAYS.get(error["type"])
+    if says is None:
+        return f"{at}: {error['msg']}"
+    keys = ", ".join(_keys(loc)) if "{keys}" in says else ""
+    return says.format(at=at, got=repr(error.get("input")), keys=keys, **error.get("ctx", {}))
 
-    preemptible = doc.get("preemptible", True)
-    if not isinstance(preemptible, bool):
-        problems.append(f"preemptible must be true or false, got {preemptible!r}")
-    grace = doc.get("gracePeriodSeconds", 30)
-    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or grace < 0:
-        problems.append(f"gracePeriodSeconds must be a number >= 0, got {grace!r}")
 
-    topology = None
-    if "topology" in doc:
-        raw = doc["topology"]
-        if not isinstance(raw, dict) or set(raw) - {"level", "mode"}:
-            problems.append(f"topology must be {{level, mode}}, got {raw!r}")
-        else:
-            try:
-                topology = Topology(level=raw.get("level", "rack"),
-                                    mode=raw.get("mode", "preferred"))
-            except ValueError as exc:
-                problems.append(str(exc))
-
-    command: tuple[str, ...] = ()
-    if "command" in doc:
-        raw = doc["command"]
-        if isinstance(raw, str):
-            try:
-                command = tuple(shlex.split(raw))
-            except ValueError as exc:
-                problems.append(f"command: {exc}")
-        elif isinstance(raw, list) and all(isinstance(a, (str, int, float)) for a in raw):
-            command = tuple(str(a) for a in raw)
-        else:
-            problems.append(f"command must be a string or a list of strings, got {raw!r}")
-        if not command and not any(p.startswith("command") for p in problems):
-            problems.append("command is empty")
-
-    checkpoint = doc.get("checkpointDir")
-    if checkpoint is not None and (not isinstance(checkpoint, str) or not checkpoint):
-        problems.append(f"checkpointDir must be a path, got {checkpoint!r}")
-
-    if problems:
-        raise ManifestError(problems)
-    return JobManifest(name=name, queue=queue, priority=priority, min_replicas=lo,
-                       max_replicas=hi, gpus_per_replica=gpus, preemptible=preemptible,
-                       grace_period_s=float(grace), topology=topology, command=command,
-                       checkpoint_dir=checkpoint)  # type: ignore[arg-type]
+def _keys(loc: tuple[Any, ...]) -> list[str]:
+    """The fields of the mapping at ``loc`` (``()``: the manifest's own; ``("topology",)``)."""
+    model: type[BaseModel] = JobManifest
+    for part in loc:
+        field = next(f for n, f in model.model_fields.items() if (f.alias or n) == part)
+        model = next(t for t in get_args(field.annotation) or (field.annotation,)
+                     if isinstance(t, type) and issubclass(t, BaseModel))
+    return [f.alias or n for n, f in model.model_fields.items()]
