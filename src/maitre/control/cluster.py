@@ -47,7 +47,8 @@ from maitre.control.detector import PhiAccrual, PhiConfig
 from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, JobState,
                                        Membership, WorkerState)
 from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue
-from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
+from maitre.scheduling.assign import Replica, leavers, repair
+from maitre.scheduling.policy import Plan, PolicyConfig, schedule
 from maitre.scheduling.spec import JobManifest
 
 THROUGHPUT_WINDOW_S = 4.0
@@ -262,7 +263,8 @@ class ClusterState:
         jobs = [m.job for m in self.managed.values() if m.ended is None and not
                 (m.held and m.job.phase == Phase.SUSPENDED)]
         cluster = self.cluster()
-        self._repair(cluster, jobs, now)
+        for j in repair(cluster, jobs):  # before anything else is scheduled
+            self.log(now, "repair", job=j.id, placement=dict(j.placement))
         copies = []
         for j in jobs:
             c = copy.copy(j)
@@ -277,26 +279,6 @@ class ClusterState:
                        m.job.max_replicas, tuple(sorted(m.job.placement.items())))
                       for m in self.managed.values()),
                 tuple((n, s.alive, s.node) for n, s in self.nodes.items()))
-
-    def _repair(self, cluster: Cluster, jobs: list[Job], now: float) -> None:
-        """A running job that lost replicas below its minimum with a node gets them back on
-        free slots, before anything else is scheduled (its survivors wait in rendezvous)."""
-        short = [j for j in jobs if j.phase == Phase.RUNNING and j.replicas < j.min_replicas]
-        if not short:
-            return
-        used: dict[str, int] = {}
-        for j in jobs:
-            for n, r in j.placement.items():
-                used[n] = used.get(n, 0) + r * j.slots_per_replica
-        free = FreeSlots(cluster, used)
-        for j in sorted(short, key=lambda j: (-j.priority, j.submitted_at)):
-            where = place(j, j.min_replicas - j.replicas, free, prefer=j.placement)
-            if where is None:
-                continue  # it waits; the policy does not preempt for a repair
-            free.take(where, j.slots_per_replica)
-            for n, r in where.items():
-                j.placement[n] = j.placement.get(n, 0) + r
-            self.log(now, "repair", job=j.id, placement=dict(j.placement))
 
     def apply(self, plan: Plan, memberships: dict[str, Membership], now: float
               ) -> list[tuple[str, str, Any]]:
@@ -344,17 +326,10 @@ class ClusterState:
                 self.log(now, "preempting", job=m.id, reason=action.reason, placement=new)
         return out
 
-    def _leavers(self, ms: Membership, old: dict[str, int], new: dict[str, int]) -> list[str]:
-        """Workers on the nodes the shrink gives up: joiners first, then the highest ranks."""
-        out: list[str] = []
-        for node, count in old.items():
-            drop = count - new.get(node, 0)
-            if drop <= 0:
-                continue
-            here = [w for w in ms.live_workers() if w.node == node and w.state != WorkerState.LEAVING]
-            here.sort(key=lambda w: (w.state == WorkerState.ACTIVE, w.rank))
-            out += [w.id for w in here[:drop]]
-        return out
+    @staticmethod
+    def _leavers(ms: Membership, old: dict[str, int], new: dict[str, int]) -> list[str]:
+        return leavers([Replica(w.id, w.node, w.state == WorkerState.ACTIVE, w.rank)
+                        for w in ms.live_workers() if w.state != WorkerState.LEAVING], old, new)
 
     # -- user requests ---------------------------------------------------------------------------
     def cancel(self, job_id: str, ms: Membership | None, now: float) -> None:

@@ -40,6 +40,7 @@ from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, Mem
                                        Worker, WorkerState)
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
+from maitre.scheduling.assign import free_slot
 from maitre.scheduling.model import Node, Phase
 from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, parse_manifest
@@ -492,8 +493,7 @@ class Coordinator:
                 want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
                 per = self.cluster.slots_per_worker(job.spec.job_id)
             for _ in range(want):
-                slot = next((s for s in range(0, slots - per + 1)
-                             if not used.intersection(range(s, s + per))), None)
+                slot = free_slot(used, slots, per)
                 if slot is None:
                     break
                 worker = job.add_worker(node, slot, now, slots=per)

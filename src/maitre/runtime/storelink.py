@@ -73,6 +73,9 @@ class StoreLink:
             if not _ours(peer[1], self.port):
                 conn.close()
                 continue
+            # The store's requests are a few small writes each: relayed one by one, Nagle's
+            # algorithm would hold each behind the last one's (delayed) acknowledgement.
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._join, args=(conn,), name="maitre-store-link-conn",
                              daemon=True).start()
 
@@ -110,6 +113,7 @@ class StoreLink:
             up.close()
             raise StoreLinkError(f"store door handshake with {where} failed: {exc}") from exc
         up.settimeout(None)
+        up.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return up
 
 

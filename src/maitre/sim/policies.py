@@ -30,6 +30,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from maitre.scheduling import Cluster, Job, Node, Phase, PolicyConfig, Queue, schedule
+from maitre.scheduling.assign import repair
 from maitre.sim.jobs import ProfiledJob, SimJob
 from maitre.sim.profiles import even_placement
 
@@ -279,6 +280,9 @@ class Maitre:
                              throughput=dict(j.throughput), attained_slot_s=j.attained_s))
         # The live coordinator runs a pass every 0.5 s: a preemptor admitted a pass after its
         # victims let go starts within a second. Here the passes run back to back.
+        # A gang that lost replicas below its minimum (a node failed) gets them back first, on
+        # free slots, as the coordinator does before its pass.
+        repair(cluster, views)
         cfg = self.cfg
         for _ in range(4):
             plan = schedule(cluster, views, now, cfg)
