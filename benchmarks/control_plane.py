@@ -120,7 +120,8 @@ def serve_coordinator(state_dir: str) -> None:
     token = secrets.token_urlsafe(32)
     cluster = ClusterState([Queue("default")], run_dir=root, policy=PolicyConfig(),
                            phi=PhiConfig(), detector=DetectorConfig(), max_restarts=3)
-    server = CoordinatorServer("127.0.0.1", 0, 0, on_event=lambda job, event: None,
+    server = CoordinatorServer(host="127.0.0.1", port=0, store_port=0,
+                               on_event=lambda job, event: None,
                                token=token, cluster=cluster, db=db)
     server.start()
     print(json.dumps({"address": server.address, "token": token, "pid": os.getpid(),

@@ -329,7 +329,8 @@ CONFIG = SchemathesisConfig.from_str("""
 expected-statuses = ["2xx", "400", "401", "404"]
 """)
 schema = schemathesis.openapi.from_asgi(p.API + "/openapi.json",
-                                        build_app(Coordinator("127.0.0.1:1"), token=TOKEN),
+                                        build_app(Coordinator("127.0.0.1:1", cluster=ClusterState(
+                                            [Queue("q")], run_dir=Path("."))), token=TOKEN),
                                         config=CONFIG)
 KNOWN = {"job": ["alpha", "beta"], "node": ["n0"], "worker": ["alpha-w1", "beta-w1"]}
 """The names :meth:`Api.start_two_jobs` creates: a third of the cases address them instead of

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import ROOT
 from maitre.control.api import CoordinatorServer
+from maitre.control.cluster import ClusterState
+from maitre.scheduling import Queue
 from maitre.launch import Run, RunConfig
 from maitre.wire import ApiError, Client
 
@@ -19,8 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def server():
-    srv = CoordinatorServer("127.0.0.1", 0, token="s3cret-token").start()
+def server(tmp_path: Path):
+    cluster = ClusterState([Queue("q")], run_dir=tmp_path)
+    srv = CoordinatorServer(cluster, "127.0.0.1", 0, token="s3cret-token").start()
     yield srv
     srv.stop()
 

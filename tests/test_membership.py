@@ -63,7 +63,6 @@ def state(m: Membership, wid: str) -> WorkerState:
     ({"command": []}, "no command"),
     ({"min_workers": 0}, "at least 1"),
     ({"min_workers": 3, "max_workers": 2}, "max workers 2 < min workers 3"),
-    ({"nproc_per_node": 0}, "nproc per node"),
     ({"max_restarts": -1}, "max restarts"),
 ])
 def test_job_spec_validation(kwargs, match):
@@ -74,7 +73,8 @@ def test_job_spec_validation(kwargs, match):
 
 def test_job_spec_valid_defaults():
     spec = JobSpec(job_id="j", command=["x"], min_workers=2, max_workers=2)
-    assert (spec.nproc_per_node, spec.max_restarts, spec.env) == (1, 3, {})
+    assert (spec.max_restarts, spec.env, spec.store_scope) == (3, {}, "")
+    assert len(spec.token) == 64 and spec.token not in repr(spec)  # a run's token is never shown
 
 
 # -- the first epoch ------------------------------------------------------------------------------

@@ -13,6 +13,8 @@ import pytest
 
 from conftest import ROOT, example_command
 from maitre.control.api import CoordinatorServer
+from maitre.control.cluster import ClusterState
+from maitre.scheduling import Queue
 from maitre.wire import Client, CoordinatorUnreachable
 from test_cluster_e2e import _Procs, _wait
 
@@ -37,10 +39,10 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
 
 
 @pytest.mark.timeout(60)
-def test_clients_speak_https_and_check_the_certificate(certs) -> None:
+def test_clients_speak_https_and_check_the_certificate(certs, tmp_path: Path) -> None:
     cert, key = certs["coordinator"]
-    with CoordinatorServer("127.0.0.1", 0, token="t", tls_cert=str(cert),
-                           tls_key=str(key)) as server:
+    with CoordinatorServer(ClusterState([Queue("q")], run_dir=tmp_path), "127.0.0.1", 0,
+                           token="t", tls_cert=str(cert), tls_key=str(key)) as server:
         assert Client(server.address, token="t", tls_ca=str(cert)).get("/jobs") == {"jobs": []}
         with pytest.raises(CoordinatorUnreachable):  # plain HTTP to an HTTPS port
             Client(server.address, token="t").get("/jobs")

@@ -116,6 +116,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
     try:
         run = Run(cfg)
+    except ValueError as exc:  # the job it would submit is not a valid one (its --job-id)
+        raise UsageError(f"--job-id {args.job_id}: {exc}") from None
     except (OSError, RuntimeError) as exc:
         raise UsageError(f"cannot start the coordinator on {args.host}:{args.port}: {exc}") from None
     for sig in (signal.SIGINT, signal.SIGTERM):  # the first one suspends (with checkpoints)

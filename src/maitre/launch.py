@@ -1,8 +1,10 @@
 """``maitre run``: the embedded default. Coordinator, local agents and workers on one machine.
 
-It starts a coordinator (HTTP API plus the c10d store), creates the job, starts ``--local-nodes``
-agents that each run ``--nproc-per-node`` workers, and prints the job's membership events as they
-happen. More nodes can join from anywhere with ``maitre agent --coordinator HOST:PORT``. An optional
+It starts a coordinator (HTTP API plus the door to the c10d stores) on a cluster of one queue,
+submits the job there as ``maitre up`` would (the same controller, scheduling and job
+states; its policy grows the job into every free slot at once, see :data:`RUN_POLICY`), starts
+``--local-nodes`` agents that each run ``--nproc-per-node`` workers, and prints the job's
+membership events as they happen. More nodes can join from anywhere with ``maitre agent --coordinator HOST:PORT``. An optional
 scripted story (``--events``) kills, stops, adds and removes workers at given steps, so a
 newcomer can watch the job survive each. At the end it prints a summary: steps, every membership
 change with its recovery time, and the exactly-once audit of the data.
@@ -15,6 +17,7 @@ complete checkpoint, at any number of workers.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import re
@@ -33,8 +36,16 @@ from maitre.checkpoint import checkpointer as ckpt_env
 from maitre.checkpoint.loader import newest_complete
 from maitre import protocol
 from maitre.control.api import CoordinatorServer
-from maitre.control.membership import ENDED, DetectorConfig, JobSpec, JobState, WorkerState
+from maitre.control.cluster import ClusterState
+from maitre.control.membership import ENDED, DetectorConfig, JobState, WorkerState
 from maitre.runtime.ledger import audit
+from maitre.scheduling import PolicyConfig, Queue
+from maitre.scheduling.spec import ManifestError, parse_manifest
+
+RUN_QUEUE = "run"
+RUN_POLICY = PolicyConfig(resize_cooldown_s=0.0, min_gain=-math.inf, rebalance_gain=0.0)
+"""``maitre run``'s one job owns its nodes: it grows into a slot as soon as one is free (no
+cooldown, no gain threshold), as ``torchrun --nnodes MIN:MAX`` takes every node that comes."""
 
 EVENT_KINDS = ("kill", "hang", "join", "leave")
 DEMO_EVENTS = "kill@60,join@120,leave@200"
@@ -91,9 +102,22 @@ class Run:
         self.out = out
         self.t0 = time.time()
         self.token = secrets.token_urlsafe(32)  # every API call and agent must present it
-        self.server = CoordinatorServer(cfg.host, cfg.port, cfg=DetectorConfig(),
-                                        on_event=self._on_event, token=self.token)  # may refuse
+        manifest = {"name": cfg.job_id, "queue": RUN_QUEUE,
+                    "minReplicas": cfg.min_nodes * cfg.nproc_per_node,
+                    "maxReplicas": cfg.max_nodes * cfg.nproc_per_node, "command": cfg.command}
+        if cfg.checkpoint_dir is not None:
+            manifest["checkpointDir"] = str(cfg.checkpoint_dir.resolve())
+            manifest["gracePeriodSeconds"] = cfg.grace_period_s
+        try:
+            parse_manifest(manifest, queues={RUN_QUEUE})
+        except ManifestError as exc:  # e.g. a --job-id that is no job name
+            raise ValueError(str(exc)) from None
+        self.manifest = manifest
         self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix=f"maitre-{cfg.job_id}-"))
+        cluster = ClusterState([Queue(RUN_QUEUE)], run_dir=self.run_dir, policy=RUN_POLICY,
+                               detector=DetectorConfig(), max_restarts=cfg.max_restarts)
+        self.server = CoordinatorServer(cluster, cfg.host, cfg.port, cfg=DetectorConfig(),
+                                        on_event=self._on_event, token=self.token)  # may refuse
         self.token_file = self.run_dir / "token"
         self.ledger_dir = self.run_dir / "ledger"
         if self.ledger_dir.exists() and not cfg.resume:  # a resumed job's ledger goes on
@@ -111,18 +135,17 @@ class Run:
     def start(self) -> "Run":
         cfg = self.cfg
         self.server.start()
-        env = {}
+        # The run's own: one data ledger for all its runs (a resumed job's goes on), told apart
+        # by the run id, and the checkpoint settings that are not part of a manifest.
+        env = {protocol.RUN_ID: self.run_id,
+               protocol.LEDGER_DIR: str(self.ledger_dir) if cfg.ledger else ""}
         if cfg.checkpoint_dir is not None:
-            env[ckpt_env.DIR_ENV] = str(cfg.checkpoint_dir.resolve())
             if cfg.checkpoint_every:
                 env[ckpt_env.EVERY_ENV] = str(cfg.checkpoint_every)
             if cfg.mtbf_s:
                 env[ckpt_env.MTBF_ENV] = str(cfg.mtbf_s)
             env[ckpt_env.KEEP_ENV] = str(cfg.checkpoint_keep)
-        self.coordinator.create_job(JobSpec(
-            job_id=cfg.job_id, command=cfg.command, min_workers=cfg.min_nodes * cfg.nproc_per_node,
-            max_workers=cfg.max_nodes * cfg.nproc_per_node, nproc_per_node=cfg.nproc_per_node,
-            max_restarts=cfg.max_restarts, env=env))
+        self.coordinator.submit(self.manifest, env=env)
         write_token(self.token_file, self.token)
         self.out(f"maitre: coordinator at {self.server.address}; add a node with "
                  f"`maitre agent --coordinator {self.server.address} --token-file "
@@ -132,13 +155,10 @@ class Run:
         return self
 
     def add_node(self) -> Agent:
-        extra = {protocol.RUN_ID: self.run_id}
-        if self.cfg.ledger:
-            extra[protocol.LEDGER_DIR] = str(self.ledger_dir)
         output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
         with self._lock:
             agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,
-                          extra_env=extra, output=output, token=self.token,
+                          output=output, token=self.token,
                           heartbeat_s=LOCAL_HEARTBEAT_S)
             self.agents.append(agent)
         return agent.start()

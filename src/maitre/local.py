@@ -66,9 +66,9 @@ class LocalCluster:
         cluster = ClusterState(cfg.queues or [Queue("default")], run_dir=cfg.state_dir,
                                policy=cfg.policy, phi=PhiConfig(), detector=DetectorConfig(),
                                max_restarts=cfg.max_restarts)
-        self.server = CoordinatorServer(cfg.host, port, ports.get("store", 0),
+        self.server = CoordinatorServer(cluster, cfg.host, port, ports.get("store", 0),
                                         on_event=on_event or self._print_event,
-                                        token=self.token, cluster=cluster, db=self.db,
+                                        token=self.token, db=self.db,
                                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         for q in cfg.queues:
             self.db.put_queue(q)

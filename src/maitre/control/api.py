@@ -29,7 +29,9 @@ import inspect
 import re
 import json
 import logging
+import pathlib
 import socket
+import tempfile
 import threading
 import time
 from typing import Annotated, Any, Callable
@@ -316,7 +318,8 @@ def openapi_document() -> str:
     """The API's OpenAPI schema as ``docs/openapi.json`` holds it (sorted keys, indented):
     ``print(openapi_document(), end='')`` into that file regenerates it (tests/test_api.py checks
     that it is current)."""
-    schema = build_app(Coordinator("127.0.0.1:0")).openapi()
+    schema = build_app(Coordinator("127.0.0.1:0", cluster=ClusterState(
+        [], run_dir=pathlib.Path(tempfile.gettempdir())))).openapi()  # (it writes nothing there)
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
@@ -435,11 +438,10 @@ class _Gate:
 class CoordinatorServer:
     """The coordinator's HTTP server, its c10d store and its detector thread."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, store_port: int = 0,
-                 cfg: DetectorConfig | None = None,
+    def __init__(self, cluster: ClusterState, host: str = "127.0.0.1", port: int = 0,
+                 store_port: int = 0, cfg: DetectorConfig | None = None,
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 tick_s: float = 0.05, token: str | None = None,
-                 cluster: ClusterState | None = None, db: Store | None = None,
+                 tick_s: float = 0.05, token: str | None = None, db: Store | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -85,6 +85,9 @@ class ManagedJob:
     """Wall seconds the job spent in steps that committed (its effective training time)."""
     history: list[Membership] = field(default_factory=list)
     """Earlier incarnations (their workers' time still counts in the accounting)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Its workers' environment beyond the cluster's (given by the submitter in process, as
+    ``maitre run`` gives its checkpoint settings and ledger; not part of the manifest)."""
     seen_trained: dict[str, float] = field(default_factory=dict)
     window: tuple[int, int, int, float] | None = None
     """(incarnation, epoch, step, time) where the current throughput sample began."""
@@ -155,7 +158,8 @@ class ClusterState:
                           list(self.queues.values()))
 
     # -- jobs ------------------------------------------------------------------------------------
-    def submit(self, manifest: JobManifest, now: float) -> ManagedJob:
+    def submit(self, manifest: JobManifest, now: float,
+               env: dict[str, str] | None = None) -> ManagedJob:
         if manifest.queue not in self.queues:
             raise ValueError(f"no queue {manifest.queue!r} (queues: {', '.join(sorted(self.queues))})")
         old = self.managed.get(manifest.name)
@@ -164,7 +168,7 @@ class ClusterState:
         job = manifest.job(now)
         if manifest.checkpoint_dir is None:  # nothing to resume from: never suspend it
             job.preemptible = False
-        managed = ManagedJob(manifest, job)
+        managed = ManagedJob(manifest, job, env=dict(env or {}))
         if old is not None:  # the name is reused: worker ids go on, history is dropped
             managed.workers_started = old.workers_started
             managed.generation = old.generation + 1
@@ -179,8 +183,9 @@ class ClusterState:
         env = {protocol.RUN_ID: f"{m.id}-{scope}", protocol.LEDGER_DIR: str(self.ledger_dir(m))}
         if man.checkpoint_dir:
             env[protocol.CHECKPOINT_DIR] = man.checkpoint_dir
+        env.update(m.env)
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
-                       max_workers=man.max_replicas, nproc_per_node=1,
+                       max_workers=man.max_replicas,
                        max_restarts=self.max_restarts, env=env, store_scope=scope)
 
     def ledger_dir(self, m: ManagedJob) -> Path:
@@ -354,12 +359,13 @@ class ClusterState:
         m.job.last_resize_at = -math.inf  # a user's request is not damped
         self.log(now, "max_replicas", job=job_id, replicas=replicas)
 
-    def shrink_to_max(self, job_id: str, ms: Membership | None, now: float) -> None:
-        """After :meth:`set_max` below the current size: give up the excess at once."""
+    def shrink_to_max(self, job_id: str, ms: Membership | None, now: float) -> list[str]:
+        """After :meth:`set_max` below the current size: give up the excess at once. Returns
+        the members asked to leave."""
         m = self._get(job_id)
         excess = m.job.replicas - m.job.max_replicas
         if excess <= 0 or ms is None or ms.state in ENDED:
-            return
+            return []
         new = dict(m.job.placement)
         for node in sorted(new, key=lambda n: (new[n], n)):
             take = min(excess, new[node])
@@ -369,7 +375,7 @@ class ClusterState:
         leave = self._leavers(ms, m.job.placement, new)
         ms.spec.max_workers = m.job.max_replicas
         m.job.placement = new
-        ms.scale(sum(new.values()), now, leave=leave)
+        return ms.scale(sum(new.values()), now, leave=leave)
 
     def _get(self, job_id: str) -> ManagedJob:
         try:
@@ -482,7 +488,7 @@ class ClusterState:
                 "ended": m.ended, "held": m.held, "admitted_at": m.admitted_at,
                 "ended_at": m.ended_at, "productive_s": m.productive_s,
                 "attained_slot_s": m.job.attained_slot_s,
-                "suspend_deadline": m.suspend_deadline,
+                "suspend_deadline": m.suspend_deadline, "env": dict(m.env),
                 "membership": None if ms is None else ms.to_json(),
                 "history": [h.to_json() for h in m.history]}
 

@@ -18,10 +18,10 @@ Work per call is proportional to what the call touches, not to the cluster:
   something they show changed (:meth:`Membership.view_key` moved), and only the nodes of the
   job that changed are woken (``on_wake``).
 
-With a :class:`ClusterState` (``maitre up``) jobs are submitted as manifests and the scheduling
-policy sizes and places them; with a :class:`Store` every change is persisted and a restarted
-coordinator carries on from it. Without either (``maitre run``) there is one job, sized by hand,
-on whichever nodes join.
+Jobs are submitted as manifests to its :class:`ClusterState`, and the scheduling policy sizes
+and places them: ``maitre up``'s cluster of queues and jobs, and ``maitre run``'s one job on one
+queue are the same path. With a :class:`Store` every change is persisted and a restarted
+coordinator carries on from it.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState, ManagedJob
-from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, Membership,
+from maitre.control.membership import (ENDED, LIVE, DetectorConfig, Membership,
                                        Worker, WorkerState)
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
@@ -82,8 +82,8 @@ class Coordinator:
 
     def __init__(self, store_address: str, cfg: DetectorConfig | None = None,
                  clock: Callable[[], float] = time.time,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 cluster: ClusterState | None = None, store: Store | None = None,
+                 on_event: Callable[[str, dict[str, Any]], None] | None = None, *,
+                 cluster: ClusterState, store: Store | None = None,
                  pass_s: float = 0.5, stores: "Stores | None" = None) -> None:
         self.store_address = store_address
         """Where workers reach the door of their run's c10d store (``HOST:PORT``)."""
@@ -134,34 +134,23 @@ class Coordinator:
         self._node_version: dict[str, int] = {}
         self._wake_nodes: set[str] = set()
         self._wake_jobs: set[str] = set()
-        if cluster is not None:
-            cluster.log = self._cluster_event
-            if store is not None:
-                self._restore()
+        cluster.log = self._cluster_event
+        if store is not None:
+            self._restore()
 
     # -- jobs ------------------------------------------------------------------------------------
     @acknowledged
-    def create_job(self, spec: JobSpec) -> dict[str, Any]:
-        """``maitre run``'s one job (in process; over HTTP jobs come as manifests)."""
-        with self.lock:
-            if spec.job_id in self.jobs:
-                raise BadRequest(f"job {spec.job_id!r} already exists", "body.job_id")
-            self._install(Membership(spec, self.cfg, self.clock()))
-            return {"job_id": spec.job_id}
-
-    @acknowledged
-    def submit(self, manifest: Any) -> dict[str, Any]:
-        """A job manifest (YAML text or a mapping): checked whole, stored, then scheduled."""
-        if self.cluster is None:
-            raise BadRequest("this coordinator runs one job (maitre run); submit jobs to a "
-                             "cluster started with maitre up", "body.manifest")
+    def submit(self, manifest: Any, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """A job manifest (YAML text or a mapping): checked whole, stored, then scheduled.
+        ``env``: its workers' environment beyond the cluster's (in process only: ``maitre
+        run``'s checkpoint settings and ledger)."""
         if not isinstance(manifest, (str, dict)):
             raise BadRequest("the request needs 'manifest': the job's YAML text or mapping",
                              "body.manifest")
         with self.lock:
             try:
                 parsed = parse_manifest(manifest, queues=set(self.cluster.queues))
-                managed = self.cluster.submit(parsed, self.clock())
+                managed = self.cluster.submit(parsed, self.clock(), env)
             except (ManifestError, ValueError) as exc:
                 raise BadRequest(str(exc), "body.manifest") from None
             self._persist({managed.id})
@@ -190,8 +179,7 @@ class Coordinator:
 
     def job_status(self, job_id: str) -> dict[str, Any]:
         with self.lock:
-            if self.cluster is not None and job_id in self.cluster.managed and \
-                    job_id not in self.jobs:  # submitted, never admitted yet
+            if job_id in self.cluster.managed and job_id not in self.jobs:  # never admitted yet
                 return {**_NOT_STARTED, **self._managed_summary(job_id), "events": [],
                         "reports": []}
             job = self.job(job_id)
@@ -200,8 +188,7 @@ class Coordinator:
 
     def job_list(self) -> list[dict[str, Any]]:
         with self.lock:
-            ids = list(self.jobs) + [j for j in (self.cluster.managed if self.cluster else {})
-                                     if j not in self.jobs]
+            ids = list(self.jobs) + [j for j in self.cluster.managed if j not in self.jobs]
             out = []
             for jid in ids:
                 base = self.jobs[jid].summary() if jid in self.jobs else _NOT_STARTED
@@ -209,8 +196,8 @@ class Coordinator:
             return out
 
     def _managed_summary(self, job_id: str) -> dict[str, Any]:
-        """The scheduler's side of a managed job (nothing for a ``maitre run`` job)."""
-        m = self.cluster.managed.get(job_id) if self.cluster is not None else None
+        """The scheduler's side of a job."""
+        m = self.cluster.managed.get(job_id)
         if m is None:
             return {}
         state = m.ended or m.job.phase.value
@@ -226,34 +213,24 @@ class Coordinator:
     def scale(self, job_id: str, workers: int) -> dict[str, Any]:
         with self.lock:
             now = self.clock()
-            if self.cluster is not None:
-                try:
-                    self.cluster.set_max(job_id, workers, now)
-                    ms = self.jobs.get(job_id)
-                    if ms is not None and ms.state not in ENDED:  # it may grow past its manifest
-                        ms.spec.max_workers = max(workers, ms.spec.min_workers)
-                    self.cluster.shrink_to_max(job_id, ms, now)
-                except KeyError as exc:
-                    raise NotFound(exc.args[0], "path.job") from None
-                except ValueError as exc:
-                    raise BadRequest(str(exc), "body.workers") from None
-                self._next_pass = 0.0
-                self._changed(job_id, persist=True)
-                return {"target": workers, "leaving": [], "max_replicas": workers}
-            job = self.job(job_id)
-            if job.state in ENDED:
-                raise BadRequest(f"job {job_id} is {job.state.value}", "path.job")
             try:
-                leaving = job.scale(workers, now)
+                self.cluster.set_max(job_id, workers, now)
+                ms = self.jobs.get(job_id)
+                if ms is not None and ms.state not in ENDED:  # it may grow past its manifest
+                    ms.spec.max_workers = max(workers, ms.spec.min_workers)
+                leaving = self.cluster.shrink_to_max(job_id, ms, now)
+            except KeyError as exc:
+                raise NotFound(exc.args[0], "path.job") from None
             except ValueError as exc:
                 raise BadRequest(str(exc), "body.workers") from None
+            self._next_pass = 0.0
             self._changed(job_id, persist=True)
-            return {"target": workers, "leaving": leaving}
+            return {"target": workers, "leaving": leaving, "max_replicas": workers}
 
     @acknowledged
     def suspend(self, job_id: str, reason: str = "suspended by request") -> dict[str, Any]:
         with self.lock:
-            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            managed = self.cluster.managed.get(job_id)
             if managed is not None:
                 if managed.ended is not None:
                     raise BadRequest(f"job {job_id} is {managed.ended}", "path.job")
@@ -279,9 +256,9 @@ class Coordinator:
     @acknowledged
     def resume(self, job_id: str) -> dict[str, Any]:
         with self.lock:
-            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            managed = self.cluster.managed.get(job_id)
             if managed is None:
-                raise NotFound(f"no managed job {job_id!r}", "path.job")
+                raise NotFound(f"no job {job_id!r}", "path.job")
             if not managed.held:
                 raise BadRequest(f"job {job_id} was not suspended by a user", "path.job")
             managed.held = False
@@ -292,9 +269,6 @@ class Coordinator:
     @acknowledged
     def cancel(self, job_id: str) -> dict[str, Any]:
         with self.lock:
-            if self.cluster is None:
-                raise BadRequest("cancel is for submitted jobs (maitre up); stop a maitre run "
-                                 "with Ctrl-C", "path.job")
             try:
                 self.cluster.cancel(job_id, self.jobs.get(job_id), self.clock())
             except KeyError as exc:
@@ -315,18 +289,17 @@ class Coordinator:
         with self.lock:
             info = self.nodes.setdefault(node, {"slots": beat.slots, "registered_at": now})
             info.update(slots=beat.slots, last_heartbeat=now, labels=labels)
-            if self.cluster is not None:
-                try:
-                    described = Node(node, beat.slots, **labels)
-                except ValueError as exc:
-                    raise BadRequest(str(exc), "body.labels") from None
-                change = self.cluster.node_beat(described, now)
-                if change and self.db is not None:
-                    self.db.put_node(described, now)
-                if change == "node_shrunk":
-                    self._evict_node(node, f"node {node} now has {beat.slots} slots", now)
-                if change:
-                    self._bump(node)
+            try:
+                described = Node(node, beat.slots, **labels)
+            except ValueError as exc:
+                raise BadRequest(str(exc), "body.labels") from None
+            change = self.cluster.node_beat(described, now)
+            if change and self.db is not None:
+                self.db.put_node(described, now)
+            if change == "node_shrunk":
+                self._evict_node(node, f"node {node} now has {beat.slots} slots", now)
+            if change:
+                self._bump(node)
             running = set()
             for wb in beat.workers:
                 running.add(wb.id)
@@ -473,19 +446,14 @@ class Coordinator:
 
     def _start_orders(self, node: str, slots: int, used: set[int],
                       now: float) -> list[dict[str, Any]]:
-        alive = self.cluster is None or (node in self.cluster.nodes and
-                                         self.cluster.nodes[node].alive)
-        if not alive:
+        if node not in self.cluster.nodes or not self.cluster.nodes[node].alive:
             return []
-        if self.cluster is None:
-            candidates = list(self.jobs.values())
-        else:
-            candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
+        candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
         start: list[dict[str, Any]] = []
         for job in candidates:
             want = job.wants_workers()
             per = 1
-            if want and self.cluster is not None:
+            if want:
                 staying_here = sum(1 for wid in self._on_node.get(node, ())
                                    if self._worker_job[wid] is job and job.workers[wid].state
                                    in (WorkerState.STARTING, WorkerState.READY,
@@ -594,7 +562,7 @@ class Coordinator:
     def worker_report(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
             job_id = self._job_of(wid).spec.job_id
-            managed = self.cluster.managed.get(job_id) if self.cluster is not None else None
+            managed = self.cluster.managed.get(job_id)
             report = {"worker": wid, **body,  # epochs count again in each incarnation
                       "incarnation": managed.incarnation if managed is not None else 1}
             self.reports[job_id].append(report)
@@ -617,10 +585,10 @@ class Coordinator:
                 if job.try_open_epoch(now) or dead:
                     self._touch(job_id)
             pending = None
-            if self.cluster is not None and now >= self._next_pass:
+            if now >= self._next_pass:
                 self._next_pass = now + self.pass_s
                 pending = self._begin_pass(now)
-            if self.db is not None and self.cluster is not None:
+            if self.db is not None:
                 self._save_progress(now)
             if self.stores is not None and now >= self._next_store_check:
                 self._next_store_check = now + 1.0
@@ -632,7 +600,6 @@ class Coordinator:
             return
         # The policy runs with the lock free (tens of milliseconds at a thousand nodes: beats
         # go on meanwhile); its plan is applied only to the cluster it was made for.
-        assert self.cluster is not None
         view, jobs, before, made_on = pending
         plan = schedule(view, jobs, now, self.cluster.policy)
         with self.lock:
@@ -662,7 +629,7 @@ class Coordinator:
         """Progress and accounting (steps, trained seconds, throughput, usage) of every job
         every :data:`_SAVE_EVERY_S`, a few jobs a tick: saving 8,192 workers at once held the
         lock for a third of a second, and every beat behind it waited."""
-        assert self.db is not None and self.cluster is not None
+        assert self.db is not None
         if now >= self._next_save:
             self._next_save = now + _SAVE_EVERY_S
             self._to_save = sorted(self.cluster.managed)
@@ -675,7 +642,6 @@ class Coordinator:
         """A pass, under the lock: dead nodes, the jobs brought up to date, what the policy
         will see (and the fingerprint it is made on)."""
         cluster = self.cluster
-        assert cluster is not None
         for node in cluster.detect_dead_nodes(now):
             self._evict_node(node, f"node {node} is dead (no agent heartbeat)", now)
         cluster.sync(self.jobs, now)
@@ -692,7 +658,6 @@ class Coordinator:
     def _end_pass(self, plan: Any, before: dict[str, dict[str, int]], now: float) -> None:
         """The plan carried out, under the lock, and the accounting."""
         cluster = self.cluster
-        assert cluster is not None
         for kind, _, membership in cluster.apply(plan, self.jobs, now):
             if kind == "start":
                 self._install(membership)
@@ -723,9 +688,6 @@ class Coordinator:
 
     def report(self) -> dict[str, Any]:
         with self.lock:
-            if self.cluster is None:
-                raise BadRequest("no cluster report: this coordinator runs one job (maitre run)",
-                                 "path")
             return self.cluster.report(self.jobs, self.clock())
 
     def nodes_view(self) -> list[dict[str, Any]]:
@@ -735,7 +697,7 @@ class Coordinator:
             for name, info in sorted(self.nodes.items()):
                 held = [wid for wid in sorted(self._on_node.get(name, ()))
                         if self._worker_job[wid].workers[wid].state in LIVE]
-                state = self.cluster.nodes.get(name) if self.cluster is not None else None
+                state = self.cluster.nodes.get(name)
                 out.append({"node": name, "slots": info["slots"], "labels": info.get("labels", {}),
                             "alive": True if state is None else state.alive,
                             "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
@@ -746,8 +708,6 @@ class Coordinator:
 
     def queues_view(self) -> list[dict[str, Any]]:
         with self.lock:
-            if self.cluster is None:
-                return []
             usage: dict[str, int] = {}
             for m in self.cluster.managed.values():
                 if m.ended is None:
@@ -810,14 +770,14 @@ class Coordinator:
     def _persist(self, job_ids: set[str]) -> None:
         """Mark jobs to save (under the lock); the call saves them when it let go of it
         (:meth:`durable`)."""
-        if self.db is None or self.cluster is None or not job_ids:
+        if self.db is None or not job_ids:
             return
         self._dirty |= job_ids
         self._mine.need = self._dirty_round
 
     def _write_jobs(self, job_ids: set[str]) -> None:
         """Stage the managed jobs among ``job_ids`` whose saved state changed (under the lock)."""
-        assert self.db is not None and self.cluster is not None
+        assert self.db is not None
         for job_id in sorted(job_ids):
             m = self.cluster.managed.get(job_id)
             if m is None:
@@ -832,7 +792,7 @@ class Coordinator:
 
     def _restore(self) -> None:
         """Carry on from the store: nodes, queues, jobs and their memberships."""
-        assert self.cluster is not None and self.db is not None
+        assert self.db is not None
         now = self.clock()
         cluster = self.cluster
         stored = self.db.cluster()
@@ -853,7 +813,8 @@ class Coordinator:
                                  held=extra["held"], admitted_at=extra["admitted_at"],
                                  ended_at=extra["ended_at"], productive_s=extra["productive_s"],
                                  suspend_deadline=extra["suspend_deadline"],
-                                 generation=extra.get("generation", 0))
+                                 generation=extra.get("generation", 0),
+                                 env=extra.get("env", {}))
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
             for h in managed.history:
                 self._tokens[h.spec.token] = h  # its workers may still report their exits

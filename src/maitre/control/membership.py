@@ -69,14 +69,13 @@ _WATCHED = (WorkerState.READY, WorkerState.ACTIVE, WorkerState.LEAVING)
 
 @dataclass(kw_only=True, slots=True)
 class JobSpec:
-    """What ``maitre run`` (and later the scheduler) asks of a job."""
+    """One run (incarnation) of a job, as the cluster admits it (:meth:`ClusterState.incarnation_spec`)."""
 
     job_id: str
     command: list[str]
     """The worker command line (``python script.py args``), run by agents."""
     min_workers: int
     max_workers: int
-    nproc_per_node: int = 1
     max_restarts: int = 3
     """Failure events (an epoch lost to a crash or hang) survived before the job is failed."""
     env: dict[str, str] = field(default_factory=dict)
@@ -101,8 +100,6 @@ class JobSpec:
             raise ValueError(f"min workers must be at least 1, got {self.min_workers}")
         if self.max_workers < self.min_workers:
             raise ValueError(f"max workers {self.max_workers} < min workers {self.min_workers}")
-        if self.nproc_per_node < 1:
-            raise ValueError(f"nproc per node must be at least 1, got {self.nproc_per_node}")
         if self.max_restarts < 0:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
 
