@@ -3,8 +3,10 @@ certificate files are refused before anything starts."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -103,3 +105,11 @@ def test_a_job_trains_with_the_api_over_https(certs, tmp_path: Path) -> None:
     finally:
         procs.cleanup()
     assert final["state"] == "COMPLETED" and final["step"] == 40, final
+    # The run's token went to its workers only: in no log, no event, no status
+    with sqlite3.connect(tmp_path / "state" / "state.db") as db:
+        stored = " ".join(str(row) for row in db.execute("SELECT * FROM jobs"))
+        events = " ".join(str(row) for row in db.execute("SELECT body FROM events"))
+    tokens = set(re.findall(r'"token": "([0-9a-f]{64})"', stored))
+    assert tokens, "the run's token is kept with its job (for a restart)"
+    shown = log.read_text() + events + json.dumps(final)
+    assert not any(t in shown for t in tokens)
