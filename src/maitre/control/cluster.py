@@ -26,9 +26,8 @@ Nodes are watched by a phi-accrual detector (:mod:`maitre.control.detector`) on 
 heartbeats; a node declared dead has its workers evicted (the jobs recover as from any crash) and
 its allocations withdrawn, and the next pass places the lost replicas elsewhere.
 
-Throughput is measured here, not reported: the steps a job commits per second at each world size
-(its global batch is fixed, so steps per second are samples per second up to a constant) fit the
-job's speedup model, which the policy uses to hand out idle slots by marginal gain.
+Throughput is measured, not reported (:mod:`maitre.control.accounting`), and fits the job's
+speedup model, which the policy uses to hand out idle slots by marginal gain.
 
 Pure logic over injected time, like :class:`Membership`; the coordinator calls it under its lock
 and persists what changed (:mod:`maitre.control.store`).
@@ -43,17 +42,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from maitre import protocol
+from maitre.control.accounting import Usage, account, measure
 from maitre.control.detector import PhiAccrual, PhiConfig
-from maitre.control.membership import (ENDED, LIVE, DetectorConfig, JobSpec, JobState,
+from maitre.control.membership import (ENDED, DetectorConfig, JobSpec, JobState,
                                        Membership, WorkerState)
 from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
 from maitre.scheduling.policy import Plan, PolicyConfig, schedule
 from maitre.scheduling.spec import JobManifest
-
-THROUGHPUT_WINDOW_S = 4.0
-"""Shortest stretch of uninterrupted training a throughput sample is taken over."""
-
 
 @dataclass(slots=True)
 class NodeState:
@@ -235,7 +231,7 @@ class ClusterState:
                 continue
             if lost and ms.state not in ENDED:
                 ms.target = max(ms.spec.min_workers, min(ms.spec.max_workers, job.replicas))
-            self._account(m, ms, now)
+            account(m, ms)
             if ms.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
                 m.ended, m.ended_at = ms.state.value, now
                 job.placement = {}
@@ -254,7 +250,7 @@ class ClusterState:
                 for w in ms.live_workers():
                     ms.evict(w.id, f"grace period of {job.grace_period_s:.0f}s ran out", now)
                 self.log(now, "grace_expired", job=m.id)
-            self._measure(m, ms, now)
+            measure(m, ms, now)
 
     def plan(self, now: float) -> Plan:
         view, jobs = self.prepare(now)
@@ -391,87 +387,6 @@ class ClusterState:
     def _step(ms: Membership) -> int:
         return max((w.step for w in ms.workers.values()), default=0)
 
-    # -- measurement -----------------------------------------------------------------------------
-    def _measure(self, m: ManagedJob, ms: Membership, now: float) -> None:
-        """Steps per second at the current world size, over stretches of uninterrupted
-        training of at least :data:`THROUGHPUT_WINDOW_S`."""
-        if ms.state != JobState.RUNNING:
-            m.window = None
-            return
-        step = max((ms.workers[w].step for w in ms.members), default=0)
-        key = (m.incarnation, ms.epoch)
-        if m.window is None or m.window[:2] != key:
-            m.window = (*key, step, now)
-            return
-        _, _, step0, t0 = m.window
-        if now - t0 < THROUGHPUT_WINDOW_S or step <= step0:
-            return
-        rate = (step - step0) / (now - t0)
-        world = len(ms.members)
-        old = m.job.throughput.get(world)
-        m.job.throughput[world] = rate if old is None else 0.5 * old + 0.5 * rate
-        m.window = (*key, step, now)
-
-    def _account(self, m: ManagedJob, ms: Membership, now: float) -> None:
-        """The job's effective training time: what its rank-0 member spent in committed steps
-        (one member's clock, so heartbeats arriving out of step do not add up)."""
-        for wid in ms.members:
-            w = ms.workers[wid]
-            if wid == ms.members[0]:
-                m.productive_s += max(0.0, w.trained_s - m.seen_trained.get(wid, 0.0))
-            m.seen_trained[wid] = w.trained_s
-
-    def tick_usage(self, memberships: dict[str, Membership], now: float) -> None:
-        if self.usage.last is not None and now > self.usage.last:
-            for m in self.managed.values():  # attained service: what least-attained-first orders
-                if m.job.phase == Phase.RUNNING:
-                    m.job.attained_slot_s += m.job.slots * (now - self.usage.last)
-        capacity = sum(s.node.slots for s in self.nodes.values() if s.alive)
-        held = sum(w.slots for ms in self._all_memberships(memberships) for w in ms.workers.values()
-                   if w.ended_at is None and w.state in LIVE)
-        contended = any(
-            (m.job.phase == Phase.PENDING or (m.job.phase == Phase.SUSPENDED and not m.held) or
-             (m.job.phase == Phase.RUNNING and m.job.elastic and m.job.replicas < m.job.max_replicas))
-            for m in self.managed.values() if m.ended is None)
-        self.usage.tick(now, capacity, held, contended)
-
-    def _all_memberships(self, memberships: dict[str, Membership]) -> list[Membership]:
-        out = []
-        for m in self.managed.values():
-            out += m.history
-            if m.id in memberships and m.incarnation:
-                out.append(memberships[m.id])
-        return out
-
-    def report(self, memberships: dict[str, Membership], now: float) -> dict[str, Any]:
-        """Allocation, utilization and each job's effective training time (see the demo)."""
-        held_s = trained_s = 0.0
-        jobs = {}
-        for m in self.managed.values():
-            mss = m.history + ([memberships[m.id]] if m.id in memberships and m.incarnation else [])
-            j_held = j_trained = 0.0
-            for ms in mss:
-                for w in ms.workers.values():
-                    end = w.ended_at if w.ended_at is not None else now
-                    j_held += max(0.0, end - w.started_at) * w.slots
-                    j_trained += w.trained_s * w.slots
-            held_s += j_held
-            trained_s += j_trained
-            span_end = m.ended_at if m.ended_at is not None else now
-            ran = span_end - m.admitted_at if m.admitted_at is not None else 0.0
-            jobs[m.id] = {
-                "state": m.ended or m.job.phase.value, "queue": m.job.queue,
-                "priority": m.job.priority, "incarnations": m.incarnation,
-                "waited_s": round((m.admitted_at or now) - m.job.submitted_at, 2),
-                "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),
-                "ettr": round(m.productive_s / ran, 4) if ran > 0 else None,
-                "held_slot_s": round(j_held, 2), "trained_slot_s": round(j_trained, 2),
-                "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())}}
-        return {"allocation": self.usage.allocation(), "contended_s": round(self.usage.contended_s, 2),
-                "utilization": round(trained_s / held_s, 4) if held_s else None,
-                "held_slot_s": round(held_s, 2), "trained_slot_s": round(trained_s, 2),
-                "jobs": jobs}
-
     # -- persistence -----------------------------------------------------------------------------
     def job_extra(self, m: ManagedJob, ms: Membership | None) -> dict[str, Any]:
         man = m.manifest
@@ -491,37 +406,3 @@ class ClusterState:
                 "suspend_deadline": m.suspend_deadline, "env": dict(m.env),
                 "membership": None if ms is None else ms.to_json(),
                 "history": [h.to_json() for h in m.history]}
-
-
-@dataclass(slots=True)
-class Usage:
-    """Allocation: slot-seconds held by workers over slot-seconds of capacity, counted only
-    while some job waits or could grow (an idle cluster with nothing to run is not waste)."""
-
-    last: float | None = None
-    contended_s: float = 0.0
-    capacity_slot_s: float = 0.0
-    held_slot_s: float = 0.0
-    _prev: tuple[int, int, bool] = (0, 0, False)
-
-    def tick(self, now: float, capacity: int, held: int, contended: bool) -> None:
-        if self.last is not None and self._prev[2]:
-            dt = now - self.last
-            self.contended_s += dt
-            self.capacity_slot_s += self._prev[0] * dt
-            self.held_slot_s += min(self._prev[1], self._prev[0]) * dt
-        self.last = now
-        self._prev = (capacity, held, contended)
-
-    def snapshot(self) -> dict[str, float]:
-        return {"contended_s": self.contended_s, "capacity_slot_s": self.capacity_slot_s,
-                "held_slot_s": self.held_slot_s}
-
-    def restore(self, data: dict[str, float]) -> None:
-        """Carry the integrals over a coordinator restart (the time it was away is not counted)."""
-        self.contended_s = data["contended_s"]
-        self.capacity_slot_s = data["capacity_slot_s"]
-        self.held_slot_s = data["held_slot_s"]
-
-    def allocation(self) -> float | None:
-        return round(self.held_slot_s / self.capacity_slot_s, 4) if self.capacity_slot_s else None

@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from maitre import protocol as p
+from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
 from maitre.control.membership import (ENDED, LIVE, DetectorConfig, Membership,
                                        Worker, WorkerState)
@@ -673,7 +674,7 @@ class Coordinator:
         for action in plan.actions:
             self._touch(action.job, persist=True)
         cluster.index_allocations()
-        cluster.tick_usage(self.jobs, now)
+        accounting.tick_usage(cluster, self.jobs, now)
 
     def _evict_node(self, node: str, reason: str, now: float) -> None:
         """Its workers are gone for the coordinator (their jobs recover as from a crash); its
@@ -688,7 +689,7 @@ class Coordinator:
 
     def report(self) -> dict[str, Any]:
         with self.lock:
-            return self.cluster.report(self.jobs, self.clock())
+            return accounting.report(self.cluster, self.jobs, self.clock())
 
     def nodes_view(self) -> list[dict[str, Any]]:
         with self.lock:

@@ -1,0 +1,145 @@
+"""Accounting: what the cluster measures of its jobs, and the report it gives.
+
+* **Throughput** is measured, not reported: the steps a job commits per second at each world
+  size, over stretches of uninterrupted training (its global batch is fixed, so steps per second
+  are samples per second up to a constant). It fits the job's speedup model, which the policy
+  uses to hand out idle slots by marginal gain (:func:`measure`).
+* **Effective training time**: what a job's rank-0 member spent in committed steps
+  (:func:`account`), and the attained service least-attained-first orders by.
+* **Allocation** (:class:`Usage`): slot-seconds held by workers over slot-seconds of capacity,
+  counted only while some job waits or could grow.
+* :func:`report`: all of it, per job and for the cluster (``/v1/report``, the demo's table).
+
+Pure logic over injected time; the coordinator calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from maitre.control.membership import LIVE, JobState, Membership
+from maitre.scheduling.model import Phase
+
+if TYPE_CHECKING:
+    from maitre.control.cluster import ClusterState, ManagedJob
+
+THROUGHPUT_WINDOW_S = 4.0
+"""Shortest stretch of uninterrupted training a throughput sample is taken over."""
+
+
+def measure(m: "ManagedJob", ms: Membership, now: float) -> None:
+    """Steps per second at the current world size, over stretches of uninterrupted training of
+    at least :data:`THROUGHPUT_WINDOW_S` (an exponential average per size)."""
+    if ms.state != JobState.RUNNING:
+        m.window = None
+        return
+    step = max((ms.workers[w].step for w in ms.members), default=0)
+    key = (m.incarnation, ms.epoch)
+    if m.window is None or m.window[:2] != key:
+        m.window = (*key, step, now)
+        return
+    _, _, step0, t0 = m.window
+    if now - t0 < THROUGHPUT_WINDOW_S or step <= step0:
+        return
+    rate = (step - step0) / (now - t0)
+    world = len(ms.members)
+    old = m.job.throughput.get(world)
+    m.job.throughput[world] = rate if old is None else 0.5 * old + 0.5 * rate
+    m.window = (*key, step, now)
+
+
+def account(m: "ManagedJob", ms: Membership) -> None:
+    """The job's effective training time: what its rank-0 member spent in committed steps
+    (one member's clock, so heartbeats arriving out of step do not add up)."""
+    for wid in ms.members:
+        w = ms.workers[wid]
+        if wid == ms.members[0]:
+            m.productive_s += max(0.0, w.trained_s - m.seen_trained.get(wid, 0.0))
+        m.seen_trained[wid] = w.trained_s
+
+
+def _memberships(m: "ManagedJob", memberships: dict[str, Membership]) -> list[Membership]:
+    """Every incarnation of a job: the earlier ones and the current one."""
+    return m.history + ([memberships[m.id]] if m.id in memberships and m.incarnation else [])
+
+
+def tick_usage(cluster: "ClusterState", memberships: dict[str, Membership], now: float) -> None:
+    usage = cluster.usage
+    if usage.last is not None and now > usage.last:
+        for m in cluster.managed.values():  # attained service: what least-attained-first orders
+            if m.job.phase == Phase.RUNNING:
+                m.job.attained_slot_s += m.job.slots * (now - usage.last)
+    capacity = sum(s.node.slots for s in cluster.nodes.values() if s.alive)
+    held = sum(w.slots for m in cluster.managed.values() for ms in _memberships(m, memberships)
+               for w in ms.workers.values() if w.ended_at is None and w.state in LIVE)
+    contended = any(
+        (m.job.phase == Phase.PENDING or (m.job.phase == Phase.SUSPENDED and not m.held) or
+         (m.job.phase == Phase.RUNNING and m.job.elastic and m.job.replicas < m.job.max_replicas))
+        for m in cluster.managed.values() if m.ended is None)
+    usage.tick(now, capacity, held, contended)
+
+
+def report(cluster: "ClusterState", memberships: dict[str, Membership],
+           now: float) -> dict[str, Any]:
+    """Allocation, utilization and each job's effective training time (see the demo)."""
+    held_s = trained_s = 0.0
+    jobs = {}
+    for m in cluster.managed.values():
+        j_held = j_trained = 0.0
+        for ms in _memberships(m, memberships):
+            for w in ms.workers.values():
+                end = w.ended_at if w.ended_at is not None else now
+                j_held += max(0.0, end - w.started_at) * w.slots
+                j_trained += w.trained_s * w.slots
+        held_s += j_held
+        trained_s += j_trained
+        span_end = m.ended_at if m.ended_at is not None else now
+        ran = span_end - m.admitted_at if m.admitted_at is not None else 0.0
+        jobs[m.id] = {
+            "state": m.ended or m.job.phase.value, "queue": m.job.queue,
+            "priority": m.job.priority, "incarnations": m.incarnation,
+            "waited_s": round((m.admitted_at or now) - m.job.submitted_at, 2),
+            "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),
+            "ettr": round(m.productive_s / ran, 4) if ran > 0 else None,
+            "held_slot_s": round(j_held, 2), "trained_slot_s": round(j_trained, 2),
+            "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())}}
+    usage = cluster.usage
+    return {"allocation": usage.allocation(), "contended_s": round(usage.contended_s, 2),
+            "utilization": round(trained_s / held_s, 4) if held_s else None,
+            "held_slot_s": round(held_s, 2), "trained_slot_s": round(trained_s, 2),
+            "jobs": jobs}
+
+
+@dataclass(slots=True)
+class Usage:
+    """Allocation: slot-seconds held by workers over slot-seconds of capacity, counted only
+    while some job waits or could grow (an idle cluster with nothing to run is not waste)."""
+
+    last: float | None = None
+    contended_s: float = 0.0
+    capacity_slot_s: float = 0.0
+    held_slot_s: float = 0.0
+    _prev: tuple[int, int, bool] = (0, 0, False)
+
+    def tick(self, now: float, capacity: int, held: int, contended: bool) -> None:
+        if self.last is not None and self._prev[2]:
+            dt = now - self.last
+            self.contended_s += dt
+            self.capacity_slot_s += self._prev[0] * dt
+            self.held_slot_s += min(self._prev[1], self._prev[0]) * dt
+        self.last = now
+        self._prev = (capacity, held, contended)
+
+    def snapshot(self) -> dict[str, float]:
+        return {"contended_s": self.contended_s, "capacity_slot_s": self.capacity_slot_s,
+                "held_slot_s": self.held_slot_s}
+
+    def restore(self, data: dict[str, float]) -> None:
+        """Carry the integrals over a coordinator restart (the time it was away is not counted)."""
+        self.contended_s = data["contended_s"]
+        self.capacity_slot_s = data["capacity_slot_s"]
+        self.held_slot_s = data["held_slot_s"]
+
+    def allocation(self) -> float | None:
+        return round(self.held_slot_s / self.capacity_slot_s, 4) if self.capacity_slot_s else None
