@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -38,15 +39,9 @@ class Cluster:
     def _log(self, name: str):
         return open(self.tmp / f"{name}.log", "a")
 
-    def start(self, *agent_args: str) -> "Cluster":
-        log = self.tmp / "coordinator.log"
-        self.coordinator = self.coordinator_host.run(
-            [*CLI, "up", "--nodes", "0", "--state-dir", str(self.state), "--host",
-             self.coordinator_host.ip, "--queue", "q"],
-            stdout=self._log("coordinator"), stderr=subprocess.STDOUT)
-        match = _wait(lambda: log.exists() and _EXPORT.search(log.read_text()), 60,
-                      "the coordinator's export line", self)
-        self.address, token_file = match.group(1), match.group(2)
+    def start(self, *agent_args: str, up_args: tuple[str, ...] = ()) -> "Cluster":
+        self.up_args = up_args
+        self.address, token_file = self.start_coordinator("coordinator")
         assert self.address.split(":")[0] == self.coordinator_host.ip, self.address
         self.env = {"MAITRE_COORDINATOR": self.address, "MAITRE_TOKEN_FILE": token_file}
         for i, host in enumerate(self.agent_hosts, start=1):
@@ -57,6 +52,18 @@ class Cluster:
         _wait(lambda: len([n for n in self.status()["nodes"] if n["alive"]])
               == len(self.agent_hosts), 60, "every agent to join", self)
         return self
+
+    def start_coordinator(self, name: str) -> tuple[str, str]:
+        """``maitre up --nodes 0`` on the coordinator's host, on the cluster's state directory
+        (logging to ``<name>.log``); returns the address and token file its export line gives."""
+        log = self.tmp / f"{name}.log"
+        self.coordinator = self.coordinator_host.run(
+            [*CLI, "up", "--nodes", "0", "--state-dir", str(self.state), "--host",
+             self.coordinator_host.ip, "--queue", "q", *self.up_args],
+            stdout=self._log(name), stderr=subprocess.STDOUT)
+        match = _wait(lambda: log.exists() and _EXPORT.search(log.read_text()), 60,
+                      "the coordinator's export line", self)
+        return match.group(1), match.group(2)
 
     def cli(self, *args: str, host: Host | None = None) -> str:
         return (host or self.coordinator_host).check_output([*CLI, *args], extra_env=self.env)
@@ -228,6 +235,75 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_its_node_rejo
     alone = [r for w in victim_workers for r in commits.get(w, [])
              if r["t"] >= cut_at and (r["e"], r["s"]) not in others]
     assert not alone, alone[:5]
+    error = relative_error(torch.load(out, weights_only=True), expected)
+    assert error < 1e-5, f"final parameters {error:.3g} away from the fixed-size run's"
+
+
+def _ledger(ledger: Path) -> dict[str, list[dict]]:
+    """Each worker's ledger records (a torn last line is left out)."""
+    found: dict[str, list[dict]] = {}
+    for path in sorted(ledger.glob("*.jsonl")):
+        records = []
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        found[path.stem] = records
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_the_coordinator_killed_on_its_host_and_restarted_takes_its_job_back_where_it_was(
+        hosts, tmp_path: Path, reference) -> None:  # noqa: F811
+    """``maitre up`` is SIGKILLed while an elastic job (2..3) trains on three hosts, stays away
+    for longer than an agent beat, and is started again on the same host and state directory:
+    it is at the same address (the port is in the store), it reloads the job and its
+    membership, and the workers, which trained on while it was away, carry on in the same epoch
+    with their live state. No worker is restarted and no step trained twice: every sample
+    once, and the parameters of a fixed-size run."""
+    steps, out = 600, tmp_path / "final.pt"
+    expected = reference(steps)
+    coordinator, *agents = hosts(4)
+    cluster = Cluster(tmp_path, coordinator, agents).start()
+    cluster.submit("phoenix", 2, 3, example_command(steps, out) + ["--device-ms-per-sample", "8"])
+    before = cluster.wait_job("phoenix", lambda j: j["state"] == "RUNNING"
+                              and len(j["members"]) == 3 and j["step"] >= 40, 120,
+                              "three workers training")
+
+    first = cluster.coordinator
+    killed_at = time.time()
+    first.send_signal(signal.SIGKILL)  # `ip netns exec` execs: this is `maitre up` itself
+    first.wait(timeout=10)
+    with pytest.raises(subprocess.CalledProcessError):  # nobody answers at its address
+        cluster.status("phoenix")
+    time.sleep(5.0)  # more than two agent beats (2 s) and well into the workers' training
+    restarted_at = time.time()
+    address, _ = cluster.start_coordinator("coordinator-restarted")
+    assert address == cluster.address, "the restarted coordinator moved"
+    after = cluster.wait_job("phoenix", lambda j: j["step"] > before["step"], 60,
+                             "the job back in the restarted coordinator, with its steps")
+    assert after["state"] == "RUNNING", f"{after}\n{cluster.evidence()}"
+    assert after["epoch"] == before["epoch"] and after["members"] == before["members"], (
+        before, after)
+
+    final = cluster.wait_job("phoenix", _done, 200, "the job to finish")
+    assert final["state"] == "COMPLETED", f"{final}\n{cluster.evidence()}"
+    assert final["failures"] == 0 and final["epoch"] == before["epoch"], final
+    ledger = cluster.state / "ledger" / "phoenix"
+    result = audit(ledger)
+    assert result.ok, result.describe()
+    assert result.steps == steps, result.describe()
+    assert result.rolled_back == 0, result.describe()  # nothing went back to step 0
+    records = _ledger(ledger)
+    # The same three processes from start to end (one header each: none was restarted)...
+    assert set(records) == set(before["members"]), sorted(records)
+    assert all(sum(r["k"] == "h" for r in recs) == 1 for recs in records.values()), {
+        w: [r for r in recs if r["k"] == "h"] for w, recs in records.items()}
+    # ... which trained on, with their live state, while no coordinator was there.
+    away = {r["s"] for recs in records.values() for r in recs
+            if r["k"] == "c" and killed_at < r["t"] < restarted_at}
+    assert away and min(away) > before["step"], sorted(away)[:5]
     error = relative_error(torch.load(out, weights_only=True), expected)
     assert error < 1e-5, f"final parameters {error:.3g} away from the fixed-size run's"
 
