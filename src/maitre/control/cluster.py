@@ -86,7 +86,8 @@ class ManagedJob:
     """Earlier incarnations (their workers' time still counts in the accounting)."""
     seen_trained: dict[str, float] = field(default_factory=dict)
     window: tuple[int, int, int, float] | None = None
-    """(incarnation, epoch, step, time) where the current throughput sample began."""
+    """(incarnation, epoch, step, time) where the current throughput sample began: the time
+    that step was reached, NaN until the epoch's first step is."""
     last_waiting: str = ""
 
     @property
@@ -413,23 +414,38 @@ class ClusterState:
     # -- measurement -----------------------------------------------------------------------------
     def _measure(self, m: ManagedJob, ms: Membership, now: float) -> None:
         """Steps per second at the current world size, over stretches of uninterrupted
-        training of at least :data:`THROUGHPUT_WINDOW_S`."""
-        if ms.state != JobState.RUNNING:
+        training of at least :data:`THROUGHPUT_WINDOW_S`.
+
+        A stretch is timed by when its steps were reached (:attr:`Worker.step_at`), not by when
+        a pass saw them. Timed by the pass, a sample taken while the members waited on a hung
+        peer (their step stands still until the epoch is closed) counted the wait as training,
+        and a node beats every 2 s, so the step a pass sees may be that old: a job on three
+        hosts measured itself slower at 3 replicas (15.6 steps/s) than at 2 (16.0) while its
+        ledger said 21.2 and 16.1, and the policy never grew it back onto the node that had
+        hung and returned. A stretch starts at the first step reached in its epoch (the steps
+        before are older than the epoch)."""
+        if ms.state != JobState.RUNNING or not ms.members:
             m.window = None
             return
-        step = max((ms.workers[w].step for w in ms.members), default=0)
+        lead = max((ms.workers[w] for w in ms.members), key=lambda w: (w.step, -w.step_at))
+        step, at = lead.step, lead.step_at
         key = (m.incarnation, ms.epoch)
         if m.window is None or m.window[:2] != key:
-            m.window = (*key, step, now)
+            m.window = (*key, step, math.nan)  # timed from the epoch's first step on
             return
         _, _, step0, t0 = m.window
-        if now - t0 < THROUGHPUT_WINDOW_S or step <= step0:
+        if step <= step0:
             return
-        rate = (step - step0) / (now - t0)
+        if math.isnan(t0):
+            m.window = (*key, step, at)
+            return
+        if at - t0 < THROUGHPUT_WINDOW_S:
+            return
+        rate = (step - step0) / (at - t0)
         world = len(ms.members)
         old = m.job.throughput.get(world)
         m.job.throughput[world] = rate if old is None else 0.5 * old + 0.5 * rate
-        m.window = (*key, step, now)
+        m.window = (*key, step, at)
 
     def _account(self, m: ManagedJob, ms: Membership, now: float) -> None:
         """The job's effective training time: what its rank-0 member spent in committed steps
