@@ -142,6 +142,12 @@ def test_the_harness_isolates_cuts_restores_and_leaves_nothing_behind() -> None:
         b.restore()
         _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20,
               "b back on the network")
+        b.cut_from(a)  # b's answers to a are dropped
+        assert a.check_output([sys.executable, "-c", probe]).strip() in ("timeout",
+                                                                         "TimeoutError")
+        b.restore_to(a)
+        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20,
+              "b back toward a")
         assert server.poll() is None
     finally:
         net.close()
@@ -190,17 +196,21 @@ def _commits(ledger: Path) -> dict[str, list[dict]]:
 
 
 @pytest.mark.timeout(300)
-def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_its_node_rejoins(
+def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows_back_onto_it(
         hosts, tmp_path: Path, reference) -> None:  # noqa: F811
     """n3's link goes down mid-step: the coordinator drops its worker (a hang), the other two
-    train on, n3 is seen dead; the link comes back while the job still trains: n3 rejoins as a
-    node and its old worker is removed. Every sample once, the cut-off worker commits nothing
-    alone, and the parameters are those of a fixed-size run (so nothing that the abandoned
-    epoch's collectives do when the link returns may reach the live state)."""
-    steps, out = 400, tmp_path / "final.pt"
+    train on, n3 is seen dead; the link comes back while the job still trains, toward the other
+    agents' hosts 8 s before the coordinator's: n3 rejoins as a node, its old worker is removed,
+    and the elastic job (2..3) grows back onto it: a new worker there joins and trains (the
+    scheduler's cooldown, ``maitre up --resize-cooldown``, is 10 s here instead of 180, so that
+    this happens within the run). Every sample once, the cut-off worker commits nothing alone
+    (not even the step whose collective completes when the link returns), and the parameters
+    are those of a fixed-size run (so nothing that the abandoned epoch's collectives do when
+    the link returns may reach the live state)."""
+    steps, out = 600, tmp_path / "final.pt"
     expected = reference(steps)
     coordinator, *agents = hosts(4)
-    cluster = Cluster(tmp_path, coordinator, agents).start()
+    cluster = Cluster(tmp_path, coordinator, agents).start(up_args=("--resize-cooldown", "10"))
     cluster.submit("cut", 2, 3, example_command(steps, out) + ["--device-ms-per-sample", "8"])
     before = cluster.wait_job("cut", lambda j: j["state"] == "RUNNING" and len(j["members"]) == 3
                               and j["step"] >= 40, 120, "three workers training")
@@ -217,9 +227,24 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_its_node_rejo
     assert after["state"] == "RUNNING" and len(after["members"]) == 2, after
     _wait(lambda: not _nodes_alive(cluster)["n3"], 60, "the coordinator to see n3 dead", cluster)
     time.sleep(2.0)  # the cut-off worker has every chance to go on on its own
+    # The link comes back toward the peers first: TCP retransmits the abandoned collective's
+    # segments a few seconds later, and it completes on the cut-off worker while its agent
+    # cannot yet hear that the coordinator removed it (it then committed that step again).
+    victim_host.cut_from(coordinator)
     victim_host.restore()
+    time.sleep(8.0)
+    victim_host.restore_to(coordinator)
     _wait(lambda: (n3 := _node(cluster, "n3"))["alive"]
           and not victim_workers & set(n3["workers"]), 60, "n3 back, without its worker", cluster)
+
+    def grown_back() -> dict | None:  # three members again, the new one on n3
+        job = cluster.status("cut")
+        joined = set(job["members"]) - set(before["members"])
+        return job if len(job["members"]) == 3 and joined and joined <= set(
+            _node(cluster, "n3")["workers"]) else None
+    regrown = _wait(grown_back, 90, "the job to grow back onto n3", cluster)
+    assert regrown["state"] == "RUNNING" and regrown["epoch"] > after["epoch"], regrown
+    joiner, = set(regrown["members"]) - set(before["members"])
 
     final = cluster.wait_job("cut", _done, 200, "the job to finish")
     assert final["state"] == "COMPLETED", f"{final}\n{cluster.evidence()}"
@@ -227,6 +252,9 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_its_node_rejo
     result = audit(ledger)
     assert result.ok, result.describe()
     assert result.steps == steps, result.describe()
+    # The joiner trained: it committed steps of the grown epoch, up to the last one.
+    joined_steps = [r["s"] for r in _commits(ledger).get(joiner, [])]
+    assert len(joined_steps) >= 10 and max(joined_steps) == steps, joined_steps[-5:]
     # No split brain: after the cut, the victim committed nothing the others did not commit too
     # (a step finished just before the cut may land in its ledger a moment after it).
     commits = _commits(ledger)
