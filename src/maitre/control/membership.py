@@ -254,7 +254,10 @@ class Membership:
 
     def wants_workers(self) -> int:
         """How many more worker processes the job would start now."""
-        if self.state in ENDED or self.suspending:
+        # A member that finished its loop means the job is ending: the others finish the same
+        # last step. Counted as gone, it made the agent start a replacement in its freed slot,
+        # for the moment until the others' dones came in (tests/test_multihost.py saw one).
+        if self.state in ENDED or self.suspending or self._count[WorkerState.DONE]:
             return 0
         return max(0, self.target - self.staying())
 
