@@ -21,6 +21,8 @@ deleted by the next run.
         ...
         b.cut()       # b's veth end on the bridge goes down: b is off the network
         b.restore()
+        b.cut_from(a)  # b's packets to a are dropped; to any other host they go
+        b.restore_to(a)
 """
 
 from __future__ import annotations
@@ -130,6 +132,15 @@ class Host:
     def restore(self) -> None:
         """Put it back on the bridge."""
         _ip("-n", self.net.bridge_ns, "link", "set", self.port, "up")
+
+    def cut_from(self, other: "Host") -> None:
+        """Drop whatever this host sends to ``other`` (a blackhole route: its connections there
+        fail at once), the rest of the network untouched: a partition that heals toward some
+        hosts before others."""
+        _ip("-n", self.netns, "route", "add", "blackhole", f"{other.ip}/32")
+
+    def restore_to(self, other: "Host") -> None:
+        _ip("-n", self.netns, "route", "del", "blackhole", f"{other.ip}/32")
 
 
 class Network:

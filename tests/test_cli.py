@@ -408,6 +408,8 @@ def test_submit_names_every_problem_of_a_manifest(cli: Cli, tmp_path: Path) -> N
     (("up", "--queue", "a:1", "--queue", "a:2"), "given twice"),
     (("up", "--nodes", "-1"), "--nodes"),
     (("up", "--slots-per-node", "0"), "--slots-per-node"),
+    (("up", "--resize-cooldown", "-5"), "--resize-cooldown must be a number of seconds >= 0"),
+    (("up", "--resize-cooldown", "nan"), "--resize-cooldown must be a number of seconds >= 0"),
     (("agent", "--coordinator", "127.0.0.1:1", "--label", "color=red"), "--label 'color=red'"),
     (("agent", "--coordinator", "127.0.0.1:1", "--label", "capacity_type=cheap"), "on-demand or spot"),
     (("submit", "/nonexistent/job.yaml"), "cannot read /nonexistent/job.yaml"),

@@ -345,3 +345,39 @@ def test_a_node_that_comes_back_with_fewer_slots_is_never_over_committed(tmp_pat
     assert job["state"] == "RUNNING" and sum(job["placement"].values()) <= 2
     assert 1 <= len(job["members"]) <= 2
     assert any(e["kind"] == "node_shrunk" for e in sim.db.events())
+
+
+def test_throughput_is_timed_by_when_steps_were_reached_not_by_when_beats_arrive(
+        tmp_path: Path) -> None:
+    """A node beats every 2 s, carrying each worker's step as of its last heartbeat to the
+    agent (at most 0.1 s old); then the members wait in a collective, their step standing
+    still while they go on beating (their agents at once and often, as for a stall). The job trains
+    at 20 steps/s, and that is what the scheduler measures: neither the age of a node beat nor
+    the wait counts as training time."""
+    sim = Sim(tmp_path, {"n0": 1, "n1": 1}, [Queue("q")])
+    sim.submit("j", "q", 2, 2)
+    sim.advance(3)
+    ms = sim.co.jobs["j"]
+    epoch = ms.epoch
+    assert ms.state.value == "RUNNING" and len(ms.members) == 2
+    managed = sim.co.cluster.managed["j"]
+    managed.job.throughput.clear()  # and what was measured of the simulated workers' steps
+    managed.window = None
+    base, start, rate, trains_s = max(sim.steps.values()), sim.t, 20.0, 10.0
+    phase = {"n0": 0, "n1": 23}  # the two agents beat every 40 ticks of 50 ms, out of phase
+    for tick in range(1, 14 * 20 + 1):
+        sim.t = start + tick * 0.05
+        heard = start + (tick // 2) * 0.1  # the workers' last heartbeats to their agents
+        step = base + int(rate * min(heard - start, trains_s))
+        stalled = heard - start > trains_s + 0.5
+        for node in sim.slots:
+            if (tick + phase[node]) % 40 and not stalled:
+                continue
+            beat = p.NodeBeat(slots=1, since=sim.version[node], workers=[
+                p.WorkerBeat(id=w, step=step, stalled=stalled, silent_s=round(sim.t - heard, 4))
+                for w in sorted(sim.running[node])])
+            sim.version[node] = sim.co.node_heartbeat(node, beat)["version"]
+        sim.co.tick()
+    assert ms.state.value == "RUNNING" and ms.epoch == epoch  # one stretch of training
+    measured = managed.job.throughput[2]
+    assert abs(measured - rate) / rate < 0.05, managed.job.throughput

@@ -495,6 +495,17 @@ def test_exits_after_completion_are_not_failures():
     assert m.summary()["step"] == 100
 
 
+def test_a_member_that_finished_is_not_replaced_while_the_others_finish():
+    m = make(min_w=2, max_w=3)
+    w1, w2, w3 = start(m, 3)
+    m.done(w1, 100, 2.0)
+    m.exited(w1, 0, None, 2.01)  # its slot is free before the others report
+    assert m.state == JobState.RUNNING and m.wants_workers() == 0
+    m.done(w2, 100, 2.1)
+    m.done(w3, 100, 2.1)
+    assert m.state == JobState.COMPLETED
+
+
 def test_code_zero_exit_without_done_is_a_failure():
     m = make(min_w=1, max_w=2)
     w1, w2 = start(m, 2)

@@ -301,6 +301,7 @@ def _tls(args: argparse.Namespace) -> dict[str, str | None]:
 def cmd_up(args: argparse.Namespace) -> int:
     from maitre.control.store import StoreError
     from maitre.local import LocalCluster, UpConfig
+    from maitre.scheduling.policy import PolicyConfig
 
     if args.nodes < 0:
         raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
@@ -309,11 +310,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     queues = [parse_queue(q) for q in args.queue or []]
     if len({q.name for q in queues}) != len(queues):
         raise UsageError("--queue: a queue is given twice")
+    policy = PolicyConfig()
+    if args.resize_cooldown is not None:
+        if not args.resize_cooldown >= 0:  # (NaN too)
+            raise UsageError(f"--resize-cooldown must be a number of seconds >= 0, got "
+                             f"{args.resize_cooldown:g}")
+        policy.resize_cooldown_s = args.resize_cooldown
     _check_port(args.host, args.port)
     tls = _tls(args)
     cfg = UpConfig(state_dir=Path(args.state_dir), queues=queues, nodes=args.nodes,
                    slots_per_node=slots, racks=racks, host=args.host, port=args.port,
-                   quiet_workers=not args.worker_output, **tls)
+                   policy=policy, quiet_workers=not args.worker_output, **tls)
     try:
         cluster = LocalCluster(cfg)
     except StoreError as exc:
@@ -489,6 +496,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "(repeatable; default: one queue 'default')")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=0, help="HTTP port (0: the stored one or any)")
+    up.add_argument("--resize-cooldown", type=float, metavar="SECONDS",
+                    help="seconds after a running job's admission or last resize before the "
+                    "scheduler grows or rebalances it again (damping: no back and forth); an "
+                    "elastic job that lost a node grows back onto it only then (default: the "
+                    "policy's, 180)")
     up.add_argument("--worker-output", action="store_true", help="print workers' output")
     up.add_argument("--tls-cert", metavar="PEM", help="serve the API over HTTPS with this "
                     "certificate (its names must include the address agents use)")

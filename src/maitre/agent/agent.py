@@ -6,7 +6,8 @@ Three paths, each with its own thread (the messages are :mod:`maitre.protocol`'s
 - **Workers to agent.** Each worker beats 10 times a second on the agent's unix socket (a
   private directory: only this user can connect) with its step, whether it is stalled in a
   collective and its trained seconds; the reply is its *view* (epoch closed, change pending,
-  leave, stop, suspend), as the coordinator last sent it.
+  leave, stop, suspend), as the coordinator last sent it, and how long ago the coordinator
+  last answered the agent (``heard_s``: how old that word may be).
 - **Agent to coordinator: the node beat**, every ``heartbeat_s`` (2 s), with the node's slots
   and labels and, for every worker it runs, its progress, how long it has been silent and the
   rhythm of its beats. While a worker is stalled or silent, or when one turns so, the agent beats
@@ -146,6 +147,10 @@ class Agent:
         self.urgent_s = urgent_s
         self.version = -1
         """The node's orders version the agent last applied (the coordinator's count)."""
+        self.heard_at: float | None = None
+        """When (``time.monotonic()``) the agent sent the latest request that the coordinator
+        answered: the views it holds are the coordinator's word as of then. Each worker's
+        heartbeat reply says how long ago that was (``heard_s``)."""
         self.beats: dict[str, WorkerBeats] = {}
         self.views: dict[str, dict[str, Any]] = {}
         self._poke = threading.Event()
@@ -204,6 +209,7 @@ class Agent:
     def _watch(self) -> None:
         """Long-poll the node's orders; apply each answer as soon as it comes."""
         while not self._stop.is_set():
+            sent = time.monotonic()
             try:
                 reply = self.watcher.post(protocol.NODE_WATCH.format(node=self.node_id),
                                           {"since": self.version, "wait_s": 30.0},
@@ -211,7 +217,7 @@ class Agent:
             except (CoordinatorUnreachable, ApiError):  # restarting, or not yet beaten to
                 self._stop.wait(0.5)
                 continue
-            self._apply(reply)
+            self._apply(reply, sent)
 
     def stop(self, grace_s: float = 3.0, drain_s: float = 0.0) -> None:
         """Stop heartbeating and end the workers: first wait up to ``drain_s`` for them to exit
@@ -263,17 +269,19 @@ class Agent:
         with self._lock:
             workers = [self.beats[wid].report(wid, now) if wid in self.beats else {"id": wid}
                        for wid in running]
+        sent = time.monotonic()
         try:
             reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id),
                                      {"slots": self.slots, "labels": self.labels,
                                       "workers": workers, "since": self.version})
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
-        self._apply(reply)
+        self._apply(reply, sent)
 
-    def _apply(self, orders: dict[str, Any]) -> None:
+    def _apply(self, orders: dict[str, Any], sent: float) -> None:
         """Carry out the node's orders (from a beat or a watch, in whichever order they come:
-        views older than the ones applied are dropped; each start order comes once)."""
+        views older than the ones applied are dropped; each start order comes once), the answer
+        to a request sent at ``sent``."""
         with self._lock:
             views = orders.get("views")
             if views is not None and orders["version"] >= self.version:
@@ -281,6 +289,8 @@ class Agent:
                     self.views[wid] = {**self.views[wid], "stop": True}
                 self.views.update(views)
             self.version = max(self.version, orders["version"])
+            # With the views it brought (or none: nothing changed since ``since``), never before.
+            self.heard_at = sent if self.heard_at is None else max(self.heard_at, sent)
         for order in orders.get("start", []):  # off this thread: a start must not delay a beat
             threading.Thread(target=self._spawn, args=(order,), name="maitre-spawn",
                              daemon=True).start()
@@ -291,16 +301,18 @@ class Agent:
 
     def worker_beat(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         """A worker's heartbeat on the local socket; returns its view."""
+        now = time.monotonic()
         with self._lock:
             beats = self.beats.get(wid)
             if beats is None:
                 beats = self.beats[wid] = WorkerBeats()
-            news = beats.beat(time.monotonic(), int(body.get("step", 0)),
+            news = beats.beat(now, int(body.get("step", 0)),
                               bool(body.get("stalled", False)), float(body.get("trained_s", 0.0)))
             view = self.views.get(wid, _NO_VIEW)
+            heard = self.heard_at
         if news:
             self._poke.set()
-        return view
+        return {**view, "heard_s": None if heard is None else round(max(0.0, now - heard), 4)}
 
     def _spawn(self, order: dict) -> None:
         wid = order["worker_id"]

@@ -15,6 +15,7 @@ Pure logic over injected time; the coordinator calls it under its lock.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,23 +31,37 @@ THROUGHPUT_WINDOW_S = 4.0
 
 def measure(m: "ManagedJob", ms: Membership, now: float) -> None:
     """Steps per second at the current world size, over stretches of uninterrupted training of
-    at least :data:`THROUGHPUT_WINDOW_S` (an exponential average per size)."""
-    if ms.state != JobState.RUNNING:
+    at least :data:`THROUGHPUT_WINDOW_S` (an exponential average per size).
+
+    A stretch is timed by when its steps were reached (:attr:`Worker.step_at`), not by when a
+    pass saw them. Timed by the pass, a sample taken while the members waited on a hung peer
+    (their step stands still until the epoch is closed) counted the wait as training, and a node
+    beats every 2 s, so the step a pass sees may be that old: a job on three hosts measured
+    itself slower at 3 replicas (15.6 steps/s) than at 2 (16.0) while its ledger said 21.2 and
+    16.1, and the policy never grew it back onto the node that had hung and returned. A stretch
+    starts at the first step reached in its epoch (the steps before are older than the epoch)."""
+    if ms.state != JobState.RUNNING or not ms.members:
         m.window = None
         return
-    step = max((ms.workers[w].step for w in ms.members), default=0)
+    lead = max((ms.workers[w] for w in ms.members), key=lambda w: (w.step, -w.step_at))
+    step, at = lead.step, lead.step_at
     key = (m.incarnation, ms.epoch)
     if m.window is None or m.window[:2] != key:
-        m.window = (*key, step, now)
+        m.window = (*key, step, math.nan)  # timed from the epoch's first step on
         return
     _, _, step0, t0 = m.window
-    if now - t0 < THROUGHPUT_WINDOW_S or step <= step0:
+    if step <= step0:
         return
-    rate = (step - step0) / (now - t0)
+    if math.isnan(t0):
+        m.window = (*key, step, at)
+        return
+    if at - t0 < THROUGHPUT_WINDOW_S:
+        return
+    rate = (step - step0) / (at - t0)
     world = len(ms.members)
     old = m.job.throughput.get(world)
     m.job.throughput[world] = rate if old is None else 0.5 * old + 0.5 * rate
-    m.window = (*key, step, now)
+    m.window = (*key, step, at)
 
 
 def account(m: "ManagedJob", ms: Membership) -> None:

@@ -86,7 +86,8 @@ class ManagedJob:
     ``maitre run`` gives its checkpoint settings and ledger; not part of the manifest)."""
     seen_trained: dict[str, float] = field(default_factory=dict)
     window: tuple[int, int, int, float] | None = None
-    """(incarnation, epoch, step, time) where the current throughput sample began."""
+    """(incarnation, epoch, step, time) where the current throughput sample began: the time
+    that step was reached, NaN until the epoch's first step is."""
     last_waiting: str = ""
 
     @property

@@ -144,6 +144,14 @@ class Worker:
     """When the agent was asked to start it, and when it stopped holding its slots."""
     trained_s: float = 0.0
     """Seconds it spent in steps that committed (reported with its heartbeats)."""
+    step_at: float = 0.0
+    """When it was first heard at ``step``: the time of the worker heartbeat (to its agent)
+    that carried the step, whatever the age of the node beat that brought it. The scheduler's
+    throughput is timed by it (:func:`maitre.control.accounting.measure`)."""
+
+    def reached(self, step: int, at: float) -> None:
+        if step > self.step:
+            self.step, self.step_at = step, at
 
     def seen(self, now: float) -> None:
         self.last_heartbeat = max(self.last_heartbeat, now)
@@ -253,7 +261,10 @@ class Membership:
 
     def wants_workers(self) -> int:
         """How many more worker processes the job would start now."""
-        if self.state in ENDED or self.suspending:
+        # A member that finished its loop means the job is ending: the others finish the same
+        # last step. Counted as gone, it made the agent start a replacement in its freed slot,
+        # for the moment until the others' dones came in (tests/test_multihost.py saw one).
+        if self.state in ENDED or self.suspending or self._count[WorkerState.DONE]:
             return 0
         return max(0, self.target - self.staying())
 
@@ -296,7 +307,7 @@ class Membership:
         w.gap_mean, w.gap_var = gap_mean_s, gap_std_s * gap_std_s
         w.trained_s = max(w.trained_s, trained_s)
         if w.state in (WorkerState.ACTIVE, WorkerState.LEAVING):
-            w.step = max(w.step, step)
+            w.reached(step, seen_at)
             if stalled != w.stalled:
                 self._stalled = max(0, self._stalled + (1 if stalled else -1))
             w.stalled = stalled
@@ -485,7 +496,7 @@ class Membership:
         if w.state == WorkerState.STARTING:
             self.ready(wid, now)
         self._set_arrived(w, from_epoch)
-        w.step = max(w.step, step)
+        w.reached(step, now)
         if group_failed and from_epoch == self.epoch and self._is_member(w) and \
                 self._failed_epoch != self.epoch and self.state not in ENDED:
             self.failures += 1

@@ -11,12 +11,16 @@ The training loop reads these flags between wait slices and at step boundaries; 
 itself never touches the process group.
 
 If the agent or the coordinator cannot be reached the flags keep their last values: the current
-epoch goes on training, and only the next membership change waits for the coordinator.
+epoch goes on training, and only the next membership change waits for the coordinator. The view
+says as of when it is the coordinator's word (:attr:`CoordinatorView.heard_at`), for the loop's
+one step that must not commit on old news (see ``ElasticLoop._confirm_epoch``).
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +43,9 @@ class CoordinatorView:
     failures: int = 0
     """The job's failures so far, and its age: the checkpoint interval's failure rate."""
     age_s: float = 0.0
+    heard_at: float = -math.inf
+    """This process's ``time.monotonic()`` as of which the view is the coordinator's word (its
+    agent sent, no later than this, a request the coordinator answered); -inf: not yet."""
 
 
 class Heartbeat:
@@ -63,6 +70,7 @@ class Heartbeat:
     def _run(self) -> None:
         while not self._stop.is_set():
             step, stalled, trained_s = self.progress()
+            asked = time.monotonic()
             try:
                 reply = self.client.post(WORKER_HEARTBEAT.format(worker=self.worker_id),
                                          {"step": step, "stalled": stalled,
@@ -70,11 +78,13 @@ class Heartbeat:
             except (CoordinatorUnreachable, ApiError):
                 pass  # keep the last view: the current epoch trains on
             else:
+                heard_s = reply.get("heard_s")
                 self.view = CoordinatorView(
                     member_epoch=int(reply.get("member_epoch", 0)),
                     closed=bool(reply["closed"]), change=bool(reply["change"]),
                     leave=bool(reply["leave"]), stop=bool(reply["stop"]),
                     suspend=bool(reply.get("suspend", False)),
                     job_state=str(reply["job_state"]),
-                    failures=int(reply.get("failures", 0)), age_s=float(reply.get("age_s", 0.0)))
+                    failures=int(reply.get("failures", 0)), age_s=float(reply.get("age_s", 0.0)),
+                    heard_at=-math.inf if heard_s is None else asked - float(heard_s))
             self._stop.wait(self.interval_s)

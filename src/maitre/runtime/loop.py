@@ -66,6 +66,9 @@ _CONTROL = 7
 _SAVE, _STOP, _TOKEN, _BUSY = 3, 4, 5, 6
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
+_JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
+"""Job states (a view's ``job_state``) in which the epoch closed with the job, not without a
+member: the step every member finished still stands."""
 
 
 @dataclass(slots=True)
@@ -167,6 +170,8 @@ class ElasticLoop:
         self._recovery: Recovery | None = None
         self._owns_default_group = False
         self._building_since: float | None = None
+        self._confirming = False
+        """Waiting for the coordinator's word before a long step commits (_confirm_epoch)."""
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
         self.checkpointer = Checkpointer(cfg, meta={"job_id": self.env.job_id}) if cfg else None
         self._max_steps = 0
@@ -239,8 +244,10 @@ class ElasticLoop:
         if self._ledger is not None:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
         try:
+            began = time.monotonic()
             for buf in flat:
                 self._allreduce(buf)
+            self._confirm_epoch(began)
         except EpochLost as lost:
             # The abandoned allreduce still holds these buffers and may yet finish (a peer that
             # was cut off comes back) and write into them: never hand them to the next epoch.
@@ -287,6 +294,51 @@ class ElasticLoop:
     def _allreduce(self, buf: torch.Tensor) -> None:
         if self.group is not None:
             self.group.allreduce(buf)
+
+    def _confirm_epoch(self, began: float) -> None:
+        """A step whose collectives kept this rank waiting past its stall threshold (they began
+        at ``began``) commits only once the coordinator, asked after they completed, has not
+        given up its epoch; else it is dropped (:class:`EpochLost`).
+
+        A collective completes on a rank once every member has contributed, even if some have
+        abandoned it since: their work goes on in the background (see :meth:`_finish`). A rank
+        cut off from its peers and from the coordinator is declared hung and removed, its peers
+        drop the step and redo it in the next epoch; when the link comes back, the abandoned
+        collective completes on the cut-off rank, which committed the step into the ledger a
+        second time (found by the link-cut test of tests/test_multihost.py). Its view could not
+        tell it: its agent was cut off as well. An epoch is given up under a collective when
+        its members wait in it for a member that is silent (hung, cut off, its node dead), so a
+        rank that never waited past its stall threshold commits at once, as before."""
+        hb = self._heartbeat
+        if hb is None or self.group is None:
+            return
+        done = time.monotonic()
+        if done - began <= self._stall_after():
+            return
+        deadline = done + self.env.coordinator_timeout_s
+        self._confirming = True  # reported as stalled, so that its agent beats now and often
+        try:
+            while hb.view.heard_at < done and self._given_up() is None:
+                if time.monotonic() > deadline:
+                    self._exit(1, f"maitre: no word from the coordinator for "
+                                  f"{self.env.coordinator_timeout_s:.0f}s after step "
+                                  f"{self.state.step + 1}; giving up")
+                time.sleep(0.01)
+        finally:
+            self._confirming = False
+        reason = self._given_up()
+        if reason is not None:
+            raise EpochLost(reason, time.monotonic())
+
+    def _given_up(self) -> str | None:
+        """Why the coordinator no longer counts on this rank's epoch, as its view says: it was
+        closed without this rank's job ending, or this worker was removed."""
+        view = self._heartbeat.view if self._heartbeat is not None else None
+        if view is None or view.job_state in _JOB_ENDED:
+            return None
+        if view.stop:
+            return "the coordinator removed this worker"
+        return self._epoch_closed()
 
     def _stop_reason(self) -> str | None:
         """Why the job must stop after this step with a checkpoint: SIGTERM (under torchrun or
@@ -356,7 +408,7 @@ class ElasticLoop:
         group = self.group  # waiting in a collective, or for the members of a new group
         since = group.waiting_since if group is not None else self._building_since
         stalled = since is not None and time.monotonic() - since > self._stall_after()
-        return self.state.step, stalled, self._trained_s
+        return self.state.step, stalled or self._confirming, self._trained_s
 
     def _stall_after(self) -> float:
         """How long a collective may wait before this worker calls itself stalled."""

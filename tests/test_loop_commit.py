@@ -1,0 +1,84 @@
+"""ElasticLoop's commit after a long step: it waits for the coordinator's word (as the agent
+relays it) and drops the step if the coordinator gave up on the rank's epoch meanwhile."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from maitre.runtime.group import EpochLost
+from maitre.runtime.heartbeat import CoordinatorView
+from maitre.runtime.loop import ElasticLoop
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def loop_at_epoch(epoch: int, view: CoordinatorView) -> ElasticLoop:
+    """Just what the step boundary reads: a group, the heartbeat's view, step times of 50 ms
+    (so its stall threshold is 0.5 s)."""
+    loop = ElasticLoop.__new__(ElasticLoop)
+    loop.epoch, loop.group, loop._confirming = epoch, object(), False
+    loop._step_times = deque([0.05] * 5)
+    loop._heartbeat = SimpleNamespace(view=view)
+    loop.env = SimpleNamespace(coordinator_timeout_s=20.0)
+    loop.state = SimpleNamespace(step=84)
+    return loop
+
+
+def later(loop: ElasticLoop, delay_s: float, **view) -> threading.Thread:
+    """The heartbeat thread brings a view heard after now + ``delay_s``."""
+    def bring() -> None:
+        time.sleep(delay_s)
+        loop._heartbeat.view = CoordinatorView(heard_at=time.monotonic(), **view)
+    thread = threading.Thread(target=bring, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_short_step_commits_without_waiting() -> None:
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING"))
+    t0 = time.monotonic()
+    loop._confirm_epoch(t0 - 0.1)
+    assert time.monotonic() - t0 < 0.05
+
+
+def test_a_long_step_of_a_removed_worker_is_dropped_once_the_coordinator_is_heard() -> None:
+    """The cut-off rank: its collective completed when the link came back, on a view from
+    before the cut; its agent then hears that it was removed."""
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING",
+                                            heard_at=time.monotonic() - 10))
+    seen_stalled = []
+    later(loop, 0.3, member_epoch=1, job_state="RUNNING", stop=True)
+    threading.Thread(target=lambda: (time.sleep(0.1), seen_stalled.append(loop._confirming)),
+                     daemon=True).start()
+    t0 = time.monotonic()
+    with pytest.raises(EpochLost, match="removed this worker"):
+        loop._confirm_epoch(t0 - 9.0)
+    assert 0.25 < time.monotonic() - t0 < 2, "it waited for the coordinator's word"
+    assert seen_stalled == [True] and not loop._confirming  # its agent beat at once meanwhile
+
+
+def test_a_long_step_is_dropped_if_its_epoch_was_closed_and_commits_if_not() -> None:
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING",
+                                            heard_at=time.monotonic() - 5))
+    later(loop, 0.1, member_epoch=1, job_state="RENDEZVOUS", closed=True)
+    with pytest.raises(EpochLost, match="closed the epoch"):
+        loop._confirm_epoch(time.monotonic() - 2.0)
+
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING",
+                                            heard_at=time.monotonic() - 5))
+    later(loop, 0.1, member_epoch=1, job_state="RUNNING")
+    loop._confirm_epoch(time.monotonic() - 2.0)  # still open: it commits
+
+
+def test_the_last_step_stands_when_the_job_completed_meanwhile() -> None:
+    """A faster member committed the last step and reported done: the job is over and every
+    view is closed, but that step is the job's last, not one its peers dropped."""
+    loop = loop_at_epoch(3, CoordinatorView(member_epoch=3, job_state="RUNNING",
+                                            heard_at=time.monotonic() - 5))
+    later(loop, 0.1, member_epoch=3, job_state="COMPLETED", closed=True, stop=True)
+    loop._confirm_epoch(time.monotonic() - 2.0)
