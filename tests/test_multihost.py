@@ -181,18 +181,7 @@ def test_a_fixed_gang_on_three_hosts_trains_every_sample_once_to_the_reference(
 
 def _commits(ledger: Path) -> dict[str, list[dict]]:
     """Each worker's commit records (``{"e": epoch, "s": step, "t": wall time}``)."""
-    found: dict[str, list[dict]] = {}
-    for path in sorted(ledger.glob("*.jsonl")):
-        records = []
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec["k"] == "c":
-                records.append(rec)
-        found[path.stem] = records
-    return found
+    return {w: [r for r in records if r["k"] == "c"] for w, records in _ledger(ledger).items()}
 
 
 @pytest.mark.timeout(300)

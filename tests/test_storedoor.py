@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import time
 from datetime import timedelta
+from typing import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -29,6 +31,17 @@ def door():
     stores.retain(set())
 
 
+@contextlib.contextmanager
+def links(port: int, *runs: tuple[str, str]) -> Iterator[list[StoreLink]]:
+    """A worker's link to the door on ``port`` for each (run key, token), closed afterwards."""
+    opened = [StoreLink(("127.0.0.1", port), key, token) for key, token in runs]
+    try:
+        yield opened
+    finally:
+        for link in opened:
+            link.close()
+
+
 def client(link: StoreLink, timeout_s: float = 10.0) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", link.port, is_master=False,
                          timeout=timedelta(seconds=timeout_s))
@@ -36,9 +49,7 @@ def client(link: StoreLink, timeout_s: float = 10.0) -> dist.TCPStore:
 
 @pytest.mark.timeout(60)
 def test_a_run_s_workers_share_its_store_through_their_links(door: StoreDoor) -> None:
-    one = StoreLink(("127.0.0.1", door.port), "alpha/1", TOKEN_A)
-    two = StoreLink(("127.0.0.1", door.port), "alpha/1", TOKEN_A)
-    try:
+    with links(door.port, ("alpha/1", TOKEN_A), ("alpha/1", TOKEN_A)) as (one, two):
         a, b = client(one), client(two)
         a.set("addr/0", b"10.0.0.1:1234")
         assert b.get("addr/0") == b"10.0.0.1:1234"
@@ -47,26 +58,18 @@ def test_a_run_s_workers_share_its_store_through_their_links(door: StoreDoor) ->
         # a process group forms through it (what every epoch does)
         prefix = dist.PrefixStore("job/alpha/e1/", a)
         assert prefix.num_keys() >= 1
-    finally:
-        one.close()
-        two.close()
     assert door.refused == 0
 
 
 @pytest.mark.timeout(60)
 def test_runs_do_not_see_each_other_s_keys(door: StoreDoor) -> None:
-    la = StoreLink(("127.0.0.1", door.port), "alpha/1", TOKEN_A)
-    lb = StoreLink(("127.0.0.1", door.port), "beta/1", TOKEN_B)
-    try:
+    with links(door.port, ("alpha/1", TOKEN_A), ("beta/1", TOKEN_B)) as (la, lb):
         a, b = client(la), client(lb)
         a.set("secret-address", b"10.0.0.1:1")
         assert not b.check(["secret-address"])
         b.set("other", b"x")
         assert a.num_keys() == b.num_keys()  # each sees its own key (and torch's own) only
         assert not a.check(["other"])
-    finally:
-        la.close()
-        lb.close()
 
 
 @pytest.mark.timeout(60)
@@ -74,16 +77,13 @@ def test_runs_do_not_see_each_other_s_keys(door: StoreDoor) -> None:
                                        ("gamma/1", TOKEN_A), ("alpha/2", TOKEN_A)])
 def test_a_wrong_token_or_an_unknown_run_is_refused_before_any_key(door: StoreDoor, key: str,
                                                                    token: str) -> None:
-    link = StoreLink(("127.0.0.1", door.port), key, token)
-    try:
+    with links(door.port, (key, token)) as (link,):
         with pytest.raises(StoreLinkError, match="refused") as refused:
             link.check()
         assert refused.value.refused
         # and a TCPStore behind that link gets nothing: the door closes on it
         with pytest.raises((RuntimeError, dist.DistError)):
             client(link, timeout_s=2).get("anything")
-    finally:
-        link.close()
     assert door.refused >= 2
 
 
@@ -106,20 +106,16 @@ def test_a_plain_tcpstore_client_at_the_door_gets_nothing(door: StoreDoor) -> No
 def test_an_ended_run_s_store_is_closed(door: StoreDoor) -> None:
     door.stores.retain({"beta/1"})
     assert door.stores.keys() == ["beta/1"]
-    link = StoreLink(("127.0.0.1", door.port), "alpha/1", TOKEN_A)
-    try:
+    with links(door.port, ("alpha/1", TOKEN_A)) as (link,):
         with pytest.raises(StoreLinkError, match="refused"):
             link.check()
-    finally:
-        link.close()
 
 
 @pytest.mark.timeout(60)
 def test_the_link_serves_its_own_process_only(door: StoreDoor) -> None:
     """Another process on the node (another user's, say) that finds the link's port is cut off
     before the door is even asked."""
-    link = StoreLink(("127.0.0.1", door.port), "alpha/1", TOKEN_A)
-    try:
+    with links(door.port, ("alpha/1", TOKEN_A)) as (link,):
         client(link).set("mine", b"1")  # this process: served
         probe = ("import socket,sys\n"
                  "s = socket.create_connection(('127.0.0.1', %d), timeout=5)\n"
@@ -130,8 +126,6 @@ def test_the_link_serves_its_own_process_only(door: StoreDoor) -> None:
                              timeout=30)
         assert out.stdout == "b''", (out.stdout, out.stderr)  # closed unanswered
         assert door.refused == 0  # the door was never asked
-    finally:
-        link.close()
 
 
 @pytest.mark.timeout(60)
@@ -139,10 +133,7 @@ def test_an_unreachable_door_is_not_a_refusal() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there
-    link = StoreLink(("127.0.0.1", port), "alpha/1", TOKEN_A)
-    try:
+    with links(port, ("alpha/1", TOKEN_A)) as (link,):
         with pytest.raises(StoreLinkError, match="cannot reach") as err:
             link.check()
         assert not err.value.refused
-    finally:
-        link.close()
