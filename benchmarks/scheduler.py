@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from maitre.scheduling import Cluster, Job, Node, Phase, Queue, schedule  # noqa: E402
+from maitre.scheduling import Cluster, Job, JobState, Node, Queue, schedule  # noqa: E402
 
 
 def build(seed: int, nodes: int, slots: int, num_jobs: int) -> tuple[Cluster, list[Job]]:
@@ -56,9 +56,9 @@ def build(seed: int, nodes: int, slots: int, num_jobs: int) -> tuple[Cluster, li
         for a in plan.actions:
             j = next(x for x in arrived if x.id == a.job)
             if a.kind in ("admit", "grow", "shrink"):
-                j.placement, j.phase, j.last_resize_at = dict(a.placement), Phase.RUNNING, now
+                j.placement, j.state, j.last_resize_at = dict(a.placement), JobState.RUNNING, now
             elif a.kind == "suspend":
-                j.placement, j.phase = {}, Phase.SUSPENDED
+                j.placement, j.state = {}, JobState.SUSPENDED
     return cluster, jobs
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from maitre.scheduling import Cluster, Job, Node, Phase, Queue
+from maitre.scheduling import Cluster, Job, JobState, Node, Queue
 from maitre.scheduling.assign import Replica, free_slot, leavers, repair
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,7 +19,7 @@ def cluster(nodes: int = 3, slots: int = 4) -> Cluster:
 def running(id: str, lo: int, hi: int, placement: dict[str, int], priority: int = 0,
             submitted_at: float = 0.0) -> Job:
     return Job(id=id, queue="q", priority=priority, min_replicas=lo, max_replicas=hi,
-               submitted_at=submitted_at, phase=Phase.RUNNING, placement=dict(placement))
+               submitted_at=submitted_at, state=JobState.RUNNING, placement=dict(placement))
 
 
 def test_a_gang_below_its_minimum_gets_its_replicas_back_near_its_survivors() -> None:

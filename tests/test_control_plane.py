@@ -21,7 +21,8 @@ from maitre.control.detector import PhiAccrual, PhiConfig
 from maitre.control.membership import WorkerState
 from maitre.control.store import Store
 from maitre.errors import BadRequest
-from maitre.scheduling.model import Queue
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.model import Job, Queue
 from maitre.scheduling.policy import PolicyConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -381,3 +382,55 @@ def test_throughput_is_timed_by_when_steps_were_reached_not_by_when_beats_arrive
     assert ms.state.value == "RUNNING" and ms.epoch == epoch  # one stretch of training
     measured = managed.job.throughput[2]
     assert abs(measured - rate) / rate < 0.05, managed.job.throughput
+
+
+def test_a_job_moves_through_one_state_machine(tmp_path: Path, monkeypatch) -> None:
+    """Queued, admitted, running, a rendezvous after a crash, suspended by a user, admitted
+    again, completed: every move the job makes goes through the one table, the scheduler's and
+    the run's alike, and the API shows the job's state as it is."""
+    moves: list[tuple[str, JobState, JobState]] = []
+    real_move = Job.move
+
+    def recorded(job: Job, to: JobState) -> None:
+        before = job.state
+        real_move(job, to)  # raises on a move the table does not allow
+        if to != before:
+            moves.append((job.id, before, to))
+
+    monkeypatch.setattr(Job, "move", recorded)
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")], cooldown_s=0.0)
+    sim.submit("fixed", "q", 3, 3, preemptible=False, checkpoint=False)
+    sim.advance(3)
+    sim.submit("a", "q", 2, 3)
+    sim.advance(2)
+    assert sim.job("a")["state"] == "PENDING"
+    sim.finish("fixed")
+    sim.advance(4)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and job["epoch_open"] and len(job["members"]) == 3
+    victim = sim.co.jobs["a"].members[-1]
+    sim._exit(sim.co.jobs["a"].workers[victim].node, victim, -9)
+    assert sim.job("a")["state"] == "RENDEZVOUS" and not sim.job("a")["epoch_open"]
+    sim.advance(4)
+    assert sim.job("a")["state"] == "RUNNING" and sim.job("a")["failures"] == 1
+    assert sim.co.suspend("a", "by a test") == {"state": "SUSPENDING"}
+    for wid in list(sim.co.jobs["a"].members):
+        sim.co.worker_done(wid, p.DoneRequest(step=5, suspended=True))
+        sim._exit(sim.co.jobs["a"].workers[wid].node, wid, 0)
+    sim.advance(2)
+    assert sim.job("a")["state"] == "SUSPENDED"
+    sim.co.resume("a")
+    sim.advance(4)
+    assert sim.job("a")["state"] == "RUNNING" and sim.job("a")["incarnation"] == 2
+    first_run = sim.co.cluster.managed["a"].history[0]
+    assert first_run.state == JobState.SUSPENDED  # an earlier run keeps how it ended
+    sim.finish("a")
+    sim.advance(1)
+    assert sim.job("a")["state"] == "COMPLETED"
+
+    path = [to for jid, _, to in moves if jid == "a"]
+    S = JobState
+    assert path == [S.ADMITTED, S.RUNNING, S.RENDEZVOUS, S.RUNNING, *path[4:-5],
+                    S.SUSPENDING, S.SUSPENDED, S.ADMITTED, S.RUNNING, S.COMPLETED], path
+    assert set(path[4:-5]) <= {S.RENDEZVOUS, S.RUNNING}  # the replacement joining
+    assert [to for jid, _, to in moves if jid == "fixed"] == [S.ADMITTED, S.RUNNING, S.COMPLETED]

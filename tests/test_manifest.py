@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from maitre.scheduling.model import Phase, Topology
+from maitre.scheduling.model import JobState, Topology
 from maitre.scheduling.spec import ManifestError, parse_manifest
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,7 +34,7 @@ def test_a_full_manifest() -> None:
     assert (m.topology.level, m.topology.mode) == ("rack", "required")
     assert m.command == ("python", "train.py", "--steps", "300")
     job = m.job(submitted_at=12.0)
-    assert job.phase == Phase.PENDING and job.slots_per_replica == 2 and job.elastic
+    assert job.state == JobState.PENDING and job.slots_per_replica == 2 and job.elastic
     assert job.topology == Topology(level="rack", mode="required")
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from maitre.agent.agent import WorkerBeats
-from maitre.control.membership import (DetectorConfig, JobSpec, JobState, Membership,
-                                       WorkerState)
+from maitre.control.membership import DetectorConfig, JobSpec, Membership, WorkerState
+from maitre.scheduling.lifecycle import JobState
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -86,7 +86,7 @@ def test_first_epoch_waits_for_min_workers():
     m.arrive(w1, 0, 0, "join", 1.0)
     assert not m.try_open_epoch(1.0)
     assert not m.try_open_epoch(100.0)  # no grace opens an epoch below the minimum
-    assert m.state == JobState.PENDING and m.epoch == 0
+    assert m.state == JobState.ADMITTED and m.epoch == 0
     assert m.assignment(w1, 0) is None
     m.arrive(w2, 0, 0, "join", 101.0)
     assert m.try_open_epoch(101.0)
@@ -112,7 +112,7 @@ def test_first_epoch_grace_for_starting_workers(third, t_open, expect_members):
     m.arrive(w2, 0, 0, "join", 1.5)
     if third == "dead":
         m.exited(w3, 1, "ImportError: no module named foo", 1.2)
-        assert m.state == JobState.PENDING and m.failures == 1
+        assert m.state == JobState.ADMITTED and m.failures == 1
     for t, opens in t_open:
         if third == "arrives" and opens:
             m.arrive(w3, 0, 0, "join", t)
@@ -435,7 +435,7 @@ def test_same_error_on_every_worker_before_the_first_epoch():
     m = make(min_w=2, max_w=2, max_restarts=5)
     w1, w2 = add(m, [("n0", 0), ("n0", 1)])
     m.exited(w1, 1, "SyntaxError: invalid syntax", 0.5)
-    assert m.state == JobState.PENDING
+    assert m.state == JobState.ADMITTED
     m.exited(w2, 1, "SyntaxError: invalid syntax", 0.6)
     assert m.state == JobState.FAILED
     assert "SyntaxError: invalid syntax" in m.failure
@@ -613,11 +613,11 @@ def test_suspend_waits_for_every_member_to_checkpoint():
     m = make(min_w=2, max_w=3)
     a, b = start(m, 2)
     m.suspend("preempted", 2.0)
-    assert m.state == JobState.RUNNING and m.wants_workers() == 0
+    assert m.state == JobState.SUSPENDING and m.open and m.wants_workers() == 0
     reply = heartbeat(m, a, 2.1, step=7, stalled=False)
     assert reply["suspend"] and not reply["stop"] and not reply["change"]
     m.done(a, 8, 2.5, suspended=True)
-    assert m.state == JobState.RUNNING  # b still training
+    assert m.state == JobState.SUSPENDING  # b still training
     m.done(b, 8, 2.6, suspended=True)
     assert m.state == JobState.SUSPENDED
     assert m.events[-1]["kind"] == "suspended" and m.events[-1]["step"] == 8

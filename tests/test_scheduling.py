@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from maitre.scheduling import Cluster, Job, Node, Phase, Plan, PolicyConfig, Queue, Topology
+from maitre.scheduling import Cluster, Job, JobState, Node, Plan, PolicyConfig, Queue, Topology
 from maitre.scheduling import place, schedule
 from maitre.scheduling.policy import FreeSlots
 from maitre.scheduling.model import Speedup
@@ -33,9 +33,9 @@ def apply(plan: Plan, jobs: list[Job], now: float) -> None:
     for a in plan.actions:
         j = by_id[a.job]
         if a.kind in ("admit", "grow", "shrink"):
-            j.placement, j.phase, j.last_resize_at = dict(a.placement), Phase.RUNNING, now
+            j.placement, j.state, j.last_resize_at = dict(a.placement), JobState.RUNNING, now
         elif a.kind == "suspend":
-            j.placement, j.phase = {}, Phase.SUSPENDED
+            j.placement, j.state = {}, JobState.SUSPENDED
 
 
 def check(cluster: Cluster, jobs: list[Job]) -> None:
@@ -67,7 +67,7 @@ def test_gangs_that_cannot_both_fit_never_both_hold_part() -> None:
 
 def test_priority_then_fair_share_then_age() -> None:
     cluster = make_cluster(racks=1, nodes=1, slots=4, queues=[Queue("x"), Queue("y")])
-    running = job("x0", 2, queue="x", at=0, phase=Phase.RUNNING, placement={"r0n0": 2})
+    running = job("x0", 2, queue="x", at=0, state=JobState.RUNNING, placement={"r0n0": 2})
     jobs = [running, job("x1", 2, queue="x", at=1), job("y1", 2, queue="y", at=2),
             job("lo", 2, queue="x", at=0, priority=-1)]
     plan = schedule(cluster, jobs, 5)
@@ -82,7 +82,7 @@ def test_queue_ceiling_blocks_admission() -> None:
 # -- preemption ----------------------------------------------------------------------------------
 def test_high_priority_job_shrinks_an_elastic_job_before_suspending_anything() -> None:
     cluster = make_cluster()
-    low = job("low", 2, 16, priority=0, phase=Phase.RUNNING,
+    low = job("low", 2, 16, priority=0, state=JobState.RUNNING,
               placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     high = job("high", 6, priority=10, at=5)
     jobs = [low, high]
@@ -98,7 +98,7 @@ def test_high_priority_job_shrinks_an_elastic_job_before_suspending_anything() -
 
 def test_suspends_a_whole_job_only_when_shrinking_is_not_enough() -> None:
     cluster = make_cluster()
-    fixed = job("fixed", 16, priority=0, phase=Phase.RUNNING,
+    fixed = job("fixed", 16, priority=0, state=JobState.RUNNING,
                 placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     jobs = [fixed, job("high", 4, priority=5)]
     plan = schedule(cluster, jobs, 0)
@@ -109,7 +109,7 @@ def test_suspends_a_whole_job_only_when_shrinking_is_not_enough() -> None:
 
 def test_no_preemption_when_the_preemptor_would_not_fit_anyway() -> None:
     cluster = make_cluster()
-    low = job("low", 1, 16, phase=Phase.RUNNING,
+    low = job("low", 1, 16, state=JobState.RUNNING,
               placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     plan = schedule(cluster, [low, job("huge", 17, priority=9)], 0)
     assert plan.actions == [] and plan.placements["low"] == low.placement
@@ -118,22 +118,22 @@ def test_no_preemption_when_the_preemptor_would_not_fit_anyway() -> None:
 def test_equal_priority_takes_back_elastic_surplus_but_never_suspends() -> None:
     cluster = make_cluster()
     full = {"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4}
-    a = job("a", 1, 16, phase=Phase.RUNNING, placement=dict(full))
+    a = job("a", 1, 16, state=JobState.RUNNING, placement=dict(full))
     plan = schedule(cluster, [a, job("b", 4)], 0)
     assert kinds(plan) == [("shrink", "a"), ("preempting", "b")]
     assert sum(plan.placements["a"].values()) == 12  # one node's worth, no more
     # a peer at its minimum, or a fixed gang, is never touched; nor with the option off
-    at_min = job("m", 16, 16, phase=Phase.RUNNING, placement=dict(full))
+    at_min = job("m", 16, 16, state=JobState.RUNNING, placement=dict(full))
     assert schedule(cluster, [at_min, job("b", 4)], 0).actions == []
-    lent = job("a", 1, 16, phase=Phase.RUNNING, placement=dict(full))
+    lent = job("a", 1, 16, state=JobState.RUNNING, placement=dict(full))
     off = PolicyConfig(reclaim_surplus=False)
     assert schedule(cluster, [lent, job("b", 4)], 0, off).actions == []
 
 
 def test_surplus_is_taken_from_the_largest_peer_first() -> None:
     cluster = make_cluster()
-    big = job("big", 1, 16, phase=Phase.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4})
-    small = job("small", 1, 16, phase=Phase.RUNNING, placement={"r1n1": 4}, at=1)
+    big = job("big", 1, 16, state=JobState.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4})
+    small = job("small", 1, 16, state=JobState.RUNNING, placement={"r1n1": 4}, at=1)
     plan = schedule(cluster, [big, small, job("new", 2, at=2)], 0)
     assert kinds(plan) == [("shrink", "big"), ("preempting", "new")]
     assert plan.placements["small"] == {"r1n1": 4}
@@ -142,7 +142,7 @@ def test_surplus_is_taken_from_the_largest_peer_first() -> None:
 def test_a_queue_reclaims_its_guarantee_from_a_borrower_but_no_further() -> None:
     queues = [Queue("a", guaranteed=8), Queue("b", guaranteed=8)]
     cluster = make_cluster(queues=queues)
-    borrower = job("a1", 2, 16, queue="a", phase=Phase.RUNNING,
+    borrower = job("a1", 2, 16, queue="a", state=JobState.RUNNING,
                    placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     jobs = [borrower, job("b1", 8, queue="b", at=3)]
     plan = schedule(cluster, jobs, 100)
@@ -166,9 +166,9 @@ def test_borrowing_limit_caps_elastic_growth() -> None:
 # -- elastic fill and damping --------------------------------------------------------------------
 def test_fill_goes_to_the_largest_marginal_gain() -> None:
     cluster = make_cluster(racks=1, nodes=1, slots=4)
-    scales = job("scales", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1},
+    scales = job("scales", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1},
                  throughput={1: 100.0, 2: 198.0})
-    flat = job("flat", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1},
+    flat = job("flat", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1},
                throughput={1: 100.0, 2: 110.0})
     plan = schedule(cluster, [scales, flat], 1000)
     assert plan.placements["scales"] == {"r0n0": 3} and plan.placements["flat"] == {"r0n0": 1}
@@ -177,7 +177,7 @@ def test_fill_goes_to_the_largest_marginal_gain() -> None:
 
 def test_damping_waits_out_the_cooldown() -> None:
     cluster = make_cluster(racks=1, nodes=1, slots=4)
-    j = job("j", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1}, last_resize_at=100.0)
+    j = job("j", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, last_resize_at=100.0)
     cfg = PolicyConfig(resize_cooldown_s=60)
     assert schedule(cluster, [j], 130, cfg).actions == []
     assert kinds(schedule(cluster, [j], 161, cfg)) == [("grow", "j")]
@@ -224,9 +224,9 @@ def test_bad_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="no queue"):
         schedule(cluster, [job("a", queue="nope")], 0)
     with pytest.raises(ValueError, match="unknown node"):
-        schedule(cluster, [job("a", phase=Phase.RUNNING, placement={"zz": 1})], 0)
+        schedule(cluster, [job("a", state=JobState.RUNNING, placement={"zz": 1})], 0)
     with pytest.raises(ValueError, match="slots in use"):
-        schedule(cluster, [job("a", 5, phase=Phase.RUNNING, placement={"r0n0": 5})], 0)
+        schedule(cluster, [job("a", 5, state=JobState.RUNNING, placement={"r0n0": 5})], 0)
     with pytest.raises(ValueError, match="minReplicas"):
         job("a", 3, 2)
 
@@ -251,8 +251,8 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
                             per=rng.choice([1, 1, 2, 4]), at=now,
                             preemptible=rng.random() < 0.8))
         for j in jobs:  # some finish
-            if j.phase == Phase.RUNNING and rng.random() < 0.05:
-                j.placement, j.phase = {}, Phase.SUSPENDED
+            if j.state == JobState.RUNNING and rng.random() < 0.05:
+                j.placement, j.state = {}, JobState.SUSPENDED
                 j.min_replicas = j.max_replicas = 10**6  # gone: never fits again
         usage_before = {q.name: sum(j.slots for j in jobs if j.queue == q.name) for q in queues}
         plan = schedule(cluster, jobs, now, cfg)
@@ -300,9 +300,9 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
 def test_rebalance_moves_a_replica_to_the_peer_that_gains_more_and_not_back() -> None:
     cluster = make_cluster()  # 16 slots
     # "flat" stopped scaling (its throughput is the same at 2 and 12); "steep" scales well
-    flat = job("flat", 1, 16, phase=Phase.RUNNING, throughput={2: 100.0, 12: 100.0},
+    flat = job("flat", 1, 16, state=JobState.RUNNING, throughput={2: 100.0, 12: 100.0},
                placement={"r0n0": 4, "r0n1": 4, "r1n0": 4})
-    steep = job("steep", 1, 16, phase=Phase.RUNNING, throughput={1: 100.0, 4: 390.0},
+    steep = job("steep", 1, 16, state=JobState.RUNNING, throughput={1: 100.0, 4: 390.0},
                 placement={"r1n1": 4}, at=1)
     plan = schedule(cluster, [flat, steep], 1000)
     assert kinds(plan) == [("shrink", "flat")] and "rebalance" in plan.actions[0].reason
@@ -340,10 +340,10 @@ def test_fill_looks_past_a_dip_when_crossing_a_node() -> None:
     cluster = make_cluster(racks=1, nodes=3, slots=4)
     # 4 replicas fit one node; 5 to 7 cross to a second and lose; 8 gain again
     tp = {1: 100.0, 2: 195.0, 4: 380.0, 5: 330.0, 8: 700.0}
-    big = job("big", 1, 8, phase=Phase.RUNNING, placement={"r0n0": 4}, throughput=dict(tp))
+    big = job("big", 1, 8, state=JobState.RUNNING, placement={"r0n0": 4}, throughput=dict(tp))
     plan = schedule(cluster, [big], 1000)
     assert sum(plan.placements["big"].values()) == 8
-    one_step = schedule(cluster, [job("big", 1, 8, phase=Phase.RUNNING, placement={"r0n0": 4},
+    one_step = schedule(cluster, [job("big", 1, 8, state=JobState.RUNNING, placement={"r0n0": 4},
                                       throughput=dict(tp))], 1000, PolicyConfig(lookahead=1))
     assert one_step.placements["big"] == {"r0n0": 4}  # one at a time stops at the dip
 
@@ -353,9 +353,9 @@ def test_the_least_served_peer_grows_first() -> None:
     tp = {1: 100.0, 2: 190.0}
 
     def pair() -> list[Job]:
-        return [job("old", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
+        return [job("old", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
                     attained_slot_s=50 * 3600.0),
-                job("new", 1, 4, phase=Phase.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
+                job("new", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
                     attained_slot_s=60.0, at=5)]
 
     plan = schedule(cluster, pair(), 1000, PolicyConfig(min_gain=0.5))

@@ -16,7 +16,8 @@ import pytest
 
 from conftest import ROOT
 from maitre.control.store import Store, StoreError
-from maitre.scheduling.model import Job, Node, Phase, Queue, Topology
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.model import Job, Node, Queue, Topology
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,7 +33,7 @@ def test_round_trip_survives_a_restart(tmp_path: Path) -> None:
     job = Job(id="bert", queue="team-a", priority=1000, min_replicas=2, max_replicas=8,
               slots_per_replica=2, preemptible=False, grace_period_s=90,
               topology=Topology(level="rack", mode="required"), submitted_at=3.0,
-              phase=Phase.RUNNING, placement={"n1": 3}, last_resize_at=4.0,
+              state=JobState.RUNNING, placement={"n1": 3}, last_resize_at=4.0,
               throughput={2: 100.0, 3: 140.5})
     store.put_job(job, {"command": ["python", "train.py"], "checkpoint_dir": "/ck"})
     store.put_job(Job(id="pending", queue="team-b", submitted_at=6.0))
@@ -48,8 +49,8 @@ def test_round_trip_survives_a_restart(tmp_path: Path) -> None:
     assert again.node_heartbeats() == {"n0": 5.0, "n1": 1.0}
     (loaded, extra), (pending, _) = again.jobs()
     assert loaded == job and extra == {"command": ["python", "train.py"], "checkpoint_dir": "/ck"}
-    assert pending.phase == Phase.PENDING and pending.last_resize_at == float("-inf")
-    loaded.phase, loaded.placement = Phase.SUSPENDED, {}
+    assert pending.state == JobState.PENDING and pending.last_resize_at == float("-inf")
+    loaded.state, loaded.placement = JobState.SUSPENDED, {}
     again.put_job(loaded)  # an update keeps the extra it had
     assert again.jobs()[0][1]["checkpoint_dir"] == "/ck"
     events = list(again.events())
@@ -78,13 +79,13 @@ def test_not_a_store(tmp_path: Path) -> None:
 WRITER = textwrap.dedent("""
     import sys
     from maitre.control.store import Store
-    from maitre.scheduling.model import Job, Phase
+    from maitre.scheduling.model import Job, JobState
     store = Store(sys.argv[1])
     i = 0
     while True:
         i += 1
         store.put_job(Job(id=f"j{i}", queue="q", min_replicas=1, max_replicas=4,
-                          phase=Phase.RUNNING, placement={"n0": 1 + i % 4}, submitted_at=i))
+                          state=JobState.RUNNING, placement={"n0": 1 + i % 4}, submitted_at=i))
         store.add_event(float(i), "admit", job=f"j{i}", n=i)
         if i == 20:
             print("ready", flush=True)

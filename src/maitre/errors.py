@@ -1,6 +1,8 @@
 """maitre's exceptions, in one place::
 
     MaitreError
+    ├── IllegalMove             a job state change the state machine does not allow (a bug in
+    │                           maitre; see maitre.scheduling.lifecycle)
     ├── RequestError            a request the coordinator refuses (the API answers 4xx)
     │   ├── BadRequest          400: the request is wrong (``field`` says where)
     │   └── NotFound            404: no such job, node or worker
@@ -20,6 +22,10 @@ from __future__ import annotations
 
 
 class MaitreError(Exception):
+    pass
+
+
+class IllegalMove(MaitreError, RuntimeError):
     pass
 
 

@@ -37,7 +37,8 @@ from maitre.checkpoint.loader import newest_complete
 from maitre import protocol
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
-from maitre.control.membership import ENDED, DetectorConfig, JobState, WorkerState
+from maitre.control.membership import DetectorConfig, WorkerState
+from maitre.scheduling.lifecycle import JobState
 from maitre.runtime.ledger import audit
 from maitre.scheduling import PolicyConfig, Queue
 from maitre.scheduling.spec import ManifestError, parse_manifest
@@ -207,7 +208,7 @@ class Run:
         self.played: list[StoryEvent] = []
         settled: Callable[[dict[str, Any]], bool] = lambda job: True
         job = self.job()
-        ended = {s.value for s in ENDED}
+        ended = {s.value for s in JobState if s.run_over}
         try:
             while True:
                 job = self.job()

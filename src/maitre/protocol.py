@@ -31,6 +31,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.spec import JobManifest
 
 API = "/v1"
@@ -163,7 +164,7 @@ class SuspendRequest(_Request):
 
 
 class JobStateReply(_Reply):
-    state: str
+    state: JobState
 
 
 class WorkerSummary(_Reply):
@@ -181,8 +182,11 @@ class WorkerSummary(_Reply):
 
 class JobSummary(_Reply):
     job_id: str
-    state: str
+    state: JobState
+    """Where the job is in its state machine (:mod:`maitre.scheduling.lifecycle`)."""
     epoch: int
+    epoch_open: bool
+    """Its members train in ``epoch`` (False before the first, and while the next is agreed)."""
     members: list[str]
     target: int
     min_workers: int
@@ -191,10 +195,9 @@ class JobSummary(_Reply):
     failures: int
     failure: str | None
     workers: list[WorkerSummary]
-    # The scheduler's side (absent for ``maitre run``'s job).
+    # The scheduler's side.
     queue: str | None = None
     priority: int | None = None
-    phase: str | None = None
     placement: dict[str, int] = {}
     incarnation: int | None = None
     held: bool | None = None
@@ -320,7 +323,7 @@ class StartOrder(_Reply):
 class WorkerView(_Reply):
     """What a worker must know between two steps (the agent hands it over at 10 Hz)."""
 
-    job_state: str
+    job_state: JobState
     epoch: int
     member_epoch: int
     closed: bool

@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from maitre.control.membership import LIVE, JobState, Membership
-from maitre.scheduling.model import Phase
+from maitre.control.membership import LIVE, Membership
+from maitre.scheduling.lifecycle import JobState
 
 if TYPE_CHECKING:
     from maitre.control.cluster import ClusterState, ManagedJob
@@ -40,7 +40,7 @@ def measure(m: "ManagedJob", ms: Membership, now: float) -> None:
     itself slower at 3 replicas (15.6 steps/s) than at 2 (16.0) while its ledger said 21.2 and
     16.1, and the policy never grew it back onto the node that had hung and returned. A stretch
     starts at the first step reached in its epoch (the steps before are older than the epoch)."""
-    if ms.state != JobState.RUNNING or not ms.members:
+    if not ms.open or ms.over or not ms.members:
         m.window = None
         return
     lead = max((ms.workers[w] for w in ms.members), key=lambda w: (w.step, -w.step_at))
@@ -83,15 +83,15 @@ def tick_usage(cluster: "ClusterState", memberships: dict[str, Membership], now:
     usage = cluster.usage
     if usage.last is not None and now > usage.last:
         for m in cluster.managed.values():  # attained service: what least-attained-first orders
-            if m.job.phase == Phase.RUNNING:
+            if m.job.state.placed:
                 m.job.attained_slot_s += m.job.slots * (now - usage.last)
     capacity = sum(s.node.slots for s in cluster.nodes.values() if s.alive)
     held = sum(w.slots for m in cluster.managed.values() for ms in _memberships(m, memberships)
                for w in ms.workers.values() if w.ended_at is None and w.state in LIVE)
     contended = any(
-        (m.job.phase == Phase.PENDING or (m.job.phase == Phase.SUSPENDED and not m.held) or
-         (m.job.phase == Phase.RUNNING and m.job.elastic and m.job.replicas < m.job.max_replicas))
-        for m in cluster.managed.values() if m.ended is None)
+        (m.job.state.waiting and not m.held) or
+        (m.job.state.placed and m.job.elastic and m.job.replicas < m.job.max_replicas)
+        for m in cluster.managed.values())
     usage.tick(now, capacity, held, contended)
 
 
@@ -112,7 +112,7 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
         span_end = m.ended_at if m.ended_at is not None else now
         ran = span_end - m.admitted_at if m.admitted_at is not None else 0.0
         jobs[m.id] = {
-            "state": m.ended or m.job.phase.value, "queue": m.job.queue,
+            "state": m.job.state.value, "queue": m.job.queue,
             "priority": m.job.priority, "incarnations": m.incarnation,
             "waited_s": round((m.admitted_at or now) - m.job.submitted_at, 2),
             "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),

@@ -3,7 +3,7 @@ carries the policy's decisions out through each job's membership.
 
 A job submitted as a manifest is *managed*: :func:`maitre.scheduling.policy.schedule` decides
 when it starts, how many replicas it gets and on which nodes. Every pass (``pass_s``) turns the
-coordinator's live state into the policy's view (:class:`~maitre.scheduling.model.Job`: phase,
+coordinator's live state into the policy's view (:class:`~maitre.scheduling.model.Job`: state,
 placement, measured throughput), calls the policy, and applies its actions:
 
 =========  ====================================================================================
@@ -44,9 +44,9 @@ from typing import Any, Callable
 from maitre import protocol
 from maitre.control.accounting import Usage, account, measure
 from maitre.control.detector import PhiAccrual, PhiConfig
-from maitre.control.membership import (ENDED, DetectorConfig, JobSpec, JobState,
-                                       Membership, WorkerState)
-from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue
+from maitre.control.membership import DetectorConfig, JobSpec, Membership, WorkerState
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
 from maitre.scheduling.policy import Plan, PolicyConfig, schedule
 from maitre.scheduling.spec import JobManifest
@@ -68,8 +68,8 @@ class ManagedJob:
     incarnation: int = 0
     """Admissions so far; each runs a fresh membership (a resume after a suspension is one)."""
     workers_started: int = 0
-    ended: str | None = None
-    """COMPLETED, FAILED or CANCELLED, once the job is over."""
+    suspended_run: int = 0
+    """The last incarnation whose suspension the cluster acted on (freed its slots, logged)."""
     held: bool = False
     """Suspended by a user (``maitre suspend``): not admitted again until resumed."""
     generation: int = 0
@@ -77,6 +77,7 @@ class ManagedJob:
     suspend_deadline: float | None = None
     admitted_at: float | None = None
     ended_at: float | None = None
+    """When the cluster saw the job end (COMPLETED, FAILED or CANCELLED) and freed its slots."""
     productive_s: float = 0.0
     """Wall seconds the job spent in steps that committed (its effective training time)."""
     history: list[Membership] = field(default_factory=list)
@@ -160,7 +161,7 @@ class ClusterState:
         if manifest.queue not in self.queues:
             raise ValueError(f"no queue {manifest.queue!r} (queues: {', '.join(sorted(self.queues))})")
         old = self.managed.get(manifest.name)
-        if old is not None and old.ended is None:
+        if old is not None and not old.job.state.ended:
             raise ValueError(f"job {manifest.name!r} exists and is not over; cancel it first")
         job = manifest.job(now)
         if manifest.checkpoint_dir is None:  # nothing to resume from: never suspend it
@@ -195,7 +196,7 @@ class ClusterState:
         """Workers of a managed job that may still start on ``node``: its allocation there minus
         its workers there that are not leaving (``staying_here``)."""
         m = self.managed.get(job_id)
-        if m is None or m.ended is not None:
+        if m is None or m.job.state.ended:
             return 0
         return max(0, m.job.placement.get(node, 0) - staying_here)
 
@@ -207,7 +208,7 @@ class ClusterState:
     def index_allocations(self) -> None:
         by_node: dict[str, list[str]] = {}
         for m in self.managed.values():
-            if m.ended is None:
+            if not m.job.state.ended:
                 for node in m.job.placement:
                     by_node.setdefault(node, []).append(m.id)
         self._by_node = by_node
@@ -220,7 +221,7 @@ class ClusterState:
     def sync(self, memberships: dict[str, Membership], now: float) -> None:
         """Bring the policy's view of each job up to date with its membership."""
         for m in self.managed.values():
-            if m.ended is not None:
+            if m.ended_at is not None:
                 continue
             ms = memberships.get(m.id) if m.incarnation else None
             job = m.job
@@ -230,22 +231,21 @@ class ClusterState:
                 del job.placement[name]
             if ms is None:
                 continue
-            if lost and ms.state not in ENDED:
+            if lost and not ms.over:
                 ms.target = max(ms.spec.min_workers, min(ms.spec.max_workers, job.replicas))
             account(m, ms)
-            if ms.state in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED):
-                m.ended, m.ended_at = ms.state.value, now
-                job.placement = {}
-                self.log(now, "job_" + ms.state.value.lower(), job=m.id,
+            # The run moved the job (to an end, or suspended): free its slots, once.
+            if job.state.ended:
+                m.ended_at, job.placement = now, {}
+                self.log(now, "job_" + job.state.value.lower(), job=m.id,
                          reason=ms.failure or "", step=self._step(ms))
                 continue
-            if ms.state == JobState.SUSPENDED:
-                if job.phase != Phase.SUSPENDED:
-                    job.phase, job.placement = Phase.SUSPENDED, {}
-                    m.suspend_deadline = None
+            if job.state == JobState.SUSPENDED:
+                if m.suspended_run != m.incarnation:
+                    m.suspended_run, job.placement, m.suspend_deadline = m.incarnation, {}, None
                     self.log(now, "job_suspended", job=m.id, step=self._step(ms))
                 continue
-            if job.phase == Phase.SUSPENDING and m.suspend_deadline is not None and \
+            if job.state == JobState.SUSPENDING and m.suspend_deadline is not None and \
                     now > m.suspend_deadline:
                 m.suspend_deadline = None
                 for w in ms.live_workers():
@@ -262,8 +262,8 @@ class ClusterState:
         view of the live nodes and copies of the jobs, so that the pass can run while the
         coordinator serves on (:meth:`fingerprint` tells whether its plan still applies)."""
         self._withdraw.clear()  # sync() has withdrawn their allocations
-        jobs = [m.job for m in self.managed.values() if m.ended is None and not
-                (m.held and m.job.phase == Phase.SUSPENDED)]
+        jobs = [m.job for m in self.managed.values() if not m.job.state.ended and not
+                (m.held and m.job.state.waiting)]
         cluster = self.cluster()
         for j in repair(cluster, jobs):  # before anything else is scheduled
             self.log(now, "repair", job=j.id, placement=dict(j.placement))
@@ -275,9 +275,11 @@ class ClusterState:
         return cluster, copies
 
     def fingerprint(self) -> tuple[Any, ...]:
-        """What a plan was made from: jobs' phase, bounds and placement, nodes' life and size.
+        """What a plan was made from: jobs' states (as the policy tells them apart: an epoch
+        opening or closing is none of its business), bounds and placement, nodes' life and size.
         A plan made on one fingerprint is applied only on the same one."""
-        return (tuple((m.id, m.ended, m.held, m.job.phase, m.job.min_replicas,
+        return (tuple((m.id, m.held, "placed" if m.job.state.placed else m.job.state,
+                       m.job.min_replicas,
                        m.job.max_replicas, tuple(sorted(m.job.placement.items())))
                       for m in self.managed.values()),
                 tuple((n, s.alive, s.node) for n, s in self.nodes.items()))
@@ -293,12 +295,15 @@ class ClusterState:
             new = dict(action.placement)
             if action.kind == "admit":
                 m.incarnation += 1
-                ms = Membership(self.incarnation_spec(m), self.detector, now, m.workers_started)
+                ms = Membership(self.incarnation_spec(m), self.detector, now, m.workers_started,
+                                job)
                 ms.target = sum(new.values())
                 old = memberships.get(m.id)
                 if old is not None:
+                    old.archive()
                     m.history.append(old)
-                job.phase, job.placement, job.last_resize_at = Phase.RUNNING, new, now
+                job.move(JobState.ADMITTED)
+                job.placement, job.last_resize_at = new, now
                 m.admitted_at = m.admitted_at if m.admitted_at is not None else now
                 m.window = None
                 out.append(("start", m.id, ms))
@@ -316,12 +321,11 @@ class ClusterState:
                 self.log(now, action.kind, job=m.id, placement=new, reason=action.reason)
             elif action.kind == "suspend":
                 ms = memberships[m.id]
-                job.phase = Phase.SUSPENDING
-                m.suspend_deadline = now + job.grace_period_s
                 try:
-                    ms.suspend(action.reason, now)
-                except ValueError:
-                    pass
+                    ms.suspend(action.reason, now)  # the job is SUSPENDING
+                except ValueError:  # its run stopped meanwhile: the next sync sees how
+                    continue
+                m.suspend_deadline = now + job.grace_period_s
                 self.log(now, "suspend", job=m.id, reason=action.reason)
             elif action.kind == "preempting" and action.reason != m.last_waiting:
                 m.last_waiting = action.reason
@@ -336,19 +340,21 @@ class ClusterState:
     # -- user requests ---------------------------------------------------------------------------
     def cancel(self, job_id: str, ms: Membership | None, now: float) -> None:
         m = self._get(job_id)
-        if m.ended is not None:
-            raise ValueError(f"job {job_id} is already {m.ended}")
-        if ms is not None and ms.state not in ENDED:
-            ms.cancel("cancelled by request", now)
-        m.ended, m.ended_at, m.job.placement = JobState.CANCELLED.value, now, {}
+        if m.job.state.ended:
+            raise ValueError(f"job {job_id} is already {m.job.state.value}")
+        if ms is not None and not ms.over:
+            ms.cancel("cancelled by request", now)  # tells its workers to stop
+        else:  # queued, or suspended: no run to stop
+            m.job.move(JobState.CANCELLED)
+        m.ended_at, m.job.placement = now, {}
         self.log(now, "job_cancelled", job=job_id)
 
     def set_max(self, job_id: str, replicas: int, now: float) -> None:
         """``maitre scale`` on a managed job: a new ceiling (the policy shrinks it now if above,
         and grows it up to the ceiling when slots are idle)."""
         m = self._get(job_id)
-        if m.ended is not None:
-            raise ValueError(f"job {job_id} is {m.ended}")
+        if m.job.state.ended:
+            raise ValueError(f"job {job_id} is {m.job.state.value}")
         if not m.job.min_replicas <= replicas:
             raise ValueError(f"job {job_id}: {replicas} is below its minReplicas "
                              f"{m.job.min_replicas}")
@@ -361,7 +367,7 @@ class ClusterState:
         the members asked to leave."""
         m = self._get(job_id)
         excess = m.job.replicas - m.job.max_replicas
-        if excess <= 0 or ms is None or ms.state in ENDED:
+        if excess <= 0 or ms is None or ms.over:
             return []
         new = dict(m.job.placement)
         for node in sorted(new, key=lambda n: (new[n], n)):
@@ -401,7 +407,7 @@ class ClusterState:
                              "command": list(man.command), "checkpointDir": man.checkpoint_dir},
                 "incarnation": m.incarnation, "workers_started": m.workers_started,
                 "generation": m.generation,
-                "ended": m.ended, "held": m.held, "admitted_at": m.admitted_at,
+                "suspended_run": m.suspended_run, "held": m.held, "admitted_at": m.admitted_at,
                 "ended_at": m.ended_at, "productive_s": m.productive_s,
                 "attained_slot_s": m.job.attained_slot_s,
                 "suspend_deadline": m.suspend_deadline, "env": dict(m.env),

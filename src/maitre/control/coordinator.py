@@ -37,12 +37,12 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from maitre import protocol as p
 from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
-from maitre.control.membership import (ENDED, LIVE, DetectorConfig, Membership,
-                                       Worker, WorkerState)
+from maitre.control.membership import LIVE, DetectorConfig, Membership, Worker, WorkerState
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.assign import free_slot
-from maitre.scheduling.model import Node, Phase
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.model import Node
 from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, parse_manifest
 
@@ -51,7 +51,7 @@ if TYPE_CHECKING:  # (torch: the controller itself never imports it)
 
 log = logging.getLogger("maitre.coordinator")
 
-_NOT_STARTED = {"epoch": 0, "members": [], "step": 0, "failures": 0, "failure": None,
+_NOT_STARTED = {"epoch": 0, "epoch_open": False, "members": [], "step": 0, "failures": 0, "failure": None,
                 "workers": [], "target": 0, "min_workers": 0, "max_workers": 0}
 _LOST_CHECK_S = 0.5
 """Workers silent past ``dead_after_s`` (15 s) are looked for this often; hangs, every tick."""
@@ -201,14 +201,11 @@ class Coordinator:
         m = self.cluster.managed.get(job_id)
         if m is None:
             return {}
-        state = m.ended or m.job.phase.value
-        if m.ended is None and m.job.phase == Phase.RUNNING and m.id in self.jobs:
-            state = self.jobs[m.id].state.value  # PENDING (gang forming), RENDEZVOUS, RUNNING
-        return {"job_id": m.id, "state": state, "phase": m.job.phase.value, "queue": m.job.queue,
+        return {"job_id": m.id, "state": m.job.state.value, "queue": m.job.queue,
                 "priority": m.job.priority, "min_workers": m.job.min_replicas,
                 "max_workers": m.job.max_replicas, "placement": dict(m.job.placement),
                 "incarnation": m.incarnation, "held": m.held,
-                "waiting_for": m.last_waiting if m.job.phase == Phase.PENDING else ""}
+                "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else ""}
 
     @acknowledged
     def scale(self, job_id: str, workers: int) -> dict[str, Any]:
@@ -217,7 +214,7 @@ class Coordinator:
             try:
                 self.cluster.set_max(job_id, workers, now)
                 ms = self.jobs.get(job_id)
-                if ms is not None and ms.state not in ENDED:  # it may grow past its manifest
+                if ms is not None and not ms.over:  # it may grow past its manifest
                     ms.spec.max_workers = max(workers, ms.spec.min_workers)
                 leaving = self.cluster.shrink_to_max(job_id, ms, now)
             except KeyError as exc:
@@ -232,27 +229,22 @@ class Coordinator:
     def suspend(self, job_id: str, reason: str = "suspended by request") -> dict[str, Any]:
         with self.lock:
             managed = self.cluster.managed.get(job_id)
-            if managed is not None:
-                if managed.ended is not None:
-                    raise BadRequest(f"job {job_id} is {managed.ended}", "path.job")
-                if not managed.manifest.checkpoint_dir:
-                    raise BadRequest(f"job {job_id} has no checkpointDir: suspending it would "
-                                     "lose its progress (cancel it instead)", "path.job")
-                if managed.job.phase != Phase.RUNNING:
-                    managed.held = True  # a user's suspension lasts until `maitre resume`
-                    self._changed(job_id, persist=True)
-                    return {"state": managed.job.phase.value}
-            job = self.job(job_id)
-            try:  # refused (the membership ended meanwhile): nothing is changed
-                job.suspend(str(reason), self.clock())
-            except ValueError as exc:
-                raise BadRequest(str(exc), "path.job") from None
-            if managed is not None:
-                managed.held = True
-                managed.job.phase = Phase.SUSPENDING
+            if managed is None:
+                raise NotFound(f"no job {job_id!r}", "path.job")
+            if managed.job.state.ended:
+                raise BadRequest(f"job {job_id} is {managed.job.state.value}", "path.job")
+            if not managed.manifest.checkpoint_dir:
+                raise BadRequest(f"job {job_id} has no checkpointDir: suspending it would "
+                                 "lose its progress (cancel it instead)", "path.job")
+            if managed.job.state.placed:
+                try:  # refused (the run stopped meanwhile): nothing is changed
+                    self.jobs[job_id].suspend(str(reason), self.clock())  # SUSPENDING
+                except ValueError as exc:
+                    raise BadRequest(str(exc), "path.job") from None
                 managed.suspend_deadline = self.clock() + managed.job.grace_period_s
+            managed.held = True  # a user's suspension lasts until `maitre resume`
             self._changed(job_id, persist=True)
-            return {"state": job.state.value}
+            return {"state": managed.job.state.value}
 
     @acknowledged
     def resume(self, job_id: str) -> dict[str, Any]:
@@ -265,7 +257,7 @@ class Coordinator:
             managed.held = False
             self._next_pass = 0.0
             self._changed(job_id, persist=True)
-            return {"state": managed.job.phase.value}
+            return {"state": managed.job.state.value}
 
     @acknowledged
     def cancel(self, job_id: str) -> dict[str, Any]:
@@ -430,7 +422,7 @@ class Coordinator:
             # every order of a cancelled gang's nodes repeat its kills, once per exit).
             if listed and wid not in kill and w.exit_code is None and (
                     w.state == WorkerState.DEAD or (
-                    ms.state in ENDED and w.state not in (WorkerState.DONE, WorkerState.LEFT))):
+                    ms.over and w.state not in (WorkerState.DONE, WorkerState.LEFT))):
                 kill.append(wid)
         for wid in running:
             if wid not in self._worker_job and wid not in kill:
@@ -619,7 +611,7 @@ class Coordinator:
         keep = set()
         for ms in self.jobs.values():
             key = ms.spec.run_key
-            if ms.state not in ENDED:
+            if not ms.over:
                 self._runs_ended.pop(key, None)
                 keep.add(key)
             elif now - self._runs_ended.setdefault(key, now) < 60.0:
@@ -711,13 +703,13 @@ class Coordinator:
         with self.lock:
             usage: dict[str, int] = {}
             for m in self.cluster.managed.values():
-                if m.ended is None:
+                if not m.job.state.ended:
                     usage[m.job.queue] = usage.get(m.job.queue, 0) + m.job.slots
             return [{"queue": q.name, "guaranteed": q.guaranteed,
                      "borrowing_limit": q.borrowing_limit, "weight": q.weight,
                      "allocated": usage.get(q.name, 0),
                      "jobs": sum(1 for m in self.cluster.managed.values()
-                                 if m.job.queue == q.name and m.ended is None)}
+                                 if m.job.queue == q.name and not m.job.state.ended)}
                     for q in self.cluster.queues.values()]
 
     # -- changes ---------------------------------------------------------------------------------
@@ -785,7 +777,7 @@ class Coordinator:
                 continue
             ms = self.jobs.get(m.id) if m.incarnation else None
             extra = self.cluster.job_extra(m, ms)
-            text = json.dumps([extra, m.job.phase.value, m.job.placement, m.job.max_replicas,
+            text = json.dumps([extra, m.job.state.value, m.job.placement, m.job.max_replicas,
                                m.job.throughput, m.job.last_resize_at], sort_keys=True, default=str)
             if self._persisted.get(m.id) != text:
                 self.db.put_job(m.job, extra)
@@ -810,8 +802,8 @@ class Coordinator:
                                        if v is not None})
             job.attained_slot_s = extra.get("attained_slot_s", 0.0)
             managed = ManagedJob(manifest, job, incarnation=extra["incarnation"],
-                                 workers_started=extra["workers_started"], ended=extra["ended"],
-                                 held=extra["held"], admitted_at=extra["admitted_at"],
+                                 workers_started=extra["workers_started"],
+                                 suspended_run=extra["suspended_run"], held=extra["held"], admitted_at=extra["admitted_at"],
                                  ended_at=extra["ended_at"], productive_s=extra["productive_s"],
                                  suspend_deadline=extra["suspend_deadline"],
                                  generation=extra.get("generation", 0),
@@ -823,7 +815,7 @@ class Coordinator:
                     self._worker_job[wid] = h
             cluster.managed[job.id] = managed
             if extra["membership"] is not None:
-                ms = Membership.from_json(extra["membership"], self.cfg, now)
+                ms = Membership.from_json(extra["membership"], self.cfg, now, job)
                 managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
                 self._install(ms)
         usage = self.db.meta("usage")

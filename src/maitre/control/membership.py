@@ -1,10 +1,15 @@
-"""Membership epochs of one elastic job: the coordinator's rendezvous state machine.
+"""Membership epochs of one run of an elastic job: the coordinator's rendezvous.
 
-A job is PENDING until its first epoch opens, then alternates between RUNNING(e) and
-RENDEZVOUS(e+1) until it is COMPLETED, FAILED or SUSPENDED::
+A run starts when the scheduler admits its job (ADMITTED); it opens epoch 1 once its minimum of
+workers is ready, and from then on an epoch is either open (the job RUNNING) or closed while the
+next one is agreed (RENDEZVOUS), until the run is COMPLETED, FAILED, SUSPENDED or CANCELLED::
 
-    PENDING --(min workers ready)--> RUNNING(1) --(join/leave/failure)--> RENDEZVOUS(2)
+    ADMITTED --(min workers ready)--> RUNNING(1) --(join/leave/failure)--> RENDEZVOUS(2)
         --(every expected member arrived)--> RUNNING(2) ... --> COMPLETED | FAILED | SUSPENDED
+
+These are states of the job (:mod:`maitre.scheduling.lifecycle`, the one state machine): the run
+moves the job it was given, and holds only whether its epoch is open (:attr:`Membership.open`,
+which goes on while a job is SUSPENDING).
 
 Suspending (preemption, the user stopping the job) is asked of the members through their
 heartbeats: each one checkpoints after the current step, waits until it is durable, reports done
@@ -36,21 +41,12 @@ import math
 import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
+import copy
 from enum import Enum
 from typing import Any
 
-
-class JobState(str, Enum):
-    PENDING = "PENDING"
-    RUNNING = "RUNNING"
-    RENDEZVOUS = "RENDEZVOUS"
-    COMPLETED = "COMPLETED"
-    FAILED = "FAILED"
-    SUSPENDED = "SUSPENDED"
-    CANCELLED = "CANCELLED"
-
-
-ENDED = (JobState.COMPLETED, JobState.FAILED, JobState.SUSPENDED, JobState.CANCELLED)
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.model import Job
 
 
 class WorkerState(str, Enum):
@@ -182,14 +178,24 @@ class Assignment:
                 "members": self.members, "state_lost": self.state_lost}
 
 
+def _job_of(spec: JobSpec, state: JobState) -> Job:
+    """A job of its own for a run that no scheduler admitted (tests), or an earlier run."""
+    return Job(id=spec.job_id, queue="", min_replicas=spec.min_workers,
+               max_replicas=spec.max_workers, state=state)
+
+
 class Membership:
     """Rendezvous and failure bookkeeping of one job (see the module docstring)."""
 
     def __init__(self, spec: JobSpec, cfg: DetectorConfig | None = None, now: float = 0.0,
-                 first_worker: int = 0) -> None:
+                 first_worker: int = 0, job: Job | None = None) -> None:
         self.spec = spec
         self.cfg = cfg or DetectorConfig()
-        self.state = JobState.PENDING
+        self.job = job if job is not None else _job_of(spec, JobState.ADMITTED)
+        """The job this run moves through its states (the scheduler's, when admitted by it)."""
+        self.open = False
+        """The current epoch is open: its members train (False before the first one, and
+        between two epochs)."""
         self.epoch = 0
         self.members: list[str] = []
         self.workers: dict[str, Worker] = {}
@@ -217,6 +223,24 @@ class Membership:
         may still be counted until the next epoch)."""
         """Workers waiting in a rendezvous (``arrived_from`` set): most arrivals of a large
         gang are told "not yet" from this count, without a pass over the workers."""
+
+    @property
+    def state(self) -> JobState:
+        return self.job.state
+
+    @property
+    def over(self) -> bool:
+        """This run has stopped: its job ended or was suspended."""
+        return self.job.state.run_over
+
+    def _finish(self, to: JobState) -> None:
+        self.open = False
+        self.job.move(to)
+
+    def archive(self) -> None:
+        """The job is admitted again: this run keeps a copy of the job as it ended, so that
+        the next run moves the job on without this one seeing it move."""
+        self.job = copy.copy(self.job)
 
     # -- workers come and go ---------------------------------------------------------------------
     def add_worker(self, node: str, slot: int, now: float, slots: int = 1) -> Worker:
@@ -264,7 +288,7 @@ class Membership:
         # A member that finished its loop means the job is ending: the others finish the same
         # last step. Counted as gone, it made the agent start a replacement in its freed slot,
         # for the moment until the others' dones came in (tests/test_multihost.py saw one).
-        if self.state in ENDED or self.suspending or self._count[WorkerState.DONE]:
+        if self.over or self.suspending or self._count[WorkerState.DONE]:
             return 0
         return max(0, self.target - self.staying())
 
@@ -278,14 +302,15 @@ class Membership:
         the job wants (a worker turning ready changes neither: 256 arrivals are not 256
         wake-ups of every node of the job)."""
         c = self._count
-        return (self.state, self.epoch, self.target, self.change_pending(), self.suspending,
+        return (self.state, self.open, self.epoch, self.target, self.change_pending(),
+                self.suspending,
                 self.failures, c[WorkerState.LEAVING], c[WorkerState.DEAD], c[WorkerState.LEFT],
                 c[WorkerState.DONE])
 
     def assignment_key(self) -> tuple[Any, ...]:
         """Changes whenever a waiting worker's :meth:`assignment` may have changed."""
         c = self._count
-        return (self.state, self.epoch, c[WorkerState.LEAVING], c[WorkerState.DEAD])
+        return (self.state, self.open, self.epoch, c[WorkerState.LEAVING], c[WorkerState.DEAD])
 
     def ready(self, wid: str, now: float) -> None:
         """The worker finished its start-up and wants to join the next epoch."""
@@ -316,17 +341,17 @@ class Membership:
         """What the worker must know between two steps (see :class:`maitre.protocol.WorkerView`)."""
         w = self._worker(wid)
         closed = w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or \
-            w.epoch != self.epoch or self.state != JobState.RUNNING
+            w.epoch != self.epoch or not self.open
         return {"job_state": self.state.value, "epoch": self.epoch, "member_epoch": w.epoch,
                 "closed": closed,
                 "change": self.change_pending(), "leave": w.state == WorkerState.LEAVING,
-                "stop": w.state == WorkerState.DEAD or self.state in ENDED,
+                "stop": w.state == WorkerState.DEAD or self.over,
                 "suspend": self.suspending is not None,
                 "failures": self.failures, "age_s": round(now - self.created_at, 3)}
 
     def change_pending(self) -> bool:
         """Members should stop at the next step boundary and rendezvous."""
-        if self.state != JobState.RUNNING or self.suspending:
+        if not self.open or self.suspending:
             return False
         if self._leaving_members:
             return True
@@ -343,7 +368,7 @@ class Membership:
         if code == 0 and w.state == WorkerState.LEAVING:  # left without saying so
             self.left(wid, now)
             return
-        if self.state in ENDED:  # stopped with its job
+        if self.over:  # stopped with its run
             self._set_state(w, WorkerState.LEFT if code == 0 else WorkerState.DEAD)
             return
         if error:
@@ -371,11 +396,11 @@ class Membership:
             self.failures += 1
         if was_member:
             self._failed_epoch = self.epoch
-            if self.state == JobState.RUNNING:
+            if self.open:
                 self._close(reason, now)
         self._log(now, "worker_dead", worker=w.id, reason=reason)
         self._check_suspended(now)
-        if self.failures > self.spec.max_restarts and self.state not in ENDED:
+        if self.failures > self.spec.max_restarts and not self.over:
             self._fail(f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; "
                        f"last: {reason}", now)
 
@@ -403,7 +428,7 @@ class Membership:
         self._set_state(w, WorkerState.LEFT)
         self._set_arrived(w, None)
         self._log(now, "worker_left", worker=wid)
-        if was_member and self.state == JobState.RUNNING:
+        if was_member and self.open:
             self._close(f"worker {wid} left", now)
 
     def done(self, wid: str, step: int, now: float, suspended: bool = False) -> None:
@@ -418,32 +443,32 @@ class Membership:
 
     def suspend(self, reason: str, now: float) -> None:
         """Ask the members to checkpoint after their current step and stop."""
-        if self.state in ENDED:
+        if self.over:
             raise ValueError(f"job {self.spec.job_id} is {self.state.value}")
         if self.suspending is None:
             self.suspending = reason
+            self.job.move(JobState.SUSPENDING)
             self._log(now, "suspending", reason=reason)
         self._check_suspended(now)
 
     def cancel(self, reason: str, now: float) -> None:
         """End the job now: its workers are told to stop (or killed by their agents)."""
-        if self.state in ENDED:
+        if self.over:
             raise ValueError(f"job {self.spec.job_id} is {self.state.value}")
-        self.state = JobState.CANCELLED
+        self._finish(JobState.CANCELLED)
         self.failure = reason
         self._log(now, "cancelled", reason=reason)
 
     def _check_suspended(self, now: float) -> None:
-        if self.suspending is None or self.state in ENDED:
+        if self.suspending is None or self.over:
             return
         members = [self.workers[m] for m in self.members]
         training = [m for m in members if m.state in (WorkerState.ACTIVE, WorkerState.LEAVING)]
         # Members still training checkpoint first, unless a failure left too few of them to
         # open another epoch: then the newest complete checkpoint is where the job resumes.
-        if training and not (self.state == JobState.RENDEZVOUS and
-                             len(training) < self.spec.min_workers):
+        if training and not (not self.open and len(training) < self.spec.min_workers):
             return
-        self.state = JobState.SUSPENDED
+        self._finish(JobState.SUSPENDED)
         self._log(now, "suspended", step=max((m.step for m in members), default=0),
                   reason=self.suspending)
 
@@ -451,11 +476,11 @@ class Membership:
         """The job is complete once a member finished its loop and no member is still in it (the
         last step committed everywhere: a member that died after it changes nothing)."""
         members = [self.workers[m] for m in self.members]
-        if self.state in ENDED or \
+        if self.over or \
                 not any(m.state == WorkerState.DONE for m in members) or \
                 any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) for m in members):
             return self.state == JobState.COMPLETED
-        self.state = JobState.COMPLETED
+        self._finish(JobState.COMPLETED)
         self._log(now, "completed", step=max(m.step for m in members))
         return True
 
@@ -498,7 +523,7 @@ class Membership:
         self._set_arrived(w, from_epoch)
         w.reached(step, now)
         if group_failed and from_epoch == self.epoch and self._is_member(w) and \
-                self._failed_epoch != self.epoch and self.state not in ENDED:
+                self._failed_epoch != self.epoch and not self.over:
             self.failures += 1
             self._failed_epoch = self.epoch
             where = ", ".join(unreachable or []) or "not named by the backend"
@@ -511,7 +536,7 @@ class Membership:
                            "(NCCL_SOCKET_IFNAME on GPUs) or `maitre agent --iface` names an "
                            "interface their peers can reach", now)
                 return
-        if self.state == JobState.RUNNING and from_epoch == self.epoch and self._is_member(w):
+        if self.open and from_epoch == self.epoch and self._is_member(w):
             self._close(f"{reason} (reported by {wid})", now)
 
     def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
@@ -529,7 +554,7 @@ class Membership:
             return {"action": "leave"}
         if w.state == WorkerState.DEAD:
             return {"action": "stop", "reason": "this worker was removed from the job"}
-        if w.state == WorkerState.ACTIVE and w.epoch > from_epoch and self.state == JobState.RUNNING:
+        if w.state == WorkerState.ACTIVE and w.epoch > from_epoch and self.open:
             return Assignment(self.epoch, w.rank, len(self.members), self.store_prefix(),
                               list(self.members), self._state_lost_epoch == self.epoch).to_json()
         return None
@@ -540,11 +565,10 @@ class Membership:
 
     def try_open_epoch(self, now: float) -> bool:
         """Open the next epoch if everyone expected has arrived. Returns True when it opened."""
-        if self.state not in (JobState.PENDING, JobState.RENDEZVOUS):
+        if self.open or self.over:
             return False
         # Every member that stays must have arrived, and at least the minimum in all.
-        needed = max(self.spec.min_workers,
-                     self._count[WorkerState.ACTIVE] if self.state == JobState.RENDEZVOUS else 0)
+        needed = max(self.spec.min_workers, self._count[WorkerState.ACTIVE])
         if self._arrivals < needed:
             return False
         stay = [self.workers[m] for m in self.members
@@ -557,7 +581,7 @@ class Membership:
         if any(w.arrived_from is None or w.arrived_from > self.epoch for w in stay):
             return False
         arrived = [w for w in joiners if w.arrived_from is not None]
-        if self.state == JobState.PENDING:
+        if self.epoch == 0:  # the first round
             if len(arrived) < self.spec.min_workers:
                 return False
             starting = any(w.state == WorkerState.STARTING for w in self.workers.values())
@@ -584,7 +608,9 @@ class Membership:
             w.epoch, w.rank, w.stalled = self.epoch, rank, False
             w.last_heartbeat = max(w.last_heartbeat, now)
         self._leaving_members = self._stalled = 0
-        self.state = JobState.RUNNING
+        self.open = True
+        if not self.suspending:  # a suspending job stays so while its members checkpoint
+            self.job.move(JobState.RUNNING)
         self._log(now, "epoch", epoch=self.epoch, members=list(self.members),
                   reason=self.close_reason or "start",
                   closed_for_s=None if self.closed_at is None else round(now - self.closed_at, 4))
@@ -593,7 +619,9 @@ class Membership:
         return True
 
     def _close(self, reason: str, now: float) -> None:
-        self.state = JobState.RENDEZVOUS
+        self.open = False
+        if not self.suspending:
+            self.job.move(JobState.RENDEZVOUS)
         self.closed_at = now
         self.close_reason = reason
         self._log(now, "epoch_closed", epoch=self.epoch, reason=reason)
@@ -612,7 +640,7 @@ class Membership:
             self._mark_dead(w, f"worker {w.id} sent no heartbeat for {silent:.1f}s", now)
         # A hang needs every other member stalled, so none stalled means no hang: the usual
         # case costs nothing.
-        if self.state == JobState.RUNNING and self._stalled > 0:
+        if self.open and self._stalled > 0:
             members = [self.workers[m] for m in self.members]
             floor = now - self.cfg.suspect_floor_s
             for w in members:
@@ -629,7 +657,7 @@ class Membership:
                     self._mark_dead(w, f"worker {w.id} hung: no heartbeat for {silent:.1f}s "
                                        "while its peers waited in a collective", now)
                     break
-        if self.state == JobState.RENDEZVOUS:
+        if not self.open and self.epoch > 0 and not self.over:
             self._check_min(now)
         return dead
 
@@ -643,7 +671,7 @@ class Membership:
                        f"{self.spec.min_workers}, and no restarts left", now)
 
     def _fail(self, reason: str, now: float) -> None:
-        self.state = JobState.FAILED
+        self._finish(JobState.FAILED)
         self.failure = reason
         self._log(now, "failed", reason=reason)
 
@@ -660,7 +688,8 @@ class Membership:
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """Everything needed to carry on after the coordinator restarts (see :meth:`from_json`)."""
-        return {"spec": asdict(self.spec), "state": self.state.value, "epoch": self.epoch,
+        return {"spec": asdict(self.spec), "state": self.state.value, "open": self.open,
+                "epoch": self.epoch,
                 "members": list(self.members), "target": self.target,
                 "failures": self.failures, "failure": self.failure,
                 "closed_at": self.closed_at, "close_reason": self.close_reason,
@@ -672,11 +701,16 @@ class Membership:
                             for w in self.workers.values()]}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], cfg: DetectorConfig | None, now: float) -> "Membership":
+    def from_json(cls, data: dict[str, Any], cfg: DetectorConfig | None, now: float,
+                  job: Job | None = None) -> "Membership":
         """A membership as :meth:`to_json` saved it, its live workers' heartbeat clocks restarted
-        at ``now`` (the coordinator was away, not they). Events are not carried over."""
-        m = cls(JobSpec(**data["spec"]), cfg, data["created_at"], data["next_worker"])
-        m.state, m.epoch, m.members = JobState(data["state"]), data["epoch"], list(data["members"])
+        at ``now`` (the coordinator was away, not they). Events are not carried over. ``job`` is
+        the job of the run that goes on (its state was saved with it); an earlier run gets a
+        copy of the job as that run ended."""
+        spec = JobSpec(**data["spec"])
+        m = cls(spec, cfg, data["created_at"], data["next_worker"],
+                job if job is not None else _job_of(spec, JobState(data["state"])))
+        m.open, m.epoch, m.members = data["open"], data["epoch"], list(data["members"])
         m.target, m.failures, m.failure = data["target"], data["failures"], data["failure"]
         m.closed_at, m.close_reason = data["closed_at"], data["close_reason"]
         m.suspending, m._failed_epoch = data["suspending"], data["failed_epoch"]
@@ -696,6 +730,7 @@ class Membership:
     def summary(self) -> dict[str, Any]:
         return {
             "job_id": self.spec.job_id, "state": self.state.value, "epoch": self.epoch,
+            "epoch_open": self.open,
             "members": list(self.members), "target": self.target,
             "min_workers": self.spec.min_workers, "max_workers": self.spec.max_workers,
             "step": max((self.workers[m].step for m in self.members), default=0),

@@ -25,7 +25,8 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from maitre.scheduling.model import Cluster, Job, Node, Phase, Queue, Topology
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.model import Cluster, Job, Node, Queue, Topology
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -39,14 +40,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     min_replicas INTEGER NOT NULL, max_replicas INTEGER NOT NULL,
     slots_per_replica INTEGER NOT NULL, preemptible INTEGER NOT NULL,
     grace_period_s REAL NOT NULL, topology TEXT, submitted_at REAL NOT NULL,
-    phase TEXT NOT NULL, placement TEXT NOT NULL, last_resize_at REAL,
+    state TEXT NOT NULL, placement TEXT NOT NULL, last_resize_at REAL,
     throughput TEXT NOT NULL, extra TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT, t REAL NOT NULL, job TEXT, kind TEXT NOT NULL,
     body TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+"""2: one job state (``jobs.state``, :mod:`maitre.scheduling.lifecycle`) for 1's ``phase``."""
 _MAX_STAGED = 50_000
 """Statements staged but not committed past which staging waits for the writer (a bound on
 memory when the disk is slower than the coordinator)."""
@@ -195,7 +197,7 @@ class Store:
             "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (job.id, job.queue, job.priority, job.min_replicas, job.max_replicas,
              job.slots_per_replica, int(job.preemptible), job.grace_period_s, topology,
-             job.submitted_at, job.phase.value, json.dumps(job.placement),
+             job.submitted_at, job.state.value, json.dumps(job.placement),
              None if job.last_resize_at == float("-inf") else job.last_resize_at,
              json.dumps({str(k): v for k, v in job.throughput.items()}), json.dumps(extra))))
 
@@ -240,12 +242,12 @@ class Store:
         with self._lock:
             rows = list(self._db.execute("SELECT * FROM jobs ORDER BY submitted_at, id"))
         out = []
-        for (jid, queue, priority, lo, hi, per, preemptible, grace, topology, submitted, phase,
+        for (jid, queue, priority, lo, hi, per, preemptible, grace, topology, submitted, state,
              placement, last_resize, throughput, extra) in rows:
             topo = None if topology is None else Topology(**json.loads(topology))
             job = Job(id=jid, queue=queue, priority=priority, min_replicas=lo, max_replicas=hi,
                       slots_per_replica=per, preemptible=bool(preemptible), grace_period_s=grace,
-                      topology=topo, submitted_at=submitted, phase=Phase(phase),
+                      topology=topo, submitted_at=submitted, state=JobState(state),
                       placement=json.loads(placement),
                       last_resize_at=float("-inf") if last_resize is None else last_resize,
                       throughput={int(k): v for k, v in json.loads(throughput).items()})

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from maitre.scheduling.model import Cluster, Job, Phase
+from maitre.scheduling.model import Cluster, Job
 from maitre.scheduling.policy import FreeSlots, place
 
 
@@ -20,7 +20,7 @@ def repair(cluster: Cluster, jobs: list[Job]) -> list[Job]:
     """Give each running job below its minimum the replicas it is short of, on slots no job
     holds (its old nodes first), higher priority and then earlier jobs first; a job that does not
     fit waits. Changes the repaired jobs' ``placement`` and returns them."""
-    short = [j for j in jobs if j.phase == Phase.RUNNING and j.replicas < j.min_replicas]
+    short = [j for j in jobs if j.state.placed and j.replicas < j.min_replicas]
     if not short:
         return []
     used: dict[str, int] = {}

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import Enum
+
+from maitre.scheduling.lifecycle import JobState, check_move
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,13 +51,6 @@ class Queue:
         return math.inf if self.borrowing_limit is None else self.guaranteed + self.borrowing_limit
 
 
-class Phase(str, Enum):
-    PENDING = "PENDING"      # waiting for its minimum to fit
-    RUNNING = "RUNNING"
-    SUSPENDING = "SUSPENDING"  # asked to checkpoint and stop; its slots are still held
-    SUSPENDED = "SUSPENDED"  # stopped with a checkpoint; resumes like a pending job
-
-
 @dataclass(frozen=True, slots=True)
 class Topology:
     level: str = "rack"
@@ -85,7 +79,7 @@ class Job:
     grace_period_s: float = 30.0
     topology: Topology | None = None
     submitted_at: float = 0.0
-    phase: Phase = Phase.PENDING
+    state: JobState = JobState.PENDING
     placement: dict[str, int] = field(default_factory=dict)
     """Replicas per node now."""
     last_resize_at: float = -math.inf
@@ -100,6 +94,11 @@ class Job:
                              f"{self.min_replicas} and {self.max_replicas}")
         if self.slots_per_replica < 1:
             raise ValueError(f"job {self.id}: gpusPerReplica must be >= 1")
+
+    def move(self, to: JobState) -> None:
+        """The one way a job changes state (see :mod:`maitre.scheduling.lifecycle`)."""
+        check_move(self.id, self.state, to)
+        self.state = to
 
     @property
     def replicas(self) -> int:

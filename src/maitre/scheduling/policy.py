@@ -47,7 +47,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from maitre.scheduling.model import Cluster, Job, Node, Phase, Speedup, Topology
+from maitre.scheduling.model import Cluster, Job, Node, Speedup, Topology
 
 _DEFAULT_TOPOLOGY = Topology(level="rack", mode="preferred")
 
@@ -235,9 +235,9 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
         return usage[j.queue] / cluster.queues[j.queue].weight
 
     # 1-2. admission, with preemption for jobs that do not fit
-    running = sorted((j for j in jobs if j.phase == Phase.RUNNING),
+    running = sorted((j for j in jobs if j.state.placed),
                      key=lambda v: (v.priority, -v.submitted_at, v.id))
-    pending = sorted((j for j in jobs if j.phase in (Phase.PENDING, Phase.SUSPENDED)),
+    pending = sorted((j for j in jobs if j.state.waiting),
                      key=lambda j: (-j.priority, share(j), j.submitted_at, j.id))
     for j in pending:
         need = j.min_replicas * j.slots_per_replica
@@ -296,12 +296,12 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
 
     for j in jobs:
         size = sum(target[j.id].values())
-        running = j.phase == Phase.RUNNING or (j.id in touched and size > 0)
+        running = j.state.placed or (j.id in touched and size > 0)
         if not (running and j.elastic and size and size < j.max_replicas):
             continue
-        if j.id in touched and j.phase == Phase.RUNNING:
+        if j.id in touched and j.state.placed:
             continue  # shrunk for a preemptor this pass
-        if j.phase == Phase.RUNNING and now - j.last_resize_at < cfg.resize_cooldown_s:
+        if j.state.placed and now - j.last_resize_at < cfg.resize_cooldown_s:
             continue
         push(j, size, free.total // j.slots_per_replica)
     grown: set[str] = set()
@@ -328,7 +328,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
     if free.total == 0 and cfg.rebalance_gain > 0:
         _rebalance(jobs, target, touched | grown, now, cfg, plan, speedup)
     for jid in sorted(grown):
-        if by_id[jid].phase == Phase.RUNNING:
+        if by_id[jid].state.placed:
             plan.actions.append(Action("grow", jid, dict(target[jid])))
         else:  # admitted this pass: its admission carries the larger size
             admitted[jid].placement = dict(target[jid])
@@ -435,7 +435,7 @@ def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[
                speedup: Callable[[Job, int], float]) -> None:
     """Shrink the peers that lose least so that the peers that gain most can grow (step 4)."""
     def settled(j: Job) -> bool:
-        return (j.phase == Phase.RUNNING and j.elastic and j.id not in touched
+        return (j.state.placed and j.elastic and j.id not in touched
                 and now - j.last_resize_at >= cfg.resize_cooldown_s)
 
     groups: dict[tuple[str, int], list[Job]] = {}

@@ -29,7 +29,7 @@ import math
 from dataclasses import replace
 from typing import Protocol
 
-from maitre.scheduling import Cluster, Job, Node, Phase, PolicyConfig, Queue, schedule
+from maitre.scheduling import Cluster, Job, JobState, Node, PolicyConfig, Queue, schedule
 from maitre.scheduling.assign import repair
 from maitre.sim.jobs import ProfiledJob, SimJob
 from maitre.sim.profiles import even_placement
@@ -271,11 +271,11 @@ class Maitre:
             placement: dict[str, int] = {}
             for n in alloc:
                 placement[str(n)] = placement.get(str(n), 0) + 1
-            phase = Phase.RUNNING if alloc else (
-                Phase.SUSPENDED if j.restarts >= 0 else Phase.PENDING)
+            state = JobState.RUNNING if alloc else (
+                JobState.SUSPENDED if j.restarts >= 0 else JobState.PENDING)
             views.append(Job(id=j.name, queue=j.queue, priority=j.priority,
                              min_replicas=j.min_replicas, max_replicas=j.max_replicas,
-                             submitted_at=j.submitted, phase=phase, placement=placement,
+                             submitted_at=j.submitted, state=state, placement=placement,
                              last_resize_at=self.resized_at.get(j.name, -math.inf),
                              throughput=dict(j.throughput), attained_slot_s=j.attained_s))
         # The live coordinator runs a pass every 0.5 s: a preemptor admitted a pass after its
@@ -294,10 +294,10 @@ class Maitre:
                 placement = {n: r for n, r in plan.placements.get(v.id, {}).items() if r}
                 if placement != v.placement:
                     v.last_resize_at = now
-                if v.placement and not placement:
-                    v.phase = Phase.SUSPENDED
+                if v.placement and not placement:  # (a view of this pass, not a job: set)
+                    v.state = JobState.SUSPENDED
                 elif placement:
-                    v.phase = Phase.RUNNING
+                    v.state = JobState.RUNNING
                 v.placement = placement
         out: Allocations = {}
         for j in jobs:
