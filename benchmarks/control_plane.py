@@ -105,8 +105,7 @@ def serve_coordinator(state_dir: str) -> None:
 
     import maitre
     from maitre.control.cluster import ClusterState
-    from maitre.control.detector import PhiConfig
-    from maitre.control.membership import DetectorConfig
+    from maitre.control.detectors import DetectorConfig, PhiConfig
     from maitre.control.store import Store
     from maitre.scheduling.model import Queue
     from maitre.scheduling.policy import PolicyConfig

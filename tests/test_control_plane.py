@@ -17,7 +17,7 @@ import pytest
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState
 from maitre.control.coordinator import Coordinator
-from maitre.control.detector import PhiAccrual, PhiConfig
+from maitre.control.detectors import PhiAccrual, PhiConfig
 from maitre.control.membership import WorkerState
 from maitre.control.store import Store
 from maitre.errors import BadRequest

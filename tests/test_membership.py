@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from maitre import protocol as p
 from maitre.agent.agent import WorkerBeats
-from maitre.control.membership import DetectorConfig, JobSpec, Membership, WorkerState
+from maitre.control.detectors import DetectorConfig, suspect_after
+from maitre.control.membership import JobSpec, Membership, WorkerState
 from maitre.scheduling.lifecycle import JobState
 
 pytestmark = pytest.mark.timeout(30)
@@ -238,7 +240,7 @@ def test_hang_rule(peers_stalled, checks):
     m = make(min_w=1, max_w=3)
     w1, w2, w3 = start(m, 3, now=10.0)
     beat(m, [w1, w2, w3], 10.1, 12.0)
-    assert m.workers[w2].suspect_after(m.cfg) == pytest.approx(1.5)  # regular beats: the floor
+    assert suspect_after(m.workers[w2], m.cfg) == pytest.approx(1.5)  # regular beats: the floor
     t = 12.1
     for when, expected in checks:
         beat(m, [w1, w3], t, when, stalled=peers_stalled)
@@ -252,6 +254,43 @@ def test_hang_rule(peers_stalled, checks):
             assert state(m, w2) == WorkerState.ACTIVE
             assert m.state == JobState.RUNNING and m.failures == 0
     assert state(m, w1) == state(m, w3) == WorkerState.ACTIVE
+
+
+def vouch(m: Membership, wid: str, t: float, silent_s: float, interval_s: float = 2.0) -> None:
+    """A node beat at ``t`` listing ``wid`` as silent for ``silent_s``, as the coordinator takes
+    it: heard less than protocol.SILENT_S ago, the agent vouches for it until its next beat is
+    due (plus the coordinator's slack of 0.5 s)."""
+    fresh = silent_s < p.SILENT_S
+    m.progress(wid, t - silent_s, 0, False, 0.0, 0.1, 0.0,
+               t + interval_s + 0.5 if fresh else 0.0)
+
+
+def test_a_member_its_agent_vouches_for_is_not_hung_while_the_next_beat_is_due():
+    """Its peers on a busy node stall on its longer step; its own node beats every 2 s. It was
+    heard at that node's last beat (12.0), and its agent would have beaten at once had it fallen
+    silent: no silence counts until the promise runs out (14.5), then from there on."""
+    m = make(min_w=1, max_w=3)
+    w1, w2, w3 = start(m, 3, now=10.0)
+    beat(m, [w1, w2, w3], 10.1, 11.9)
+    vouch(m, w2, 12.0, silent_s=0.05)
+    t = 12.0
+    for when, expected in [(13.6, []), (14.4, []), (15.9, []), (16.1, ["w2"])]:
+        beat(m, [w1, w3], t, when, stalled=True)
+        t = round(when + 0.1, 6)
+        assert m.detect_failures(when) == [f"j-{w}" for w in expected], when
+    assert "hung: no heartbeat for 1.6s" in m.close_reason
+
+
+def test_a_beat_that_reports_silence_withdraws_the_promise():
+    m = make(min_w=1, max_w=3)
+    w1, w2, w3 = start(m, 3, now=10.0)
+    beat(m, [w1, w2, w3], 10.1, 11.9)
+    vouch(m, w2, 11.95, silent_s=0.05)  # heard at 11.9, vouched for until 14.45...
+    vouch(m, w2, 12.3, silent_s=0.4)  # ...until its agent said it fell silent
+    beat(m, [w1, w3], 12.0, 13.4, stalled=True)
+    assert m.detect_failures(13.4) == []
+    beat(m, [w1, w3], 13.5, 13.5, stalled=True)
+    assert m.detect_failures(13.5) == ["j-w2"]  # silent since 11.9: 1.6 s, as without a vouch
 
 
 def test_hang_rule_needs_every_other_member_stalled():
@@ -284,7 +323,7 @@ def test_adaptive_suspect_timeout_for_irregular_heartbeats():
         t = round(t + (0.1 if i % 2 else 1.0), 6)
         heartbeat(m, w2, t, 0, False)
     last = t
-    timeout = m.workers[w2].suspect_after(m.cfg)
+    timeout = suspect_after(m.workers[w2], m.cfg)
     assert 2.5 < timeout < m.cfg.dead_after_s
     beat(m, [w1, w3], 0.1, last + timeout + 0.5, stalled=True)
     assert m.detect_failures(last + timeout - 0.2) == []  # past the floor, inside its own timeout

@@ -37,7 +37,8 @@ from maitre.checkpoint.loader import newest_complete
 from maitre import protocol
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
-from maitre.control.membership import DetectorConfig, WorkerState
+from maitre.control.detectors import DetectorConfig
+from maitre.control.membership import WorkerState
 from maitre.scheduling.lifecycle import JobState
 from maitre.runtime.ledger import audit
 from maitre.scheduling import PolicyConfig, Queue

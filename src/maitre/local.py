@@ -20,8 +20,7 @@ from typing import Any, Callable
 from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
-from maitre.control.detector import PhiConfig
-from maitre.control.membership import DetectorConfig
+from maitre.control.detectors import DetectorConfig, PhiConfig
 from maitre.control.store import Store
 from maitre.launch import describe, write_token
 from maitre.scheduling.model import Queue

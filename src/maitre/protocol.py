@@ -76,6 +76,13 @@ LOG = "MAITRE_LOG"
 
 ENV_PREFIX = "MAITRE_"
 
+# -- the agent's promise -------------------------------------------------------------------------
+SILENT_S = 0.3
+"""A worker silent this long makes its agent beat at once (and every ``urgent_s`` while it stays
+so). A node beat that lists a worker as silent for less therefore vouches for it until the
+agent's next beat is due (``NodeBeat.interval_s``): the coordinator's hang detector counts no
+silence for it till then (:func:`maitre.control.detectors.silence`)."""
+
 # -- routes (relative to API) ----------------------------------------------------------------
 HEALTH = "/health"
 JOBS = "/jobs"
@@ -301,6 +308,9 @@ class NodeBeat(_Request):
     """The worker processes the agent runs now, with their liveness and progress."""
     since: int = Field(-1, ge=-1)
     """The orders version the agent last saw (views come back only when newer)."""
+    interval_s: float | None = Field(None, gt=0, le=60)
+    """The agent beats again within this long, or at once when a worker falls silent past
+    :data:`SILENT_S` (None: no such promise; its workers' silence counts from their last beat)."""
 
 
 class WatchRequest(_Request):

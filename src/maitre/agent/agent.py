@@ -10,9 +10,10 @@ Three paths, each with its own thread (the messages are :mod:`maitre.protocol`'s
   last answered the agent (``heard_s``: how old that word may be).
 - **Agent to coordinator: the node beat**, every ``heartbeat_s`` (2 s), with the node's slots
   and labels and, for every worker it runs, its progress, how long it has been silent and the
-  rhythm of its beats. While a worker is stalled or silent, or when one turns so, the agent beats
-  every ``urgent_s`` (0.1 s) instead: that is when the coordinator's hang detector needs fresh
-  news. In steady state a node of 8 workers costs the coordinator one request every 2 s: what
+  rhythm of its beats. While a worker is stalled or silent (past ``protocol.SILENT_S``), or when
+  one turns so, the agent beats every ``urgent_s`` (0.1 s) instead: that is when the
+  coordinator's hang detector needs fresh news. That promise is in every beat (``interval_s``),
+  so a beat vouches for the workers it lists as heard until the next is due. In steady state a node of 8 workers costs the coordinator one request every 2 s: what
   a worker must hear comes by the watch, so the beat carries only liveness and progress
   (measured at 1,024 nodes: 1 s beats left the coordinator no headroom on this machine).
 - **Coordinator to agent: the watch**, a long-poll that returns as soon as the node's orders
@@ -76,10 +77,6 @@ LOCAL_HEARTBEAT_S = 0.25
 (``maitre run``, ``maitre up``'s local nodes): the cost is nothing there, and the job's step as
 the coordinator shows it (``maitre status``, a scripted story's ``kill@STEP``) is fresh. The
 default (2 s) is for clusters, where news for workers comes by the watch, not the beat."""
-
-_SILENT_S = 0.3
-"""A worker silent this long (or stalled) makes its agent beat every ``urgent_s``."""
-
 
 class WorkerBeats:
     """What the agent knows of one worker from its heartbeats: progress and rhythm."""
@@ -188,23 +185,28 @@ class Agent:
             threading.Thread(target=self._watch, name=f"agent-{self.node_id}-watch", daemon=True)]
         for t in self._threads:
             t.start()
+        last = time.monotonic()
         while not self._stop.is_set():
-            self._poke.wait(self._interval())
+            # Wake often enough to see a worker fall silent within ``urgent_s``: the beats
+            # promise the coordinator that (see protocol.SILENT_S); send one only when due.
+            poked = self._poke.wait(min(self.urgent_s, self.heartbeat_s))
             self._poke.clear()
             if self._stop.is_set():
                 break
+            now = time.monotonic()
+            if not (poked or self._urgent(now) or now - last >= self.heartbeat_s):
+                continue
+            last = now
             try:
                 self._beat()
             except CoordinatorUnreachable:
                 pass  # the coordinator may be restarting; keep our workers running
 
-    def _interval(self) -> float:
-        """Beat fast while a worker is stalled or silent: the hang detector needs fresh news."""
-        now = time.monotonic()
+    def _urgent(self, now: float) -> bool:
+        """A worker is stalled or silent: the hang detector needs fresh news, every ``urgent_s``."""
         with self._lock:
-            urgent = any(b.stalled or (b.last is not None and now - b.last > _SILENT_S)
-                         for wid, b in self.beats.items() if wid in self.workers)
-        return self.urgent_s if urgent else self.heartbeat_s
+            return any(b.stalled or (b.last is not None and now - b.last >= protocol.SILENT_S)
+                       for wid, b in self.beats.items() if wid in self.workers)
 
     def _watch(self) -> None:
         """Long-poll the node's orders; apply each answer as soon as it comes."""
@@ -273,7 +275,8 @@ class Agent:
         try:
             reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id),
                                      {"slots": self.slots, "labels": self.labels,
-                                      "workers": workers, "since": self.version})
+                                      "workers": workers, "since": self.version,
+                                      "interval_s": self.heartbeat_s})
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
         self._apply(reply, sent)

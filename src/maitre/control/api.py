@@ -48,7 +48,7 @@ from starlette.routing import Match, Route
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState
 from maitre.control.coordinator import Coordinator
-from maitre.control.membership import DetectorConfig
+from maitre.control.detectors import DetectorConfig
 from maitre.control.store import Store
 from maitre.control.storedoor import StoreDoor, Stores
 from maitre.errors import NotFound, RequestError

@@ -43,8 +43,8 @@ from typing import Any, Callable
 
 from maitre import protocol
 from maitre.control.accounting import Usage, account, measure
-from maitre.control.detector import PhiAccrual, PhiConfig
-from maitre.control.membership import DetectorConfig, JobSpec, Membership, WorkerState
+from maitre.control.detectors import DetectorConfig, PhiAccrual, PhiConfig
+from maitre.control.membership import JobSpec, Membership, WorkerState
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair

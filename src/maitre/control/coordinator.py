@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 from maitre import protocol as p
 from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
-from maitre.control.membership import LIVE, DetectorConfig, Membership, Worker, WorkerState
+from maitre.control.detectors import DetectorConfig
+from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.assign import free_slot
@@ -53,6 +54,9 @@ log = logging.getLogger("maitre.coordinator")
 
 _NOT_STARTED = {"epoch": 0, "epoch_open": False, "members": [], "step": 0, "failures": 0, "failure": None,
                 "workers": [], "target": 0, "min_workers": 0, "max_workers": 0}
+_VOUCH_SLACK_S = 0.5
+"""How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
+loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
 _LOST_CHECK_S = 0.5
 """Workers silent past ``dead_after_s`` (15 s) are looked for this often; hangs, every tick."""
 _SAVE_EVERY_S = 5.0
@@ -300,8 +304,10 @@ class Coordinator:
                 if ms is None or ms.workers[wb.id].node != node:
                     continue  # not ours (a leftover of another coordinator's run): killed below
                 seen = now - wb.silent_s if wb.silent_s is not None else 0.0
+                vouched = now + beat.interval_s + _VOUCH_SLACK_S if beat.interval_s and \
+                    wb.silent_s is not None and wb.silent_s < p.SILENT_S else 0.0
                 ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s,
-                            wb.gap_std_s)
+                            wb.gap_std_s, vouched)
             info["running"] = running
             return self._orders(node, beat.since, now)
 

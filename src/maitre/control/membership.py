@@ -25,9 +25,8 @@ to leave, plus workers that are ready to join (they did their slow start-up firs
 job's target size. Members that die while the round is open drop out of it. Workers learn of a
 closed epoch from their :meth:`~Membership.view` (their agent hands it over) and come to the round
 themselves; a member that stopped (SIGSTOP, partition) is declared dead by
-:meth:`Membership.detect_failures`: its heartbeats (as its agent reports them with
-:meth:`~Membership.progress`) lapsed past an adaptive timeout while every other member waited in a
-collective, or lapsed past the hard timeout whatever the others do.
+:meth:`Membership.detect_failures`, on what :mod:`maitre.control.detectors` finds in its
+heartbeats (as its agent reports them with :meth:`~Membership.progress`).
 
 Workers are counted by state as they change (:meth:`_set_state`), so what a node beat asks of a
 job of thousands of workers (does it want more, is a change pending) costs O(1).
@@ -37,7 +36,6 @@ Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock an
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
@@ -45,6 +43,8 @@ import copy
 from enum import Enum
 from typing import Any
 
+from maitre.control import detectors
+from maitre.control.detectors import DetectorConfig
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Job
 
@@ -100,20 +100,6 @@ class JobSpec:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
 
 
-@dataclass(kw_only=True, slots=True)
-class DetectorConfig:
-    heartbeat_interval_s: float = 0.1
-    """How often workers send heartbeats."""
-    suspect_floor_s: float = 1.5
-    """Least heartbeat silence that can mark a member hung (when its peers are stalled)."""
-    suspect_sigmas: float = 8.0
-    """Adaptive part: mean gap + this many standard deviations of the member's heartbeat gaps."""
-    dead_after_s: float = 15.0
-    """Heartbeat silence that marks a worker dead whatever its peers do."""
-    first_round_grace_s: float = 2.0
-    """How long the first round waits for more ready workers once the minimum is there."""
-
-
 @dataclass(slots=True)
 class Worker:
     id: str
@@ -127,6 +113,8 @@ class Worker:
     """The epoch this worker asked to move past in a rendezvous call (None when not waiting)."""
     ready_at: float = 0.0
     last_heartbeat: float = 0.0
+    vouched_until: float = 0.0
+    """Until when its agent's last node beat vouches for it (:func:`detectors.silence`)."""
     gap_mean: float = 0.0
     gap_var: float = 0.0
     """The rhythm of its heartbeats (mean and variance of their gaps), as its agent sees it."""
@@ -151,10 +139,6 @@ class Worker:
 
     def seen(self, now: float) -> None:
         self.last_heartbeat = max(self.last_heartbeat, now)
-
-    def suspect_after(self, cfg: DetectorConfig) -> float:
-        adaptive = self.gap_mean + cfg.suspect_sigmas * math.sqrt(self.gap_var)
-        return min(max(cfg.suspect_floor_s, adaptive), cfg.dead_after_s)
 
 
 _WORKER_FIELDS = tuple(f.name for f in fields(Worker))
@@ -322,13 +306,16 @@ class Membership:
         w.seen(now)
 
     def progress(self, wid: str, seen_at: float, step: int, stalled: bool,
-                 trained_s: float = 0.0, gap_mean_s: float = 0.0, gap_std_s: float = 0.0) -> None:
+                 trained_s: float = 0.0, gap_mean_s: float = 0.0, gap_std_s: float = 0.0,
+                 vouched_until: float = 0.0) -> None:
         """What the worker's agent reports of it: it last heard from the worker at ``seen_at``
         (which is never older than what was known), at its step, stalled or not, with the
-        rhythm of its heartbeats (mean and deviation of their gaps) as the agent measured it."""
+        rhythm of its heartbeats (mean and deviation of their gaps) as the agent measured it,
+        and until when the agent vouches for it (a report of silence withdraws the promise)."""
         w = self._worker(wid)
         if seen_at > w.last_heartbeat:
             w.last_heartbeat = seen_at
+        w.vouched_until = vouched_until
         w.gap_mean, w.gap_var = gap_mean_s, gap_std_s * gap_std_s
         w.trained_s = max(w.trained_s, trained_s)
         if w.state in (WorkerState.ACTIVE, WorkerState.LEAVING):
@@ -632,31 +619,21 @@ class Membership:
         ``lost=False`` only hangs are looked for (the coordinator looks for workers silent past
         ``dead_after_s`` twice a second, for hangs at every tick)."""
         dead: list[str] = []
-        limit = now - self.cfg.dead_after_s  # (the starting are importing; the agent watches)
-        for w in [w for w in self.workers.values()
-                  if lost and w.last_heartbeat < limit and w.state in _WATCHED]:
-            silent = now - w.last_heartbeat
-            dead.append(w.id)
-            self._mark_dead(w, f"worker {w.id} sent no heartbeat for {silent:.1f}s", now)
+        if lost:  # (the starting are importing; their agent watches them)
+            for w, reason in detectors.lost([w for w in self.workers.values()
+                                             if w.state in _WATCHED], now, self.cfg):
+                dead.append(w.id)
+                self._mark_dead(w, reason, now)
         # A hang needs every other member stalled, so none stalled means no hang: the usual
         # case costs nothing.
         if self.open and self._stalled > 0:
-            members = [self.workers[m] for m in self.members]
-            floor = now - self.cfg.suspect_floor_s
-            for w in members:
-                if w.last_heartbeat >= floor:  # the common case, decided without arithmetic
-                    continue
-                silent = now - w.last_heartbeat
-                if w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or \
-                        silent <= w.suspect_after(self.cfg):
-                    continue
-                others = [o for o in members if o is not w and o.state in (
-                    WorkerState.ACTIVE, WorkerState.LEAVING)]
-                if others and all(o.stalled for o in others):
-                    dead.append(w.id)
-                    self._mark_dead(w, f"worker {w.id} hung: no heartbeat for {silent:.1f}s "
-                                       "while its peers waited in a collective", now)
-                    break
+            training = [self.workers[m] for m in self.members if self.workers[m].state in (
+                WorkerState.ACTIVE, WorkerState.LEAVING)]
+            found = detectors.hung(training, now, self.cfg)
+            if found is not None:
+                w, reason = found
+                dead.append(w.id)
+                self._mark_dead(w, reason, now)
         if not self.open and self.epoch > 0 and not self.over:
             self._check_min(now)
         return dead
@@ -721,7 +698,7 @@ class Membership:
             w = Worker(**{k: v for k, v in raw.items() if k in names})
             w.state = WorkerState(raw["state"])
             if w.state in LIVE:
-                w.last_heartbeat = now
+                w.last_heartbeat, w.vouched_until = now, 0.0
                 w.gap_mean = w.gap_var = 0.0
             m.workers[w.id] = w
         m._recount()

@@ -1,0 +1,78 @@
+"""The agent's promise to the hang detector (protocol.SILENT_S): a node beat is due every
+``heartbeat_s``, but a worker that falls silent makes the agent beat within ``urgent_s`` of it
+passing SILENT_S, whenever in the interval that happens. Against a stand-in coordinator that
+records the beats (the agent's side only; the coordinator's is in test_membership.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from maitre import protocol
+from maitre.agent.agent import Agent, WorkerBeats, _Worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Coordinator(BaseHTTPRequestHandler):
+    beats: list[tuple[float, dict]] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        if self.path.endswith("/watch"):
+            time.sleep(min(1.0, body.get("wait_s", 0)))
+        else:
+            self.beats.append((time.monotonic(), body))
+        reply = json.dumps({"version": 0, "views": None, "start": [], "kill": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once() -> None:
+    beats: list[tuple[float, dict]] = []
+    handler = type("Recorder", (_Coordinator,), {"beats": beats})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    agent = Agent(f"127.0.0.1:{server.server_port}", "n0", 1, heartbeat_s=5.0, urgent_s=0.1)
+    try:
+        agent.start()
+        deadline = time.monotonic() + 10
+        while not beats and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert beats, "the agent never beat"
+        assert beats[0][1]["interval_s"] == 5.0  # the promise, in every beat
+        with agent._lock:  # a worker of this node beats once, then falls silent
+            agent.workers["w1"] = _Worker("w1", proc)
+            agent.beats["w1"] = WorkerBeats()
+            heard = time.monotonic()
+            agent.beats["w1"].beat(heard, 3, False, 0.0)
+        deadline = heard + 4.0  # well before the 5 s beat would be due
+        while time.monotonic() < deadline and not any(
+                w.get("silent_s", 0) >= protocol.SILENT_S
+                for t, body in beats for w in body["workers"]):
+            time.sleep(0.01)
+        late = [(t, w["silent_s"]) for t, body in beats for w in body["workers"]
+                if w.get("silent_s", 0) >= protocol.SILENT_S]
+        assert late, f"no beat reported the silence within 4 s: {beats}"
+        at, silent = late[0]
+        # Within urgent_s of crossing SILENT_S (a second of margin for a busy machine).
+        assert protocol.SILENT_S <= at - heard < protocol.SILENT_S + 1.0, (at - heard, silent)
+    finally:
+        proc.kill()
+        proc.wait()
+        agent.stop(grace_s=0.5)
+        server.shutdown()
+        server.server_close()
