@@ -33,8 +33,9 @@ TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2"
         "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000"]
 
 
-def example_command(steps: int, out: Path | None = None) -> list[str]:
-    cmd = [sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY]
+def example_command(steps: int, out: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+    """The example, TINY, for ``steps`` steps; ``extra`` flags come last (and win)."""
+    cmd = [sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY, *extra]
     return cmd + (["--out", str(out)] if out is not None else [])
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -95,16 +96,17 @@ def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.C
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory):
-    """``reference(steps)``: the final parameters of the example (TINY) trained by one fixed-size
-    process for ``steps`` steps, computed once per step count for the whole session."""
-    cache: dict[int, dict[str, torch.Tensor]] = {}
+    """``reference(steps, *extra)``: the final parameters of the example (TINY, then ``extra``
+    flags) trained by one fixed-size process for ``steps`` steps, computed once per setting for
+    the whole session."""
+    cache: dict[tuple[int, tuple[str, ...]], dict[str, torch.Tensor]] = {}
 
-    def get(steps: int) -> dict[str, torch.Tensor]:
-        if steps not in cache:
+    def get(steps: int, *extra: str) -> dict[str, torch.Tensor]:
+        if (steps, extra) not in cache:
             out = tmp_path_factory.mktemp("reference") / "final.pt"
-            result = run_tagged(example_command(steps, out), timeout=300)
+            result = run_tagged(example_command(steps, out, extra), timeout=300)
             assert result.returncode == 0, result.stderr
-            cache[steps] = torch.load(out, weights_only=True)
-        return cache[steps]
+            cache[(steps, extra)] = torch.load(out, weights_only=True)
+        return cache[(steps, extra)]
 
     return get

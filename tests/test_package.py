@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "maitre"
 
 PUBLIC = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
-          "IntervalConfig", "LinearScaling", "SqrtScaling", "TrainState"]
+          "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState"]
 
 
 def _python(args: list[str], cwd: Path, timeout: float,

@@ -15,6 +15,7 @@ from maitre._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from maitre.checkpoint import CheckpointConfig, IntervalConfig
+    from maitre.runtime.hooks import LossScaler
     from maitre.runtime.loop import Batch, ElasticLoop
     from maitre.runtime.sampler import ElasticSampler
     from maitre.runtime.scaling import ConstantBatch, LinearScaling, SqrtScaling
@@ -28,13 +29,14 @@ _HOMES = {
     "ElasticSampler": "maitre.runtime.sampler",
     "IntervalConfig": "maitre.checkpoint.policy",
     "LinearScaling": "maitre.runtime.scaling",
+    "LossScaler": "maitre.runtime.hooks",
     "SqrtScaling": "maitre.runtime.scaling",
     "TrainState": "maitre.runtime.state",
 }
 """Where each public name is defined."""
 
 __all__ = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
-           "IntervalConfig", "LinearScaling", "SqrtScaling", "TrainState"]
+           "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState"]
 __version__ = "0.1.0"
 
 

@@ -4,12 +4,15 @@
     torchrun --nproc-per-node 2 examples/train.py --steps 300       # the same script, fixed size
     python examples/train.py --steps 300                            # one process
     python examples/train.py --checkpoint-dir ckpt                  # checkpointed; rerun to resume
+    python examples/train.py --clip 1.0 --precision bf16            # a recipe's step hooks
 
 The maitre parts are the sampler (which sample indices each rank trains on), the loop (which
 finishes each step: gradient mean over the global batch, optimizer step, commit), and the
 ``reduction="sum"`` loss: the loop divides by the global sample count, so the update is the mean
 over the same global batch at any world size. The model has no dropout, so an elastic run matches
-a fixed-size run with the same seed and global batch.
+a fixed-size run with the same seed and global batch. Clipping (``--clip``) and the fp16 loss
+scaler (``--precision fp16``) are the loop's, applied to the reduced gradients: clipping each
+rank's share in the loop body would clip a different vector at every world size.
 """
 
 import argparse
@@ -71,6 +74,11 @@ def main() -> None:
     p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints "
                    "(default: the Young/Daly interval)")
     p.add_argument("--mtbf", type=float, help="mean time between failures (s) for the interval")
+    p.add_argument("--clip", type=float, help="clip the gradients to this global norm")
+    p.add_argument("--precision", choices=["bf16", "fp16"], help="autocast the forward pass "
+                   "(fp16 with a dynamic loss scale)")
+    p.add_argument("--loss-scale", type=float, default=2.0 ** 16,
+                   help="fp16's initial loss scale (default 65536)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -102,8 +110,11 @@ def main() -> None:
     checkpoint = None if args.checkpoint_dir is None else maitre.CheckpointConfig(
         directory=args.checkpoint_dir,
         interval=maitre.IntervalConfig(every_steps=args.checkpoint_every, mtbf_s=args.mtbf))
+    scaler = maitre.LossScaler(args.loss_scale) if args.precision == "fp16" else None
     loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
-                              micro_batch_size=args.micro_batch, checkpoint=checkpoint)
+                              micro_batch_size=args.micro_batch, checkpoint=checkpoint,
+                              precision=args.precision, clip_grad_norm=args.clip,
+                              loss_scaler=scaler)
 
     started, tokens = time.monotonic(), 0
     for batch in loop.run(max_steps=args.steps):
@@ -111,12 +122,14 @@ def main() -> None:
             if not idx:
                 continue
             x, y = sequences(idx)
-            logits = model(x)
+            with batch.autocast():
+                logits = model(x)
+            if logits.dtype in (torch.float16, torch.bfloat16):  # the loss in the model's dtype
+                logits = logits.to(torch.get_default_dtype())
             # Sum over sequences, mean over positions: the loop divides by the global count.
             loss = F.cross_entropy(logits.reshape(-1, len(vocab)), y.reshape(-1),
                                    reduction="sum") / args.block
-            loss.backward()
-            batch.log_loss(loss)
+            batch.backward(loss)  # loss.backward(), scaled for fp16; logs the loss
             if args.device_ms_per_sample:  # a GPU computes while the CPU waits
                 time.sleep(len(idx) * args.device_ms_per_sample / 1000)
         tokens += batch.global_batch_size * args.block
@@ -127,7 +140,9 @@ def main() -> None:
 
     if loop.rank == 0:
         loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
-        print(f"done: {loop.step} steps, final loss {loss}", flush=True)
+        skipped = f", {loop.scaler.skipped} steps skipped for fp16 overflow" \
+            if loop.scaler is not None else ""
+        print(f"done: {loop.step} steps, final loss {loss}{skipped}", flush=True)
         if args.out is not None:
             torch.save(model.state_dict(), args.out)
 

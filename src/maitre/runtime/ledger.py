@@ -6,7 +6,9 @@ start; ``run_id`` names one ``maitre run``), then:
 
 * ``{"k": "a", "e": epoch, "s": step, "d": data_epoch, "i": [indices]}`` before a step's
   gradient allreduce (an *attempt*: this rank's share),
-* ``{"k": "c", "e": epoch, "s": step, "t": wall_time}`` once the step is committed, and
+* ``{"k": "c", "e": epoch, "s": step, "t": wall_time}`` once the step is committed,
+* ``{"k": "x", "e": epoch, "s": step}`` when the step was skipped (a loss scaler's overflow: it
+  commits nothing and is trained again in the same epoch; the attempt before it is void), and
 * ``{"k": "r", "s": step, "t": wall_time}`` when the process resumed from a checkpoint of ``step``.
 
 A step that committed in membership epoch ``e`` of run ``r`` used exactly the attempts logged for
@@ -43,6 +45,10 @@ class Ledger:
     def attempt(self, epoch: int, step: int, data_epoch: int, indices: list[int]) -> None:
         self._file.write(json.dumps({"k": "a", "e": epoch, "s": step, "d": data_epoch,
                                      "i": indices}, separators=(",", ":")) + "\n")
+
+    def skipped(self, epoch: int, step: int) -> None:
+        self._file.write(json.dumps({"k": "x", "e": epoch, "s": step}, separators=(",", ":"))
+                         + "\n")
 
     def commit(self, epoch: int, step: int) -> None:
         self._file.write(json.dumps({"k": "c", "e": epoch, "s": step, "t": time.time()},
@@ -102,7 +108,14 @@ def read(directory: str | os.PathLike[str]) -> tuple[dict[Key, list[dict[str, An
             except json.JSONDecodeError:  # a line cut short by a kill -9
                 continue
             if rec["k"] == "a":
+                rec["w"] = path.name
                 attempts[(run, rec["e"], rec["s"])].append(rec)
+            elif rec["k"] == "x":  # this worker's attempt of that step is void
+                recs = attempts[(run, rec["e"], rec["s"])]
+                for i in range(len(recs) - 1, -1, -1):
+                    if recs[i].get("w") == path.name:
+                        del recs[i]
+                        break
             elif rec["k"] == "c":
                 committed.append(((run, rec["e"], rec["s"]), rec["t"]))
             elif rec["k"] == "r":

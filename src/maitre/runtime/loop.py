@@ -12,8 +12,15 @@ A script builds its model, optimizer and data as usual, then iterates::
 Between two iterations the loop finishes the step: it allreduces the summed gradients in one flat
 buffer that also carries control slots (the loss sum, the sample count, a resize flag and the
 checkpoint's flags), divides by the global sample count (so uneven shares are weighted exactly),
-applies the scaling rule's learning-rate factor, steps the optimizer and the LR schedule, advances
-the sampler and commits. The flags are how every rank makes the same decision at the same step:
+runs the recipe's step hooks on the reduced gradients (a loss scaler's overflow check, clipping by
+the global norm, a callback: :mod:`maitre.runtime.hooks`), applies the scaling rule's
+learning-rate factor, steps the optimizer and the LR schedule, advances the sampler and commits.
+With mixed precision the body reads::
+
+    for idx in batch.micro_batches:
+        with batch.autocast():                 # bf16 or fp16, as the loop was given
+            loss = loss_fn(model(x[idx]), y[idx], reduction="sum")
+        batch.backward(loss)                   # scaled for fp16; logs the loss The flags are how every rank makes the same decision at the same step:
 any rank whose heartbeat brought news of a membership change raises the resize flag, any rank whose
 checkpoint interval elapsed asks for a save (see :mod:`maitre.checkpoint`), and after the
 allreduce all ranks agree.
@@ -33,6 +40,7 @@ Under plain ``torchrun`` the same loop runs on a fixed group; alone, on one proc
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -53,6 +61,7 @@ from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
 from maitre.runtime.heartbeat import Heartbeat
+from maitre.runtime.hooks import LossScaler, StepHooks, all_finite, clip
 from maitre.runtime.ledger import Ledger
 from maitre.runtime.sampler import ElasticSampler, StepSlice
 from maitre.runtime.scaling import ConstantBatch
@@ -82,7 +91,11 @@ class Batch:
     slice: StepSlice
     micro_batches: list[list[int]]
     """This rank's sample indices, split by the micro-batch size (may be empty lists' list)."""
+    grad_norm: float | None = None
+    """The global norm of the reduced gradients, once clipped (for ``on_reduced_grads``)."""
     _loss: float = 0.0
+    _scale: float = 1.0
+    _autocast: tuple[str, torch.dtype] | None = None
 
     @property
     def indices(self) -> list[int]:
@@ -95,6 +108,18 @@ class Batch:
     def log_loss(self, loss_sum: torch.Tensor | float) -> None:
         """Record this rank's summed loss; ``loop.last_loss`` is then the global mean."""
         self._loss += float(loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum)
+
+    def backward(self, loss_sum: torch.Tensor) -> None:
+        """``loss_sum.backward()``, times the loss scale with ``precision="fp16"``; logs the loss."""
+        self.log_loss(loss_sum)
+        (loss_sum * self._scale if self._scale != 1.0 else loss_sum).backward()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``torch.autocast`` in the loop's precision (nothing without one)."""
+        if self._autocast is None:
+            return contextlib.nullcontext()
+        device_type, dtype = self._autocast
+        return torch.autocast(device_type, dtype=dtype)
 
 
 @dataclass(slots=True)
@@ -125,15 +150,28 @@ class ElasticLoop:
         checkpoint: where and how often to checkpoint (default: from ``maitre run
             --checkpoint-dir``, else none). A job that starts with no live state loads the
             newest complete checkpoint there.
+        precision: ``"bf16"`` or ``"fp16"`` for ``batch.autocast()``; fp16 scales the loss
+            (``batch.backward``) with ``loss_scaler`` (default: a :class:`LossScaler`).
+        clip_grad_norm: clip the reduced gradients to this global norm.
+        on_reduced_grads: called as ``fn(batch)`` on every rank between the reduced gradients
+            and the optimizer's step (see :mod:`maitre.runtime.hooks`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  sampler: ElasticSampler, *, lr_scheduler: Any = None,
                  micro_batch_size: int | None = None, scaling: Any = None,
                  extras: dict[str, Stateful] | None = None, env: WorkerEnv | None = None,
-                 checkpoint: CheckpointConfig | None = None) -> None:
+                 checkpoint: CheckpointConfig | None = None, precision: str | None = None,
+                 clip_grad_norm: float | None = None, on_reduced_grads: Any = None,
+                 loss_scaler: LossScaler | None = None) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.hooks = StepHooks(precision=precision, clip_grad_norm=clip_grad_norm,
+                               on_reduced_grads=on_reduced_grads)
+        if loss_scaler is not None and precision != "fp16":
+            raise ValueError("a loss_scaler is for precision='fp16'")
+        self.scaler = loss_scaler if loss_scaler is not None else (
+            LossScaler() if precision == "fp16" else None)
         self.env = env or WorkerEnv.from_environ()
         self.model = model
         self.optimizer = optimizer
@@ -145,6 +183,8 @@ class ElasticLoop:
         self.lr_scheduler = lr_scheduler
         for name, obj in (extras or {}).items():
             self.state.register(name, obj)
+        if self.scaler is not None:  # its scale is part of the job's state
+            self.state.register("loss_scaler", self.scaler)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no parameters that require gradients")
@@ -221,7 +261,10 @@ class ElasticLoop:
         local = slc.local_indices
         micro = self.micro_batch_size or max(1, len(local))
         chunks = [local[i:i + micro] for i in range(0, len(local), micro)] or [[]]
-        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks)
+        dtype = self.hooks.autocast_dtype
+        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks,
+                     _scale=self.scaler.scale if self.scaler is not None else 1.0,
+                     _autocast=None if dtype is None else (self.device.type, dtype))
 
     def _finish(self, batch: Batch) -> bool:
         """Reduce, update and commit the step. False when it was dropped for a membership change."""
@@ -258,7 +301,16 @@ class ElasticLoop:
         if count != batch.global_batch_size:
             raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
                                f"batch has {batch.global_batch_size}: shares are inconsistent")
-        self._buffers.scatter(1.0 / count)
+        scale = batch._scale
+        if self.scaler is not None and not all_finite(self._buffers.grads()):
+            return self._skip(batch, scale)  # the same on every rank: the buffers are one
+        self._buffers.scatter(1.0 / (count * scale))  # the global mean, unscaled
+        if self.hooks.clip_grad_norm is not None:
+            batch.grad_norm = clip(self.params, self.hooks.clip_grad_norm)
+        if self.hooks.on_reduced_grads is not None:
+            self.hooks.on_reduced_grads(batch)
+        if self.scaler is not None:
+            self.scaler.update(True)
         factor = self.scaling.lr_factor(self.state.step)
         if factor != 1.0:
             saved = [g["lr"] for g in self.optimizer.param_groups]
@@ -290,6 +342,21 @@ class ElasticLoop:
         if float(control[2]) > 0:
             self._rendezvous("resize")
         return True
+
+    def _skip(self, batch: Batch, scale: float) -> bool:
+        """An overflow in the reduced fp16 gradients: the step commits nothing and is trained
+        again (the same samples) at a lower loss scale. A membership change is met now; a stop
+        or a save is asked again by the step trained next."""
+        assert self.scaler is not None
+        self.scaler.update(False)
+        if self._ledger is not None:
+            self._ledger.skipped(self.epoch, batch.step)
+        if self.rank == 0:
+            print(f"maitre: step {batch.step} overflowed at loss scale {scale:g}; training it "
+                  f"again at {self.scaler.scale:g}", file=sys.stderr, flush=True)
+        if float(self._buffers.control[2]) > 0:
+            self._rendezvous("resize")
+        return False
 
     def _allreduce(self, buf: torch.Tensor) -> None:
         if self.group is not None:
@@ -643,6 +710,10 @@ class _GradBuffers:
                 elif p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)
         return [flat for flat, _, _ in self.groups]
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradient part of each flat buffer (not the control slots)."""
+        return [flat[:numel] for flat, numel, _ in self.groups]
 
     def scatter(self, scale: float) -> None:
         for flat, numel, views in self.groups:
