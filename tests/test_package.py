@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "maitre"
 
 PUBLIC = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
-          "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState"]
+          "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState",
+          "replica_mesh"]
 
 
 def _python(args: list[str], cwd: Path, timeout: float,

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from maitre.checkpoint import CheckpointConfig, IntervalConfig
     from maitre.runtime.hooks import LossScaler
     from maitre.runtime.loop import Batch, ElasticLoop
+    from maitre.runtime.replica import replica_mesh
     from maitre.runtime.sampler import ElasticSampler
     from maitre.runtime.scaling import ConstantBatch, LinearScaling, SqrtScaling
     from maitre.runtime.state import TrainState
@@ -32,11 +33,13 @@ _HOMES = {
     "LossScaler": "maitre.runtime.hooks",
     "SqrtScaling": "maitre.runtime.scaling",
     "TrainState": "maitre.runtime.state",
+    "replica_mesh": "maitre.runtime.replica",
 }
 """Where each public name is defined."""
 
 __all__ = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
-           "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState"]
+           "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState",
+           "replica_mesh"]
 __version__ = "0.1.0"
 
 

@@ -62,17 +62,19 @@ from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
 from maitre.runtime.heartbeat import Heartbeat
 from maitre.runtime.hooks import LossScaler, StepHooks, all_finite, clip
+from maitre.runtime import replica as replicas
 from maitre.runtime.ledger import Ledger
-from maitre.runtime.sampler import ElasticSampler, StepSlice
+from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.storelink import StoreLink, StoreLinkError
 from maitre.runtime.transfer import broadcast_state, sync_steps
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
-# loss sum, sample count, resize flag; save request, stop request, save token, writer busy
-_CONTROL = 7
-_SAVE, _STOP, _TOKEN, _BUSY = 3, 4, 5, 6
+# loss sum, sample count, resize flag; save request, stop request, save token, writer busy;
+# gradients not finite (a process of a replica that spans several)
+_CONTROL = 8
+_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE = 3, 4, 5, 6, 7
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 _JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
@@ -90,7 +92,9 @@ class Batch:
     world_size: int
     slice: StepSlice
     micro_batches: list[list[int]]
-    """This rank's sample indices, split by the micro-batch size (may be empty lists' list)."""
+    """This process's sample indices, split by the micro-batch size (may be empty lists' list)."""
+    mine: list[int] | None = None
+    """This process's part of its replica's share, when a replica spans processes."""
     grad_norm: float | None = None
     """The global norm of the reduced gradients, once clipped (for ``on_reduced_grads``)."""
     _loss: float = 0.0
@@ -99,7 +103,8 @@ class Batch:
 
     @property
     def indices(self) -> list[int]:
-        return self.slice.local_indices
+        """The samples this process trains on (its rank's share, or its part of it)."""
+        return self.slice.local_indices if self.mine is None else self.mine
 
     @property
     def global_batch_size(self) -> int:
@@ -188,6 +193,19 @@ class ElasticLoop:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no parameters that require gradients")
+        self.replica = replicas.current()
+        """This process's replica, when the script built its model on :func:`replica_mesh`."""
+        replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
+        if self.replica is not None and self.replica.nproc > 1:
+            plain = [n for n, p in model.named_parameters()
+                     if p.requires_grad and not replicas.is_sharded(p)]
+            if plain:
+                raise ValueError(f"a replica of {self.replica.nproc} processes needs its model "
+                                 f"sharded on the replica's mesh (fully_shard); not sharded: "
+                                 f"{', '.join(plain[:5])}")
+            if checkpoint is not None or CheckpointConfig.from_environ() is not None:
+                raise ValueError("checkpoints of a model sharded over several processes are "
+                                 "not written yet: drop the checkpoint settings")
         self.device = self.params[0].device
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
         self.group: EpochGroup | None = None
@@ -258,20 +276,26 @@ class ElasticLoop:
     def _next_batch(self) -> Batch:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
         slc = self.sampler.next_slice(self.rank, self.world_size, size)
-        local = slc.local_indices
+        local = mine = slc.local_indices
+        rep = self.replica
+        if rep is not None and rep.nproc > 1:  # the replica's share, split by dp_shard rank
+            start, end = share_bounds(len(local), rep.dp_rank, rep.spec.dp_shard)
+            local = mine = local[start:end]
         micro = self.micro_batch_size or max(1, len(local))
         chunks = [local[i:i + micro] for i in range(0, len(local), micro)] or [[]]
         dtype = self.hooks.autocast_dtype
         return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks,
-                     _scale=self.scaler.scale if self.scaler is not None else 1.0,
+                     mine=mine if mine is not slc.local_indices else None, _scale=self.scaler.scale if self.scaler is not None else 1.0,
                      _autocast=None if dtype is None else (self.device.type, dtype))
 
     def _finish(self, batch: Batch) -> bool:
         """Reduce, update and commit the step. False when it was dropped for a membership change."""
         flat = self._buffers.gather()
         control = self._buffers.control
-        control[0] = batch._loss
-        control[1] = len(batch.indices)
+        rep = self.replica if self.replica is not None and self.replica.nproc > 1 else None
+        counts = rep is None or rep.counts_samples  # a shard's tp ranks read the same samples
+        control[0] = batch._loss if counts else 0.0
+        control[1] = len(batch.indices) if counts else 0.0
         control[2] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
         control[_SAVE] = 1.0 if ckpt is not None and (ckpt.due(batch.step) or (
@@ -284,7 +308,8 @@ class ElasticLoop:
         # carries it to every rank (exact in float32 below 2**24).
         control[_TOKEN] = float(secrets.randbelow(1 << 24)) \
             if ckpt is not None and self.rank == 0 else 0.0
-        if self._ledger is not None:
+        control[_NONFINITE] = 0.0
+        if self._ledger is not None and counts:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
         try:
             began = time.monotonic()
@@ -297,12 +322,17 @@ class ElasticLoop:
             self._buffers = _GradBuffers(self.params)
             self._recover(lost)
             return False
+        scale = batch._scale
+        if rep is not None:  # position l's totals, summed over the replica: every total
+            if self.scaler is not None:  # each process checks its own shards
+                control[_NONFINITE] = 0.0 if all_finite(self._buffers.grads()) else 1.0
+            dist.all_reduce(control, group=rep.group)
         count = int(round(float(control[1])))
         if count != batch.global_batch_size:
             raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
                                f"batch has {batch.global_batch_size}: shares are inconsistent")
-        scale = batch._scale
-        if self.scaler is not None and not all_finite(self._buffers.grads()):
+        if self.scaler is not None and (float(control[_NONFINITE]) > 0 if rep is not None
+                                        else not all_finite(self._buffers.grads())):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         self._buffers.scatter(1.0 / (count * scale))  # the global mean, unscaled
         if self.hooks.clip_grad_norm is not None:
@@ -325,7 +355,7 @@ class ElasticLoop:
         self.sampler.advance(batch.slice)
         self.state.step += 1
         self.last_loss = float(control[0]) / count
-        if self._ledger is not None:
+        if self._ledger is not None and counts:
             self._ledger.commit(self.epoch, batch.step)
         if self._recovery is not None:
             self._report_recovery()
@@ -349,7 +379,7 @@ class ElasticLoop:
         or a save is asked again by the step trained next."""
         assert self.scaler is not None
         self.scaler.update(False)
-        if self._ledger is not None:
+        if self._ledger is not None and (self.replica is None or self.replica.counts_samples):
             self._ledger.skipped(self.epoch, batch.step)
         if self.rank == 0:
             print(f"maitre: step {batch.step} overflowed at loss scale {scale:g}; training it "
@@ -459,8 +489,13 @@ class ElasticLoop:
             if not dist.is_initialized():
                 dist.init_process_group(backend)
                 self._owns_default_group = True
-            self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
-                                    self.device)
+            rep = self.replica
+            if rep is not None and rep.cross is not None:  # replicas of a mesh each
+                self.rank, self.world_size = rep.replica_rank, rep.replicas
+                self.group = EpochGroup(rep.cross, rep.replica_rank, rep.replicas, self.device)
+            else:
+                self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
+                                        self.device)
             self._sync_state(Recovery("start", time.time()))
             return
         self._client = Client(self.env.coordinator, token=self.env.token or None,
@@ -682,16 +717,17 @@ class _GradBuffers:
         control_dtype = next((d for d in by_dtype if d in (torch.float32, torch.float64)),
                              torch.float64)
         by_dtype.setdefault(control_dtype, [])
-        device = params[0].device
+        device = _local(params[0]).device
         self.groups: list[tuple[torch.Tensor, int, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
         for dtype, ps in by_dtype.items():
-            numel = sum(p.numel() for p in ps)
+            numel = sum(_local(p).numel() for p in ps)
             extra = _CONTROL if dtype == control_dtype else 0
             flat = torch.zeros(numel + extra, dtype=dtype, device=device)
             views, offset = [], 0
             for p in ps:
-                views.append((p, flat[offset:offset + p.numel()].view_as(p)))
-                offset += p.numel()
+                local = _local(p)
+                views.append((p, _grad_view(p, flat[offset:offset + local.numel()].view_as(local))))
+                offset += local.numel()
             self.groups.append((flat, numel, views))
             if extra:
                 self.control = flat[numel:]
@@ -705,10 +741,11 @@ class _GradBuffers:
     def gather(self) -> list[torch.Tensor]:
         for _, _, views in self.groups:
             for p, view in views:
+                mine = _local(view)
                 if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
+                    mine.zero_()
+                elif _local(p.grad).data_ptr() != mine.data_ptr():
+                    mine.copy_(_local(p.grad))
         return [flat for flat, _, _ in self.groups]
 
     def grads(self) -> list[torch.Tensor]:
@@ -720,3 +757,19 @@ class _GradBuffers:
             flat[:numel].mul_(scale)
             for p, view in views:
                 p.grad = view
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own storage: a sharded (DTensor) parameter's local shard, else itself."""
+    return t.to_local() if replicas.is_sharded(t) else t
+
+
+def _grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """What ``p.grad`` is set to: ``view`` itself, or for a sharded parameter a DTensor over it
+    with ``p``'s placements (FSDP2 then accumulates its reduce-scattered shards into it in
+    place, micro-batch after micro-batch)."""
+    if not replicas.is_sharded(p):
+        return view
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())

@@ -1,0 +1,193 @@
+"""Replicas that span processes: a mesh inside, maitre's data parallelism across.
+
+A job's *replica* is ``nproc`` processes (the GPUs of one machine, NVLink between them) that hold
+one copy of the model between them, sharded by FSDP2 (``dp_shard``) and optionally split by tensor
+parallelism (``tp``): ``nproc == dp_shard * tp``. The job grows and shrinks by whole replicas.
+
+Two levels of groups:
+
+* **Inside a replica**, a fixed group of its ``nproc`` processes, which is torch's default process
+  group (DeviceMesh, DTensor, FSDP2 and TP all need one), with the replica's mesh on it:
+  :func:`replica_mesh` gives it to the script, which builds its model on it as it would under
+  torchrun. It lives as long as the replica; a process lost inside takes its replica out.
+* **Across replicas**, one group per position in the replica (local rank ``l``): the ``l``-th
+  processes of every replica, which hold the same shards. The loop's gradient allreduce runs on
+  it, so each shard is summed over the replicas by the processes that hold it. Under maitre it is
+  an epoch group, rebuilt in place at each membership change; under torchrun it is the mesh's
+  ``replicate`` dimension.
+
+The step, for a process at local rank ``l`` (see :class:`~maitre.runtime.loop.ElasticLoop`):
+FSDP's reduce-scatter sums the replica's gradient shards (the loop sets its reduction to a plain
+sum), the cross-replica allreduce sums them over the replicas together with the control slots of
+position ``l``, and a second, tiny allreduce of the control slots inside the replica makes every
+process of every replica see the same totals and flags. Then the loop divides by the global
+sample count: the update is the mean over the same global batch at any number of replicas.
+
+Data: the step's global slice is split between the replicas, then each replica's share between
+its ``dp_shard`` ranks; the ``tp`` ranks of a shard read the same samples (only the first counts
+them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from maitre import protocol
+
+MESH_DIMS = ("dp_shard", "tp")
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSpec:
+    """The shape of a replica's mesh."""
+
+    dp_shard: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            size = getattr(self, name)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"mesh {name} must be a whole number >= 1, got {size!r}")
+
+    @property
+    def nproc(self) -> int:
+        return self.dp_shard * self.tp
+
+    @classmethod
+    def parse(cls, text: str) -> "MeshSpec":
+        """``dp_shard=4,tp=2`` (as ``MAITRE_MESH`` carries it); missing dimensions are 1."""
+        sizes: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, _, value = part.partition("=")
+            if name not in MESH_DIMS or not value.isdigit():
+                raise ValueError(f"bad mesh {text!r}: expected dims {', '.join(MESH_DIMS)} as "
+                                 "name=size, e.g. dp_shard=4,tp=2")
+            sizes[name] = int(value)
+        return cls(**sizes)
+
+    def __str__(self) -> str:
+        return f"dp_shard={self.dp_shard},tp={self.tp}"
+
+    def check(self, nproc: int) -> None:
+        if self.nproc != nproc:
+            raise ValueError(f"the mesh {self} has {self.nproc} processes, the replica has "
+                             f"{nproc} (nprocPerReplica)")
+
+
+def configure_fsdp(model: torch.nn.Module) -> int:
+    """Make every FSDP2 module of ``model`` sum its gradients (no division, no PREMUL_SUM, which
+    gloo lacks): the loop divides by the global sample count. Returns how many it configured."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover (torch < 2.6 keeps it elsewhere)
+        from torch.distributed._composable.fsdp import FSDPModule  # type: ignore[no-redef]
+    count = 0
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+            count += 1
+    return count
+
+
+def is_sharded(p: torch.Tensor) -> bool:
+    """A DTensor (a parameter FSDP2 or TP placed on a mesh)."""
+    return type(p) is not torch.Tensor and type(p) is not torch.nn.Parameter and \
+        isinstance(p, _dtensor())
+
+
+def _dtensor() -> type:
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+@dataclass(slots=True)
+class Replica:
+    """This process's place in its replica (what :func:`replica_mesh` built)."""
+
+    spec: MeshSpec
+    local_rank: int
+    mesh: Any
+    """The replica's ``DeviceMesh`` (dims ``dp_shard``, ``tp``)."""
+    group: Any
+    """The replica's process group (the control slots' second allreduce)."""
+    cross: Any = None
+    """Under torchrun: the group of this position across the replicas (the mesh's
+    ``replicate`` dimension); under maitre the loop builds it per epoch."""
+    replica_rank: int = 0
+    replicas: int = 1
+
+    @property
+    def nproc(self) -> int:
+        return self.spec.nproc
+
+    @property
+    def dp_rank(self) -> int:
+        return self.local_rank // self.spec.tp
+
+    @property
+    def counts_samples(self) -> bool:
+        """The first ``tp`` rank of each shard counts its samples and loss (the others read the
+        same samples)."""
+        return self.local_rank % self.spec.tp == 0
+
+
+_REPLICA: Replica | None = None
+
+
+def current() -> Replica | None:
+    """The replica :func:`replica_mesh` built in this process, if any."""
+    return _REPLICA
+
+
+def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
+                 device_type: str | None = None) -> Any:
+    """The ``DeviceMesh`` of this process's replica (dims ``dp_shard`` and ``tp``), for the
+    script to build its model on (``fully_shard(block, mesh=mesh["dp_shard"])``, TP plans on
+    ``mesh["tp"]``).
+
+    Under ``torchrun`` the sizes given here choose the mesh (default: ``dp_shard`` = the
+    processes of a node, ``LOCAL_WORLD_SIZE``, over ``tp``), and the world is split into
+    replicas of ``dp_shard * tp`` consecutive ranks. Alone, it is a mesh of one process.
+    """
+    global _REPLICA
+    if _REPLICA is not None:
+        return _REPLICA.mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        spec = MeshSpec(dp_shard or max(1, local // (tp or 1)), tp or 1)
+        if world % spec.nproc:
+            raise ValueError(f"a world of {world} processes does not split into replicas of "
+                             f"{spec.nproc} ({spec})")
+        if not dist.is_initialized():
+            dist.init_process_group(backend)
+        replicas = world // spec.nproc
+        full = init_device_mesh(device_type, (replicas, spec.dp_shard, spec.tp),
+                                mesh_dim_names=("replicate", *MESH_DIMS))
+        groups = [dist.new_group(list(range(r * spec.nproc, (r + 1) * spec.nproc)))
+                  for r in range(replicas)]  # every rank makes every group, in one order
+        _REPLICA = Replica(spec, rank % spec.nproc, full[MESH_DIMS], groups[rank // spec.nproc],
+                           cross=full.get_group("replicate"), replica_rank=rank // spec.nproc,
+                           replicas=replicas)
+        return _REPLICA.mesh
+    spec = MeshSpec(dp_shard or 1, tp or 1)
+    if spec.nproc != 1:
+        raise ValueError(f"a mesh of {spec.nproc} processes ({spec}) needs as many processes: "
+                         "run the script under torchrun")
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device_type, (1, 1), mesh_dim_names=MESH_DIMS)
+    _REPLICA = Replica(spec, 0, mesh, dist.group.WORLD)
+    return mesh

@@ -1,0 +1,71 @@
+"""Replicas that span processes (:mod:`maitre.runtime.replica`): FSDP2 inside each replica,
+maitre's gradient allreduce across them, with the global count as the divisor.
+
+Under torchrun the world is split into replicas of ``dp_shard`` processes; the final parameters
+must equal one process's (float64, clipped by the global norm) whatever the split. What a
+replica gets wrong is refused before training."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, relative_error, run_tagged
+
+SCRIPT = ROOT / "tests" / "scripts" / "sharded_mlp.py"
+pytestmark = pytest.mark.timeout(300)
+
+
+def torchrun(nproc: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(nproc), str(SCRIPT), *args]
+
+
+@pytest.fixture(scope="module")
+def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("alone") / "final.pt"
+    result = run_tagged([sys.executable, str(SCRIPT), "--out", str(out)], timeout=200)
+    assert result.returncode == 0, result.stderr
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("nproc,dp_shard", [(4, 2), (2, 2), (2, 1)],
+                         ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"])
+def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, nproc: int,
+                                                        dp_shard: int) -> None:
+    out = tmp_path / "final.pt"
+    result = run_tagged(torchrun(nproc, "--dp-shard", str(dp_shard), "--out", str(out)),
+                        timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    error = relative_error(torch.load(out, weights_only=True), alone)
+    assert error <= 1e-12, error
+
+
+def test_a_world_that_does_not_split_into_replicas_is_refused(tmp_path: Path) -> None:
+    result = run_tagged(torchrun(3, "--dp-shard", "2", "--out", str(tmp_path / "x.pt")),
+                        timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert result.returncode != 0
+    assert "a world of 3 processes does not split into replicas of 2" in result.stderr
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_mesh_larger_than_one_process_is_refused_alone(tmp_path: Path) -> None:
+    result = run_tagged([sys.executable, str(SCRIPT), "--dp-shard", "2",
+                         "--out", str(tmp_path / "x.pt")], timeout=120)
+    assert result.returncode != 0
+    assert "a mesh of 2 processes (dp_shard=2,tp=1) needs as many processes" in result.stderr
+
+
+def test_the_mesh_spec_reads_and_checks_its_sizes() -> None:
+    from maitre.runtime.replica import MeshSpec
+    assert MeshSpec.parse("dp_shard=4,tp=2") == MeshSpec(4, 2)
+    assert MeshSpec.parse("tp=2").nproc == 2 and str(MeshSpec(4, 2)) == "dp_shard=4,tp=2"
+    for bad in ("dp=4", "dp_shard=x", "dp_shard=0"):
+        with pytest.raises(ValueError, match="mesh"):
+            MeshSpec.parse(bad)
+    with pytest.raises(ValueError, match="the mesh dp_shard=4,tp=2 has 8 processes, the "
+                                         "replica has 4"):
+        MeshSpec(4, 2).check(4)
