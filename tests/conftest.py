@@ -110,3 +110,34 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
         return cache[(steps, extra)]
 
     return get
+
+
+def play(tmp_path: Path, command: list[str], events: str, **cfg: object) -> tuple[int, list[str], object]:
+    """Run ``command`` under an embedded ``maitre run`` with its scripted story (``events``);
+    returns (exit code, its lines, the run). ``cfg``: more of :class:`RunConfig`. Asserts the
+    story was played whole and nothing is left running; a run that hangs says where it is
+    before pytest-timeout kills it."""
+    import threading
+
+    from maitre.launch import Run, RunConfig, parse_events
+
+    lines: list[str] = []
+    run = Run(RunConfig(command=command, events=parse_events(events), run_dir=tmp_path / "run",
+                        quiet_workers=True, **cfg), out=lines.append)  # type: ignore[arg-type]
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(150):
+            print("still running after 150 s:\n" + "\n".join(lines) + f"\njob: {run.job()}",
+                  file=sys.stderr, flush=True)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        code = run.start().wait()
+    finally:
+        done.set()
+    assert run.played == run.cfg.events, "the job ended before the story did:\n" + "\n".join(lines)
+    for agent in run.agents:  # every process of every worker is gone
+        for worker in agent.workers.values():
+            assert not worker.alive(), f"{worker.worker_id} still running"
+    return code, lines, run

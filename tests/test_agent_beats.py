@@ -56,9 +56,9 @@ def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once() -> 
         assert beats[0][1]["interval_s"] == 5.0  # the promise, in every beat
         with agent._lock:  # a worker of this node beats once, then falls silent
             agent.workers["w1"] = _Worker("w1", proc)
-            agent.beats["w1"] = WorkerBeats()
+            agent.beats["w1"] = {0: WorkerBeats()}  # its one process
             heard = time.monotonic()
-            agent.beats["w1"].beat(heard, 3, False, 0.0)
+            agent.beats["w1"][0].beat(heard, 3, False, 0.0)
         deadline = heard + 4.0  # well before the 5 s beat would be due
         while time.monotonic() < deadline and not any(
                 w.get("silent_s", 0) >= protocol.SILENT_S

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import example_command, relative_error
-from maitre.launch import Run, RunConfig, parse_events
+from conftest import example_command, play, relative_error
+from maitre.launch import Run
 from maitre.runtime.ledger import audit
 
 STEPS = 400
@@ -27,27 +26,9 @@ STEPS = 400
 def run_story(tmp_path: Path, events: str, *, nodes: int, min_nodes: int = 1, max_nodes: int = 4,
               max_restarts: int = 5, steps: int = STEPS, extra: tuple[str, ...] = ()
               ) -> tuple[int, list[str], Run]:
-    lines: list[str] = []
-    run = Run(RunConfig(command=example_command(steps, tmp_path / "final.pt", extra),
-                        min_nodes=min_nodes, max_nodes=max_nodes, local_nodes=nodes,
-                        max_restarts=max_restarts, events=parse_events(events),
-                        run_dir=tmp_path / "run", quiet_workers=True), out=lines.append)
-    def watchdog() -> None:  # a run that hangs gets killed by pytest-timeout: say where first
-        if not done.wait(150):
-            print("run_story: still running after 150 s:\n" + "\n".join(lines) +
-                  f"\njob: {run.job()}", file=sys.stderr, flush=True)
-
-    done = threading.Event()
-    threading.Thread(target=watchdog, daemon=True).start()
-    try:
-        code = run.start().wait()
-    finally:
-        done.set()
-    assert run.played == run.cfg.events, "the job ended before the story did:\n" + "\n".join(lines)
-    for agent in run.agents:  # nothing left running
-        for worker in agent.workers.values():
-            assert worker.proc.poll() is not None, f"{worker.worker_id} still running"
-    return code, lines, run
+    return play(tmp_path, example_command(steps, tmp_path / "final.pt", extra), events,
+                min_nodes=min_nodes, max_nodes=max_nodes, local_nodes=nodes,
+                max_restarts=max_restarts)  # type: ignore[return-value]
 
 
 def check(tmp_path: Path, code: int, lines: list[str], reference: dict[str, torch.Tensor],

@@ -82,3 +82,16 @@ def test_the_last_step_stands_when_the_job_completed_meanwhile() -> None:
                                             heard_at=time.monotonic() - 5))
     later(loop, 0.1, member_epoch=3, job_state="COMPLETED", closed=True, stop=True)
     loop._confirm_epoch(time.monotonic() - 2.0)
+
+
+def test_a_process_left_behind_in_an_older_epoch_abandons_it() -> None:
+    """A replica's processes share one worker: if one went on to a newer epoch while another
+    still waits to build the old one's group, that wait ends (it would never complete)."""
+    loop = loop_at_epoch(2, CoordinatorView(member_epoch=3, job_state="RUNNING",
+                                            heard_at=time.monotonic()))
+    assert loop._epoch_closed() == "the coordinator moved this worker to a newer epoch"
+    loop = loop_at_epoch(3, CoordinatorView(member_epoch=3, job_state="RUNNING",
+                                            heard_at=time.monotonic()))
+    assert loop._epoch_closed() is None  # its own epoch, open
+    loop = loop_at_epoch(0, CoordinatorView(member_epoch=1, job_state="RUNNING"))
+    assert loop._epoch_closed() is None  # a joiner, before its first epoch

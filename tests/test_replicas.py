@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, relative_error, run_tagged
+from conftest import ROOT, play, relative_error, run_tagged
 
 SCRIPT = ROOT / "tests" / "scripts" / "sharded_mlp.py"
 pytestmark = pytest.mark.timeout(300)
@@ -69,3 +69,47 @@ def test_the_mesh_spec_reads_and_checks_its_sizes() -> None:
     with pytest.raises(ValueError, match="the mesh dp_shard=4,tp=2 has 8 processes, the "
                                          "replica has 4"):
         MeshSpec(4, 2).check(4)
+
+
+# -- under maitre: replicas of two processes that crash, hang, join and leave ------------------------
+def run_replicas(tmp_path: Path, events: str, steps: int, *, nodes: int,
+                 max_nodes: int = 3) -> tuple[int, list[str], object]:
+    command = [sys.executable, str(SCRIPT), "--dp-shard", "2", "--steps", str(steps),
+               "--out", str(tmp_path / "final.pt")]
+    return play(tmp_path, command, events, min_nodes=1, max_nodes=max_nodes, local_nodes=nodes,
+                nproc_per_node=2, nproc_per_replica=2, max_restarts=5)
+
+
+@pytest.fixture(scope="module")
+def alone_400(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("alone") / "final.pt"
+    result = run_tagged([sys.executable, str(SCRIPT), "--steps", "400", "--out", str(out)],
+                        timeout=200)
+    assert result.returncode == 0, result.stderr
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.timeout(240)
+def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
+                                                                  alone_400) -> None:
+    """Three replicas of two processes (FSDP2 inside each): kill -9 of one process takes its
+    replica out and the others go on; a stopped process is found hung and its replica removed;
+    a new node's replica joins and gets its shards, position by position, from a live replica;
+    one replica leaves. Every sample once, and one process's parameters."""
+    from maitre.runtime.ledger import audit
+
+    code, lines, run = run_replicas(tmp_path, "kill@20,hang@50,join@80,leave@120", 400,
+                                    nodes=3, max_nodes=4)
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == 400, result.describe()
+    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_400)
+    assert error <= 1e-10, error
+    job = run.job()
+    assert job["failures"] == 2, "\n".join(lines)
+    assert any("hung" in e.get("reason", "") for e in job["events"]), job["events"]
+    assert any(e["kind"] == "worker_left" for e in job["events"])
+    sizes = [len(e["members"]) for e in job["events"] if e["kind"] == "epoch"]
+    assert max(sizes) >= 3 and sizes[-1] < max(sizes), sizes
+    ledgers = sorted(p.name for p in (tmp_path / "run" / "ledger").glob("*.jsonl"))
+    assert all(".p0." in n or ".p1." in n for n in ledgers), ledgers  # a ledger per process

@@ -88,7 +88,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     from maitre.launch import Run, RunConfig, parse_events
 
     lo, hi = parse_nnodes(args.nnodes)
-    nproc = _positive("--nproc-per-node", args.nproc_per_node)
+    per_replica = _positive("--nproc-per-replica", args.nproc_per_replica)
+    nproc = _positive("--nproc-per-node", args.nproc_per_node
+                      if args.nproc_per_node is not None else per_replica)
+    if nproc % per_replica:
+        raise UsageError(f"--nproc-per-node {nproc} does not hold whole replicas of "
+                         f"--nproc-per-replica {per_replica}")
+    if args.mesh is not None:
+        from maitre.runtime.replica import MeshSpec
+        try:
+            MeshSpec.parse(args.mesh).check(per_replica)
+        except ValueError as exc:
+            raise UsageError(f"--mesh: {exc}") from None
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.local_nodes is not None and not lo <= args.local_nodes <= hi:
@@ -106,6 +117,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"--events: {exc}") from None
     checkpoint_dir = _checkpoint_dir(args)
     cfg = RunConfig(command=command, min_nodes=lo, max_nodes=hi, nproc_per_node=nproc,
+                    nproc_per_replica=per_replica, mesh=args.mesh,
                     max_restarts=args.max_restarts, local_nodes=args.local_nodes, host=args.host,
                     port=args.port, job_id=args.job_id, events=events,
                     run_dir=Path(args.run_dir) if args.run_dir else None,
@@ -431,7 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a training script elastically on this machine",
                          description="Start a coordinator, local agents and the script's workers.")
     run.add_argument("--nnodes", default="1", help="N or MIN:MAX nodes (torchrun's flag)")
-    run.add_argument("--nproc-per-node", type=int, default=1, help="workers per node")
+    run.add_argument("--nproc-per-node", type=int, help="processes per node (default: one "
+                     "replica's, --nproc-per-replica)")
+    run.add_argument("--nproc-per-replica", type=int, default=1,
+                     help="processes of one replica, on one node (FSDP2 or TP inside; the job "
+                     "grows and shrinks by whole replicas; default 1)")
+    run.add_argument("--mesh", help="the replica's mesh, e.g. dp_shard=2,tp=2 (default: "
+                     "dp_shard=--nproc-per-replica); the script's replica_mesh() must agree")
     run.add_argument("--max-restarts", type=int, default=3,
                      help="failure events survived before the job fails")
     run.add_argument("--local-nodes", type=int, help="agents started on this machine "

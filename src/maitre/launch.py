@@ -79,6 +79,11 @@ class RunConfig:
     min_nodes: int
     max_nodes: int
     nproc_per_node: int = 1
+    """Slots (processes) of each node."""
+    nproc_per_replica: int = 1
+    """Processes of one replica (FSDP2 or TP inside): a node runs nproc_per_node // it."""
+    mesh: str | None = None
+    """The replica's mesh, ``dp_shard=N,tp=M`` (default: dp_shard = nproc_per_replica)."""
     max_restarts: int = 3
     local_nodes: int | None = None
     host: str = "127.0.0.1"
@@ -104,9 +109,18 @@ class Run:
         self.out = out
         self.t0 = time.time()
         self.token = secrets.token_urlsafe(32)  # every API call and agent must present it
+        if cfg.nproc_per_node % cfg.nproc_per_replica:
+            raise ValueError(f"a node of {cfg.nproc_per_node} processes does not hold whole "
+                             f"replicas of {cfg.nproc_per_replica}")
+        per_node = cfg.nproc_per_node // cfg.nproc_per_replica  # replicas on a node
         manifest = {"name": cfg.job_id, "queue": RUN_QUEUE,
-                    "minReplicas": cfg.min_nodes * cfg.nproc_per_node,
-                    "maxReplicas": cfg.max_nodes * cfg.nproc_per_node, "command": cfg.command}
+                    "minReplicas": cfg.min_nodes * per_node,
+                    "maxReplicas": cfg.max_nodes * per_node, "command": cfg.command,
+                    "nprocPerReplica": cfg.nproc_per_replica}
+        if cfg.mesh:
+            from maitre.runtime.replica import MeshSpec
+            mesh = MeshSpec.parse(cfg.mesh)
+            manifest["mesh"] = {"dp_shard": mesh.dp_shard, "tp": mesh.tp}
         if cfg.checkpoint_dir is not None:
             manifest["checkpointDir"] = str(cfg.checkpoint_dir.resolve())
             manifest["gracePeriodSeconds"] = cfg.grace_period_s

@@ -55,7 +55,17 @@ STORE = "MAITRE_STORE"
 AGENT = "MAITRE_AGENT"
 """Path of the agent's unix socket: where a worker sends its heartbeats."""
 SLOTS = "MAITRE_SLOTS"
-"""The node's slots (GPU indices) a worker holds, comma-separated: ``gpusPerReplica`` of them."""
+"""The node's slots (GPU indices) a worker process holds, comma-separated: its share of
+``gpusPerReplica``."""
+NPROC = "MAITRE_NPROC_PER_REPLICA"
+"""Processes of a replica (``nprocPerReplica``): the agent starts them together as one worker."""
+PROC = "MAITRE_PROC"
+"""This process's index in its replica, 0 .. NPROC-1 (its rank in the replica's own group)."""
+MESH = "MAITRE_MESH"
+"""The replica's mesh, ``dp_shard=N,tp=M`` (:func:`maitre.replica_mesh` checks the script's)."""
+STORE_KEY = "MAITRE_STORE_KEY"
+"""Its run's name at the store's door: a replica of several processes builds its own group on
+the run's store before its first rendezvous."""
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 """Where workers record the samples they commit (the exactly-once audit)."""
 RUN_ID = "MAITRE_RUN_ID"
@@ -328,6 +338,10 @@ class StartOrder(_Reply):
     store: str
     token: str
     """The run's token: the worker presents it to the API and at its store's door."""
+    store_key: str = ""
+    nproc: int = 1
+    """Processes to start for this worker (a replica that spans them); they share its slots."""
+    mesh: str = ""
 
 
 class WorkerView(_Reply):

@@ -39,6 +39,6 @@ for batch in loop.run(max_steps=args.steps):
         # an empty micro-batch adding nothing.
         batch.backward(torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum"))
 full = {k: v.full_tensor() for k, v in model.state_dict().items()}
-if torch.distributed.get_rank() == 0:
+if loop.rank == 0 and torch.distributed.get_rank() == 0:  # one process of one replica
     torch.save(full, args.out)
     print(f"done: {loop.step} steps, loss {loop.last_loss:.6f}", flush=True)

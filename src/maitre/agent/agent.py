@@ -65,11 +65,38 @@ def print_output(worker_id: str, line: str) -> None:
 
 
 class _Worker:
-    def __init__(self, worker_id: str, proc: Any) -> None:
+    """One worker: its process, or the processes of a replica that spans several, which live
+    and die together (a process lost takes its replica out: the agent kills the others)."""
+
+    def __init__(self, worker_id: str, proc: Any, *more: Any) -> None:
         self.worker_id = worker_id
-        self.proc = proc
+        self.procs = [proc, *more]
         self.stderr_tail: deque[str] = deque(maxlen=20)
         self.threads: list[threading.Thread] = []
+        self.codes: dict[int, int] = {}
+        """Exit codes by process index, as they come."""
+        self.failed: tuple[int, str | None] | None = None
+        """The first failing exit (code, its error line): the replica's."""
+        self.lock = threading.Lock()
+
+    @property
+    def proc(self) -> Any:
+        """The first process (the one a story's ``kill@``/``hang@`` signals)."""
+        return self.procs[0]
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                _signal(p, sig)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait for every process (raises ``subprocess.TimeoutExpired`` past ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for p in self.procs:
+            p.wait(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 LOCAL_HEARTBEAT_S = 0.25
@@ -107,6 +134,19 @@ class WorkerBeats:
                 "silent_s": None if self.last is None else round(max(0.0, now - self.last), 4),
                 "gap_mean_s": round(min(self.gap_mean, 3600.0), 4),
                 "gap_std_s": round(min(math.sqrt(self.gap_var), 3600.0), 4)}
+
+
+def _report(wid: str, procs: dict[int, WorkerBeats], now: float) -> dict[str, Any]:
+    """A worker as its processes' beats tell it: a replica is as far as its slowest process,
+    stalled if any is, and as silent as its most silent one (a hung process hangs it)."""
+    if len(procs) == 1:
+        return next(iter(procs.values())).report(wid, now)
+    parts = [b.report(wid, now) for b in procs.values()]
+    heard = [r for r in parts if r["silent_s"] is not None]
+    worst = max(heard, key=lambda r: r["silent_s"]) if heard else parts[0]
+    return {**worst, "step": min(r["step"] for r in parts),
+            "stalled": any(r["stalled"] for r in parts),
+            "trained_s": min(r["trained_s"] for r in parts)}
 
 
 _NO_VIEW = {"job_state": "", "epoch": 0, "member_epoch": 0, "closed": False, "change": False,
@@ -148,7 +188,8 @@ class Agent:
         """When (``time.monotonic()``) the agent sent the latest request that the coordinator
         answered: the views it holds are the coordinator's word as of then. Each worker's
         heartbeat reply says how long ago that was (``heard_s``)."""
-        self.beats: dict[str, WorkerBeats] = {}
+        self.beats: dict[str, dict[int, WorkerBeats]] = {}
+        """Each worker's processes' beats (one, or each process of a replica's)."""
         self.views: dict[str, dict[str, Any]] = {}
         self._poke = threading.Event()
         self._dir = Path(tempfile.mkdtemp(prefix="maitre-agent-"))  # mode 0700: ours only
@@ -206,7 +247,8 @@ class Agent:
         """A worker is stalled or silent: the hang detector needs fresh news, every ``urgent_s``."""
         with self._lock:
             return any(b.stalled or (b.last is not None and now - b.last >= protocol.SILENT_S)
-                       for wid, b in self.beats.items() if wid in self.workers)
+                       for wid, procs in self.beats.items() if wid in self.workers
+                       for b in procs.values())
 
     def _watch(self) -> None:
         """Long-poll the node's orders; apply each answer as soon as it comes."""
@@ -240,26 +282,25 @@ class Agent:
         drained = time.monotonic() + drain_s
         for w in workers:
             try:
-                w.proc.wait(timeout=max(0.0, drained - time.monotonic()))
+                w.wait(timeout=max(0.0, drained - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         for w in workers:
-            if w.proc.poll() is None:
-                _signal(w.proc, signal.SIGTERM)
+            w.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for w in workers:
             try:
-                w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                w.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal(w.proc, signal.SIGKILL)
-                w.proc.wait()
+                w.signal(signal.SIGKILL)
+                w.wait()
             for t in w.threads:
                 t.join(timeout=2)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def running(self) -> list[str]:
         with self._lock:
-            return [wid for wid, w in self.workers.items() if w.proc.poll() is None]
+            return [wid for wid, w in self.workers.items() if w.alive()]
 
     def pid(self, worker_id: str) -> int:
         return self.workers[worker_id].proc.pid
@@ -269,7 +310,7 @@ class Agent:
         now = time.monotonic()
         running = self.running()
         with self._lock:
-            workers = [self.beats[wid].report(wid, now) if wid in self.beats else {"id": wid}
+            workers = [_report(wid, self.beats[wid], now) if wid in self.beats else {"id": wid}
                        for wid in running]
         sent = time.monotonic()
         try:
@@ -299,16 +340,18 @@ class Agent:
                              daemon=True).start()
         for wid in orders.get("kill", []):
             w = self.workers.get(wid)
-            if w is not None and w.proc.poll() is None:
-                _signal(w.proc, signal.SIGKILL)
+            if w is not None:
+                w.signal(signal.SIGKILL)
 
     def worker_beat(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         """A worker's heartbeat on the local socket; returns its view."""
         now = time.monotonic()
         with self._lock:
-            beats = self.beats.get(wid)
+            procs = self.beats.setdefault(wid, {})
+            index = int(body.get("proc", 0))
+            beats = procs.get(index)
             if beats is None:
-                beats = self.beats[wid] = WorkerBeats()
+                beats = procs[index] = WorkerBeats()
             news = beats.beat(now, int(body.get("step", 0)),
                               bool(body.get("stalled", False)), float(body.get("trained_s", 0.0)))
             view = self.views.get(wid, _NO_VIEW)
@@ -329,36 +372,49 @@ class Agent:
         env[protocol.TOKEN] = order["token"]
         if self.tls_ca:
             env[protocol.TLS_CA] = str(Path(self.tls_ca).resolve())
+        nproc = int(order.get("nproc", 1))
         env.update({
             protocol.COORDINATOR: self.coordinator, protocol.WORKER_ID: wid,
             protocol.JOB_ID: order["job_id"], protocol.STORE: self._store_address(order["store"]),
-            protocol.AGENT: self.socket_path,
-            "LOCAL_RANK": str(order["local_rank"]), "LOCAL_WORLD_SIZE": str(self.slots),
+            protocol.STORE_KEY: order.get("store_key", ""),
+            protocol.AGENT: self.socket_path, "LOCAL_WORLD_SIZE": str(self.slots),
             "TORCHELASTIC_RUN_ID": order["job_id"], "PYTHONUNBUFFERED": "1",
-            # The slots (GPUs) it holds on this node: LOCAL_RANK and the ones after it.
-            protocol.SLOTS: ",".join(str(order["local_rank"] + i)
-                                     for i in range(order.get("slots", 1))),
         })
+        if nproc > 1:
+            env.update({protocol.NPROC: str(nproc), protocol.MESH: order.get("mesh", "")})
         env.setdefault("OMP_NUM_THREADS", "1")
-        try:
-            if warmstart.enabled(env) and warmstart.warm_target(order["command"]):
-                proc: Any = warmstart.WarmProcess(order["command"], env)
-            else:
-                proc = subprocess.Popen(order["command"], env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, start_new_session=True)
-        except OSError as exc:  # no such program, not executable: the job's error, not ours
-            self.output(wid, f"maitre: cannot start {order['command'][0]!r}: {exc}\n")
-            threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"),
-                             daemon=True).start()
-            return
-        worker = _Worker(wid, proc)
+        per = max(1, order.get("slots", 1) // nproc)  # slots (GPUs) of each process
+        procs: list[Any] = []
+        for i in range(nproc):
+            first = order["local_rank"] + i * per
+            mine = {**env, "LOCAL_RANK": str(first),
+                    # The slots (GPUs) it holds on this node: LOCAL_RANK and the ones after it.
+                    protocol.SLOTS: ",".join(str(first + k) for k in range(per))}
+            if nproc > 1:
+                mine[protocol.PROC] = str(i)
+            try:
+                if warmstart.enabled(mine) and warmstart.warm_target(order["command"]):
+                    procs.append(warmstart.WarmProcess(order["command"], mine))
+                else:
+                    procs.append(subprocess.Popen(order["command"], env=mine,
+                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                  text=True, start_new_session=True))
+            except OSError as exc:  # no such program, not executable: the job's error, not ours
+                for p in procs:
+                    _signal(p, signal.SIGKILL)
+                self.output(wid, f"maitre: cannot start {order['command'][0]!r}: {exc}\n")
+                threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"),
+                                 daemon=True).start()
+                return
+        worker = _Worker(wid, *procs)
         with self._lock:
             self.views[wid] = dict(self.views.get(wid, _NO_VIEW))
-        worker.threads = [
-            threading.Thread(target=self._pump, args=(worker, proc.stdout, False), daemon=True),
-            threading.Thread(target=self._pump, args=(worker, proc.stderr, True), daemon=True),
-            threading.Thread(target=self._wait, args=(worker,), daemon=True),
-        ]
+        for i, proc in enumerate(procs):
+            worker.threads += [
+                threading.Thread(target=self._pump, args=(worker, proc.stdout, False), daemon=True),
+                threading.Thread(target=self._pump, args=(worker, proc.stderr, True), daemon=True)]
+        worker.threads += [threading.Thread(target=self._wait, args=(worker, i), daemon=True)
+                           for i in range(nproc)]
         with self._lock:
             self.workers[wid] = worker
         for t in worker.threads:
@@ -379,14 +435,24 @@ class Agent:
                 worker.stderr_tail.append(line.rstrip())
             self.output(worker.worker_id, line)
 
-    def _wait(self, worker: _Worker) -> None:
-        code = worker.proc.wait()
-        for t in worker.threads[:2]:
+    def _wait(self, worker: _Worker, index: int = 0) -> None:
+        code = worker.procs[index].wait()
+        nproc = len(worker.procs)
+        for t in worker.threads[2 * index:2 * index + 2]:
             t.join(timeout=2)  # let the last stderr lines in
         # A failing exit's last stderr line is its error (``Type: message`` for Python); a
         # signal's death says nothing about the script, whatever it printed before.
         error = worker.stderr_tail[-1] if code > 0 and worker.stderr_tail else None
-        self._report_exit(worker.worker_id, code, error)
+        with worker.lock:
+            worker.codes[index] = code
+            if code != 0 and worker.failed is None:
+                worker.failed = (code, error)
+            last = len(worker.codes) == nproc
+        if code != 0 and nproc > 1:  # a process lost takes its replica out, as a unit
+            worker.signal(signal.SIGKILL)
+        if last:
+            code, error = worker.failed or (0, None)
+            self._report_exit(worker.worker_id, code, error)
 
     def _report_exit(self, worker_id: str, code: int, error: str | None) -> None:
         """Tell the coordinator, retrying while it is away (it may be restarting)."""

@@ -160,6 +160,11 @@ class ClusterState:
                env: dict[str, str] | None = None) -> ManagedJob:
         if manifest.queue not in self.queues:
             raise ValueError(f"no queue {manifest.queue!r} (queues: {', '.join(sorted(self.queues))})")
+        largest = max((s.node.slots for s in self.nodes.values() if s.alive), default=None)
+        if largest is not None and manifest.gpus_per_replica > largest:
+            raise ValueError(f"a replica of job {manifest.name!r} needs {manifest.gpus_per_replica}"
+                             f" slots on one node (gpusPerReplica); the largest node has "
+                             f"{largest}")
         old = self.managed.get(manifest.name)
         if old is not None and not old.job.state.ended:
             raise ValueError(f"job {manifest.name!r} exists and is not over; cancel it first")
@@ -183,8 +188,10 @@ class ClusterState:
             env[protocol.CHECKPOINT_DIR] = man.checkpoint_dir
         env.update(m.env)
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
-                       max_workers=man.max_replicas,
-                       max_restarts=self.max_restarts, env=env, store_scope=scope)
+                       max_workers=man.max_replicas, max_restarts=self.max_restarts, env=env,
+                       nproc_per_replica=man.nproc_per_replica,
+                       mesh=man.mesh_text if man.nproc_per_replica > 1 else "",
+                       store_scope=scope)
 
     def ledger_dir(self, m: ManagedJob) -> Path:
         """Where the job's workers record the samples they commit (``<name>``, then
@@ -400,6 +407,9 @@ class ClusterState:
         return {"manifest": {"name": man.name, "queue": man.queue, "priority": man.priority,
                              "minReplicas": man.min_replicas, "maxReplicas": man.max_replicas,
                              "gpusPerReplica": man.gpus_per_replica,
+                             "nprocPerReplica": man.nproc_per_replica,
+                             "mesh": None if man.mesh is None else
+                             {"dp_shard": man.mesh.dp_shard, "tp": man.mesh.tp},
                              "preemptible": man.preemptible,
                              "gracePeriodSeconds": man.grace_period_s,
                              "topology": None if man.topology is None else

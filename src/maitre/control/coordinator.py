@@ -465,12 +465,16 @@ class Coordinator:
                     break
                 worker = job.add_worker(node, slot, now, slots=per)
                 used.update(range(slot, slot + per))
+                if job.spec.nproc_per_replica > 1 and self.stores is not None:
+                    # Its processes build their replica's own group on the run's store first.
+                    self.stores.open(job.spec.run_key, job.spec.token)
                 self._index(job, worker)
                 self._touch(job.spec.job_id)
                 start.append({"worker_id": worker.id, "job_id": job.spec.job_id,
                               "command": job.spec.command, "env": dict(job.spec.env),
                               "local_rank": slot, "slots": per, "store": self.store_address,
-                              "token": job.spec.token})
+                              "token": job.spec.token, "store_key": job.spec.run_key,
+                              "nproc": job.spec.nproc_per_replica, "mesh": job.spec.mesh})
         return start
 
     @acknowledged

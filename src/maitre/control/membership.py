@@ -75,6 +75,10 @@ class JobSpec:
     max_restarts: int = 3
     """Failure events (an epoch lost to a crash or hang) survived before the job is failed."""
     env: dict[str, str] = field(default_factory=dict)
+    nproc_per_replica: int = 1
+    """Processes of one worker (a replica that spans them, started together by its agent)."""
+    mesh: str = ""
+    """The replica's mesh (``MAITRE_MESH``), when it spans processes."""
     store_scope: str = ""
     """Names this run of the job in the c10d store's keys: a job that runs again (resumed after
     a suspension, or submitted again under its name) counts epochs from 1 again, and must not

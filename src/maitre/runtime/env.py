@@ -15,7 +15,8 @@ from enum import Enum
 from typing import Mapping
 
 from maitre.protocol import (AGENT, COORDINATOR, COORDINATOR_TIMEOUT_S, HEARTBEAT_S, JOB_ID,
-                             LEDGER_DIR, RUN_ID, STORE, TLS_CA, TOKEN, WORKER_ID)
+                             LEDGER_DIR, MESH, NPROC, PROC, RUN_ID, STORE, STORE_KEY, TLS_CA,
+                             TOKEN, WORKER_ID)
 
 
 class Mode(str, Enum):
@@ -42,6 +43,12 @@ class WorkerEnv:
     """Set: the coordinator speaks HTTPS, signed by these certificates."""
     heartbeat_s: float = 0.1
     coordinator_timeout_s: float = 300.0
+    store_key: str = ""
+    """Its run's name at the store's door."""
+    nproc: int = 1
+    proc: int = 0
+    """Processes of its replica, and its index among them (a replica that spans several)."""
+    mesh: str = ""
     rank: int = 0
     world_size: int = 1
 
@@ -58,7 +65,9 @@ class WorkerEnv:
                                    "workers must be started by a maitre agent")
             return cls(mode=Mode.ELASTIC, worker_id=env[WORKER_ID], coordinator=env[COORDINATOR],
                        store=env[STORE], agent=env[AGENT], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
-                       tls_ca=env.get(TLS_CA, ""),
+                       tls_ca=env.get(TLS_CA, ""), store_key=env.get(STORE_KEY, ""),
+                       nproc=int(env.get(NPROC, "1")), proc=int(env.get(PROC, "0")),
+                       mesh=env.get(MESH, ""),
                        heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
                        coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
                        **common)

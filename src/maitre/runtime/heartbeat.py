@@ -50,9 +50,11 @@ class CoordinatorView:
 
 class Heartbeat:
     def __init__(self, client: Client, worker_id: str, interval_s: float,
-                 progress: Callable[[], tuple[int, bool, float]]) -> None:
+                 progress: Callable[[], tuple[int, bool, float]], proc: int = 0) -> None:
         self.client = client
         self.worker_id = worker_id
+        self.proc = proc
+        """Its index in its replica (the agent tells a replica's processes apart by it)."""
         self.interval_s = interval_s
         self.progress = progress
         self.view = CoordinatorView()
@@ -73,7 +75,7 @@ class Heartbeat:
             asked = time.monotonic()
             try:
                 reply = self.client.post(WORKER_HEARTBEAT.format(worker=self.worker_id),
-                                         {"step": step, "stalled": stalled,
+                                         {"step": step, "stalled": stalled, "proc": self.proc,
                                           "trained_s": round(trained_s, 4)}, timeout_s=2.0)
             except (CoordinatorUnreachable, ApiError):
                 pass  # keep the last view: the current epoch trains on

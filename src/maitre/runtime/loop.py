@@ -72,9 +72,9 @@ from maitre.runtime.transfer import broadcast_state, sync_steps
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
 # loss sum, sample count, resize flag; save request, stop request, save token, writer busy;
-# gradients not finite (a process of a replica that spans several)
-_CONTROL = 8
-_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE = 3, 4, 5, 6, 7
+# in a replica of several processes: gradients not finite, the epoch lost
+_CONTROL = 9
+_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST = 3, 4, 5, 6, 7, 8
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 _JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
@@ -216,7 +216,8 @@ class ElasticLoop:
         self._trained_s = 0.0
         self._committed_at = 0.0
         """Seconds spent in steps that committed (dropped steps do not count)."""
-        self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id, sampler.num_samples,
+        self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id if self.env.nproc == 1
+                              else f"{self.env.worker_id}.p{self.env.proc}", sampler.num_samples,
                               self.env.run_id) if self.env.ledger_dir else None
         self._client: Client | None = None
         self._heartbeat: Heartbeat | None = None
@@ -308,25 +309,38 @@ class ElasticLoop:
         # carries it to every rank (exact in float32 below 2**24).
         control[_TOKEN] = float(secrets.randbelow(1 << 24)) \
             if ckpt is not None and self.rank == 0 else 0.0
-        control[_NONFINITE] = 0.0
+        control[_NONFINITE] = control[_LOST] = 0.0
         if self._ledger is not None and counts:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
+        lost: EpochLost | None = None
         try:
             began = time.monotonic()
             for buf in flat:
                 self._allreduce(buf)
             self._confirm_epoch(began)
-        except EpochLost as lost:
+        except EpochLost as exc:
+            lost = exc
+        if rep is not None:  # position l's totals, summed over the replica: every total
+            # (a copy: an abandoned allreduce may still write into the buffers). Every process
+            # of the replica drops the step if any lost its epoch, so the replica's shards
+            # always hold the same step.
+            totals = torch.zeros_like(control) if lost is not None else control.clone()
+            totals[_LOST] = 1.0 if lost is not None else 0.0
+            if self.scaler is not None and lost is None:  # each process checks its own shards
+                totals[_NONFINITE] = 0.0 if all_finite(self._buffers.grads()) else 1.0
+            dist.all_reduce(totals, group=rep.group)
+            if float(totals[_LOST]) > 0 and lost is None:
+                lost = EpochLost("another process of this replica lost the epoch",
+                                 time.monotonic())
+            if lost is None:
+                control.copy_(totals)
+        if lost is not None:
             # The abandoned allreduce still holds these buffers and may yet finish (a peer that
             # was cut off comes back) and write into them: never hand them to the next epoch.
             self._buffers = _GradBuffers(self.params)
             self._recover(lost)
             return False
         scale = batch._scale
-        if rep is not None:  # position l's totals, summed over the replica: every total
-            if self.scaler is not None:  # each process checks its own shards
-                control[_NONFINITE] = 0.0 if all_finite(self._buffers.grads()) else 1.0
-            dist.all_reduce(control, group=rep.group)
         count = int(round(float(control[1])))
         if count != batch.global_batch_size:
             raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
@@ -463,8 +477,9 @@ class ElasticLoop:
                   file=sys.stderr, flush=True)
         if self.env.mode == Mode.ELASTIC and self._client is not None:
             try:
-                self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id),
-                                  {"step": self.state.step, "suspended": True})
+                if not self.env.proc:  # the first process speaks for its replica
+                    self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id),
+                                      {"step": self.state.step, "suspended": True})
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report the suspension: {exc}", file=sys.stderr)
             self._exit(0, None)
@@ -501,8 +516,8 @@ class ElasticLoop:
         self._client = Client(self.env.coordinator, token=self.env.token or None,
                               tls_ca=self.env.tls_ca or None)
         self._heartbeat = Heartbeat(UnixClient(self.env.agent), self.env.worker_id,
-                                    self.env.heartbeat_s,
-                                    self._progress).start()
+                                    self.env.heartbeat_s, self._progress,
+                                    proc=self.env.proc).start()
         self._recovery = Recovery("join", time.time())
         self._rendezvous("join", from_epoch=0)
 
@@ -522,6 +537,10 @@ class ElasticLoop:
         view = self._heartbeat.view if self._heartbeat is not None else None
         if view is not None and view.closed and view.member_epoch == self.epoch:
             return "the coordinator closed the epoch"
+        if view is not None and view.member_epoch > self.epoch > 0:
+            # The worker is in a newer epoch already: another process of its replica went on
+            # to it while this one still waited in the old one.
+            return "the coordinator moved this worker to a newer epoch"
         return None
 
     def _recover(self, lost: EpochLost) -> None:
@@ -560,7 +579,8 @@ class ElasticLoop:
             if action == "train":
                 break
             if action == "leave":
-                self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
+                if not self.env.proc:  # the first process speaks for its replica
+                    self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
                 self._exit(0, None)
             if action == "stop":
                 ended = ("job completed", "job suspended", "job cancelled")
@@ -577,17 +597,34 @@ class ElasticLoop:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self._building_since = time.monotonic()
         try:
-            self.group = EpochGroup.create(self._store, answer["store_prefix"], self.rank,
+            # A replica of several processes: one group per position, over the replicas.
+            prefix = answer["store_prefix"] + (f"x{self.env.proc}/" if self.env.nproc > 1 else "")
+            self.group = EpochGroup.create(self._store, prefix, self.rank,
                                            self.world_size, self.device, self._epoch_closed)
             self._building_since = None
             rec.group_at = time.time()
             self._sync_state(rec)
-        except EpochLost as lost:  # a peer failed while the group formed: go round again
-            self._building_since = None
+            lost: EpochLost | None = None
+        except EpochLost as exc:  # a peer failed while the group formed: go round again
+            lost = exc
+        self._building_since = None
+        if self.replica is not None and self.replica.nproc > 1 and \
+                not self._replica_agrees(lost is None) and lost is None:
+            lost = EpochLost("another process of this replica lost the epoch as it formed",
+                             time.monotonic())
+        if lost is not None:
             self._recover(lost)
             return
         self.scaling.on_resize(self.world_size, self.state.step)
         rec.synced_at = time.time()
+
+    def _replica_agrees(self, ok: bool) -> bool:
+        """Whether every process of this replica is ``ok`` (one tiny allreduce inside it): they
+        go on, or go round again, together, so their collectives stay in step."""
+        assert self.replica is not None
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(flag, group=self.replica.group)
+        return float(flag) == 0.0
 
     def _connect_store(self, answer: dict[str, Any]) -> None:
         """The run's c10d store, through its door (:class:`StoreLink`): ``TCPStore`` connects to
@@ -658,14 +695,15 @@ class ElasticLoop:
             return
         src = steps.index(ahead)
         tree = self.state.state_dict() if self.rank == src else None
-        received, rec.state_bytes = broadcast_state(self.group, tree, src)
+        mesh_of = None if self.replica is None else (lambda names: self.replica.mesh[names])
+        received, rec.state_bytes = broadcast_state(self.group, tree, src, mesh_of)
         rec.state_from = src
         if self.state.step < ahead:
             self.state.load_state_dict(received)
 
     def _report_recovery(self) -> None:
         rec, self._recovery = self._recovery, None
-        if rec is None or self._client is None:
+        if rec is None or self._client is None or self.env.proc:  # the first process speaks
             return
         now = time.time()
         report = {"kind": "recovery", "epoch": self.epoch, "rank": self.rank, "reason": rec.reason,
@@ -687,7 +725,7 @@ class ElasticLoop:
         if self._owns_default_group:  # left to the interpreter's exit, gloo can abort the process
             dist.destroy_process_group()
             self.group = None
-        if self._client is not None:
+        if self._client is not None and not self.env.proc:  # the first process speaks
             try:
                 self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id), {"step": self.state.step})
             except (CoordinatorUnreachable, ApiError) as exc:

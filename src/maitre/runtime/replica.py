@@ -123,6 +123,8 @@ class Replica:
     ``replicate`` dimension); under maitre the loop builds it per epoch."""
     replica_rank: int = 0
     replicas: int = 1
+    link: Any = None
+    """Under maitre: the link to the run's store its group was built on (kept open)."""
 
     @property
     def nproc(self) -> int:
@@ -153,9 +155,12 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
     script to build its model on (``fully_shard(block, mesh=mesh["dp_shard"])``, TP plans on
     ``mesh["tp"]``).
 
-    Under ``torchrun`` the sizes given here choose the mesh (default: ``dp_shard`` = the
-    processes of a node, ``LOCAL_WORLD_SIZE``, over ``tp``), and the world is split into
-    replicas of ``dp_shard * tp`` consecutive ranks. Alone, it is a mesh of one process.
+    Under ``maitre run`` the job declares the mesh (``--nproc-per-replica``, ``--mesh``; a
+    manifest's ``nprocPerReplica`` and ``mesh``): sizes given here must agree with it, and the
+    replica's processes form their own group on the run's store. Under ``torchrun`` the sizes
+    given here choose the mesh (default: ``dp_shard`` = the processes of a node,
+    ``LOCAL_WORLD_SIZE``, over ``tp``), and the world is split into replicas of
+    ``dp_shard * tp`` consecutive ranks. Alone, it is a mesh of one process.
     """
     global _REPLICA
     if _REPLICA is not None:
@@ -164,6 +169,23 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
 
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = "nccl" if device_type == "cuda" else "gloo"
+    declared = os.environ.get(protocol.MESH)
+    if declared and os.environ.get(protocol.COORDINATOR):  # under maitre, several processes
+        spec = MeshSpec.parse(declared)
+        asked = MeshSpec(dp_shard or spec.dp_shard, tp or spec.tp)
+        if asked != spec:
+            raise ValueError(f"the script builds a mesh {asked}, the job declares {spec}: "
+                             "make them agree (the job's --mesh, or the script's sizes)")
+        spec.check(int(os.environ.get(protocol.NPROC, "1")))
+        link, store = _run_store()
+        if not dist.is_initialized():  # the replica's own group: its processes only
+            worker = os.environ[protocol.WORKER_ID]
+            dist.init_process_group(backend, store=dist.PrefixStore(f"replica/{worker}/", store),
+                                    rank=int(os.environ.get(protocol.PROC, "0")),
+                                    world_size=spec.nproc)
+        mesh = init_device_mesh(device_type, (spec.dp_shard, spec.tp), mesh_dim_names=MESH_DIMS)
+        _REPLICA = Replica(spec, dist.get_rank(), mesh, dist.group.WORLD, link=link)
+        return mesh
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -191,3 +213,18 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
     mesh = init_device_mesh(device_type, (1, 1), mesh_dim_names=MESH_DIMS)
     _REPLICA = Replica(spec, 0, mesh, dist.group.WORLD)
     return mesh
+
+
+def _run_store() -> tuple[Any, Any]:
+    """The run's c10d store, through its door (as the loop reaches it), before any epoch."""
+    from datetime import timedelta
+
+    from maitre.runtime.storelink import StoreLink
+    from maitre.wire import parse_address
+
+    host, port = parse_address(os.environ[protocol.STORE])
+    link = StoreLink((host.strip("[]"), port), os.environ.get(protocol.STORE_KEY, ""),
+                     os.environ.get(protocol.TOKEN, ""))
+    link.check()
+    store = dist.TCPStore("127.0.0.1", link.port, is_master=False, timeout=timedelta(seconds=60))
+    return link, store

@@ -6,16 +6,22 @@ with a numbered placeholder and returns the JSON-able skeleton and the tensors i
 :func:`decode` puts tensors back. The live state transfer (:mod:`maitre.runtime.transfer`) sends
 the skeleton as UTF-8 bytes and the tensors as flat buffers over ``torch.distributed``; nothing is
 ever unpickled, so a peer or a file can at worst send wrong numbers, never code.
+
+A sharded tensor (a DTensor: FSDP2's parameters and optimizer state) is encoded as its local
+shard plus its placements, global shape and stride and the names of its mesh's dimensions;
+:func:`decode` rebuilds it on the receiver's mesh of those names (``mesh_of``), so a process
+receives the shards of its own position from its peer at the same position of another replica.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 _TENSOR = "__tensor__"
+_DTENSOR = "__dtensor__"
 _TUPLE = "__tuple__"
 _DICT = "__dict__"
 
@@ -26,6 +32,13 @@ def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
+            if _is_dtensor(node):
+                tensors.append(node.to_local())
+                mesh = node.device_mesh
+                return {_DTENSOR: len(tensors) - 1,
+                        "mesh": list(mesh.mesh_dim_names or ()),
+                        "placements": [_placement(p) for p in node.placements],
+                        "shape": list(node.shape), "stride": list(node.stride())}
             tensors.append(node)
             return {_TENSOR: len(tensors) - 1}
         if node is None or isinstance(node, (bool, int, float, str)):
@@ -50,18 +63,30 @@ def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
     return walk(tree, ""), tensors
 
 
-def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`."""
+def decode(skeleton: Any, tensors: list[torch.Tensor],
+           mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> Any:
+    """Inverse of :func:`encode`; ``mesh_of(names)`` gives the mesh sharded tensors go on."""
+
+    def tensor(index: Any) -> torch.Tensor:
+        if not isinstance(index, int) or not 0 <= index < len(tensors):
+            raise ValueError(f"tensor placeholder {index!r} out of range")
+        return tensors[index]
 
     def walk(node: Any) -> Any:
         if isinstance(node, list):
             return [walk(v) for v in node]
         if isinstance(node, dict):
             if _TENSOR in node:
-                index = node[_TENSOR]
-                if not isinstance(index, int) or not 0 <= index < len(tensors):
-                    raise ValueError(f"tensor placeholder {index!r} out of range")
-                return tensors[index]
+                return tensor(node[_TENSOR])
+            if _DTENSOR in node:
+                if mesh_of is None:
+                    raise ValueError("the state holds sharded tensors and no mesh was given "
+                                     "to put them on")
+                from torch.distributed.tensor import DTensor
+                return DTensor.from_local(
+                    tensor(node[_DTENSOR]), mesh_of(tuple(node["mesh"])),
+                    [_placement_of(p) for p in node["placements"]], run_check=False,
+                    shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
             if _TUPLE in node:
                 return tuple(walk(v) for v in node[_TUPLE])
             if _DICT in node:
@@ -70,6 +95,29 @@ def decode(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
         return node
 
     return walk(skeleton)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from maitre.runtime.replica import is_sharded
+    return is_sharded(t)
+
+
+def _placement(p: Any) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+    if isinstance(p, Shard):
+        return ["shard", p.dim]
+    if isinstance(p, Replicate):
+        return ["replicate"]
+    raise TypeError(f"cannot encode a tensor placed as {p!r} (partial sums are not state)")
+
+
+def _placement_of(spec: Any) -> Any:
+    from torch.distributed.tensor import Replicate, Shard
+    if spec == ["replicate"]:
+        return Replicate()
+    if isinstance(spec, list) and len(spec) == 2 and spec[0] == "shard" and isinstance(spec[1], int):
+        return Shard(spec[1])
+    raise ValueError(f"unknown placement {spec!r}")
 
 
 def dumps(skeleton: Any) -> bytes:

@@ -14,7 +14,7 @@ Protocol (all members take part, so every step is a collective of the new group)
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -32,11 +32,12 @@ def sync_steps(group: EpochGroup, step: int) -> list[int]:
     return steps.tolist()
 
 
-def broadcast_state(group: EpochGroup, tree: Any | None, src: int) -> tuple[Any, int]:
+def broadcast_state(group: EpochGroup, tree: Any | None, src: int,
+                    mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> tuple[Any, int]:
     """Send ``tree`` from rank ``src`` to every member; returns (tree, payload bytes).
 
     On the source, ``tree`` is the state to send; elsewhere it is ignored and the received
-    tree is returned (tensors on the group's device)."""
+    tree is returned (tensors on the group's device; sharded ones on ``mesh_of``'s mesh)."""
     device = group.device
     if group.rank == src:
         skeleton, tensors = statetree.encode(tree)
@@ -72,7 +73,7 @@ def broadcast_state(group: EpochGroup, tree: Any | None, src: int) -> tuple[Any,
             received[i] = part.view(specs[i][1])
     if group.rank == src:
         return tree, payload
-    return statetree.decode(meta["skeleton"], received), payload  # type: ignore[arg-type]
+    return statetree.decode(meta["skeleton"], received, mesh_of), payload  # type: ignore[arg-type]
 
 
 def _numel(shape: list[int]) -> int:

@@ -68,6 +68,15 @@ class TopologySpec(_Fields):
     """required: never placed across domains; preferred: packed, but may spread."""
 
 
+class MeshSpecFields(_Fields):
+    """A replica's mesh (the names are torch's mesh dimensions, spelt as they are)."""
+
+    dp_shard: int = Field(1, ge=1, alias="dp_shard")
+    """FSDP2's sharding dimension."""
+    tp: int = Field(1, ge=1, alias="tp")
+    """Tensor parallelism."""
+
+
 class JobManifest(_Fields):
     """A job as its user submits it (``maitre submit job.yaml``)."""
 
@@ -83,7 +92,13 @@ class JobManifest(_Fields):
     """The gang that must start together."""
     max_replicas: int = Field(default_factory=lambda: _DERIVED, validate_default=True, ge=1)
     """At most this many replicas (default: minReplicas, a fixed gang)."""
-    gpus_per_replica: int = Field(1, ge=1)
+    nproc_per_replica: int = Field(1, ge=1, le=64)
+    """Processes of one replica, started together on one node (FSDP2 or TP inside): the job
+    grows and shrinks by whole replicas."""
+    mesh: MeshSpecFields | None = None
+    """The replica's mesh, e.g. {dp_shard: 4, tp: 2} (default: dp_shard = nprocPerReplica)."""
+    gpus_per_replica: int = Field(default_factory=lambda: _DERIVED, validate_default=True, ge=1)
+    """Slots (GPUs) of one replica, all on one node (default: nprocPerReplica; a multiple of it)."""
     preemptible: bool = True
     """May be suspended (checkpoint, then stop) for others: needs checkpointDir."""
     grace_period_s: float = Field(30.0, ge=0, alias="gracePeriodSeconds")
@@ -140,6 +155,33 @@ class JobManifest(_Fields):
         if low is not None and value < low:
             raise _problem(f"maxReplicas {value} is less than minReplicas {low}")
         return value
+
+    @field_validator("mesh")
+    @classmethod
+    def _mesh_fits(cls, mesh: MeshSpecFields | None, info: ValidationInfo) -> Any:
+        nproc = info.data.get("nproc_per_replica")
+        if mesh is not None and nproc is not None and mesh.dp_shard * mesh.tp != nproc:
+            raise _problem(f"mesh dp_shard={mesh.dp_shard} x tp={mesh.tp} is "
+                           f"{mesh.dp_shard * mesh.tp} processes, nprocPerReplica is {nproc}")
+        return mesh
+
+    @field_validator("gpus_per_replica", mode="before")
+    @classmethod
+    def _slots_of_a_replica(cls, value: Any, info: ValidationInfo) -> Any:
+        nproc = info.data.get("nproc_per_replica", 1)
+        if value is _DERIVED:
+            return nproc
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value % nproc:
+            raise _problem(f"gpusPerReplica {value} is not a multiple of nprocPerReplica {nproc}"
+                           " (each process of a replica holds the same number of slots)")
+        return value
+
+    @property
+    def mesh_text(self) -> str:
+        """The replica's mesh as ``MAITRE_MESH`` carries it."""
+        dp, tp = (self.nproc_per_replica, 1) if self.mesh is None else (self.mesh.dp_shard,
+                                                                         self.mesh.tp)
+        return f"dp_shard={dp},tp={tp}"
 
     @field_validator("command", mode="before", json_schema_input_type=str | list[str | int | float])
     @classmethod

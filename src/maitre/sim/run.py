@@ -34,8 +34,8 @@ from maitre.sim.workload import is_philly, load_philly, load_workload, pollux_wo
 _RECOVERY_JSON = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "recovery.json"
 # maitre's measured costs (benchmarks/results/recovery.json, the median of 3 runs): the pause of
 # the running workers while a joiner enters, and a crash to the next step with the survivors.
-MEASURED_RESIZE_S = 0.040
-MEASURED_FAILURE_S = 0.133
+MEASURED_RESIZE_S = 0.031
+MEASURED_FAILURE_S = 0.071
 
 
 def measured_costs() -> tuple[float, float]:
