@@ -116,7 +116,8 @@ def test_the_wheel_holds_the_data_and_runs_from_outside_the_repository(tmp_path:
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
     traces = "maitre/data/traces"
-    needed = {"maitre/examples/train.py", "maitre/data/text/macbeth.txt",
+    needed = {"maitre/examples/train.py", "maitre/examples/train_llm.py",
+              "maitre/data/text/macbeth.txt",
               f"{traces}/pollux_workloads/workloads/workload-6.csv"}
     for app in ("cifar10", "ncf", "deepspeech2", "bert", "yolov3", "imagenet"):
         needed |= {f"{traces}/pollux_app_profiles/{app}/{f}"

@@ -32,8 +32,9 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("nproc,dp_shard", [(4, 2), (2, 2), (2, 1)],
-                         ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"])
+@pytest.mark.parametrize("nproc,dp_shard", [
+    (4, 2), pytest.param(2, 2, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow)],
+    ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"])  # (the default suite's time)
 def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, nproc: int,
                                                         dp_shard: int) -> None:
     out = tmp_path / "final.pt"
@@ -113,3 +114,57 @@ def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
     assert max(sizes) >= 3 and sizes[-1] < max(sizes), sizes
     ledgers = sorted(p.name for p in (tmp_path / "run" / "ledger").glob("*.jsonl"))
     assert all(".p0." in n or ".p1." in n for n in ledgers), ledgers  # a ledger per process
+
+
+# -- the example: a Llama-style decoder sharded by FSDP2 -----------------------------------------------
+LLM = ROOT / "examples" / "train_llm.py"
+LLM_TINY = ["--steps", "16", "--d-model", "32", "--layers", "1", "--heads", "2", "--block", "16",
+            "--global-batch", "12", "--micro-batch", "2", "--dtype", "float64", "--clip", "0.5",
+            "--log-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def llm_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("llm") / "final.pt"
+    result = run_tagged([sys.executable, str(LLM), *LLM_TINY, "--out", str(out)], timeout=200)
+    assert result.returncode == 0, result.stderr
+    assert "done: 16 steps" in result.stdout
+    return torch.load(out, weights_only=True)
+
+
+def test_the_llm_example_under_torchrun_matches_one_process(tmp_path: Path, llm_alone) -> None:
+    out = tmp_path / "final.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(LLM), *LLM_TINY, "--dp-shard", "2", "--out", str(out)]
+    result = run_tagged(cmd, timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "replicas 2" in result.stdout
+    assert relative_error(torch.load(out, weights_only=True), llm_alone) <= 1e-10
+
+
+def test_the_llm_example_under_maitre_run_matches_one_process(tmp_path: Path, llm_alone) -> None:
+    out = tmp_path / "final.pt"
+    cmd = [sys.executable, "-m", "maitre.cli", "run", "--nnodes", "2", "--nproc-per-replica", "2",
+           "--run-dir", str(tmp_path / "run"), str(LLM), *LLM_TINY, "--out", str(out)]
+    result = run_tagged(cmd, timeout=240)
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert "exactly once" in result.stdout, result.stdout
+    assert relative_error(torch.load(out, weights_only=True), llm_alone) <= 1e-10
+
+
+def test_a_model_sharded_on_a_mesh_of_its_own_is_refused() -> None:
+    """Sharded on a mesh the loop does not know, its allreduce would add different shards."""
+    script = (
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.fsdp import fully_shard\n"
+        "import maitre\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "fully_shard(model, mesh=init_device_mesh('cpu', (1,), mesh_dim_names=('mine',)))\n"
+        "maitre.ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "                   maitre.ElasticSampler(8, 4))\n")
+    result = run_tagged([sys.executable, "-c", script], timeout=120)
+    assert result.returncode != 0
+    assert "sharded on a mesh the loop does not know: build the model on " \
+           "maitre.replica_mesh()" in result.stderr, result.stderr

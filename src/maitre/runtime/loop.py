@@ -195,6 +195,7 @@ class ElasticLoop:
             raise ValueError("the model has no parameters that require gradients")
         self.replica = replicas.current()
         """This process's replica, when the script built its model on :func:`replica_mesh`."""
+        replicas.check_mesh(model, self.replica)
         replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
         if self.replica is not None and self.replica.nproc > 1:
             plain = [n for n, p in model.named_parameters()
@@ -210,6 +211,8 @@ class ElasticLoop:
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
         self.group: EpochGroup | None = None
         self.last_loss: float | None = None
+        self.last_grad_norm: float | None = None
+        """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
         self.recoveries: list[Recovery] = []
         self._buffers = _GradBuffers(self.params)
         self._step_times: deque[float] = deque(maxlen=32)
@@ -277,16 +280,22 @@ class ElasticLoop:
     def _next_batch(self) -> Batch:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
         slc = self.sampler.next_slice(self.rank, self.world_size, size)
-        local = mine = slc.local_indices
+        local = slc.local_indices
+        mine: list[int] | None = None
         rep = self.replica
+        most = len(local)
         if rep is not None and rep.nproc > 1:  # the replica's share, split by dp_shard rank
             start, end = share_bounds(len(local), rep.dp_rank, rep.spec.dp_shard)
+            most = -(-len(local) // rep.spec.dp_shard)  # the largest part of the replica's share
             local = mine = local[start:end]
-        micro = self.micro_batch_size or max(1, len(local))
-        chunks = [local[i:i + micro] for i in range(0, len(local), micro)] or [[]]
+        micro = self.micro_batch_size or max(1, most)
+        chunks = [local[i:i + micro] for i in range(0, len(local), micro)]
+        # Every process of a replica runs as many forward passes (FSDP2's collectives pair
+        # them up): a smaller part gets empty micro-batches to match the largest.
+        chunks += [[]] * (max(1, -(-most // micro)) - len(chunks))
         dtype = self.hooks.autocast_dtype
-        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks,
-                     mine=mine if mine is not slc.local_indices else None, _scale=self.scaler.scale if self.scaler is not None else 1.0,
+        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks, mine=mine,
+                     _scale=self.scaler.scale if self.scaler is not None else 1.0,
                      _autocast=None if dtype is None else (self.device.type, dtype))
 
     def _finish(self, batch: Batch) -> bool:
@@ -350,7 +359,7 @@ class ElasticLoop:
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         self._buffers.scatter(1.0 / (count * scale))  # the global mean, unscaled
         if self.hooks.clip_grad_norm is not None:
-            batch.grad_norm = clip(self.params, self.hooks.clip_grad_norm)
+            batch.grad_norm = self.last_grad_norm = clip(self.params, self.hooks.clip_grad_norm)
         if self.hooks.on_reduced_grads is not None:
             self.hooks.on_reduced_grads(batch)
         if self.scaler is not None:

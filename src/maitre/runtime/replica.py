@@ -97,6 +97,25 @@ def configure_fsdp(model: torch.nn.Module) -> int:
     return count
 
 
+def check_mesh(model: torch.nn.Module, replica: "Replica | None") -> None:
+    """Refuse a model sharded on another mesh than its replica's (or on a mesh the loop does not
+    know: it would sum different shards together)."""
+    for name, p in model.named_parameters():
+        if not is_sharded(p):
+            continue
+        mesh = p.device_mesh
+        names = tuple(mesh.mesh_dim_names or ())
+        if replica is None:
+            raise ValueError(f"parameter {name} is sharded on a mesh the loop does not know: "
+                             "build the model on maitre.replica_mesh()")
+        sizes = {n: mesh.size(i) for i, n in enumerate(names)}
+        if not names or any(n not in MESH_DIMS or sizes[n] != getattr(replica.spec, n)
+                            for n in names):
+            raise ValueError(f"parameter {name} is sharded on a mesh {sizes or 'without names'}"
+                             f", not on its replica's ({replica.spec}): build the model on "
+                             "maitre.replica_mesh()")
+
+
 def is_sharded(p: torch.Tensor) -> bool:
     """A DTensor (a parameter FSDP2 or TP placed on a mesh)."""
     return type(p) is not torch.Tensor and type(p) is not torch.nn.Parameter and \

@@ -1,0 +1,1 @@
+../src/maitre/examples/train_llm.py

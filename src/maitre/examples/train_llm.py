@@ -1,0 +1,155 @@
+"""A small Llama-style decoder (RMSNorm, rotary embeddings, SwiGLU) on the bundled text, sharded by
+FSDP2 inside each replica, clipped by the global norm, optionally in bf16. Copy it to start.
+
+    maitre run --nnodes 1:4 --nproc-per-replica 2 examples/train_llm.py --steps 200
+    torchrun --nproc-per-node 4 examples/train_llm.py --dp-shard 2 --steps 200   # 2 replicas of 2
+    python examples/train_llm.py --steps 200                                     # one process
+
+Under ``maitre run`` the job's replicas are ``--nproc-per-replica`` processes each and the job
+grows and shrinks by whole replicas; under torchrun the world is split into replicas of
+``--dp-shard`` processes; alone it is one replica of one process. The script is the same: it
+builds its model on :func:`maitre.replica_mesh` as it would on torchrun's mesh, and the loop
+does the rest (the mean gradient over the global batch, clipping, the fp16 loss scale).
+"""
+
+import argparse
+import math
+from importlib import resources
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+
+import maitre
+
+DATA = resources.files("maitre") / "data" / "text" / "macbeth.txt"
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels by their position's angle (RoFormer's rotary embedding)."""
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # SwiGLU: w2(silu(w1 x) * w3 x)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (w(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, d))
+        h = self.mlp_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Decoder(nn.Module):
+    def __init__(self, vocab: int, block: int, dim: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, 4 * dim * 2 // 3) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        half = dim // heads // 2
+        freqs = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float64) / half))
+        angles = torch.outer(torch.arange(block, dtype=torch.float64), freqs)
+        self.register_buffer("cos", angles.cos().to(torch.get_default_dtype()), persistent=False)
+        self.register_buffer("sin", angles.sin().to(torch.get_default_dtype()), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, self.cos[:t], self.sin[:t])
+        return self.head(self.norm(h))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step, all ranks")
+    p.add_argument("--micro-batch", type=int, default=4, help="most sequences per forward pass")
+    p.add_argument("--block", type=int, default=64, help="characters per sequence")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="clip to this global gradient norm")
+    p.add_argument("--precision", choices=["bf16", "fp16"], help="autocast the forward pass")
+    p.add_argument("--dp-shard", type=int, help="processes a replica shards over (default: the "
+                   "job's under maitre run, a node's under torchrun, 1 alone)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--out", type=Path, help="write the final full parameters here")
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)  # every process builds the same initial model
+    torch.set_default_dtype(getattr(torch, args.dtype))
+    text = DATA.read_text()
+    vocab = sorted(set(text))
+    index = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+    num_seqs = (len(ids) - 1) // args.block
+
+    mesh = maitre.replica_mesh(dp_shard=args.dp_shard, device_type="cpu")
+    model = Decoder(len(vocab), args.block, args.d_model, args.layers, args.heads)
+    for block in model.blocks:  # one FSDP unit per block, then the rest
+        fully_shard(block, mesh=mesh["dp_shard"])
+    fully_shard(model, mesh=mesh["dp_shard"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
+                                                 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=args.seed)
+    loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
+                              micro_batch_size=args.micro_batch, clip_grad_norm=args.clip,
+                              precision=args.precision)
+
+    first = torch.distributed.get_rank() == 0  # of its replica
+    for batch in loop.run(max_steps=args.steps):
+        for idx in batch.micro_batches:  # every process of a replica runs as many
+            starts = torch.tensor(idx, dtype=torch.long) * args.block
+            chunk = ids[starts[:, None] + torch.arange(args.block + 1)]
+            with batch.autocast():
+                logits = model(chunk[:, :-1])
+            # Sum over sequences, mean over positions: the loop divides by the global count.
+            loss = F.cross_entropy(logits.to(torch.get_default_dtype()).reshape(-1, len(vocab)),
+                                   chunk[:, 1:].reshape(-1), reduction="sum") / args.block
+            batch.backward(loss)
+        if loop.rank == 0 and first and loop.last_loss is not None \
+                and loop.step % args.log_every == 0:
+            print(f"step {loop.step:5d}  loss {loop.last_loss:.4f}  replicas {batch.world_size}  "
+                  f"grad norm {loop.last_grad_norm:.3f}", flush=True)
+    full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a replica's collective
+    if loop.rank == 0 and first:
+        print(f"done: {loop.step} steps, final loss {loop.last_loss:.4f}", flush=True)
+        if args.out is not None:
+            torch.save(full, args.out)
+
+
+if __name__ == "__main__":
+    main()
