@@ -99,7 +99,9 @@ def reference(steps: int, dtype: torch.dtype, *, clip: float | None = None, halv
             skipped += 1
             continue
         for g in grads:
-            g.mul_(1.0 / (len(idx) * (scale or 1.0)))
+            if scale:
+                g.mul_(1.0 / scale)
+            g.mul_(1.0 / len(idx))
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         if halve:

@@ -45,6 +45,25 @@ def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, n
     assert error <= 1e-12, error
 
 
+def test_fp16_overflows_are_decided_alike_by_every_process_of_every_replica(
+        tmp_path: Path) -> None:
+    """The loss scaler over sharded gradients: each process checks its own shards, the replica
+    adds up the verdicts, so a step that overflowed anywhere is skipped everywhere (float64, a
+    scale that overflows the first steps: the same skips and parameters as one process)."""
+    alone, two = tmp_path / "alone.pt", tmp_path / "two.pt"
+    result = run_tagged([sys.executable, str(SCRIPT), "--loss-scale", "1e308", "--out",
+                         str(alone)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    skipped = result.stdout.strip().rsplit(", ", 1)[1]
+    assert skipped != "0 skipped", result.stdout
+    result = run_tagged(torchrun(4, "--dp-shard", "2", "--loss-scale", "1e308", "--out",
+                                 str(two)), timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.stdout.strip().endswith(skipped), result.stdout
+    error = relative_error(torch.load(two, weights_only=True), torch.load(alone, weights_only=True))
+    assert error <= 1e-12, error
+
+
 def test_a_world_that_does_not_split_into_replicas_is_refused(tmp_path: Path) -> None:
     result = run_tagged(torchrun(3, "--dp-shard", "2", "--out", str(tmp_path / "x.pt")),
                         timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")

@@ -14,6 +14,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--dp-shard", type=int, default=1)
 p.add_argument("--clip", type=float, default=0.5)
+p.add_argument("--loss-scale", type=float, help="fp16's loss scaler, starting at this scale")
 p.add_argument("--out", type=Path, required=True)
 args = p.parse_args()
 torch.set_num_threads(1)
@@ -32,7 +33,9 @@ for layer in model:
 fully_shard(model, mesh=mesh["dp_shard"])
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
 loop = maitre.ElasticLoop(model, optimizer, maitre.ElasticSampler(N, 24, seed=0),
-                          micro_batch_size=4, clip_grad_norm=args.clip)
+                          micro_batch_size=4, clip_grad_norm=args.clip,
+                          precision="fp16" if args.loss_scale else None,
+                          loss_scaler=maitre.LossScaler(args.loss_scale) if args.loss_scale else None)
 for batch in loop.run(max_steps=args.steps):
     for idx in batch.micro_batches:
         # Every process runs the same number of forward passes (FSDP's collectives need it),
@@ -41,4 +44,5 @@ for batch in loop.run(max_steps=args.steps):
 full = {k: v.full_tensor() for k, v in model.state_dict().items()}
 if loop.rank == 0 and torch.distributed.get_rank() == 0:  # one process of one replica
     torch.save(full, args.out)
-    print(f"done: {loop.step} steps, loss {loop.last_loss:.6f}", flush=True)
+    skipped = loop.scaler.skipped if loop.scaler is not None else 0
+    print(f"done: {loop.step} steps, loss {loop.last_loss:.6f}, {skipped} skipped", flush=True)

@@ -357,7 +357,9 @@ class ElasticLoop:
         if self.scaler is not None and (float(control[_NONFINITE]) > 0 if rep is not None
                                         else not all_finite(self._buffers.grads())):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
-        self._buffers.scatter(1.0 / (count * scale))  # the global mean, unscaled
+        if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
+            self._buffers.scale(1.0 / scale)
+        self._buffers.scatter(1.0 / count)  # the global mean
         if self.hooks.clip_grad_norm is not None:
             batch.grad_norm = self.last_grad_norm = clip(self.params, self.hooks.clip_grad_norm)
         if self.hooks.on_reduced_grads is not None:
@@ -794,6 +796,10 @@ class _GradBuffers:
                 elif _local(p.grad).data_ptr() != mine.data_ptr():
                     mine.copy_(_local(p.grad))
         return [flat for flat, _, _ in self.groups]
+
+    def scale(self, factor: float) -> None:
+        for flat, numel, _ in self.groups:
+            flat[:numel].mul_(factor)
 
     def grads(self) -> list[torch.Tensor]:
         """The gradient part of each flat buffer (not the control slots)."""
