@@ -20,10 +20,11 @@ With mixed precision the body reads::
     for idx in batch.micro_batches:
         with batch.autocast():                 # bf16 or fp16, as the loop was given
             loss = loss_fn(model(x[idx]), y[idx], reduction="sum")
-        batch.backward(loss)                   # scaled for fp16; logs the loss The flags are how every rank makes the same decision at the same step:
-any rank whose heartbeat brought news of a membership change raises the resize flag, any rank whose
-checkpoint interval elapsed asks for a save (see :mod:`maitre.checkpoint`), and after the
-allreduce all ranks agree.
+        batch.backward(loss)                   # scaled for fp16; logs the loss
+
+The flags are how every rank makes the same decision at the same step: any rank whose heartbeat
+brought news of a membership change raises the resize flag, any rank whose checkpoint interval
+elapsed asks for a save (see :mod:`maitre.checkpoint`), and after the allreduce all ranks agree.
 
 A job that starts with no live state anywhere (its first start, a resume, or every worker lost)
 loads the newest complete checkpoint, if one is configured; the state then goes on live.
@@ -197,16 +198,10 @@ class ElasticLoop:
         """This process's replica, when the script built its model on :func:`replica_mesh`."""
         replicas.check_mesh(model, self.replica)
         replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
-        if self.replica is not None and self.replica.nproc > 1:
-            plain = [n for n, p in model.named_parameters()
-                     if p.requires_grad and not replicas.is_sharded(p)]
-            if plain:
-                raise ValueError(f"a replica of {self.replica.nproc} processes needs its model "
-                                 f"sharded on the replica's mesh (fully_shard); not sharded: "
-                                 f"{', '.join(plain[:5])}")
-            if checkpoint is not None or CheckpointConfig.from_environ() is not None:
-                raise ValueError("checkpoints of a model sharded over several processes are "
-                                 "not written yet: drop the checkpoint settings")
+        cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
+        if self._spanning is not None and cfg is not None:
+            raise ValueError("checkpoints of a model sharded over several processes are "
+                             "not written yet: drop the checkpoint settings")
         self.device = self.params[0].device
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
         self.group: EpochGroup | None = None
@@ -234,7 +229,6 @@ class ElasticLoop:
         self._building_since: float | None = None
         self._confirming = False
         """Waiting for the coordinator's word before a long step commits (_confirm_epoch)."""
-        cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
         self.checkpointer = Checkpointer(cfg, meta={"job_id": self.env.job_id}) if cfg else None
         self._max_steps = 0
         self._signalled: str | None = None
@@ -276,15 +270,25 @@ class ElasticLoop:
             if self._ledger is not None:
                 self._ledger.close()
 
+    @property
+    def _spanning(self) -> "replicas.Replica | None":
+        """This process's replica when it spans several processes (else None)."""
+        return self.replica if self.replica is not None and self.replica.nproc > 1 else None
+
+    @property
+    def _counts_samples(self) -> bool:
+        """This process counts its samples and writes the ledger (a shard's first tp rank)."""
+        return self._spanning is None or self._spanning.counts_samples
+
     # -- the step boundary -----------------------------------------------------------------------
     def _next_batch(self) -> Batch:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
         slc = self.sampler.next_slice(self.rank, self.world_size, size)
         local = slc.local_indices
         mine: list[int] | None = None
-        rep = self.replica
+        rep = self._spanning
         most = len(local)
-        if rep is not None and rep.nproc > 1:  # the replica's share, split by dp_shard rank
+        if rep is not None:  # the replica's share, split by dp_shard rank
             start, end = share_bounds(len(local), rep.dp_rank, rep.spec.dp_shard)
             most = -(-len(local) // rep.spec.dp_shard)  # the largest part of the replica's share
             local = mine = local[start:end]
@@ -302,8 +306,8 @@ class ElasticLoop:
         """Reduce, update and commit the step. False when it was dropped for a membership change."""
         flat = self._buffers.gather()
         control = self._buffers.control
-        rep = self.replica if self.replica is not None and self.replica.nproc > 1 else None
-        counts = rep is None or rep.counts_samples  # a shard's tp ranks read the same samples
+        rep = self._spanning
+        counts = self._counts_samples  # a shard's tp ranks read the same samples
         control[0] = batch._loss if counts else 0.0
         control[1] = len(batch.indices) if counts else 0.0
         control[2] = 1.0 if self._change_requested() else 0.0
@@ -404,7 +408,7 @@ class ElasticLoop:
         or a save is asked again by the step trained next."""
         assert self.scaler is not None
         self.scaler.update(False)
-        if self._ledger is not None and (self.replica is None or self.replica.counts_samples):
+        if self._ledger is not None and self._counts_samples:
             self._ledger.skipped(self.epoch, batch.step)
         if self.rank == 0:
             print(f"maitre: step {batch.step} overflowed at loss scale {scale:g}; training it "
@@ -619,8 +623,7 @@ class ElasticLoop:
         except EpochLost as exc:  # a peer failed while the group formed: go round again
             lost = exc
         self._building_since = None
-        if self.replica is not None and self.replica.nproc > 1 and \
-                not self._replica_agrees(lost is None) and lost is None:
+        if self._spanning is not None and not self._replica_agrees(lost is None) and lost is None:
             lost = EpochLost("another process of this replica lost the epoch as it formed",
                              time.monotonic())
         if lost is not None:
@@ -632,9 +635,9 @@ class ElasticLoop:
     def _replica_agrees(self, ok: bool) -> bool:
         """Whether every process of this replica is ``ok`` (one tiny allreduce inside it): they
         go on, or go round again, together, so their collectives stay in step."""
-        assert self.replica is not None
+        assert self._spanning is not None
         flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        dist.all_reduce(flag, group=self.replica.group)
+        dist.all_reduce(flag, group=self._spanning.group)
         return float(flag) == 0.0
 
     def _connect_store(self, answer: dict[str, Any]) -> None:

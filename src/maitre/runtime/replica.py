@@ -99,7 +99,12 @@ def configure_fsdp(model: torch.nn.Module) -> int:
 
 def check_mesh(model: torch.nn.Module, replica: "Replica | None") -> None:
     """Refuse a model sharded on another mesh than its replica's (or on a mesh the loop does not
-    know: it would sum different shards together)."""
+    know: it would sum different shards together), and one left unsharded in a replica of
+    several processes."""
+    plain = [n for n, p in model.named_parameters() if p.requires_grad and not is_sharded(p)]
+    if replica is not None and replica.nproc > 1 and plain:
+        raise ValueError(f"a replica of {replica.nproc} processes needs its model sharded on the "
+                         f"replica's mesh (fully_shard); not sharded: {', '.join(plain[:5])}")
     for name, p in model.named_parameters():
         if not is_sharded(p):
             continue
