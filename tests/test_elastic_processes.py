@@ -101,7 +101,11 @@ def test_no_false_hang_when_the_machine_is_oversubscribed(tmp_path: Path, refere
     check(tmp_path, code, lines, reference(STEPS))
     job = run.job()
     assert job["failures"] == 0, "\n".join(lines)
-    assert job["epoch"] == 1, "\n".join(lines)
+    # The job may start on two nodes and grow onto the third when it registers a moment after
+    # admission; what must not happen is an epoch that drops a member.
+    sizes = [len(e["members"]) for e in job["events"] if e["kind"] == "epoch"]
+    assert sizes == sorted(sizes), "\n".join(lines)
+    assert not any(e["kind"] == "worker_dead" for e in job["events"]), "\n".join(lines)
 
 
 # -- the step hooks under resizes (maitre.runtime.hooks) ---------------------------------------------
