@@ -61,10 +61,17 @@ def test_sigstop_worker_is_detected_and_removed(tmp_path: Path,
 
 
 @pytest.mark.timeout(180)
-def test_worker_joins(tmp_path: Path, reference) -> None:
+@pytest.mark.parametrize("mode", ["stream", "pause"])
+def test_worker_joins(tmp_path: Path, reference, monkeypatch, mode: str) -> None:
+    """Streamed (the joiner listens while the job trains on) or broadcast while the job waits."""
+    monkeypatch.setenv("MAITRE_JOIN", mode)
     code, lines, run = run_story(tmp_path, "join@20", nodes=2, max_nodes=3)
     check(tmp_path, code, lines, reference(STEPS))
-    assert max(len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch") == 3
+    job = run.job()
+    assert max(len(e["members"]) for e in job["events"] if e["kind"] == "epoch") == 3
+    caught_up = [r for r in job["reports"] if r["kind"] == "caught_up"]
+    assert len(caught_up) == (1 if mode == "stream" else 0), "\n".join(lines)
+    assert job["epoch"] == 2, "\n".join(lines)  # (streamed: no rebuild once caught up)
 
 
 @pytest.mark.timeout(180)
@@ -135,3 +142,15 @@ def test_fp16_loss_scaling_and_clipping_under_a_crash_and_a_leave(tmp_path: Path
     skips = [x for x in (tmp_path / "run" / "ledger").glob("*.jsonl")
              if '"k":"x"' in x.read_text()]
     assert skips, "no step overflowed: the scaler's skip was not exercised"
+
+
+@pytest.mark.timeout(180)
+def test_a_joiner_replays_the_steps_trained_while_its_state_streamed(tmp_path: Path, reference,
+                                                                     monkeypatch) -> None:
+    """The snapshot lands 1.5 s late: the joiner hears dozens of steps meanwhile and replays
+    them (clipping and the fp16 scaler included) before it trains; the result is exact."""
+    monkeypatch.setenv("MAITRE_TRANSFER_DELAY_S", "1.5")
+    code, lines, run = run_story(tmp_path, "join@20", nodes=2, max_nodes=3, extra=FP16)
+    check(tmp_path, code, lines, reference(STEPS, *FP16))
+    caught_up = [r for r in run.job()["reports"] if r["kind"] == "caught_up"]
+    assert len(caught_up) == 1 and caught_up[0]["replayed"] >= 10, "\n".join(lines)

@@ -314,6 +314,11 @@ def describe(event: dict[str, Any]) -> str:
                 f"{event['to_next_step_s'] * 1000:.0f} ms after detection (rendezvous "
                 f"{event['rendezvous_s'] * 1000:.0f} ms, group {event['group_s'] * 1000:.0f} ms, "
                 f"state {event['state_s'] * 1000:.0f} ms / {event['state_bytes'] / 1e6:.2f} MB)")
+    if kind == "caught_up":
+        return (f"epoch {event['epoch']}: {event['worker']} caught up at step {event['step']}, "
+                f"{event['state_bytes'] / 1e6:.2f} MB streamed and {event['replayed']} step(s) "
+                f"replayed in {event['listened_s'] * 1000:.0f} ms while the job trained; "
+                f"{event['world_size']} workers train")
     if kind in ("admit", "grow", "shrink", "preempting"):
         where = " ".join(f"{n}x{r}" for n, r in sorted(event.get("placement", {}).items()))
         why = f" ({event['reason']})" if event.get("reason") else ""

@@ -66,6 +66,14 @@ MESH = "MAITRE_MESH"
 STORE_KEY = "MAITRE_STORE_KEY"
 """Its run's name at the store's door: a replica of several processes builds its own group on
 the run's store before its first rendezvous."""
+JOIN = "MAITRE_JOIN"
+"""How a member that is behind (a joiner, a replacement) gets the job's state: ``stream`` (the
+default: it listens while a peer streams it a snapshot, and the job trains on) or ``pause``
+(the job waits while the state is broadcast: no snapshot in memory, no queue of steps)."""
+JOIN_MODES = ("stream", "pause")
+TRANSFER_DELAY_S = "MAITRE_TRANSFER_DELAY_S"
+"""Fault injection (tests, drills): a streamed snapshot lands this many seconds late on the
+listener, as over a slow network, so that it has many steps to replay."""
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 """Where workers record the samples they commit (the exactly-once audit)."""
 RUN_ID = "MAITRE_RUN_ID"
@@ -426,6 +434,25 @@ class RecoveryReport(_Request):
     state_bytes: int = Field(ge=0)
     to_next_step_s: float
     step: int = Field(ge=0)
+
+
+class CaughtUpReport(_Request):
+    """A listener caught up (``MAITRE_JOIN=stream``): from the next step every member trains."""
+
+    kind: Literal["caught_up"]
+    epoch: int = Field(ge=0)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    """The members that train from the next step."""
+    step: int = Field(ge=0)
+    listened_s: float = Field(ge=0)
+    """From the epoch's start to the step it trains next: the snapshot's transfer and replay."""
+    state_bytes: int = Field(ge=0)
+    replayed: int = Field(ge=0)
+    """Steps heard while the snapshot streamed in, replayed after it landed."""
+
+
+WorkerReport = Annotated[RecoveryReport | CaughtUpReport, Field(discriminator="kind")]
 
 
 class Empty(_Reply):

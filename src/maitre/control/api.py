@@ -37,7 +37,7 @@ import time
 from typing import Annotated, Any, Callable
 
 import uvicorn
-from fastapi import FastAPI, Path, Request
+from fastapi import Body, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
@@ -308,7 +308,8 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return await now(Coordinator.worker_left, worker)
 
     @route("POST", p.WORKER_REPORT, p.Empty)
-    async def worker_report(req: p.RecoveryReport, worker: Name) -> dict[str, Any]:
+    async def worker_report(req: Annotated[p.WorkerReport, Body()],
+                            worker: Name) -> dict[str, Any]:
         return await now(Coordinator.worker_report, worker, req.model_dump())
 
     return app

@@ -569,7 +569,8 @@ class Coordinator:
             report = {"worker": wid, **body,  # epochs count again in each incarnation
                       "incarnation": managed.incarnation if managed is not None else 1}
             self.reports[job_id].append(report)
-            self._emit(job_id, "report", report)
+            self._emit(job_id, "caught_up" if body.get("kind") == "caught_up" else "report",
+                       report)
         return {}
 
     # -- failure detector and scheduler ----------------------------------------------------------

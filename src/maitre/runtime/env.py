@@ -15,8 +15,8 @@ from enum import Enum
 from typing import Mapping
 
 from maitre.protocol import (AGENT, COORDINATOR, COORDINATOR_TIMEOUT_S, HEARTBEAT_S, JOB_ID,
-                             LEDGER_DIR, MESH, NPROC, PROC, RUN_ID, STORE, STORE_KEY, TLS_CA,
-                             TOKEN, WORKER_ID)
+                             JOIN, JOIN_MODES, LEDGER_DIR, MESH, NPROC, PROC, RUN_ID, STORE,
+                             STORE_KEY, TLS_CA, TOKEN, WORKER_ID)
 
 
 class Mode(str, Enum):
@@ -49,6 +49,8 @@ class WorkerEnv:
     proc: int = 0
     """Processes of its replica, and its index among them (a replica that spans several)."""
     mesh: str = ""
+    join: str = "stream"
+    """How a member behind gets the state (``MAITRE_JOIN``: ``stream`` or ``pause``)."""
     rank: int = 0
     world_size: int = 1
 
@@ -67,7 +69,7 @@ class WorkerEnv:
                        store=env[STORE], agent=env[AGENT], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
                        tls_ca=env.get(TLS_CA, ""), store_key=env.get(STORE_KEY, ""),
                        nproc=int(env.get(NPROC, "1")), proc=int(env.get(PROC, "0")),
-                       mesh=env.get(MESH, ""),
+                       mesh=env.get(MESH, ""), join=_join_mode(env),
                        heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
                        coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
                        **common)
@@ -76,3 +78,10 @@ class WorkerEnv:
             return cls(mode=Mode.STATIC, worker_id=f"rank{rank}", rank=rank,
                        world_size=int(env["WORLD_SIZE"]), **common)
         return cls(mode=Mode.SINGLE, worker_id="single", **common)
+
+
+def _join_mode(env: Mapping[str, str]) -> str:
+    mode = env.get(JOIN, "stream") or "stream"
+    if mode not in JOIN_MODES:
+        raise RuntimeError(f"{JOIN}={mode!r}: expected one of {', '.join(JOIN_MODES)}")
+    return mode

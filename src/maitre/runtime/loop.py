@@ -69,13 +69,14 @@ from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.storelink import StoreLink, StoreLinkError
-from maitre.runtime.transfer import broadcast_state, sync_steps
+from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
+from maitre.runtime.transfer import unpack as transfer_unpack
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
 # loss sum, sample count, resize flag; save request, stop request, save token, writer busy;
-# in a replica of several processes: gradients not finite, the epoch lost
-_CONTROL = 9
-_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST = 3, 4, 5, 6, 7, 8
+# in a replica of several processes: gradients not finite, the epoch lost; a listener caught up
+_CONTROL = 10
+_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY = 3, 4, 5, 6, 7, 8, 9
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 _JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
@@ -126,6 +127,28 @@ class Batch:
             return contextlib.nullcontext()
         device_type, dtype = self._autocast
         return torch.autocast(device_type, dtype=dtype)
+
+
+@dataclass(slots=True)
+class _Listening:
+    """A member behind in this epoch: it hears every step while its snapshot streams in."""
+
+    receiver: Receiver
+    snapshot_step: int
+    """The committed step of the snapshot (the training members' step as the epoch opened)."""
+    queue: deque[tuple[list[torch.Tensor], torch.Tensor]]
+    """The reduced gradients and control slots of each step heard and not yet replayed."""
+    loaded: bool = False
+    state_bytes: int = 0
+    replayed: int = 0
+    started: float = 0.0
+    """When it began to listen (``time.monotonic()``)."""
+    interval: float = 0.0
+    """Seconds between its last two steps heard (the training members' step time)."""
+
+    @property
+    def caught_up(self) -> bool:
+        return self.loaded and not self.queue
 
 
 @dataclass(slots=True)
@@ -225,6 +248,13 @@ class ElasticLoop:
         self._state_lost = False
         """The coordinator says every worker that held the job's state was lost."""
         self._recovery: Recovery | None = None
+        self._listeners: tuple[int, ...] = ()
+        """This epoch's members that are catching up (group ranks), while they do."""
+        self._listening: _Listening | None = None
+        """This member is one of them."""
+        self._senders: list[Sender] = []
+        self._prefix = ""
+        """This epoch's store prefix (of this process's cross-replica group)."""
         self._owns_default_group = False
         self._building_since: float | None = None
         self._confirming = False
@@ -246,6 +276,9 @@ class ElasticLoop:
         self._start()
         try:
             while self.state.step < max_steps:
+                if self._listening is not None:
+                    self._listen()
+                    continue
                 batch = self._next_batch()
                 self._buffers.zero()
                 step_start = time.monotonic()
@@ -303,26 +336,53 @@ class ElasticLoop:
                      _autocast=None if dtype is None else (self.device.type, dtype))
 
     def _finish(self, batch: Batch) -> bool:
-        """Reduce, update and commit the step. False when it was dropped for a membership change."""
+        """Reduce, update and commit the step. False when it was dropped for a membership change,
+        skipped (an fp16 overflow) or only heard (a listener not caught up yet)."""
+        control = self._reduce(batch)
+        if control is None:
+            return False
+        lst = self._listening
+        stop = float(control[_STOP]) > 0
+        if lst is not None and not lst.caught_up:  # kept, to be replayed once the state lands
+            lst.queue.append(([g.clone() for g in self._buffers.grads()], control.clone()))
+            committed = False
+        else:
+            committed = self._update(batch, control)
+            if committed:
+                self._commit(batch, control, stop)
+        if float(control[_READY]) >= self._ready_quorum():
+            self._promote()
+        if stop and (committed or lst is not None):  # a skipped step asks again next step
+            self._stop_here()
+        if float(control[2]) > 0:
+            self._rendezvous("resize")
+        return committed
+
+    def _reduce(self, batch: Batch) -> torch.Tensor | None:
+        """Allreduce the step's gradients and control slots; returns the reduced control slots,
+        or None when the step was dropped (a membership change: recovered already)."""
         flat = self._buffers.gather()
         control = self._buffers.control
         rep = self._spanning
-        counts = self._counts_samples  # a shard's tp ranks read the same samples
+        lst = self._listening
+        counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
         control[0] = batch._loss if counts else 0.0
         control[1] = len(batch.indices) if counts else 0.0
         control[2] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
-        control[_SAVE] = 1.0 if ckpt is not None and (ckpt.due(batch.step) or (
+        control[_SAVE] = 1.0 if lst is None and ckpt is not None and (ckpt.due(batch.step) or (
             ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
         control[_STOP] = 1.0 if self._stop_reason() else 0.0
         # A rank still writing the previous save vetoes a new one (it is asked again next step),
-        # so no rank blocks on its writer and every rank makes the same decision.
-        control[_BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
+        # so no rank blocks on its writer and every rank makes the same decision. A listener
+        # vetoes saves until it trains: the parts of a save are the training members'.
+        control[_BUSY] = 1.0 if lst is not None or (ckpt is not None and ckpt.busy) else 0.0
         # The committing rank draws the name of the save's temporary directory; the sum
         # carries it to every rank (exact in float32 below 2**24).
         control[_TOKEN] = float(secrets.randbelow(1 << 24)) \
             if ckpt is not None and self.rank == 0 else 0.0
         control[_NONFINITE] = control[_LOST] = 0.0
+        control[_READY] = 1.0 if lst is not None and lst.caught_up else 0.0
         if self._ledger is not None and counts:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
         lost: EpochLost | None = None
@@ -352,13 +412,21 @@ class ElasticLoop:
             # was cut off comes back) and write into them: never hand them to the next epoch.
             self._buffers = _GradBuffers(self.params)
             self._recover(lost)
-            return False
-        scale = batch._scale
+            return None
+        return control
+
+    def _update(self, batch: Batch, control: torch.Tensor) -> bool:
+        """The update from the reduced gradients (in the buffers) and control slots: the global
+        mean, the step hooks, the optimizer and the schedules. False: an fp16 overflow, the step
+        commits nothing. A listener replays queued steps through here too, so it stays exact."""
+        self._await_snapshots()  # a snapshot being copied still reads the live state
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         count = int(round(float(control[1])))
         if count != batch.global_batch_size:
             raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
                                f"batch has {batch.global_batch_size}: shares are inconsistent")
-        if self.scaler is not None and (float(control[_NONFINITE]) > 0 if rep is not None
+        if self.scaler is not None and (float(control[_NONFINITE]) > 0
+                                        if self._spanning is not None
                                         else not all_finite(self._buffers.grads())):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
@@ -384,38 +452,127 @@ class ElasticLoop:
         self.sampler.advance(batch.slice)
         self.state.step += 1
         self.last_loss = float(control[0]) / count
-        if self._ledger is not None and counts:
+        return True
+
+    def _commit(self, batch: Batch, control: torch.Tensor, stop: bool) -> None:
+        """After the update: the ledger's commit, the recovery report, a checkpoint."""
+        training = self._listening is None
+        if self._ledger is not None and self._counts_samples and training:
             self._ledger.commit(self.epoch, batch.step)
         if self._recovery is not None:
             self._report_recovery()
-        stop = float(control[_STOP]) > 0
+        ckpt = self.checkpointer
         save = float(control[_SAVE]) > 0 and float(control[_BUSY]) == 0
-        if ckpt is not None and (save or stop):  # a stop saves even if it must wait
+        if ckpt is not None and training and (save or stop):  # a stop saves even if it waits
             ckpt.save(self.state.state_dict, step=self.state.step, rank=self.rank,
                       world_size=self.world_size, token=int(control[_TOKEN]))
-        elif ckpt is not None:  # after the first step, when the optimizer state exists
+        elif ckpt is not None and training:  # after the first step, when the optimizer state exists
             ckpt.prepare(self.state.state_dict, rank=self.rank, world_size=self.world_size)
         self._committed_at = time.monotonic()
-        if stop:
-            self._stop_here()
-        if float(control[2]) > 0:
-            self._rendezvous("resize")
-        return True
 
     def _skip(self, batch: Batch, scale: float) -> bool:
         """An overflow in the reduced fp16 gradients: the step commits nothing and is trained
-        again (the same samples) at a lower loss scale. A membership change is met now; a stop
-        or a save is asked again by the step trained next."""
+        again (the same samples) at a lower loss scale. A membership change is met after it; a
+        stop or a save is asked again by the step trained next."""
         assert self.scaler is not None
         self.scaler.update(False)
-        if self._ledger is not None and self._counts_samples:
+        if self._ledger is not None and self._counts_samples and self._listening is None:
             self._ledger.skipped(self.epoch, batch.step)
         if self.rank == 0:
             print(f"maitre: step {batch.step} overflowed at loss scale {scale:g}; training it "
                   f"again at {self.scaler.scale:g}", file=sys.stderr, flush=True)
-        if float(self._buffers.control[2]) > 0:
-            self._rendezvous("resize")
         return False
+
+    # -- listening: a member behind catches up while the others train (MAITRE_JOIN=stream) ------
+    def _listen(self) -> None:
+        """One step as a listener: catch up as far as the time allows (load the snapshot once
+        it has landed, replay queued steps), then take part in the step's allreduce with no
+        samples. The training members' step goes on meanwhile; a listener that is caught up
+        applies each step as it comes and says so, and all are promoted together."""
+        lst = self._listening
+        assert lst is not None
+        self._buffers.zero()
+        heard = time.monotonic()
+        try:
+            self._catch_up(lst)
+        except EpochLost as lost:
+            self._recover(lost)
+            return
+        size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
+        batch = Batch(self.state.step + 1, -1, self.world_size,
+                      self.sampler.next_slice(0, self.world_size, size), [],
+                      mine=[] if self._spanning is not None else None)
+        self._finish(batch)
+        if self._listening is lst:
+            lst.interval = time.monotonic() - heard
+
+    def _catch_up(self, lst: "_Listening") -> None:
+        if not lst.loaded:
+            rec = lst.receiver
+            if rec.done.is_set() and rec.result is None:
+                raise EpochLost(f"the state transfer failed: {rec.error}", time.monotonic())
+            landed = rec.done.is_set()
+            if self._spanning is not None:  # the replica's processes load and replay together
+                landed = self._replica_agrees(landed)
+            if not landed:
+                return
+            assert rec.result is not None
+            meta, flats, lst.state_bytes = rec.result
+            rec.result = None
+            self.state.load_state_dict(transfer_unpack(meta, flats, self._mesh_of()))
+            if self.state.step != lst.snapshot_step:
+                raise RuntimeError(f"the snapshot holds step {self.state.step}, not "
+                                   f"{lst.snapshot_step}: its source and this epoch disagree")
+            lst.loaded = True
+        # Replayed while the training members run their forward and backward: half of a step.
+        deadline = time.monotonic() + 0.5 * lst.interval
+        while lst.queue:
+            grads, control = lst.queue.popleft()
+            for buf, g in zip(self._buffers.grads(), grads):
+                buf.copy_(g)
+            size = self.scaling.global_batch_size(self.sampler.global_batch_size,
+                                                  self.world_size)
+            batch = Batch(self.state.step + 1, -1, self.world_size,
+                          self.sampler.next_slice(0, self.world_size, size), [])
+            self._update(batch, control)
+            lst.replayed += 1
+            more = bool(lst.queue) and time.monotonic() < deadline
+            if self._spanning is not None:
+                more = self._replica_agrees(more)
+            if not more:
+                break
+        self._buffers.zero()
+
+    def _ready_quorum(self) -> float:
+        """The READY total at which every listener is caught up (none: never)."""
+        if not self._listeners:
+            return float("inf")
+        return float(len(self._listeners) * (self._spanning.nproc if self._spanning else 1))
+
+    def _promote(self) -> None:
+        """Every listener is caught up: from the next step all members train, on the epoch's
+        group as it is (no rebuild)."""
+        lst, self._listeners, self._listening = self._listening, (), None
+        assert self.group is not None
+        self.rank, self.world_size = self.group.rank, self.group.world_size
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
+        self.scaling.on_resize(self.world_size, self.state.step)
+        if lst is not None and self._client is not None and not self.env.proc:
+            report = {"kind": "caught_up", "epoch": self.epoch, "rank": self.rank,
+                      "world_size": self.world_size, "step": self.state.step,
+                      "listened_s": time.monotonic() - lst.started,
+                      "state_bytes": lst.state_bytes, "replayed": lst.replayed}
+            try:
+                self._client.post(protocol.WORKER_REPORT.format(worker=self.env.worker_id),
+                                  report, timeout_s=2.0)
+            except (CoordinatorUnreachable, ApiError):
+                pass
+
+    def _await_snapshots(self) -> None:
+        """Wait until every snapshot being streamed from here no longer reads the live state."""
+        for sender in self._senders:
+            sender.copied.wait()
+        self._senders = [s for s in self._senders if not s.done.is_set()]
 
     def _allreduce(self, buf: torch.Tensor) -> None:
         if self.group is not None:
@@ -573,6 +730,7 @@ class ElasticLoop:
         if self.group is not None:
             self.group.retire()
             self.group = None
+        self._listeners, self._listening = (), None  # a new epoch decides again
         deadline = time.monotonic() + self.env.coordinator_timeout_s
         body = {"from_epoch": self.epoch if from_epoch is None else from_epoch,
                 "step": self.state.step, "reason": reason[:500], "wait_s": 5.0}
@@ -614,6 +772,7 @@ class ElasticLoop:
         try:
             # A replica of several processes: one group per position, over the replicas.
             prefix = answer["store_prefix"] + (f"x{self.env.proc}/" if self.env.nproc > 1 else "")
+            self._prefix = prefix
             self.group = EpochGroup.create(self._store, prefix, self.rank,
                                            self.world_size, self.device, self._epoch_closed)
             self._building_since = None
@@ -629,8 +788,9 @@ class ElasticLoop:
         if lost is not None:
             self._recover(lost)
             return
-        self.scaling.on_resize(self.world_size, self.state.step)
         rec.synced_at = time.time()
+        if self._listening is not None:  # it reports nothing until it trains
+            self._recovery = None
 
     def _replica_agrees(self, ok: bool) -> bool:
         """Whether every process of this replica is ``ok`` (one tiny allreduce inside it): they
@@ -705,15 +865,68 @@ class ElasticLoop:
                 # Back to the initial state: what the lost workers committed is undone.
                 self._ledger.resumed(0)
         ahead = max(steps)
-        if all(s == ahead for s in steps):
+        behind = [r for r, s in enumerate(steps) if s != ahead]
+        if behind and self.env.join == "stream" and self._store is not None:
+            self._stream_state(steps, ahead, rec)
             return
-        src = steps.index(ahead)
-        tree = self.state.state_dict() if self.rank == src else None
-        mesh_of = None if self.replica is None else (lambda names: self.replica.mesh[names])
-        received, rec.state_bytes = broadcast_state(self.group, tree, src, mesh_of)
-        rec.state_from = src
-        if self.state.step < ahead:
-            self.state.load_state_dict(received)
+        if behind:  # the members at the highest step keep their own state (and RNG streams)
+            src = steps.index(ahead)
+            tree = self.state.state_dict() if self.group.rank == src else None
+            received, rec.state_bytes = broadcast_state(self.group, tree, src, self._mesh_of())
+            rec.state_from = src
+            if self.state.step < ahead:
+                self.state.load_state_dict(received)
+        if self.env.mode == Mode.ELASTIC:  # (a torchrun group never resizes)
+            self.scaling.on_resize(self.world_size, self.state.step)
+
+    def _stream_state(self, steps: list[int], ahead: int, rec: Recovery) -> None:
+        """The members behind listen; the others train on at once. Listener ``i`` gets the
+        committed state from the ``i``-th member ahead (round robin: sources spread over the
+        members), streamed in the background on a pair group of its own. Until every listener
+        is caught up the data shares are the training members' (ranks among them)."""
+        assert self.group is not None and self._store is not None
+        training = [r for r, s in enumerate(steps) if s == ahead]
+        self._listeners = tuple(r for r, s in enumerate(steps) if s != ahead)
+        me, epoch = self.group.rank, self.epoch
+        self.world_size = len(training)
+        pair = lambda listener: f"{self._prefix}join/{listener}/"  # noqa: E731
+        abandon = lambda: None if self.epoch == epoch and self.group is not None \
+            else "the epoch is over"  # noqa: E731
+        if me in self._listeners:
+            source = training[self._listeners.index(me) % len(training)]
+            self.rank = -1
+            self._listening = _Listening(Receiver(self._store, pair(me), self.device, abandon),
+                                         snapshot_step=ahead, queue=deque(),
+                                         started=time.monotonic())
+            rec.state_from = source
+            return
+        self.rank = training.index(me)
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
+        self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
+        mine = [pair(l) for i, l in enumerate(self._listeners)
+                if training[i % len(training)] == me]
+        if mine:
+            packed = Packed.of(self.state.state_dict(), self.device, lazy=self._optimizer_owned())
+            rec.state_bytes, rec.state_from = packed.nbytes, me
+            self._senders.append(Sender(self._store, mine, packed, self.device, abandon))
+
+    def _optimizer_owned(self) -> set[int]:
+        """The storages that only the optimizer's step changes: the parameters (their local
+        shards) and the optimizer's state. A snapshot copies them while the next step's forward
+        and backward run (they read them only)."""
+        owned = {_local(p).data_ptr() for p in self.params}
+        for per_param in self.optimizer.state.values():
+            for v in per_param.values():
+                if isinstance(v, torch.Tensor):
+                    owned.add(_local(v).data_ptr())
+        return owned
+
+    def _mesh_of(self) -> Any:
+        """Where received sharded tensors live: this replica's mesh (by dimension names)."""
+        if self.replica is None:
+            return None
+        mesh = self.replica.mesh
+        return lambda names: mesh[names]
 
     def _report_recovery(self) -> None:
         rec, self._recovery = self._recovery, None

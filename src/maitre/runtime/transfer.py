@@ -1,23 +1,36 @@
 """Live state transfer: after a membership change, peers that are behind get the state from one
-that is ahead, over the new epoch's process group. Joiners never read disk.
+that is ahead. Joiners never read disk.
 
-Protocol (all members take part, so every step is a collective of the new group):
+Every member takes part in ``sync_steps``: one allreduce of a vector holding each member's
+committed step at its rank, so every member learns all steps.
 
-1. ``sync_steps``: one allreduce of a vector holding each member's committed step at its rank.
-   Every member learns all steps; the source is the lowest rank at the highest step.
-2. If anyone is behind, ``broadcast_state`` from the source: the length of the skeleton, the
-   skeleton (JSON as bytes), then one flat buffer per dtype with every tensor of the state.
-   Members already at the highest step receive too but keep their own state (their RNG streams
-   stay theirs).
+Then one of two ways, chosen by the job (``MAITRE_JOIN``):
+
+- ``stream`` (the default): the members behind *listen* (see :mod:`maitre.runtime.loop`) while a
+  source ahead streams them a snapshot of its committed state in the background
+  (:class:`Sender`, :class:`Receiver`), each pair on a two-member group of its own. The snapshot
+  of the tensors that only the optimizer changes (parameters, optimizer state) is copied on the
+  sender's thread while the next forward and backward run; the loop waits for that copy
+  (:meth:`Sender.copied`) before its next update. The running members pause for the group
+  rebuild only.
+- ``pause``: ``broadcast_state`` from the source over the epoch's group, every member waiting.
+
+The wire format is one header (the skeleton and each tensor's dtype and shape, JSON as bytes,
+preceded by its length) and then one flat buffer per dtype with every tensor of the state.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import time
 from collections import defaultdict
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from maitre.protocol import TRANSFER_DELAY_S
 from maitre.runtime import statetree
 from maitre.runtime.group import EpochGroup
 
@@ -37,43 +50,177 @@ def broadcast_state(group: EpochGroup, tree: Any | None, src: int,
     """Send ``tree`` from rank ``src`` to every member; returns (tree, payload bytes).
 
     On the source, ``tree`` is the state to send; elsewhere it is ignored and the received
-    tree is returned (tensors on the group's device; sharded ones on ``mesh_of``'s mesh)."""
-    device = group.device
+    tree is returned (tensors on the group's device; sharded ones on ``mesh_of``'s mesh).
+    Members already at the source's step receive too but keep their own state (their RNG
+    streams stay theirs)."""
     if group.rank == src:
+        packed = Packed.of(tree, group.device)
+        packed.copy_lazy()
+        return tree, packed.send(group, src)
+    meta, flats, payload = receive(group, src)
+    return unpack(meta, flats, mesh_of), payload
+
+
+class Packed:
+    """A state laid out for the wire: the header, and one flat buffer per dtype.
+
+    :meth:`of` copies every tensor at once except those whose storage is in ``lazy`` (tensors
+    that only the optimizer's step changes); :meth:`copy_lazy` copies those, on any thread,
+    before that step."""
+
+    def __init__(self, header: bytes, flats: list[torch.Tensor],
+                 pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.header = header
+        self.flats = flats
+        self._pending = pending
+
+    @classmethod
+    def of(cls, tree: Any, device: torch.device, lazy: set[int] = frozenset()) -> "Packed":  # type: ignore[assignment]
         skeleton, tensors = statetree.encode(tree)
         specs = [[str(t.dtype), list(t.shape)] for t in tensors]
         header = statetree.dumps({"skeleton": skeleton, "tensors": specs})
-        size = torch.tensor([len(header)], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    group.broadcast(size, src)
-    header_buf = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)
-                  if group.rank == src else
-                  torch.empty(int(size.item()), dtype=torch.uint8, device=device))
-    group.broadcast(header_buf, src)
-    meta = statetree.loads(bytes(header_buf.cpu().tolist()))
-    specs = meta["tensors"]
+        flats: list[torch.Tensor] = []
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dtype, indices in _by_dtype(specs):
+            parts = [tensors[i].detach() for i in indices]
+            flat = torch.empty(sum(t.numel() for t in parts), dtype=_DTYPES[dtype], device=device)
+            offset = 0
+            for t in parts:
+                slot = flat[offset:offset + t.numel()].view(t.shape)
+                offset += t.numel()
+                if t.numel() and t.device == device and t.data_ptr() in lazy:
+                    pending.append((slot, t))
+                else:
+                    slot.copy_(t)
+            flats.append(flat)
+        return cls(header, flats, pending)
 
-    by_dtype: dict[str, list[int]] = defaultdict(list)
+    @property
+    def nbytes(self) -> int:
+        return len(self.header) + sum(f.numel() * f.element_size() for f in self.flats)
+
+    def copy_lazy(self) -> None:
+        for slot, t in self._pending:
+            slot.copy_(t)
+        self._pending = []
+
+    def send(self, group: EpochGroup, src: int) -> int:
+        """Broadcast from ``src`` (this member) to the group; returns the payload bytes."""
+        header = torch.frombuffer(bytearray(self.header), dtype=torch.uint8).to(group.device)
+        group.broadcast(torch.tensor([len(self.header)], dtype=torch.int64, device=group.device),
+                        src)
+        group.broadcast(header, src)
+        for flat in self.flats:
+            group.broadcast(flat, src)
+        return self.nbytes
+
+
+def receive(group: EpochGroup, src: int) -> tuple[dict[str, Any], list[torch.Tensor], int]:
+    """The other side of :meth:`Packed.send`: (header, flat buffers, payload bytes)."""
+    device = group.device
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    group.broadcast(size, src)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    group.broadcast(header, src)
+    meta = statetree.loads(header.cpu().numpy().tobytes())
+    flats = []
+    for dtype, indices in _by_dtype(meta["tensors"]):
+        flat = torch.empty(sum(_numel(meta["tensors"][i][1]) for i in indices),
+                           dtype=_DTYPES[dtype], device=device)
+        group.broadcast(flat, src)
+        flats.append(flat)
+    return meta, flats, len(header) + sum(f.numel() * f.element_size() for f in flats)
+
+
+def unpack(meta: dict[str, Any], flats: list[torch.Tensor],
+           mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> Any:
+    """The state tree of a received header and its flat buffers (views into them)."""
+    specs = meta["tensors"]
+    received: list[torch.Tensor | None] = [None] * len(specs)
+    for (_, indices), flat in zip(_by_dtype(specs), flats):
+        numels = [_numel(specs[i][1]) for i in indices]
+        for i, part in zip(indices, torch.split(flat, numels)):
+            received[i] = part.view(specs[i][1])
+    return statetree.decode(meta["skeleton"], received, mesh_of)  # type: ignore[arg-type]
+
+
+class Sender:
+    """Streams one snapshot to the listeners it sources, one after the other, each on a
+    two-member group of its own (``<epoch prefix>join/<listener rank>/``), on a thread.
+
+    ``abandon`` is polled while it waits: a reason once the epoch is over (a peer failed, the
+    job resized) makes it give up, and the snapshot is freed."""
+
+    def __init__(self, store: dist.Store, prefixes: list[str], packed: Packed,
+                 device: torch.device, abandon: Callable[[], str | None]) -> None:
+        self.copied = threading.Event()
+        """Set once the snapshot no longer reads the live state (see :meth:`Packed.copy_lazy`)."""
+        self.done = threading.Event()
+        self.error: str | None = None
+        self._args = (store, prefixes, device, abandon)
+        self._packed: Packed | None = packed
+        self._thread = threading.Thread(target=self._run, name="maitre-state-send", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        store, prefixes, device, abandon = self._args
+        packed = self._packed
+        assert packed is not None
+        try:
+            packed.copy_lazy()
+        finally:
+            self.copied.set()
+        try:
+            for prefix in prefixes:
+                pair = EpochGroup.create(store, prefix, 0, 2, device, abandon)
+                try:
+                    packed.send(pair, 0)
+                finally:
+                    pair.retire()
+        except Exception as exc:  # the listener or the epoch is gone: nothing to send to
+            self.error = str(exc)
+        finally:
+            self._packed = None
+            self.done.set()
+
+
+class Receiver:
+    """The listener's side of :class:`Sender`: receives the snapshot on a thread. Once
+    :attr:`done`, :attr:`result` holds (header, flat buffers, bytes) or :attr:`error` why not."""
+
+    def __init__(self, store: dist.Store, prefix: str, device: torch.device,
+                 abandon: Callable[[], str | None]) -> None:
+        self.done = threading.Event()
+        self.result: tuple[dict[str, Any], list[torch.Tensor], int] | None = None
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(store, prefix, device, abandon),
+                                        name="maitre-state-receive", daemon=True)
+        self._thread.start()
+
+    def _run(self, store: dist.Store, prefix: str, device: torch.device,
+             abandon: Callable[[], str | None]) -> None:
+        try:
+            pair = EpochGroup.create(store, prefix, 1, 2, device, abandon)
+            try:
+                result = receive(pair, 0)
+            finally:
+                pair.retire()
+            time.sleep(float(os.environ.get(TRANSFER_DELAY_S, "0") or 0))
+            self.result = result
+        except Exception as exc:
+            self.error = str(exc)
+        finally:
+            self.done.set()
+
+
+def _by_dtype(specs: list[list[Any]]) -> list[tuple[str, list[int]]]:
+    """Tensor indices grouped by dtype, in the wire's order (by dtype name)."""
+    groups: dict[str, list[int]] = defaultdict(list)
     for i, (dtype, _) in enumerate(specs):
         if dtype not in _DTYPES:
             raise ValueError(f"state tensor of unsupported dtype {dtype}")
-        by_dtype[dtype].append(i)
-    received: list[torch.Tensor | None] = [None] * len(specs)
-    payload = len(header_buf)
-    for dtype, indices in sorted(by_dtype.items()):
-        numels = [_numel(specs[i][1]) for i in indices]
-        if group.rank == src:
-            flat = torch.cat([tensors[i].detach().reshape(-1).to(device) for i in indices])
-        else:
-            flat = torch.empty(sum(numels), dtype=_DTYPES[dtype], device=device)
-        group.broadcast(flat, src)
-        payload += flat.numel() * flat.element_size()
-        for i, part in zip(indices, torch.split(flat, numels)):
-            received[i] = part.view(specs[i][1])
-    if group.rank == src:
-        return tree, payload
-    return statetree.decode(meta["skeleton"], received, mesh_of), payload  # type: ignore[arg-type]
+        groups[dtype].append(i)
+    return sorted(groups.items())
 
 
 def _numel(shape: list[int]) -> int:
