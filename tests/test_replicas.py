@@ -135,6 +135,27 @@ def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
     assert all(".p0." in n or ".p1." in n for n in ledgers), ledgers  # a ledger per process
 
 
+@pytest.mark.timeout(180)
+def test_a_replica_joins_while_the_others_train(tmp_path: Path, alone_400, monkeypatch) -> None:
+    """A third replica of two processes joins: each of its processes listens on its position's
+    group and gets its shards from a live replica's process at the same position; the snapshot
+    lands late, so the joining replica replays dozens of steps, its two processes in step (their
+    clipping is one collective), before all three replicas train."""
+    from maitre.runtime.ledger import audit
+
+    monkeypatch.setenv("MAITRE_TRANSFER_DELAY_S", "1.5")
+    code, lines, run = run_replicas(tmp_path, "join@30", 400, nodes=2)
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == 400, result.describe()
+    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_400)
+    assert error <= 1e-10, error
+    job = run.job()
+    caught_up = [r for r in job["reports"] if r["kind"] == "caught_up"]
+    assert len(caught_up) == 1 and caught_up[0]["replayed"] >= 10, "\n".join(lines)
+    assert caught_up[0]["world_size"] == 3 and job["epoch"] == 2, "\n".join(lines)
+
+
 # -- the example: a Llama-style decoder sharded by FSDP2 -----------------------------------------------
 LLM = ROOT / "examples" / "train_llm.py"
 LLM_TINY = ["--steps", "16", "--d-model", "32", "--layers", "1", "--heads", "2", "--block", "16",
