@@ -450,6 +450,8 @@ class CaughtUpReport(_Request):
     state_bytes: int = Field(ge=0)
     replayed: int = Field(ge=0)
     """Steps heard while the snapshot streamed in, replayed after it landed."""
+    transfer_s: float = Field(0.0, ge=0)
+    """The bytes' time on the wire (from the pair's group built to the last byte)."""
 
 
 WorkerReport = Annotated[RecoveryReport | CaughtUpReport, Field(discriminator="kind")]

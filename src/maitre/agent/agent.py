@@ -478,6 +478,11 @@ class _LocalServer(socketserver.ThreadingUnixStreamServer):
         self.agent = agent
         super().__init__(path, _LocalHandler)
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A worker killed while its beat was answered is no error of the agent's."""
+        if not isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            super().handle_error(request, client_address)
+
 
 class _LocalHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"

@@ -561,7 +561,8 @@ class ElasticLoop:
             report = {"kind": "caught_up", "epoch": self.epoch, "rank": self.rank,
                       "world_size": self.world_size, "step": self.state.step,
                       "listened_s": time.monotonic() - lst.started,
-                      "state_bytes": lst.state_bytes, "replayed": lst.replayed}
+                      "state_bytes": lst.state_bytes, "replayed": lst.replayed,
+                      "transfer_s": lst.receiver.seconds}
             try:
                 self._client.post(protocol.WORKER_REPORT.format(worker=self.env.worker_id),
                                   report, timeout_s=2.0)

@@ -193,6 +193,8 @@ class Receiver:
         self.done = threading.Event()
         self.result: tuple[dict[str, Any], list[torch.Tensor], int] | None = None
         self.error: str | None = None
+        self.seconds = 0.0
+        """How long the bytes took once the pair's group was built."""
         self._thread = threading.Thread(target=self._run, args=(store, prefix, device, abandon),
                                         name="maitre-state-receive", daemon=True)
         self._thread.start()
@@ -201,10 +203,12 @@ class Receiver:
              abandon: Callable[[], str | None]) -> None:
         try:
             pair = EpochGroup.create(store, prefix, 1, 2, device, abandon)
+            began = time.monotonic()
             try:
                 result = receive(pair, 0)
             finally:
                 pair.retire()
+            self.seconds = time.monotonic() - began
             time.sleep(float(os.environ.get(TRANSFER_DELAY_S, "0") or 0))
             self.result = result
         except Exception as exc:
