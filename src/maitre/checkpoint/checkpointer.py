@@ -153,8 +153,12 @@ class Checkpointer:
         return fresh
 
     # -- loading ---------------------------------------------------------------------------------
-    def load_latest(self, rank: int) -> loader.Loaded | None:
-        loaded = loader.load_latest(self.cfg.directory, rank, self.log)
+    def load_latest(self, rank: int, *, mesh_of: loader.MeshOf | None = None,
+                    agree: Callable[[bool], bool] | None = None) -> loader.Loaded | None:
+        """The newest checkpoint that verifies (see :func:`loader.load_latest`), sharded tensors
+        cut for this process's mesh (``mesh_of``)."""
+        loaded = loader.load_latest(self.cfg.directory, rank, self.log, mesh_of=mesh_of,
+                                    agree=agree)
         if loaded is not None:
             self.policy.resumed(loaded.step, self.clock())
         return loaded
