@@ -199,9 +199,6 @@ class ElasticLoop:
         replicas.check_mesh(model, self.replica)
         replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
-        if self._spanning is not None and cfg is not None:
-            raise ValueError("checkpoints of a model sharded over several processes are "
-                             "not written yet: drop the checkpoint settings")
         self.device = self.params[0].device
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
         self.group: EpochGroup | None = None
@@ -279,6 +276,16 @@ class ElasticLoop:
     def _counts_samples(self) -> bool:
         """This process counts its samples and writes the ledger (a shard's first tp rank)."""
         return self._spanning is None or self._spanning.counts_samples
+
+    @property
+    def _checkpoint_part(self) -> tuple[int, int] | None:
+        """(part, parts) of a checkpoint this process writes: its rank's share of the replicated
+        state, or, when a replica spans processes, its own shards if its replica is the first
+        (the others write nothing: they hold the same shards)."""
+        rep = self._spanning
+        if rep is None:
+            return self.rank, self.world_size
+        return (rep.local_rank, rep.nproc) if self.rank == 0 else None
 
     # -- the step boundary -----------------------------------------------------------------------
     def _next_batch(self) -> Batch:
@@ -390,11 +397,12 @@ class ElasticLoop:
             self._report_recovery()
         stop = float(control[_STOP]) > 0
         save = float(control[_SAVE]) > 0 and float(control[_BUSY]) == 0
-        if ckpt is not None and (save or stop):  # a stop saves even if it must wait
-            ckpt.save(self.state.state_dict, step=self.state.step, rank=self.rank,
-                      world_size=self.world_size, token=int(control[_TOKEN]))
-        elif ckpt is not None:  # after the first step, when the optimizer state exists
-            ckpt.prepare(self.state.state_dict, rank=self.rank, world_size=self.world_size)
+        part = self._checkpoint_part if ckpt is not None else None
+        if part is not None and (save or stop):  # a stop saves even if it must wait
+            ckpt.save(self.state.state_dict, step=self.state.step, rank=part[0],
+                      world_size=part[1], token=int(control[_TOKEN]))
+        elif part is not None:  # after the first step, when the optimizer state exists
+            ckpt.prepare(self.state.state_dict, rank=part[0], world_size=part[1])
         self._committed_at = time.monotonic()
         if stop:
             self._stop_here()
@@ -678,7 +686,13 @@ class ElasticLoop:
     def _resume_from_disk(self) -> None:
         if self.checkpointer is None or not self.checkpointer.cfg.resume:
             return
-        loaded = self.checkpointer.load_latest(self.rank)
+        rep, replica = self._spanning, self.replica
+        # Sharded tensors are cut for this process's mesh; the processes of a replica read
+        # different shards, so they agree on which checkpoint they all could load.
+        loaded = self.checkpointer.load_latest(
+            self.rank if rep is None else self.rank * rep.nproc + rep.local_rank,
+            mesh_of=None if replica is None else (lambda names: replica.mesh[names]),
+            agree=None if rep is None else self._replica_agrees)
         if loaded is None:
             return
         try:
@@ -688,7 +702,7 @@ class ElasticLoop:
                                f"script's state: {exc}") from None
         if self._ledger is not None:
             self._ledger.resumed(loaded.step)
-        if self.rank == 0:
+        if self.rank == 0 and (rep is None or rep.local_rank == 0):
             print(f"maitre: resumed from {loaded.path} at step {loaded.step} (saved by "
                   f"{loaded.world_size} worker(s), {loaded.nbytes / 1e6:.1f} MB)", flush=True)
 
