@@ -169,6 +169,18 @@ def test_a_sharded_checkpoint_loads_on_any_mesh(tmp_path: Path, sizes) -> None:
             assert loaded.tree["sampler"] == {"cursor": 48}
 
 
+def test_what_comes_from_a_shard_used_in_part_does_not_keep_it_in_memory(tmp_path: Path) -> None:
+    """Rank 1 reads rank 0's shard for the plain tensor only: it gets a copy, not a view that
+    would keep rank 0's pieces alive; its own shard it uses whole, as views."""
+    save_sharded(tmp_path / "ckpt", (2, 1))
+    with FakeMesh((2, 1), 1) as mesh:
+        loaded = load(tmp_path / "ckpt" / "step-000000006", 1, mesh_of=lambda n: mesh[n])
+    plain = loaded.tree["plain"]
+    assert plain.untyped_storage().nbytes() == plain.nbytes
+    w = loaded.tree["model"]["w"].to_local()
+    assert w.untyped_storage().nbytes() > w.nbytes
+
+
 def test_without_a_mesh_sharded_tensors_load_whole(tmp_path: Path) -> None:
     save_sharded(tmp_path / "ckpt", (2, 1))
     loaded = load(tmp_path / "ckpt" / "step-000000006")

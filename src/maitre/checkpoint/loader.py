@@ -95,9 +95,19 @@ def load(path: Path, rank: int = 0, mesh_of: MeshOf | None = None) -> Loaded:
             found[(i, r)] = tensor
         if len(held) != sum(1 for _, q in listed if q == r):
             raise fmt.CorruptCheckpoint(f"{name} lacks tensors that state.json puts there")
-    tensors = [reshard.cut(target, [(box, found[(i, r)]) for r, box in pieces],
-                           fmt.dtype_of(specs[i][0]))
-               for i, ((target, _), pieces) in enumerate(zip(wanted, needed))]
+    # A tensor is a view of its shard's bytes, and keeps them all in memory (the optimizer's
+    # state keeps the tensors it is given): what comes from a shard that this process uses
+    # only part of is copied out, so that the rest of the shard is freed.
+    exact = {(i, r) for i, ((target, _), pieces) in enumerate(zip(wanted, needed))
+             for r, box in pieces if box == target}
+    partly = {r for i, r in listed if (i, r) not in exact}
+    tensors = []
+    for i, ((target, _), pieces) in enumerate(zip(wanted, needed)):
+        tensor = reshard.cut(target, [(box, found[(i, r)]) for r, box in pieces],
+                             fmt.dtype_of(specs[i][0]))
+        if pieces and (i, pieces[0][0]) in exact and pieces[0][0] in partly:
+            tensor = tensor.clone()
+        tensors.append(tensor)
     try:
         tree = statetree.decode(state["skeleton"], tensors, mesh_of, whole=mesh_of is None)
     except (ValueError, KeyError, TypeError) as exc:
