@@ -1,8 +1,9 @@
 """Checkpoints of sharded state, end to end: FSDP2 replicas of two processes write one checkpoint
 (each process its own shards, one replica for all), and it resumes on another number of replicas
 and another mesh, resharded on load: one replica of two, three unsharded replicas of one, one
-process alone, and under ``maitre run`` with every sample once. The final parameters must be one
-process's (float64, clipped by the global norm). A checkpoint whose shards do not cover the
+process alone, and under ``maitre run`` (suspended and resumed on fewer replicas; every process
+killed at once, resumed from the newest periodic checkpoint) with every sample once. The final
+parameters must be one process's (float64, clipped by the global norm). A checkpoint whose shards do not cover the
 model stops the job before it trains, with nothing written."""
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def test_shards_that_do_not_cover_the_model_stop_the_job_before_it_trains(
 MAITRE_STEPS = 60
 
 
-def start_run(tmp_path: Path, *, nodes: int, resume: bool = False):
+def start_run(tmp_path: Path, *, nodes: int, resume: bool = False, every: int | None = None):
     from maitre.launch import Run, RunConfig
 
     lines: list[str] = []
@@ -126,22 +127,33 @@ def start_run(tmp_path: Path, *, nodes: int, resume: bool = False):
     run = Run(RunConfig(command=command, min_nodes=1, max_nodes=3, local_nodes=nodes,
                         nproc_per_node=2, nproc_per_replica=2, max_restarts=3,
                         run_dir=tmp_path / "run", quiet_workers=True,
-                        checkpoint_dir=tmp_path / "ckpt", resume=resume, grace_period_s=60),
+                        checkpoint_dir=tmp_path / "ckpt", checkpoint_every=every,
+                        resume=resume, grace_period_s=60),
               out=lines.append)
     return run.start(), lines
 
 
+@pytest.fixture(scope="module")
+def alone_60(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("alone") / "final.pt"
+    run([sys.executable, str(SCRIPT), "--steps", str(MAITRE_STEPS), "--out", str(out)])
+    return torch.load(out, weights_only=True)
+
+
+def ledger_resumes(tmp_path: Path) -> list[int]:
+    """The steps that processes resumed from, as their ledgers recorded."""
+    return [json.loads(line)["s"] for path in (tmp_path / "run" / "ledger").glob("*.jsonl")
+            for line in path.read_text().splitlines() if json.loads(line)["k"] == "r"]
+
+
 @pytest.mark.timeout(180)
-def test_suspended_fsdp_replicas_resume_on_fewer_with_every_sample_once(tmp_path: Path) -> None:
+def test_suspended_fsdp_replicas_resume_on_fewer_with_every_sample_once(tmp_path: Path,
+                                                                         alone_60) -> None:
     import threading
     import time
 
     from maitre.checkpoint.loader import newest_complete
     from maitre.runtime.ledger import audit
-
-    out = tmp_path / "alone.pt"
-    run([sys.executable, str(SCRIPT), "--steps", str(MAITRE_STEPS), "--out", str(out)])
-    alone_60 = torch.load(out, weights_only=True)
 
     first, lines = start_run(tmp_path, nodes=2)
 
@@ -164,9 +176,47 @@ def test_suspended_fsdp_replicas_resume_on_fewer_with_every_sample_once(tmp_path
     code = second.wait()
     assert code == 0, "\n".join(lines)
     assert len(second.job()["members"]) == 1
-    resumed = [json.loads(line)["s"] for path in (tmp_path / "run" / "ledger").glob("*.jsonl")
-               for line in path.read_text().splitlines() if json.loads(line)["k"] == "r"]
+    resumed = ledger_resumes(tmp_path)
     assert 20 <= job["step"] < MAITRE_STEPS and resumed == [job["step"]] * 2, resumed
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == MAITRE_STEPS, result.describe()
+    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_60)
+    assert error <= 1e-10, error
+
+
+@pytest.mark.timeout(180)
+def test_fsdp_replicas_lost_whole_resume_from_their_newest_sharded_checkpoint(
+        tmp_path: Path, alone_60) -> None:
+    """Two replicas of two save every 10 steps; every process is killed at once; the
+    replacements have no live state, so they load the newest complete checkpoint and train the
+    lost steps again: every sample once, and one process's parameters."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from maitre.runtime.ledger import audit
+
+    job_run, lines = start_run(tmp_path, nodes=2, every=10)
+
+    def kill_everyone() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job_run.job()["step"] < 25:
+            time.sleep(0.02)
+        for agent in job_run.agents:
+            for wid in list(agent.workers):
+                for proc in agent.workers[wid].procs:  # every process of every replica
+                    os.kill(proc.pid, signal.SIGKILL)
+
+    threading.Thread(target=kill_everyone, daemon=True).start()
+    code = job_run.wait()
+    assert code == 0, "\n".join(lines)
+    assert job_run.job()["failures"] >= 1, "\n".join(lines)
+    points = ledger_resumes(tmp_path)
+    assert points and all(p % 10 == 0 and p >= 20 for p in points), (points, "\n".join(lines))
+    # every 10 steps, as the writing replica's interval says (the other asks for none)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == \
+        [fmt.step_dir_name(s) for s in (40, 50, 60)]
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == MAITRE_STEPS, result.describe()
     error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_60)

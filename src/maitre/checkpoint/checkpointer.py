@@ -111,6 +111,11 @@ class Checkpointer:
         self.policy.started(step, self.clock(), snap.block_s)
         return snap.block_s
 
+    def saved_elsewhere(self, step: int) -> None:
+        """The job saved ``step`` without this process (another replica wrote its shards): the
+        interval counts from there, should this process be a writer later."""
+        self.policy.resumed(step, self.clock())
+
     def prepare(self, state: Callable[[], dict[str, Any]], *, rank: int, world_size: int) -> None:
         """Size the host buffer for this rank's part at this world size, in the background, so
         that no save pays for allocating it. Cheap when already done for (rank, world size)."""

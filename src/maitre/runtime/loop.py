@@ -319,7 +319,8 @@ class ElasticLoop:
         control[1] = len(batch.indices) if counts else 0.0
         control[2] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
-        control[_SAVE] = 1.0 if ckpt is not None and (ckpt.due(batch.step) or (
+        part = self._checkpoint_part if ckpt is not None else None  # None: it writes nothing
+        control[_SAVE] = 1.0 if part is not None and (ckpt.due(batch.step) or (
             ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
         control[_STOP] = 1.0 if self._stop_reason() else 0.0
         # A rank still writing the previous save vetoes a new one (it is asked again next step),
@@ -397,12 +398,13 @@ class ElasticLoop:
             self._report_recovery()
         stop = float(control[_STOP]) > 0
         save = float(control[_SAVE]) > 0 and float(control[_BUSY]) == 0
-        part = self._checkpoint_part if ckpt is not None else None
         if part is not None and (save or stop):  # a stop saves even if it must wait
             ckpt.save(self.state.state_dict, step=self.state.step, rank=part[0],
                       world_size=part[1], token=int(control[_TOKEN]))
         elif part is not None:  # after the first step, when the optimizer state exists
             ckpt.prepare(self.state.state_dict, rank=part[0], world_size=part[1])
+        elif ckpt is not None and save:  # another replica writes it
+            ckpt.saved_elsewhere(self.state.step)
         self._committed_at = time.monotonic()
         if stop:
             self._stop_here()
