@@ -3,8 +3,8 @@
 and another mesh, resharded on load: one replica of two, three unsharded replicas of one, one
 process alone, and under ``maitre run`` (suspended and resumed on fewer replicas; every process
 killed at once, resumed from the newest periodic checkpoint) with every sample once. The final
-parameters must be one process's (float64, clipped by the global norm). A checkpoint whose shards do not cover the
-model stops the job before it trains, with nothing written."""
+parameters must be one process's (float64, clipped by the global norm). A checkpoint whose shards
+do not cover the model stops the job before it trains, with nothing written."""
 
 from __future__ import annotations
 
