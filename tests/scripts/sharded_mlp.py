@@ -1,6 +1,8 @@
 """A small MLP sharded by FSDP2 on its replica's mesh, trained by the ElasticLoop (float64,
 clipped by the global norm). Alone it is one replica of one process; under torchrun the world is
-split into replicas of ``--dp-shard`` processes. Writes the final full parameters (``--out``)."""
+split into replicas of ``--dp-shard`` processes. Writes the final full parameters (``--out``).
+``--checkpoint-dir`` checkpoints it (under torchrun or alone; ``maitre run`` passes its own) and
+resumes from the newest checkpoint there."""
 
 import argparse
 from pathlib import Path
@@ -16,6 +18,8 @@ p.add_argument("--dp-shard", type=int, default=1)
 p.add_argument("--clip", type=float, default=0.5)
 p.add_argument("--loss-scale", type=float, help="fp16's loss scaler, starting at this scale")
 p.add_argument("--out", type=Path, required=True)
+p.add_argument("--checkpoint-dir", type=Path)
+p.add_argument("--checkpoint-every", type=int)
 args = p.parse_args()
 torch.set_num_threads(1)
 torch.set_default_dtype(torch.float64)
@@ -35,7 +39,11 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
 loop = maitre.ElasticLoop(model, optimizer, maitre.ElasticSampler(N, 24, seed=0),
                           micro_batch_size=4, clip_grad_norm=args.clip,
                           precision="fp16" if args.loss_scale else None,
-                          loss_scaler=maitre.LossScaler(args.loss_scale) if args.loss_scale else None)
+                          loss_scaler=maitre.LossScaler(args.loss_scale) if args.loss_scale else None,
+                          checkpoint=maitre.CheckpointConfig(
+                              directory=args.checkpoint_dir,
+                              interval=maitre.IntervalConfig(every_steps=args.checkpoint_every))
+                          if args.checkpoint_dir else None)
 for batch in loop.run(max_steps=args.steps):
     for idx in batch.micro_batches:
         # Every process runs the same number of forward passes (FSDP's collectives need it),

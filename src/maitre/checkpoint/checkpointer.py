@@ -111,6 +111,11 @@ class Checkpointer:
         self.policy.started(step, self.clock(), snap.block_s)
         return snap.block_s
 
+    def saved_elsewhere(self, step: int) -> None:
+        """The job saved ``step`` without this process (another replica wrote its shards): the
+        interval counts from there, should this process be a writer later."""
+        self.policy.resumed(step, self.clock())
+
     def prepare(self, state: Callable[[], dict[str, Any]], *, rank: int, world_size: int) -> None:
         """Size the host buffer for this rank's part at this world size, in the background, so
         that no save pays for allocating it. Cheap when already done for (rank, world size)."""
@@ -153,8 +158,12 @@ class Checkpointer:
         return fresh
 
     # -- loading ---------------------------------------------------------------------------------
-    def load_latest(self, rank: int) -> loader.Loaded | None:
-        loaded = loader.load_latest(self.cfg.directory, rank, self.log)
+    def load_latest(self, rank: int, *, mesh_of: loader.MeshOf | None = None,
+                    agree: Callable[[bool], bool] | None = None) -> loader.Loaded | None:
+        """The newest checkpoint that verifies (see :func:`loader.load_latest`), sharded tensors
+        cut for this process's mesh (``mesh_of``)."""
+        loaded = loader.load_latest(self.cfg.directory, rank, self.log, mesh_of=mesh_of,
+                                    agree=agree)
         if loaded is not None:
             self.policy.resumed(loaded.step, self.clock())
         return loaded

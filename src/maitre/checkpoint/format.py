@@ -11,6 +11,13 @@ A complete checkpoint is a directory ``step-<9 digits>`` under the checkpoint ro
         rank-00000.json        per-rank state (random number generators)
         ...
 
+In ``state.json`` each tensor is ``[dtype, shape, rank]``: the whole tensor, in that rank's
+shard. A sharded tensor (a DTensor, saved by the processes of one replica, each its own piece)
+is ``[dtype, global shape, [[rank, offsets, shape], ...]]``: its pieces, each a box of the whole
+in that rank's shard, which together cover it exactly (checked before a commit and before a
+load). A checkpoint that holds sharded tensors is format ``/2``, which older code refuses as
+unknown; one that holds none is byte for byte the ``/1`` it always was.
+
 It is written as ``.tmp-step-<9 digits>-<token>`` and renamed into place only after every file
 and the manifest are fsynced, and renamed to ``.deleting-step-*`` before it is deleted, so a
 directory named ``step-*`` is complete unless something changed it afterwards, which the
@@ -31,6 +38,8 @@ import torch
 import xxhash
 
 FORMAT = "maitre-checkpoint/1"
+FORMAT_SHARDED = "maitre-checkpoint/2"
+FORMATS = (FORMAT, FORMAT_SHARDED)
 MANIFEST = "manifest.json"
 STATE = "state.json"
 STEP_DIR = re.compile(r"step-(\d{9})")
@@ -55,6 +64,13 @@ class CorruptCheckpoint(Exception):
     """A checkpoint directory that is incomplete, truncated, altered or not a checkpoint."""
 
 
+class UnusableCheckpoint(Exception):
+    """A checkpoint whose files verify but that cannot be loaded here: the pieces of a sharded
+    tensor do not cover it, or it was sharded on mesh dimensions this process lacks. Not damage
+    that an older checkpoint stands in for (it was never whole, or is another job's), so the
+    job does not start on it, nor on an older one."""
+
+
 def step_dir_name(step: int) -> str:
     return f"step-{step:09d}"
 
@@ -69,6 +85,13 @@ def shard_name(rank: int) -> str:
 
 def rank_name(rank: int) -> str:
     return f"rank-{rank:05d}.json"
+
+
+def dtype_of(code: str) -> torch.dtype:
+    try:
+        return _CODES[code]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown tensor dtype {code!r}") from None
 
 
 def dtype_code(dtype: torch.dtype) -> str:
@@ -210,9 +233,9 @@ def _numel(shape: Iterable[int]) -> int:
 
 # -- manifest ------------------------------------------------------------------------------------
 def manifest_body(step: int, world_size: int, files: dict[str, dict[str, Any]],
-                  meta: dict[str, Any]) -> dict[str, Any]:
-    return {"format": FORMAT, "step": step, "world_size": world_size,
-            "files": dict(sorted(files.items())), **meta}
+                  meta: dict[str, Any], *, sharded: bool = False) -> dict[str, Any]:
+    return {"format": FORMAT_SHARDED if sharded else FORMAT, "step": step,
+            "world_size": world_size, "files": dict(sorted(files.items())), **meta}
 
 
 def write_manifest(path: Path, body: dict[str, Any]) -> None:
@@ -234,8 +257,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     if xxhash.xxh3_64_hexdigest(canonical) != checksum:
         raise CorruptCheckpoint("the manifest's checksum does not match its body")
-    if body.get("format") != FORMAT:
-        raise CorruptCheckpoint(f"unknown format {body.get('format')!r} (expected {FORMAT})")
+    if body.get("format") not in FORMATS:
+        raise CorruptCheckpoint(f"unknown format {body.get('format')!r} (expected "
+                                f"{' or '.join(FORMATS)})")
     return body
 
 

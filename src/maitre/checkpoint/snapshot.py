@@ -6,6 +6,13 @@ with no communication) and each rank copies and later writes only its part: with
 copy that blocks training is about 1/W of the state. Per-rank state (the random number
 generators) is small and each rank keeps its own.
 
+Sharded state (a replica of several processes, FSDP2's DTensors on its mesh) is written by the
+processes of one replica, each its own pieces: its local shard of every sharded tensor (a piece
+held alike by several processes, on a ``Replicate`` dimension, by the first of them only), and
+process 0 the tensors that are not sharded. The snapshot says where each piece lies in its
+tensor (:mod:`.reshard`), so the committer can check that they cover it and a loader can cut its
+own pieces from them on another mesh.
+
 The buffer is one byte tensor per process, laid out in the order of the shard file (see
 :func:`maitre.checkpoint.format.layout`), so the writer streams it to disk with no further copy.
 It is kept between saves and only grows, so steady-state saves allocate nothing; the views into
@@ -21,6 +28,7 @@ from typing import Any, Callable
 import torch
 
 from maitre.checkpoint import format as fmt
+from maitre.checkpoint import reshard
 from maitre.runtime import statetree
 
 
@@ -35,27 +43,87 @@ class Snapshot:
     skeleton: Any
     """The replicated state with tensors replaced by placeholders (JSON)."""
     tensors: list[list[Any]]
-    """Per tensor index: [dtype code, shape, rank that writes it]."""
+    """Per tensor index: [dtype code, shape, rank that writes it], or for a sharded tensor
+    [dtype code, global shape, []] (the committer lists its pieces there)."""
     entries: list[fmt.TensorEntry]
     """This rank's tensors, as laid out in ``data``."""
     data: memoryview
     rank_state: dict[str, Any]
+    pieces: dict[int, reshard.Box] = field(default_factory=dict)
+    """Where this rank's pieces of sharded tensors lie in them, by tensor index."""
     meta: dict[str, Any] = field(default_factory=dict)
     block_s: float = 0.0
 
 
-def split(state: dict[str, Any], world_size: int) -> tuple[Any, list[torch.Tensor], list[int]]:
+@dataclass(slots=True)
+class Parts:
+    """A state split into what each rank writes (see the module docstring)."""
+
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    """Each tensor as this process holds it (a sharded one's local shard)."""
+    specs: list[list[Any]]
+    """As :attr:`Snapshot.tensors`."""
+    mine: list[int]
+    """The tensors this rank writes."""
+    pieces: dict[int, reshard.Box]
+
+
+def split(state: dict[str, Any], rank: int, world_size: int) -> Parts:
     """The replicated part of ``state`` (its ``rng`` entry is per rank) as a skeleton, its
-    tensors, and the rank that writes each tensor."""
-    skeleton, tensors = statetree.encode({k: v for k, v in state.items() if k != "rng"})
-    return skeleton, tensors, plan([t.numel() * t.element_size() for t in tensors], world_size)
+    tensors, and what ``rank`` of ``world_size`` writes."""
+    originals: list[torch.Tensor] = []
+    skeleton, tensors = statetree.encode({k: v for k, v in state.items() if k != "rng"}, originals)
+    boxes = [_piece(t) for t in originals]
+    sharded = any(b is not None for b in boxes)
+    whole = [i for i, b in enumerate(boxes) if b is None]
+    # Sharded state: process 0 writes what is not sharded, so a loader reads its own pieces'
+    # files and that one.
+    sizes = [tensors[i].numel() * tensors[i].element_size() for i in whole]
+    owner = [0] * len(whole) if sharded else plan(sizes, world_size)
+    specs: list[list[Any]] = [[]] * len(tensors)
+    mine, pieces = [], {}
+    for i, r in zip(whole, owner):
+        specs[i] = [fmt.dtype_code(tensors[i].dtype), list(tensors[i].shape), r]
+        if r == rank:
+            mine.append(i)
+    for i, b in enumerate(boxes):
+        if b is None:
+            continue
+        specs[i] = [fmt.dtype_code(tensors[i].dtype), list(originals[i].shape), []]
+        writes, box = b
+        if writes and reshard.numel(box):
+            mine.append(i)
+            pieces[i] = box
+    return Parts(skeleton, tensors, specs, sorted(mine), pieces)
+
+
+def _piece(t: torch.Tensor) -> tuple[bool, reshard.Box] | None:
+    """For a tensor sharded over several processes: whether this process writes its piece (the
+    first of those that hold it alike), and where the piece lies. None for any other tensor."""
+    if not statetree.is_sharded(t) or t.device_mesh.size() == 1:
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+    mesh = t.device_mesh
+    for p in t.placements:
+        if type(p) not in (Shard, Replicate):
+            raise TypeError(f"cannot checkpoint a tensor placed as {p!r}")
+    placements = [["replicate"] if isinstance(p, Replicate) else ["shard", p.dim]
+                  for p in t.placements]
+    coordinate = mesh.get_coordinate()
+    box = reshard.box_of(t.shape, placements, mesh.shape, coordinate)
+    if box[1] != tuple(t.to_local().shape):
+        raise TypeError(f"a tensor of shape {list(t.shape)} placed as {t.placements} holds a "
+                        f"local shard of shape {list(t.to_local().shape)}, not {list(box[1])}")
+    first = all(c == 0 for c, p in zip(coordinate, placements) if p == ["replicate"])
+    return first, box
 
 
 def part_bytes(state: dict[str, Any], rank: int, world_size: int) -> tuple[int, bool]:
     """Bytes of ``rank``'s part of ``state`` at ``world_size``, and whether it lives on a GPU."""
-    _, tensors, owner = split(state, world_size)
-    mine = sum(t.numel() * t.element_size() for t, r in zip(tensors, owner) if r == rank)
-    return mine, any(t.is_cuda for t in tensors)
+    parts = split(state, rank, world_size)
+    mine = sum(parts.tensors[i].numel() * parts.tensors[i].element_size() for i in parts.mine)
+    return mine, any(t.is_cuda for t in parts.tensors)
 
 
 def plan(sizes: list[int], world_size: int) -> list[int]:
@@ -86,11 +154,11 @@ class SnapshotBuffers:
              world_size: int, halfway: Callable[[], None] | None = None) -> Snapshot:
         """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers.
         ``halfway`` is called halfway through the copy (fault injection in tests)."""
-        skeleton, tensors, owner = split(state, world_size)
+        parts = split(state, rank, world_size)
+        tensors = parts.tensors
         rng = state.get("rng")
-        mine = [i for i in range(len(tensors)) if owner[i] == rank]
         entries, nbytes = fmt.layout([(str(i), tensors[i].dtype, tuple(tensors[i].shape))
-                                      for i in mine])
+                                      for i in parts.mine])
         key = tuple((e.key, e.dtype, e.shape) for e in entries)
         if key != self._key:
             self._views = self._prepare(entries, nbytes, pin=any(t.is_cuda for t in tensors))
@@ -100,10 +168,9 @@ class SnapshotBuffers:
             if j == half and halfway is not None:
                 halfway()
             view.copy_(tensors[int(entry.key)])
-        specs = [[fmt.dtype_code(t.dtype), list(t.shape), owner[i]] for i, t in enumerate(tensors)]
         data = memoryview(self._buffer.numpy()).cast("B")[:nbytes]
-        return Snapshot(step, token, rank, world_size, skeleton, specs, entries, data,
-                        {"rng": rng_to_json(rng) if rng is not None else None})
+        return Snapshot(step, token, rank, world_size, parts.skeleton, parts.specs, entries, data,
+                        {"rng": rng_to_json(rng) if rng is not None else None}, parts.pieces)
 
     def reserve(self, nbytes: int, pin: bool) -> None:
         """Grow the buffer to ``nbytes`` and touch every page, so that the save after it only

@@ -11,6 +11,10 @@ the directory to ``step-<step>`` and fsyncs the root. A crash anywhere before th
 only a ``.tmp-*`` directory, which loaders ignore and later saves delete; a crash after it leaves
 a complete checkpoint. Old checkpoints are deleted only after a newer one is in place.
 
+With sharded state the notes also say where each rank's pieces lie and of which state they are:
+the committer checks that every rank saved the same state and that the pieces cover each sharded
+tensor exactly, and lists them in ``state.json``; a save that fails the check is not committed.
+
 The thread runs at a lower CPU priority than training (its own nice value, Linux) and all the
 work it does in Python releases the GIL (``os.write``, ``fsync``, xxh3 on large buffers).
 A failed save (disk full, file size limit, a rank that never reports) is logged and recorded;
@@ -27,9 +31,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+import xxhash
 
 from maitre.checkpoint import format as fmt
+from maitre.checkpoint import reshard
 from maitre.checkpoint.snapshot import Snapshot
 from maitre.protocol import CHECKPOINT_FAULT as FAULT_ENV
 
@@ -164,7 +171,8 @@ class Writer:
             size, digest = fmt.write_json(tmp / name, snap.rank_state)
             files[name] = {"size": size, "xxh3_64": digest}
             if snap.rank != 0:
-                _publish(tmp / f"rank-{snap.rank:05d}.done", {"files": files})
+                _publish(tmp / f"rank-{snap.rank:05d}.done",
+                         {"files": files, "layout": _layout(snap), "pieces": _pieces(snap)})
                 self._durable_at = time.monotonic()
                 return None
             return self._commit(snap, tmp, files, n)
@@ -182,14 +190,24 @@ class Writer:
                 n: int) -> Path:
         try:
             deadline = time.monotonic() + self.commit_timeout_s
+            layout, pieces = _layout(snap), {0: _pieces(snap)}
             for r in range(1, snap.world_size):
-                files.update(_await_rank(tmp, r, deadline))
-            state = {"skeleton": snap.skeleton, "tensors": snap.tensors, **snap.meta}
+                note = _await_rank(tmp, r, deadline)
+                if note.get("layout") != layout:
+                    raise RuntimeError(f"rank {r} saved other tensors than rank 0 (another state)")
+                files.update(note["files"])
+                pieces[r] = note.get("pieces", {})
+            for name, info in files.items():  # every rank's files are in place, whole
+                if (tmp / name).stat().st_size != info["size"]:
+                    raise RuntimeError(f"{name} is not the size its rank wrote")
+            tensors, sharded = _listed(snap, pieces)
+            state = {"skeleton": snap.skeleton, "tensors": tensors, **snap.meta}
             size, digest = fmt.write_json(tmp / fmt.STATE, state)
             files[fmt.STATE] = {"size": size, "xxh3_64": digest}
             fault_point("before_manifest", n)
             body = fmt.manifest_body(snap.step, snap.world_size, files,
-                                     {"created_unix_s": round(time.time(), 3), **snap.meta})
+                                     {"created_unix_s": round(time.time(), 3), **snap.meta},
+                                     sharded=sharded)
             fmt.write_manifest(tmp / fmt.MANIFEST, body)
             for note in tmp.glob("rank-*.done"):
                 note.unlink()
@@ -233,11 +251,40 @@ def _publish(path: Path, obj: object) -> None:
     os.rename(partial, path)
 
 
-def _await_rank(tmp: Path, rank: int, deadline: float) -> dict[str, dict[str, int | str]]:
+def _layout(snap: Snapshot) -> str:
+    """A digest of the state's tensor list (dtype, shape, who writes each), which every rank of
+    a save computed alike unless they hold different states."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(snap.tensors, separators=(",", ":")).encode())
+
+
+def _pieces(snap: Snapshot) -> dict[str, list[list[int]]]:
+    return {str(i): [list(offsets), list(shape)] for i, (offsets, shape) in snap.pieces.items()}
+
+
+def _listed(snap: Snapshot, pieces: dict[int, dict[str, list[list[int]]]]
+            ) -> tuple[list[list[Any]], bool]:
+    """The tensor list of ``state.json``: each sharded tensor with every rank's pieces, checked
+    to cover it exactly; and whether there is any sharded tensor."""
+    tensors = [list(spec) for spec in snap.tensors]
+    sharded = [i for i, spec in enumerate(tensors) if isinstance(spec[2], list)]
+    for i in sharded:
+        tensors[i][2] = []
+    for r in sorted(pieces):
+        for key, (offsets, shape) in pieces[r].items():
+            tensors[int(key)][2].append([r, offsets, shape])
+    for i in sharded:
+        _, shape, listed = tensors[i]
+        reason = reshard.check_cover(shape, [(tuple(o), tuple(s)) for _, o, s in listed])
+        if reason is not None:
+            raise RuntimeError(f"the pieces of tensor {i} do not cover it: {reason}")
+    return tensors, bool(sharded)
+
+
+def _await_rank(tmp: Path, rank: int, deadline: float) -> dict[str, Any]:
     done, failed = tmp / f"rank-{rank:05d}.done", tmp / f"rank-{rank:05d}.failed"
     while True:
         if done.exists():
-            return json.loads(done.read_bytes())["files"]
+            return json.loads(done.read_bytes())
         if failed.exists():
             error = json.loads(failed.read_bytes()).get("error", "?")
             raise RuntimeError(f"rank {rank} could not write its part: {error}")

@@ -222,9 +222,6 @@ class ElasticLoop:
         replicas.check_mesh(model, self.replica)
         replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
-        if self._spanning is not None and cfg is not None:
-            raise ValueError("checkpoints of a model sharded over several processes are "
-                             "not written yet: drop the checkpoint settings")
         self.device = self.params[0].device
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
         self.group: EpochGroup | None = None
@@ -313,6 +310,18 @@ class ElasticLoop:
         """This process counts its samples and writes the ledger (a shard's first tp rank)."""
         return self._spanning is None or self._spanning.counts_samples
 
+    @property
+    def _checkpoint_part(self) -> tuple[int, int] | None:
+        """(part, parts) of a checkpoint this process writes: its rank's share of the replicated
+        state, or, when a replica spans processes, its own shards if its replica is the first
+        (the others write nothing: they hold the same shards)."""
+        if self._listening is not None:  # the parts of a save are the training members'
+            return None
+        rep = self._spanning
+        if rep is None:
+            return self.rank, self.world_size
+        return (rep.local_rank, rep.nproc) if self.rank == 0 else None
+
     # -- the step boundary -----------------------------------------------------------------------
     def _next_batch(self) -> Batch:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
@@ -370,7 +379,8 @@ class ElasticLoop:
         control[1] = len(batch.indices) if counts else 0.0
         control[2] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
-        control[_SAVE] = 1.0 if lst is None and ckpt is not None and (ckpt.due(batch.step) or (
+        part = self._checkpoint_part if ckpt is not None else None  # None: it writes nothing
+        control[_SAVE] = 1.0 if part is not None and (ckpt.due(batch.step) or (
             ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
         control[_STOP] = 1.0 if self._stop_reason() else 0.0
         # A rank still writing the previous save vetoes a new one (it is asked again next step),
@@ -463,11 +473,14 @@ class ElasticLoop:
             self._report_recovery()
         ckpt = self.checkpointer
         save = float(control[_SAVE]) > 0 and float(control[_BUSY]) == 0
-        if ckpt is not None and training and (save or stop):  # a stop saves even if it waits
-            ckpt.save(self.state.state_dict, step=self.state.step, rank=self.rank,
-                      world_size=self.world_size, token=int(control[_TOKEN]))
-        elif ckpt is not None and training:  # after the first step, when the optimizer state exists
-            ckpt.prepare(self.state.state_dict, rank=self.rank, world_size=self.world_size)
+        part = self._checkpoint_part if ckpt is not None else None
+        if part is not None and (save or stop):  # a stop saves even if it must wait
+            ckpt.save(self.state.state_dict, step=self.state.step, rank=part[0],
+                      world_size=part[1], token=int(control[_TOKEN]))
+        elif part is not None:  # after the first step, when the optimizer state exists
+            ckpt.prepare(self.state.state_dict, rank=part[0], world_size=part[1])
+        elif ckpt is not None and save:  # another replica writes it
+            ckpt.saved_elsewhere(self.state.step)
         self._committed_at = time.monotonic()
 
     def _skip(self, batch: Batch, scale: float) -> bool:
@@ -839,7 +852,13 @@ class ElasticLoop:
     def _resume_from_disk(self) -> None:
         if self.checkpointer is None or not self.checkpointer.cfg.resume:
             return
-        loaded = self.checkpointer.load_latest(self.rank)
+        rep, replica = self._spanning, self.replica
+        # Sharded tensors are cut for this process's mesh; the processes of a replica read
+        # different shards, so they agree on which checkpoint they all could load.
+        loaded = self.checkpointer.load_latest(
+            self.rank if rep is None else self.rank * rep.nproc + rep.local_rank,
+            mesh_of=None if replica is None else (lambda names: replica.mesh[names]),
+            agree=None if rep is None else self._replica_agrees)
         if loaded is None:
             return
         try:
@@ -849,7 +868,7 @@ class ElasticLoop:
                                f"script's state: {exc}") from None
         if self._ledger is not None:
             self._ledger.resumed(loaded.step)
-        if self.rank == 0:
+        if self.rank == 0 and (rep is None or rep.local_rank == 0):
             print(f"maitre: resumed from {loaded.path} at step {loaded.step} (saved by "
                   f"{loaded.world_size} worker(s), {loaded.nbytes / 1e6:.1f} MB)", flush=True)
 

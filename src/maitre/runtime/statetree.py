@@ -26,13 +26,18 @@ _TUPLE = "__tuple__"
 _DICT = "__dict__"
 
 
-def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Split ``tree`` into a JSON-able skeleton and its tensors (in placeholder order)."""
+def encode(tree: Any, originals: list[torch.Tensor] | None = None
+           ) -> tuple[Any, list[torch.Tensor]]:
+    """Split ``tree`` into a JSON-able skeleton and its tensors (in placeholder order; a sharded
+    tensor's local shard). ``originals``, if given, receives the tensors as they were in
+    ``tree`` (sharded ones as DTensors), in the same order."""
     tensors: list[torch.Tensor] = []
 
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
-            if _is_dtensor(node):
+            if originals is not None:
+                originals.append(node)
+            if is_sharded(node):
                 tensors.append(node.to_local())
                 mesh = node.device_mesh
                 return {_DTENSOR: len(tensors) - 1,
@@ -64,8 +69,10 @@ def encode(tree: Any) -> tuple[Any, list[torch.Tensor]]:
 
 
 def decode(skeleton: Any, tensors: list[torch.Tensor],
-           mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> Any:
-    """Inverse of :func:`encode`; ``mesh_of(names)`` gives the mesh sharded tensors go on."""
+           mesh_of: Callable[[tuple[str, ...]], Any] | None = None, *, whole: bool = False) -> Any:
+    """Inverse of :func:`encode`; ``mesh_of(names)`` gives the mesh sharded tensors go on. With
+    ``whole``, a sharded tensor's placeholder takes its tensor as given, a plain tensor (a
+    checkpoint's whole tensors, for a process without a mesh)."""
 
     def tensor(index: Any) -> torch.Tensor:
         if not isinstance(index, int) or not 0 <= index < len(tensors):
@@ -79,6 +86,8 @@ def decode(skeleton: Any, tensors: list[torch.Tensor],
             if _TENSOR in node:
                 return tensor(node[_TENSOR])
             if _DTENSOR in node:
+                if whole:
+                    return tensor(node[_DTENSOR])
                 if mesh_of is None:
                     raise ValueError("the state holds sharded tensors and no mesh was given "
                                      "to put them on")
@@ -97,9 +106,37 @@ def decode(skeleton: Any, tensors: list[torch.Tensor],
     return walk(skeleton)
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    from maitre.runtime.replica import is_sharded
-    return is_sharded(t)
+def placeholders(skeleton: Any) -> dict[int, tuple[str, dict[str, Any] | None]]:
+    """Each tensor of an encoded tree by index: its path in the tree (``model.0.weight``), and
+    for a sharded one its placeholder (mesh dims, placements, global shape and stride)."""
+    found: dict[int, tuple[str, dict[str, Any] | None]] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, list):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+        elif isinstance(node, dict):
+            if _TENSOR in node:
+                found[node[_TENSOR]] = (path, None)
+            elif _DTENSOR in node:
+                found[node[_DTENSOR]] = (path, node)
+            elif _TUPLE in node:
+                walk(node[_TUPLE], path)
+            elif _DICT in node:
+                for k, v in node[_DICT]:
+                    walk(v, f"{path}.{k}" if path else str(k))
+            else:
+                for k, v in node.items():
+                    walk(v, f"{path}.{k}" if path else k)
+
+    walk(skeleton, "")
+    return found
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor (see :func:`maitre.runtime.replica.is_sharded`)."""
+    from maitre.runtime import replica
+    return replica.is_sharded(t)
 
 
 def _placement(p: Any) -> list[Any]:
