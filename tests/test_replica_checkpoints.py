@@ -216,7 +216,7 @@ def test_fsdp_replicas_lost_whole_resume_from_their_newest_sharded_checkpoint(
     assert points and all(p % 10 == 0 and p >= 20 for p in points), (points, "\n".join(lines))
     # every 10 steps, as the writing replica's interval says (the other asks for none)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == \
-        [fmt.step_dir_name(s) for s in (40, 50, 60)]
+        [fmt.step_dir_name(s) for s in (40, 50, 60)], "\n".join(lines)
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == MAITRE_STEPS, result.describe()
     error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_60)

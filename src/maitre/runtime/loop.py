@@ -247,6 +247,9 @@ class ElasticLoop:
         self._recovery: Recovery | None = None
         self._listeners: tuple[int, ...] = ()
         """This epoch's members that are catching up (group ranks), while they do."""
+        self._order: list[int] = []
+        """Group ranks in the order of their data ranks once every listener trains: the training
+        members first, as they were (the checkpoint's writer stays the same)."""
         self._listening: _Listening | None = None
         """This member is one of them."""
         self._senders: list[Sender] = []
@@ -384,9 +387,9 @@ class ElasticLoop:
             ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
         control[_STOP] = 1.0 if self._stop_reason() else 0.0
         # A rank still writing the previous save vetoes a new one (it is asked again next step),
-        # so no rank blocks on its writer and every rank makes the same decision. A listener
-        # vetoes saves until it trains: the parts of a save are the training members'.
-        control[_BUSY] = 1.0 if lst is not None or (ckpt is not None and ckpt.busy) else 0.0
+        # so no rank blocks on its writer and every rank makes the same decision. (A listener
+        # writes no part: the parts of a save are the training members'.)
+        control[_BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
         # The committing rank draws the name of the save's temporary directory; the sum
         # carries it to every rank (exact in float32 below 2**24).
         control[_TOKEN] = float(secrets.randbelow(1 << 24)) \
@@ -567,7 +570,7 @@ class ElasticLoop:
         group as it is (no rebuild)."""
         lst, self._listeners, self._listening = self._listening, (), None
         assert self.group is not None
-        self.rank, self.world_size = self.group.rank, self.group.world_size
+        self.rank, self.world_size = self._order.index(self.group.rank), self.group.world_size
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self.scaling.on_resize(self.world_size, self.state.step)
         if lst is not None and self._client is not None and not self.env.proc:
@@ -907,6 +910,7 @@ class ElasticLoop:
         assert self.group is not None and self._store is not None
         training = [r for r, s in enumerate(steps) if s == ahead]
         self._listeners = tuple(r for r, s in enumerate(steps) if s != ahead)
+        self._order = training + list(self._listeners)
         me, epoch = self.group.rank, self.epoch
         self.world_size = len(training)
         pair = lambda listener: f"{self._prefix}join/{listener}/"  # noqa: E731
