@@ -198,6 +198,8 @@ class ElasticLoop:
         """This process's replica, when the script built its model on :func:`replica_mesh`."""
         replicas.check_mesh(model, self.replica)
         replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
+        self._tp_checked = self._spanning is None or self._spanning.spec.tp == 1
+        """Whether the tp ranks' copies of a tp-replicated parameter got the same gradients."""
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
         if self._spanning is not None and cfg is not None:
             raise ValueError("checkpoints of a model sharded over several processes are "
@@ -250,6 +252,8 @@ class ElasticLoop:
                 self._buffers.zero()
                 step_start = time.monotonic()
                 yield batch
+                if not self._tp_checked:  # each tp rank's own gradients, before any reduction
+                    self._tp_checked = replicas.check_tp_grads(self.model, self._spanning)
                 if self._finish(batch):
                     elapsed = self._committed_at - step_start  # not the resize that may follow
                     self._step_times.append(elapsed)
