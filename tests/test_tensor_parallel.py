@@ -94,6 +94,26 @@ def test_a_parameter_left_whole_on_tp_that_meets_a_tp_shard_is_refused(tmp_path:
     assert not out.exists()
 
 
+@pytest.mark.timeout(90)
+def test_a_parameter_fsdp2_does_not_shard_in_a_replica_of_dp_shard_2_is_refused(
+        tmp_path: Path) -> None:
+    """Placed on the mesh by TP alone (here: replicated on dp_shard, as distribute_module
+    leaves it), nothing would add up its gradients between the dp_shard ranks."""
+    script = tmp_path / "unsplit.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.distributed.tensor import distribute_module\n"
+        "import maitre\n"
+        "mesh = maitre.replica_mesh(dp_shard=2, device_type='cpu')\n"
+        "model = distribute_module(torch.nn.Linear(2, 1), mesh['dp_shard'])\n"
+        "maitre.ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1),\n"
+        "                   maitre.ElasticSampler(8, 4))\n")
+    result = run_tagged(torchrun(2, script), timeout=80, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    assert result.returncode != 0
+    assert "needs every parameter sharded by FSDP2 on its dp_shard dimension" in result.stderr \
+        and "not: weight, bias" in result.stderr, result.stderr
+
+
 # -- under maitre: replicas of tp=2 through a kill and a join -------------------------------------
 @pytest.mark.timeout(200)
 def test_tp_replicas_under_maitre_survive_a_kill_and_a_join(tmp_path: Path) -> None:

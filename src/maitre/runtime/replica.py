@@ -26,6 +26,12 @@ sample count: the update is the mean over the same global batch at any number of
 Data: the step's global slice is split between the replicas, then each replica's share between
 its ``dp_shard`` ranks; the ``tp`` ranks of a shard read the same samples (only the first counts
 them).
+
+Tensor parallelism: the script's TP plan (ColwiseParallel and RowwiseParallel with the
+activations replicated around them) goes on ``mesh["tp"]``, then FSDP2 on ``mesh["dp_shard"]``.
+A parameter the plan leaves whole on the ``tp`` ranks (a norm, the embedding, Rowwise's bias)
+gets the same gradient on each of them, checked on the first step (:func:`check_tp_grads`), and
+is counted once in the global gradient norm (:func:`counted`).
 """
 
 from __future__ import annotations
