@@ -263,3 +263,21 @@ def test_train_state_register_extra_object_round_trips():
     other.load_state_dict(tree)
     assert extra2.state_dict() == extra.state_dict()
     assert extra2.cursor == 2
+
+
+def test_placements_round_trip_with_fsdp_over_tp_strided_shards():
+    """FSDP2 over TP places a parameter ``_StridedShard`` on dp_shard (no ``Shard`` in torch
+    2.13): its split factor orders the pieces, so it must survive the trip to a joiner."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from maitre.runtime.statetree import _placement, _placement_of
+    for placement in (Shard(0), Shard(1), Replicate(), _StridedShard(0, split_factor=2)):
+        back = _placement_of(loads(dumps(_placement(placement))))
+        assert back == placement and type(back) is type(placement), placement
+    assert _placement(_StridedShard(0, split_factor=2)) == ["strided_shard", 0, 2]
+    with pytest.raises(TypeError, match="partial sums are not state"):
+        _placement(Partial())
+    for bad in (["strided_shard", 0, 0], ["strided_shard", 0], ["shard", "0"], ["partial"]):
+        with pytest.raises(ValueError, match="unknown placement"):
+            _placement_of(bad)

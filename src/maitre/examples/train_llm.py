@@ -1,15 +1,25 @@
 """A small Llama-style decoder (RMSNorm, rotary embeddings, SwiGLU) on the bundled text, sharded by
-FSDP2 inside each replica, clipped by the global norm, optionally in bf16. Copy it to start.
+FSDP2 inside each replica and optionally split by tensor parallelism, clipped by the global norm,
+optionally in bf16. Copy it to start.
 
     maitre run --nnodes 1:4 --nproc-per-replica 2 examples/train_llm.py --steps 200
+    maitre run --nnodes 1:4 --nproc-per-replica 2 --mesh tp=2 examples/train_llm.py --steps 200
     torchrun --nproc-per-node 4 examples/train_llm.py --dp-shard 2 --steps 200   # 2 replicas of 2
+    torchrun --nproc-per-node 4 examples/train_llm.py --dp-shard 2 --tp 2 --steps 200  # 1 of 2x2
     python examples/train_llm.py --steps 200                                     # one process
 
-Under ``maitre run`` the job's replicas are ``--nproc-per-replica`` processes each and the job
-grows and shrinks by whole replicas; under torchrun the world is split into replicas of
-``--dp-shard`` processes; alone it is one replica of one process. The script is the same: it
-builds its model on :func:`maitre.replica_mesh` as it would on torchrun's mesh, and the loop
-does the rest (the mean gradient over the global batch, clipping, the fp16 loss scale).
+Under ``maitre run`` the job's replicas are ``--nproc-per-replica`` processes each, on the mesh
+``--mesh`` declares (default: all of them ``dp_shard``), and the job grows and shrinks by whole
+replicas; under torchrun the world is split into replicas of ``--dp-shard`` x ``--tp``
+processes; alone it is one replica of one process. The script is the same: it builds its model
+on :func:`maitre.replica_mesh` as it would on torchrun's mesh, and the loop does the rest (the
+mean gradient over the global batch, clipping, the fp16 loss scale).
+
+Tensor parallelism (Megatron's split, on the mesh's ``tp`` dimension): q, k, v and SwiGLU's
+gate and up projections are ColwiseParallel (each tp rank holds ``heads / tp`` heads and their
+rotary embedding), o and down are RowwiseParallel (their outputs summed over tp), so the
+residual stream, the norms, the embedding and the head are whole on every tp rank. FSDP2 then
+shards every block over ``dp_shard``.
 """
 
 import argparse
@@ -21,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import maitre
 
@@ -56,11 +67,12 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         h = self.attn_norm(x)
-        q, k, v = (w(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+        # -1: this rank's heads (all of them, or heads / tp under tensor parallelism)
+        q, k, v = (w(h).view(b, t, -1, d // self.heads).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, d))
+        x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
         h = self.mlp_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
@@ -69,7 +81,8 @@ class Decoder(nn.Module):
     def __init__(self, vocab: int, block: int, dim: int, layers: int, heads: int) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, 4 * dim * 2 // 3) for _ in range(layers))
+        hidden = (8 * dim // 3 + 7) // 8 * 8  # Llama's 8/3 d, rounded up to a multiple of 8
+        self.blocks = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         half = dim // heads // 2
@@ -99,7 +112,9 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=1.0, help="clip to this global gradient norm")
     p.add_argument("--precision", choices=["bf16", "fp16"], help="autocast the forward pass")
     p.add_argument("--dp-shard", type=int, help="processes a replica shards over (default: the "
-                   "job's under maitre run, a node's under torchrun, 1 alone)")
+                   "job's under maitre run, a node's over --tp under torchrun, 1 alone)")
+    p.add_argument("--tp", type=int, help="tensor-parallel processes inside a replica (default: "
+                   "the job's under maitre run, 1 otherwise); --heads must divide by it")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
@@ -115,8 +130,17 @@ def main() -> None:
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
     num_seqs = (len(ids) - 1) // args.block
 
-    mesh = maitre.replica_mesh(dp_shard=args.dp_shard, device_type="cpu")
+    mesh = maitre.replica_mesh(dp_shard=args.dp_shard, tp=args.tp, device_type="cpu")
+    tp = mesh["tp"].size()
+    if args.heads % tp:
+        p.error(f"--heads {args.heads} do not split over tp={tp} processes")
     model = Decoder(len(vocab), args.block, args.d_model, args.layers, args.heads)
+    if tp > 1:  # before FSDP2, which then shards the TP pieces over dp_shard
+        plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+                "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(),
+                "w2": RowwiseParallel()}
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], plan)
     for block in model.blocks:  # one FSDP unit per block, then the rest
         fully_shard(block, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])

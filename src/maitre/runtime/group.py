@@ -76,8 +76,14 @@ class EpochGroup:
         before it did would block the others for the backend's whole timeout. So the backend is
         built on a helper thread (the binding releases the GIL) and the wait is abandoned, like a
         collective's, once the coordinator closes the epoch; a late backend goes to the graveyard.
+
+        Each build has a store client of its own (``store.clone()``): an abandoned builder still
+        waits in a ``get`` for the missing member's address, and a client shared with it blocks
+        every later request behind that wait (the next epoch's build hung for the backend's
+        whole timeout: a replica of two processes whose peer replica was killed as a new epoch
+        opened with it, found by tests/test_tensor_parallel.py).
         """
-        prefixed = dist.PrefixStore(prefix, store)
+        prefixed = dist.PrefixStore(prefix, store.clone())
         built: dict[str, object] = {}
 
         def build() -> None:

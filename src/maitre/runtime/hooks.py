@@ -17,8 +17,9 @@ allreduce and its division by the global sample count, on every rank alike:
    (``torch.amp.GradScaler``'s rule). The scale is part of the job's state: it goes to joiners
    and into checkpoints.
 2. **Clipping by the global norm** (``clip_grad_norm=c``):
-   ``torch.nn.utils.clip_grad_norm_`` over the reduced gradients. Over sharded (DTensor)
-   gradients it reduces the norm across the shards, so it is the global norm there as well.
+   ``torch.nn.utils.clip_grad_norm_`` over the reduced gradients. In a replica of several
+   processes (FSDP2, TP) the norm is summed over the replica's pieces, each element counted
+   once (see :func:`clip`), so it is the global norm there as well.
 3. **``on_reduced_grads(batch)``**, a callback for anything else: gradient noise statistics,
    per-layer scaling, logging. It runs on every rank. It must depend only on the reduced
    gradients and the committed state, never on rank-local data, or the ranks' models diverge.
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from maitre.runtime import replica as replicas
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -115,6 +118,34 @@ def all_finite(buffers: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(b).all()) for b in buffers)
 
 
-def clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip the (reduced) gradients to ``max_norm`` by their global norm; returns that norm."""
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+def clip(params: list[torch.nn.Parameter], max_norm: float,
+         replica: "replicas.Replica | None" = None) -> float:
+    """Clip the (reduced) gradients to ``max_norm`` by their global norm; returns that norm.
+
+    In a replica of several processes (by default this process's, :func:`replicas.current`)
+    the norm is over the whole model, whose pieces lie on different meshes (FSDP2 on
+    ``dp_shard``, TP on both dimensions, plain or ``dp_shard``-only parameters replicated on
+    ``tp``), which ``torch.nn.utils.clip_grad_norm_`` cannot mix: each process sums the squares
+    of the pieces it counts (:func:`replicas.counted`: every element once, a ``tp``-replicated
+    one not ``tp`` times), one allreduce inside the replica adds them up, and every process
+    scales its pieces by the same factor, as torch's rule does (``max_norm / (norm + 1e-6)``,
+    at most 1). The gradients are reduced over the replicas already: every replica computes the
+    same norm."""
+    rep = replica or replicas.current()
+    if rep is None or rep.nproc == 1:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    local = [g.to_local() if replicas.is_sharded(g) else g for g in grads]
+    device = local[0].device
+    squares = torch.zeros(1, dtype=torch.float64, device=device)
+    for g, mine in zip(grads, local):
+        if replicas.counted(g, rep) and mine.numel():
+            squares += torch.linalg.vector_norm(mine).double().square()
+    torch.distributed.all_reduce(squares, group=rep.group)
+    norm = squares.sqrt()
+    factor = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for mine in local:
+        mine.mul_(factor.to(mine.dtype))
+    return float(norm)

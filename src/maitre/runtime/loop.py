@@ -221,6 +221,8 @@ class ElasticLoop:
         """This process's replica, when the script built its model on :func:`replica_mesh`."""
         replicas.check_mesh(model, self.replica)
         replicas.configure_fsdp(model)  # FSDP2 sums; the loop divides by the global count
+        self._tp_checked = self._spanning is None or self._spanning.spec.tp == 1
+        """Whether the tp ranks' copies of a tp-replicated parameter got the same gradients."""
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
         self.device = self.params[0].device
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
@@ -283,6 +285,8 @@ class ElasticLoop:
                 self._buffers.zero()
                 step_start = time.monotonic()
                 yield batch
+                if not self._tp_checked:  # each tp rank's own gradients, before any reduction
+                    self._tp_checked = replicas.check_tp_grads(self.model, self._spanning)
                 if self._finish(batch):
                     elapsed = self._committed_at - step_start  # not the resize that may follow
                     self._step_times.append(elapsed)

@@ -26,6 +26,12 @@ sample count: the update is the mean over the same global batch at any number of
 Data: the step's global slice is split between the replicas, then each replica's share between
 its ``dp_shard`` ranks; the ``tp`` ranks of a shard read the same samples (only the first counts
 them).
+
+Tensor parallelism: the script's TP plan (ColwiseParallel and RowwiseParallel with the
+activations replicated around them) goes on ``mesh["tp"]``, then FSDP2 on ``mesh["dp_shard"]``.
+A parameter the plan leaves whole on the ``tp`` ranks (a norm, the embedding, Rowwise's bias)
+gets the same gradient on each of them, checked on the first step (:func:`check_tp_grads`), and
+is counted once in the global gradient norm (:func:`counted`).
 """
 
 from __future__ import annotations
@@ -98,14 +104,24 @@ def configure_fsdp(model: torch.nn.Module) -> int:
 
 
 def check_mesh(model: torch.nn.Module, replica: "Replica | None") -> None:
-    """Refuse a model sharded on another mesh than its replica's (or on a mesh the loop does not
-    know: it would sum different shards together), and one left unsharded in a replica of
-    several processes."""
-    plain = [n for n, p in model.named_parameters() if p.requires_grad and not is_sharded(p)]
-    if replica is not None and replica.nproc > 1 and plain:
+    """Refuse, before training, a model the loop would train wrong on its replica:
+
+    * sharded on another mesh than its replica's (or on a mesh the loop does not know: it
+      would sum different shards together);
+    * in a replica with ``dp_shard > 1``, a parameter that FSDP2 does not shard on the
+      ``dp_shard`` dimension: plain, or placed by TP alone. Each ``dp_shard`` rank trains on
+      its own samples and nothing would add up that parameter's gradients between them.
+
+    With ``dp_shard == 1`` (tensor parallelism alone) a plain parameter is replicated on the
+    ``tp`` ranks, which read the same samples; that its gradients agree there is checked on
+    the first step (:func:`check_tp_grads`)."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    plain = [n for n, p in trainable if not is_sharded(p)]
+    if replica is not None and replica.spec.dp_shard > 1 and plain:
         raise ValueError(f"a replica of {replica.nproc} processes needs its model sharded on the "
                          f"replica's mesh (fully_shard); not sharded: {', '.join(plain[:5])}")
-    for name, p in model.named_parameters():
+    unsplit = []
+    for name, p in trainable:
         if not is_sharded(p):
             continue
         mesh = p.device_mesh
@@ -119,6 +135,90 @@ def check_mesh(model: torch.nn.Module, replica: "Replica | None") -> None:
             raise ValueError(f"parameter {name} is sharded on a mesh {sizes or 'without names'}"
                              f", not on its replica's ({replica.spec}): build the model on "
                              "maitre.replica_mesh()")
+        if replica.spec.dp_shard > 1 and not _splits(p, "dp_shard"):
+            unsplit.append(name)
+    if unsplit:
+        raise ValueError(f"a replica of {replica.spec} needs every parameter sharded by FSDP2 on "
+                         "its dp_shard dimension (fully_shard(module, mesh=mesh['dp_shard']), "
+                         f"after the TP plan); not: {', '.join(unsplit[:5])}")
+
+
+def _splits(t: torch.Tensor, dim: str) -> bool:
+    """Whether the DTensor ``t`` is split along the mesh dimension ``dim`` (``Shard``, or FSDP2's
+    ``_StridedShard`` over TP, which is no ``Shard`` in torch 2.13); False where it is
+    replicated there or its mesh lacks ``dim``."""
+    names = tuple(t.device_mesh.mesh_dim_names or ())
+    if dim not in names:
+        return False
+    placement = t.placements[names.index(dim)]
+    return not placement.is_replicate() and not placement.is_partial()
+
+
+def counted(t: torch.Tensor, replica: "Replica") -> bool:
+    """Whether this process counts its piece of ``t`` (a parameter or its gradient) in a sum
+    over the replica, such as the global gradient norm, so that every element is counted once:
+    on each mesh dimension along which ``t`` is not split (replicated there, or not on its mesh;
+    a plain tensor on none) only the processes at coordinate 0 count it. A ``tp``-replicated
+    norm weight is counted by the first ``tp`` rank of each shard, not ``tp`` times."""
+    coordinate = {"dp_shard": replica.dp_rank, "tp": replica.local_rank % replica.spec.tp}
+    sharded = is_sharded(t)
+    return all(coordinate[d] == 0 for d in MESH_DIMS if not (sharded and _splits(t, d)))
+
+
+def tp_replicated(t: torch.Tensor, replica: "Replica") -> bool:
+    """Whether ``t`` is one whole copy on every ``tp`` rank of a shard (plain, FSDP2's alone, or
+    ``Replicate`` on ``tp``, as RowwiseParallel's bias): its gradient must agree there."""
+    return replica.spec.tp > 1 and not (is_sharded(t) and _splits(t, "tp"))
+
+
+def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
+                   tolerance: float = 1e-6) -> bool:
+    """After a step's backward (before any reduction across replicas): every ``tp``-replicated
+    parameter must have the same gradient on every ``tp`` rank of its shard, which read the same
+    samples. That holds when the parameter's input is replicated on ``tp`` (a norm or a bias on
+    the residual stream, as ColwiseParallel and RowwiseParallel leave it). It fails when a plain
+    parameter meets a ``tp`` shard of the activations (a norm over each local head after
+    ColwiseParallel, say): each rank then holds a partial sum that nothing adds up, and the
+    ``tp`` ranks' copies drift apart. Such a model is refused here, with the same ValueError on
+    every process of the replica.
+
+    Two small collectives: each process's fingerprints of those gradients (their sum and the
+    sum of their magnitudes), the extremes over ``tp``, then the verdict over the replica.
+    Returns False when it could not decide (a gradient not finite, as in an fp16 step that
+    overflowed): ask again on the next step."""
+    if replica is None or replica.spec.tp == 1:
+        return True
+    named = [(n, p) for n, p in model.named_parameters()
+             if p.requires_grad and tp_replicated(p, replica)]
+    if not named:
+        return True
+    prints = torch.zeros(2 * len(named), dtype=torch.float64)
+    for k, (_, p) in enumerate(named):
+        if p.grad is not None:
+            local = _local(p.grad).detach().double()
+            prints[2 * k], prints[2 * k + 1] = local.sum(), local.abs().sum()
+    device = _local(named[0][1]).device
+    extremes = torch.cat([prints, -prints]).to(device)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=replica.mesh.get_group("tp"))
+    high, low = extremes[:len(prints)].cpu(), -extremes[len(prints):].cpu()
+    finite = bool(torch.isfinite(extremes).all())
+    spread = (high - low) > tolerance * high[1::2].repeat_interleave(2)
+    first = int(spread.nonzero()[0]) // 2 if finite and bool(spread.any()) else -1
+    verdict = torch.tensor([0.0 if finite else 1.0, float(first + 1)], dtype=torch.float64,
+                           device=device)
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=replica.group)
+    if verdict[1] > 0:
+        name = named[int(verdict[1]) - 1][0]
+        raise ValueError(
+            f"parameter {name} is replicated on the tp ranks but got different gradients on "
+            "them: its input is split on tp, so each rank holds a partial sum. Give it a place "
+            "in the TP plan or gather its input (maitre supports ColwiseParallel and "
+            "RowwiseParallel with the activations replicated around them, under FSDP2 or alone)")
+    return float(verdict[0]) == 0.0
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if is_sharded(t) else t
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -141,6 +141,9 @@ def is_sharded(t: torch.Tensor) -> bool:
 
 def _placement(p: Any) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    if isinstance(p, _StridedShard):  # FSDP2 over TP: no Shard in torch 2.13, and its split
+        return ["strided_shard", p.dim, int(p.split_factor)]  # factor orders the pieces
     if isinstance(p, Shard):
         return ["shard", p.dim]
     if isinstance(p, Replicate):
@@ -150,10 +153,15 @@ def _placement(p: Any) -> list[Any]:
 
 def _placement_of(spec: Any) -> Any:
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     if spec == ["replicate"]:
         return Replicate()
-    if isinstance(spec, list) and len(spec) == 2 and spec[0] == "shard" and isinstance(spec[1], int):
+    if not isinstance(spec, list) or not all(isinstance(v, int) for v in spec[1:]):
+        raise ValueError(f"unknown placement {spec!r}")
+    if len(spec) == 2 and spec[0] == "shard":
         return Shard(spec[1])
+    if len(spec) == 3 and spec[0] == "strided_shard" and spec[2] >= 1:
+        return _StridedShard(spec[1], split_factor=spec[2])
     raise ValueError(f"unknown placement {spec!r}")
 
 
