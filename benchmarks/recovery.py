@@ -287,6 +287,16 @@ def plain_steady(steps: int, work: Path) -> float:
 
 
 # -- the report ---------------------------------------------------------------------------------
+def stager(work: Path) -> Callable[[str, Callable[[Path], Any]], Any]:
+    """``stage(name, fn)``: runs ``fn`` in its own directory under ``work``, prints its time."""
+    def stage(name: str, fn: Callable[[Path], Any]) -> Any:
+        t0 = time.monotonic()
+        result = fn(work / name)
+        print(f"  {name:<18} {time.monotonic() - t0:6.1f}s  {result}", flush=True)
+        return result
+    return stage
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
@@ -298,12 +308,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-"))
     med = statistics.median
 
-    def stage(name: str, fn: Callable[[Path], Any]) -> Any:
-        t0 = time.monotonic()
-        result = fn(work / name)
-        print(f"  {name:<16} {time.monotonic() - t0:6.1f}s  {result}", flush=True)
-        return result
-
+    stage = stager(work)
     print(f"recovery benchmark, {args.reps} repetitions, work dir {work}")
     if args.steady_only:
         result = json.loads(args.out.read_text())

@@ -43,7 +43,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
-from recovery import after_failure, commits, join_pause, step_interval, wait_for  # noqa: E402
+from recovery import (after_failure, commits, join_pause, stager, step_interval,  # noqa: E402
+                      wait_for)
 
 from maitre.launch import Run, RunConfig  # noqa: E402
 
@@ -223,12 +224,7 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-replicas-"))
 
-    def stage(name: str, fn: Callable[[Path], Any]) -> Any:
-        t0 = time.monotonic()
-        result = fn(work / name)
-        print(f"  {name:<18} {time.monotonic() - t0:6.1f}s  {result}", flush=True)
-        return result
-
+    stage = stager(work)
     print(f"replicas benchmark, sizes {sizes} MB, work dir {work}")
     crash = stage("crash", lambda d: crashes(d, args.reps))
     result: dict[str, Any] = {"join_pause_s": {}, "join_pause_before_s": {}, "step_s": {},

@@ -100,6 +100,19 @@ def run_replicas(tmp_path: Path, events: str, steps: int, *, nodes: int,
                 nproc_per_node=2, nproc_per_replica=2, max_restarts=5)
 
 
+def check_replicas(tmp_path: Path, code: int, lines: list[str], run: object,
+                   alone: dict[str, torch.Tensor]) -> dict:
+    """The story's job completed, every sample once, and one process's parameters (1e-10)."""
+    from maitre.runtime.ledger import audit
+
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == 400, result.describe()
+    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone)
+    assert error <= 1e-10, error
+    return run.job()  # type: ignore[attr-defined]
+
+
 @pytest.fixture(scope="module")
 def alone_400(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("alone") / "final.pt"
@@ -116,16 +129,9 @@ def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
     replica out and the others go on; a stopped process is found hung and its replica removed;
     a new node's replica joins and gets its shards, position by position, from a live replica;
     one replica leaves. Every sample once, and one process's parameters."""
-    from maitre.runtime.ledger import audit
-
     code, lines, run = run_replicas(tmp_path, "kill@20,hang@50,join@80,leave@120", 400,
                                     nodes=3, max_nodes=4)
-    assert code == 0, "\n".join(lines)
-    result = audit(tmp_path / "run" / "ledger")
-    assert result.ok and result.steps == 400, result.describe()
-    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_400)
-    assert error <= 1e-10, error
-    job = run.job()
+    job = check_replicas(tmp_path, code, lines, run, alone_400)
     assert job["failures"] == 2, "\n".join(lines)
     assert any("hung" in e.get("reason", "") for e in job["events"]), job["events"]
     assert any(e["kind"] == "worker_left" for e in job["events"])
@@ -141,16 +147,9 @@ def test_a_replica_joins_while_the_others_train(tmp_path: Path, alone_400, monke
     group and gets its shards from a live replica's process at the same position; the snapshot
     lands late, so the joining replica replays dozens of steps, its two processes in step (their
     clipping is one collective), before all three replicas train."""
-    from maitre.runtime.ledger import audit
-
     monkeypatch.setenv("MAITRE_TRANSFER_DELAY_S", "1.5")
     code, lines, run = run_replicas(tmp_path, "join@30", 400, nodes=2)
-    assert code == 0, "\n".join(lines)
-    result = audit(tmp_path / "run" / "ledger")
-    assert result.ok and result.steps == 400, result.describe()
-    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_400)
-    assert error <= 1e-10, error
-    job = run.job()
+    job = check_replicas(tmp_path, code, lines, run, alone_400)
     caught_up = [r for r in job["reports"] if r["kind"] == "caught_up"]
     assert len(caught_up) == 1 and caught_up[0]["replayed"] >= 10, "\n".join(lines)
     assert caught_up[0]["world_size"] == 3 and job["epoch"] == 2, "\n".join(lines)

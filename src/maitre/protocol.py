@@ -421,33 +421,33 @@ class DoneRequest(_Request):
     suspended: bool = False
 
 
-class RecoveryReport(_Request):
-    kind: Literal["recovery"]
+class _Report(_Request):
     epoch: int = Field(ge=0)
     rank: int = Field(ge=0)
-    reason: str = Field(max_length=500)
     world_size: int = Field(ge=1)
+    step: int = Field(ge=0)
+    state_bytes: int = Field(ge=0)
+
+
+class RecoveryReport(_Report):
+    """The first step a member committed after a membership change, and where the time went."""
+
+    kind: Literal["recovery"]
+    reason: str = Field(max_length=500)
     detected_at: float
     rendezvous_s: float
     group_s: float
     state_s: float
-    state_bytes: int = Field(ge=0)
     to_next_step_s: float
-    step: int = Field(ge=0)
 
 
-class CaughtUpReport(_Request):
-    """A listener caught up (``MAITRE_JOIN=stream``): from the next step every member trains."""
+class CaughtUpReport(_Report):
+    """A listener caught up (``MAITRE_JOIN=stream``): from the next step every member trains
+    (``world_size`` of them)."""
 
     kind: Literal["caught_up"]
-    epoch: int = Field(ge=0)
-    rank: int = Field(ge=0)
-    world_size: int = Field(ge=1)
-    """The members that train from the next step."""
-    step: int = Field(ge=0)
     listened_s: float = Field(ge=0)
     """From the epoch's start to the step it trains next: the snapshot's transfer and replay."""
-    state_bytes: int = Field(ge=0)
     replayed: int = Field(ge=0)
     """Steps heard while the snapshot streamed in, replayed after it landed."""
     transfer_s: float = Field(0.0, ge=0)
