@@ -13,10 +13,11 @@ in MB):
   first after it, less one ordinary step (from the data ledger's commit times);
 * ``step_s``: the running replicas' ordinary step before the join, the yardstick of the target
   (a pause of at most one step);
-* ``transfer_vs_raw``: maitre's transfer of one process's shards from a snapshot taken (the
-  header, a flat buffer per dtype, and the unpacking into the state tree) against a raw gloo
-  broadcast of the same bytes, on the same idle pair of processes, one after the other (median
-  of ``--reps``; the snapshot's copy is not transfer: in the job it runs beside a step);
+* ``transfer_vs_raw``: maitre's transfer of one process's shards (a flat buffer per dtype into
+  buffers the listener allocated while the source copied its snapshot, and the unpacking into
+  the state tree) against a raw gloo broadcast of the same bytes into a buffer of its own, on
+  the same idle pair of processes, one after the other (median of ``--reps``; ``whole_s`` in the
+  raw numbers adds the header, the copy and the allocation, which in a join run beside a step);
 * ``stream_mb_s``: the snapshot's rate in the job, where it shares the cores with training;
 * ``crash_to_step_s``: SIGKILL of one process of one replica (of three) to the job's next
   committed step (median of ``--reps``; a small model: this is the protocol's latency).
@@ -131,7 +132,8 @@ def pair(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from maitre.runtime.group import EpochGroup
-    from maitre.runtime.transfer import Packed, receive, unpack
+    from maitre.runtime.transfer import (Packed, allocate, receive_flats, receive_header,
+                                         unpack)
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, 2, is_master=args.rank == 0)
@@ -142,22 +144,37 @@ def pair(args: argparse.Namespace) -> None:
             "optim": [{"exp_avg": torch.randn(per), "exp_avg_sq": torch.rand(per),
                        "step": torch.tensor(7.0)} for _ in range(args.layers)]}
     nbytes = sum(t.numel() * 4 for t in tree["model"]) * 3
-    raw = torch.empty(nbytes // 4)
-    times: dict[str, list[float]] = {"raw": [], "maitre": []}
+    raw = torch.zeros(nbytes // 4)
+    lazy = {t.data_ptr() for t in tree["model"]} | {
+        v.data_ptr() for o in tree["optim"] for v in o.values()}
+    times: dict[str, list[float]] = {"raw": [], "maitre": [], "whole": []}
+    cpu = torch.device("cpu")
     for _ in range(args.reps):
         group.allreduce(torch.zeros(1))
         t0 = time.perf_counter()
         group.broadcast(raw, 0)
         times["raw"].append(time.perf_counter() - t0)
-        packed = Packed.of(tree, torch.device("cpu")) if args.rank == 0 else None
+        # As a join does it: the header, then the source copies its snapshot while the
+        # listener allocates its buffers; then the bytes (timed apart: the wire).
         group.allreduce(torch.zeros(1))
-        t0 = time.perf_counter()  # the snapshot is taken: in the job it overlaps a step
-        if packed is not None:
-            packed.send(group, 0)
+        t0 = time.perf_counter()
+        if args.rank == 0:
+            packed = Packed.of(tree, cpu, lazy=lazy)
+            packed.send_header(group, 0)
+            packed.copy_lazy()
         else:
-            meta, flats, _ = receive(group, 0)
+            meta = receive_header(group, 0)
+            flats = allocate(meta, cpu)
+        group.allreduce(torch.zeros(1))
+        t1 = time.perf_counter()
+        if args.rank == 0:
+            packed.send_flats(group, 0)
+        else:
+            receive_flats(group, 0, flats)
             unpack(meta, flats)
-        times["maitre"].append(time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        times["maitre"].append(t2 - t1)
+        times["whole"].append(t2 - t0)
     if args.rank == 1:
         print(json.dumps({"bytes": nbytes, **times}))
 
@@ -177,6 +194,7 @@ def transfer_vs_raw(state_mb: int, reps: int) -> dict[str, float]:
     times = json.loads(outs[1])
     raw, maitre = statistics.median(times["raw"]), statistics.median(times["maitre"])
     return {"bytes": times["bytes"], "raw_s": raw, "maitre_s": maitre,
+            "whole_s": statistics.median(times["whole"]),
             "raw_mb_s": times["bytes"] / 1e6 / raw, "maitre_mb_s": times["bytes"] / 1e6 / maitre,
             "ratio": raw / maitre}
 

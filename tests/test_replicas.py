@@ -93,9 +93,9 @@ def test_the_mesh_spec_reads_and_checks_its_sizes() -> None:
 
 # -- under maitre: replicas of two processes that crash, hang, join and leave ------------------------
 def run_replicas(tmp_path: Path, events: str, steps: int, *, nodes: int,
-                 max_nodes: int = 3) -> tuple[int, list[str], object]:
+                 max_nodes: int = 3, extra: tuple[str, ...] = ()) -> tuple[int, list[str], object]:
     command = [sys.executable, str(SCRIPT), "--dp-shard", "2", "--steps", str(steps),
-               "--out", str(tmp_path / "final.pt")]
+               "--out", str(tmp_path / "final.pt"), *extra]
     return play(tmp_path, command, events, min_nodes=1, max_nodes=max_nodes, local_nodes=nodes,
                 nproc_per_node=2, nproc_per_replica=2, max_restarts=5)
 
@@ -141,6 +141,7 @@ def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
     assert all(".p0." in n or ".p1." in n for n in ledgers), ledgers  # a ledger per process
 
 
+@pytest.mark.slow  # (the fp16 story below replays too; this one checks no rebuild follows)
 @pytest.mark.timeout(180)
 def test_a_replica_joins_while_the_others_train(tmp_path: Path, alone_400, monkeypatch) -> None:
     """A third replica of two processes joins: each of its processes listens on its position's
@@ -153,6 +154,35 @@ def test_a_replica_joins_while_the_others_train(tmp_path: Path, alone_400, monke
     caught_up = [r for r in job["reports"] if r["kind"] == "caught_up"]
     assert len(caught_up) == 1 and caught_up[0]["replayed"] >= 10, "\n".join(lines)
     assert caught_up[0]["world_size"] == 3 and job["epoch"] == 2, "\n".join(lines)
+
+
+@pytest.mark.timeout(180)
+def test_fp16_over_fsdp2_replicas_under_maitre_run_through_a_kill_and_a_join(
+        tmp_path: Path, monkeypatch) -> None:
+    """The loss scaler over FSDP2 replicas under maitre: the first steps overflow (a scale of
+    1e308 in float64) and are skipped by every process of every replica alike, one process is
+    killed and its replica replaced, a node's replica joins (and replays, its snapshot late);
+    the same parameters as one process with the same scaler."""
+    from maitre.runtime.ledger import audit
+
+    out = tmp_path / "alone.pt"
+    alone = run_tagged([sys.executable, str(SCRIPT), "--steps", "200", "--loss-scale", "1e308",
+                        "--out", str(out)], timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    monkeypatch.setenv("MAITRE_TRANSFER_DELAY_S", "1.0")
+    code, lines, run = run_replicas(tmp_path, "kill@20,join@60", 200, nodes=2,
+                                    extra=("--loss-scale", "1e308"))
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == 200, result.describe()
+    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True),
+                           torch.load(out, weights_only=True))
+    assert error <= 1e-10, error
+    skips = [x for x in (tmp_path / "run" / "ledger").glob("*.jsonl")
+             if '"k":"x"' in x.read_text()]
+    assert skips, "no step overflowed: the scaler's skip was not exercised"
+    caught_up = [r for r in run.job()["reports"] if r["kind"] == "caught_up"]  # type: ignore[attr-defined]
+    assert caught_up and max(r["replayed"] for r in caught_up) >= 5, "\n".join(lines)
 
 
 # -- the example: a Llama-style decoder sharded by FSDP2 -----------------------------------------------

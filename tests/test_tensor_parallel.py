@@ -52,7 +52,7 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mesh", [
-    ["--dp-shard", "1", "--tp", "2", "--no-fsdp"],
+    pytest.param(["--dp-shard", "1", "--tp", "2", "--no-fsdp"], marks=pytest.mark.slow),
     ["--dp-shard", "2", "--tp", "2"],
     pytest.param(["--dp-shard", "1", "--tp", "2"], marks=pytest.mark.slow)],  # (the maitre
     ids=["2 replicas of tp=2 alone", "1 replica of dp_shard=2 x tp=2",  # story's mesh below)
@@ -65,6 +65,7 @@ def test_tp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, mes
     assert error <= 1e-12, error
 
 
+@pytest.mark.slow  # (the default suite checks fp16 over FSDP2 replicas, test_replicas.py)
 @pytest.mark.timeout(90)
 def test_fp16_overflows_under_tp_are_decided_alike(tmp_path: Path) -> None:
     """The loss scaler over TP's pieces and plain parameters: the same skips and parameters as
@@ -175,6 +176,7 @@ def test_the_llm_example_with_fsdp_and_tp_under_torchrun_matches_one_process(
     assert relative_error(torch.load(out, weights_only=True), llm_alone) <= 1e-10
 
 
+@pytest.mark.slow  # (TP under maitre run: the story above; the example's TP: under torchrun)
 @pytest.mark.timeout(120)
 def test_the_llm_example_with_tp_under_maitre_run_matches_one_process(tmp_path: Path,
                                                                       llm_alone) -> None:

@@ -106,30 +106,54 @@ class Packed:
 
     def send(self, group: EpochGroup, src: int) -> int:
         """Broadcast from ``src`` (this member) to the group; returns the payload bytes."""
+        self.send_header(group, src)
+        self.send_flats(group, src)
+        return self.nbytes
+
+    def send_header(self, group: EpochGroup, src: int) -> None:
         header = torch.frombuffer(bytearray(self.header), dtype=torch.uint8).to(group.device)
         group.broadcast(torch.tensor([len(self.header)], dtype=torch.int64, device=group.device),
                         src)
         group.broadcast(header, src)
+
+    def send_flats(self, group: EpochGroup, src: int) -> None:
         for flat in self.flats:
             group.broadcast(flat, src)
-        return self.nbytes
 
 
 def receive(group: EpochGroup, src: int) -> tuple[dict[str, Any], list[torch.Tensor], int]:
     """The other side of :meth:`Packed.send`: (header, flat buffers, payload bytes)."""
-    device = group.device
-    size = torch.zeros(1, dtype=torch.int64, device=device)
+    meta = receive_header(group, src)
+    flats = allocate(meta, group.device)
+    receive_flats(group, src, flats)
+    return meta, flats, payload(meta, flats)
+
+
+def receive_header(group: EpochGroup, src: int) -> dict[str, Any]:
+    size = torch.zeros(1, dtype=torch.int64, device=group.device)
     group.broadcast(size, src)
-    header = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    header = torch.empty(int(size.item()), dtype=torch.uint8, device=group.device)
     group.broadcast(header, src)
     meta = statetree.loads(header.cpu().numpy().tobytes())
-    flats = []
-    for dtype, indices in _by_dtype(meta["tensors"]):
-        flat = torch.empty(sum(_numel(meta["tensors"][i][1]) for i in indices),
-                           dtype=_DTYPES[dtype], device=device)
+    meta["header_bytes"] = len(header)
+    return meta
+
+
+def allocate(meta: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
+    """The flat buffers a header announces, touched: the bytes then land in memory that is
+    mapped already (fresh pages cost a fault each: a third of the transfer's time on CPU)."""
+    return [torch.empty(sum(_numel(meta["tensors"][i][1]) for i in indices),
+                        dtype=_DTYPES[dtype], device=device).zero_()
+            for dtype, indices in _by_dtype(meta["tensors"])]
+
+
+def receive_flats(group: EpochGroup, src: int, flats: list[torch.Tensor]) -> None:
+    for flat in flats:
         group.broadcast(flat, src)
-        flats.append(flat)
-    return meta, flats, len(header) + sum(f.numel() * f.element_size() for f in flats)
+
+
+def payload(meta: dict[str, Any], flats: list[torch.Tensor]) -> int:
+    return meta["header_bytes"] + sum(f.numel() * f.element_size() for f in flats)
 
 
 def unpack(meta: dict[str, Any], flats: list[torch.Tensor],
@@ -166,22 +190,37 @@ class Sender:
         store, prefixes, device, abandon = self._args
         packed = self._packed
         assert packed is not None
-        try:
-            packed.copy_lazy()
-        finally:
-            self.copied.set()
+        # The copy runs beside the pair's group build and the header, so the listener
+        # allocates its buffers while it runs; and the loop's wait for it never hangs on a
+        # listener that does not come.
+        copier = threading.Thread(target=self._copy, args=(packed,), daemon=True,
+                                  name="maitre-state-copy")
+        copier.start()
         try:
             for prefix in prefixes:
                 pair = EpochGroup.create(store, prefix, 0, 2, device, abandon)
                 try:
-                    packed.send(pair, 0)
+                    packed.send_header(pair, 0)
+                    self.copied.wait()
+                    if self.error is not None:
+                        return
+                    packed.send_flats(pair, 0)
                 finally:
                     pair.retire()
         except Exception as exc:  # the listener or the epoch is gone: nothing to send to
             self.error = str(exc)
         finally:
+            copier.join()
             self._packed = None
             self.done.set()
+
+    def _copy(self, packed: Packed) -> None:
+        try:
+            packed.copy_lazy()
+        except Exception as exc:
+            self.error = f"the snapshot's copy failed: {exc}"
+        finally:
+            self.copied.set()
 
 
 class Receiver:
@@ -194,7 +233,8 @@ class Receiver:
         self.result: tuple[dict[str, Any], list[torch.Tensor], int] | None = None
         self.error: str | None = None
         self.seconds = 0.0
-        """How long the bytes took once the pair's group was built."""
+        """How long the bytes took once the buffers were ready (includes waiting for the
+        source's copy, when it is slower than the allocation)."""
         self._thread = threading.Thread(target=self._run, args=(store, prefix, device, abandon),
                                         name="maitre-state-receive", daemon=True)
         self._thread.start()
@@ -203,12 +243,15 @@ class Receiver:
              abandon: Callable[[], str | None]) -> None:
         try:
             pair = EpochGroup.create(store, prefix, 1, 2, device, abandon)
-            began = time.monotonic()
             try:
-                result = receive(pair, 0)
+                meta = receive_header(pair, 0)
+                flats = allocate(meta, device)  # while the source copies its snapshot
+                began = time.monotonic()
+                receive_flats(pair, 0, flats)
+                self.seconds = time.monotonic() - began
             finally:
                 pair.retire()
-            self.seconds = time.monotonic() - began
+            result = (meta, flats, payload(meta, flats))
             time.sleep(float(os.environ.get(TRANSFER_DELAY_S, "0") or 0))
             self.result = result
         except Exception as exc:
