@@ -248,16 +248,19 @@ def main() -> None:
     result: dict[str, Any] = {"join_pause_s": {}, "join_pause_before_s": {}, "step_s": {},
                               "transfer_vs_raw": {}, "stream_mb_s": {}, "crash_to_step_s":
                               statistics.median(crash), "raw": {"crash": crash}}
+    med = statistics.median
     for mb in sizes:
         key = str(mb)
-        raw = stage(f"transfer-{mb}", lambda d, mb=mb: transfer_vs_raw(mb, args.reps))
-        before = stage(f"join-pause-{mb}", lambda d, mb=mb: join(d, mb, "pause"))
-        now = stage(f"join-stream-{mb}", lambda d, mb=mb: join(d, mb, "stream"))
-        result["join_pause_s"][key] = now["pause_s"]
-        result["join_pause_before_s"][key] = before["pause_s"]
-        result["step_s"][key] = now["step_s"]
+        raw = stage(f"transfer-{mb}", lambda d, mb=mb: transfer_vs_raw(mb, 3 * args.reps))
+        before, now = [], []
+        for i in range(args.reps):  # alternately, so that the machine's drift hits both
+            before.append(stage(f"join-pause-{mb}-{i}", lambda d, mb=mb: join(d, mb, "pause")))
+            now.append(stage(f"join-stream-{mb}-{i}", lambda d, mb=mb: join(d, mb, "stream")))
+        result["join_pause_s"][key] = med(r["pause_s"] for r in now)
+        result["join_pause_before_s"][key] = med(r["pause_s"] for r in before)
+        result["step_s"][key] = med(r["step_s"] for r in before + now)
         result["transfer_vs_raw"][key] = raw["ratio"]
-        result["stream_mb_s"][key] = now.get("stream_mb_s")
+        result["stream_mb_s"][key] = med(r["stream_mb_s"] for r in now)
         result["raw"][key] = {"transfer": raw, "pause": before, "stream": now}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
