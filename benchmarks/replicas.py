@@ -10,13 +10,14 @@ in MB):
   third joins, with ``MAITRE_JOIN=stream`` (this work: the joiner listens while a live replica
   streams it a snapshot) and ``MAITRE_JOIN=pause`` (maitre before it: every member waits while
   the state is broadcast). The pause is the gap between the last step before the join and the
-  first after it, less one ordinary step (from the data ledger's commit times);
+  first after it, less one ordinary step (from the data ledger's commit times); the median of
+  ``--reps`` joins of each kind, run alternately;
 * ``step_s``: the running replicas' ordinary step before the join, the yardstick of the target
   (a pause of at most one step);
 * ``transfer_vs_raw``: maitre's transfer of one process's shards (a flat buffer per dtype into
   buffers the listener allocated while the source copied its snapshot, and the unpacking into
   the state tree) against a raw gloo broadcast of the same bytes into a buffer of its own, on
-  the same idle pair of processes, one after the other (median of ``--reps``; ``whole_s`` in the
+  the same idle pair of processes, one after the other (median of 3 x ``--reps``; ``whole_s`` in the
   raw numbers adds the header, the copy and the allocation, which in a join run beside a step);
 * ``stream_mb_s``: the snapshot's rate in the job, where it shares the cores with training;
 * ``crash_to_step_s``: SIGKILL of one process of one replica (of three) to the job's next
