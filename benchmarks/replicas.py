@@ -214,8 +214,9 @@ def crashes(work: Path, reps: int) -> list[float]:
             os.kill(run.pid_of(victim), signal.SIGKILL)  # type: ignore[arg-type]
             faults.append((t, j["epoch"]))
             wait_for(run, lambda j, e=j["epoch"]: j["epoch"] > e, timeout_s=300)
-        wait_for(run, lambda j: True)
-        time.sleep(1.0)
+        # The survivors have committed since the last kill (a new epoch may open before it).
+        wait_for(run, lambda j, s=j["step"]: j["step"] >= s + 5, timeout_s=300)
+        time.sleep(0.5)
     finally:
         run.shutdown()
     cs = commits(work / "ledger")
