@@ -126,6 +126,7 @@ skipped steps: each commits nothing and is trained again at half the scale. fp16
 is checked against a hand-written step in test_hooks.py."""
 
 
+@pytest.mark.slow  # (the fp16 story below clips too, under the same crash and leave)
 @pytest.mark.timeout(180)
 def test_clipping_by_the_global_norm_under_a_crash_and_a_leave(tmp_path: Path, reference) -> None:
     """Each rank clipping its own share would clip a different vector at each world size."""

@@ -122,6 +122,7 @@ def alone_400(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow  # (45-130 s; the default suite has the kill and join of replicas below)
 @pytest.mark.timeout(240)
 def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
                                                                   alone_400) -> None:

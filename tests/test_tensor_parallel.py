@@ -166,6 +166,7 @@ def llm_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return trained(LLM, tmp_path_factory.mktemp("llm") / "final.pt", *LLM_TINY)
 
 
+@pytest.mark.slow  # (FSDP2 x TP under torchrun: the MLP's dp_shard=2 x tp=2 above)
 @pytest.mark.timeout(120)
 def test_the_llm_example_with_fsdp_and_tp_under_torchrun_matches_one_process(
         tmp_path: Path, llm_alone) -> None:
