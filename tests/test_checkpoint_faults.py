@@ -72,6 +72,7 @@ def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
     resume_and_compare(directory, tmp_path, reference(STEPS), completed)
 
 
+@pytest.mark.slow  # (the kills at each phase of a save stay in the default suite)
 @pytest.mark.timeout(400)
 def test_kill_at_random_moments(tmp_path: Path, reference) -> None:
     """SIGKILL at a random moment after a run (resuming the last one) wrote a new checkpoint,

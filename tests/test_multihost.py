@@ -270,6 +270,7 @@ def _ledger(ledger: Path) -> dict[str, list[dict]]:
     return found
 
 
+@pytest.mark.slow  # (45 s; the coordinator's SIGKILL and restart: also test_cluster_e2e.py)
 @pytest.mark.timeout(300)
 def test_the_coordinator_killed_on_its_host_and_restarted_takes_its_job_back_where_it_was(
         hosts, tmp_path: Path, reference) -> None:  # noqa: F811
