@@ -73,7 +73,8 @@ def check_end(tmp_path: Path, code: int, lines: list[str], reference: dict[str, 
     assert err <= 1e-5, f"relative error {err:.3g}"
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.slow  # (suspend and resume: test_cluster_e2e.py's preemption, and resharded in
+@pytest.mark.timeout(300)  # test_replica_checkpoints.py; 33 s)
 def test_suspend_then_resume_on_more_workers(tmp_path: Path, reference) -> None:
     run, lines = start_run(tmp_path, nodes=2)
     when(run, lambda job: job["step"] >= 100, lambda: run.request_stop("SIGTERM"))
