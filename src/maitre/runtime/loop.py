@@ -518,10 +518,9 @@ class ElasticLoop:
         except EpochLost as lost:
             self._recover(lost)
             return
-        size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
-        batch = Batch(self.state.step + 1, -1, self.world_size,
-                      self.sampler.next_slice(0, self.world_size, size), [],
-                      mine=[] if self._spanning is not None else None)
+        batch = self._listener_batch()
+        if self._spanning is not None:
+            batch.mine = []  # (no samples of its own)
         self._finish(batch)
         if self._listening is lst:
             lst.interval = time.monotonic() - heard
@@ -550,11 +549,7 @@ class ElasticLoop:
             grads, control = lst.queue.popleft()
             for buf, g in zip(self._buffers.grads(), grads):
                 buf.copy_(g)
-            size = self.scaling.global_batch_size(self.sampler.global_batch_size,
-                                                  self.world_size)
-            batch = Batch(self.state.step + 1, -1, self.world_size,
-                          self.sampler.next_slice(0, self.world_size, size), [])
-            self._update(batch, control)
+            self._update(self._listener_batch(), control)
             lst.replayed += 1
             more = bool(lst.queue) and time.monotonic() < deadline
             if self._spanning is not None:
@@ -562,6 +557,13 @@ class ElasticLoop:
             if not more:
                 break
         self._buffers.zero()
+
+    def _listener_batch(self) -> Batch:
+        """The next step as the training members take it (its global slice), with no share of
+        this listener's own: what its replayed and heard steps commit."""
+        size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
+        return Batch(self.state.step + 1, -1, self.world_size,
+                     self.sampler.next_slice(0, self.world_size, size), [])
 
     def _ready_quorum(self) -> float:
         """The READY total at which every listener is caught up (none: never)."""
