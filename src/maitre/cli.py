@@ -344,6 +344,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     ca = f" {_TLS_CA}={Path(cfg.tls_ca).resolve()}" if cfg.tls_ca else ""
     print(f"maitre: export {_COORDINATOR}={cluster.address} "
           f"{_TOKEN_FILE}={cluster.token_file.resolve()}{ca}", flush=True)
+    print(f"maitre: dashboard at {cluster.dashboard_url}", flush=True)
     cluster.start()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -393,6 +394,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(steps=steps, urgent_at_step=min(150, steps // 4), urgent_steps=max(1, steps // 4),
                      run_dir=Path(args.run_dir) if args.run_dir else None)
     return Demo(cfg).run()
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import secrets
+
+    from maitre.dashboard.replay import ReplayError, find
+    from maitre.dashboard.server import ReplayServer
+
+    _check_port(args.host, args.port)
+    try:
+        path = find(Path(args.dir), args.policy)
+        server = ReplayServer(path, secrets.token_urlsafe(24), args.host, args.port)
+    except ReplayError as exc:
+        raise UsageError(f"cannot replay: {exc}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot serve on {args.host}:{args.port}: {exc}") from None
+    events = server.log.since(0)
+    span = events[-1]["t"] - events[0]["t"]
+    print(f"maitre: replaying {path}: {len(events)} events over {span:.0f} s", flush=True)
+    print(f"maitre: dashboard at {server.url}?token={server.token}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    with server:
+        stop.wait()
+    return 0
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -575,6 +602,16 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--no-plots", action="store_true")
     sim.add_argument("--quiet", action="store_true", help="no progress bar")
     sim.set_defaults(fn=cmd_simulate)
+
+    dash = sub.add_parser("dashboard", help="serve the dashboard over a recorded event log "
+                          "(a simulation's --out, a coordinator's --state-dir, or a .jsonl)")
+    dash.add_argument("dir", help="the directory (or the events file) to replay")
+    dash.add_argument("--policy", help="which policy's run, in a simulation's output with "
+                                       "several (default: maitre)")
+    dash.add_argument("--host", default="127.0.0.1", help="address to serve on (default: "
+                                                          "127.0.0.1)")
+    dash.add_argument("--port", type=int, default=0, help="port (default: any free one)")
+    dash.set_defaults(fn=cmd_dashboard)
 
     status = sub.add_parser("status", help="show jobs, nodes and queues")
     status.add_argument("job", nargs="?")

@@ -100,6 +100,7 @@ class Demo:
                              Queue("team-b", guaranteed=b_quota)],
             policy=PolicyConfig(resize_cooldown_s=cfg.cooldown_s)), out=self.out).start()
         self.cluster = cluster
+        self.out(f"maitre demo: watch it live at {cluster.dashboard_url}")
         co = cluster.coordinator
         t0 = time.time()
         finished = False

@@ -86,6 +86,13 @@ class LocalCluster:
     def address(self) -> str:
         return self.server.address
 
+    @property
+    def dashboard_url(self) -> str:
+        """The dashboard's page, with the token that signs the browser in (it then keeps it in
+        a cookie, and the address bar loses it)."""
+        scheme = "https" if self.cfg.tls_cert else "http"
+        return f"{scheme}://{self.address}/dashboard/?token={self.token}"
+
     def start(self) -> "LocalCluster":
         self.server.start()
         for _ in range(self.cfg.nodes):

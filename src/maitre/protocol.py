@@ -112,6 +112,8 @@ JOB_CANCEL = "/jobs/{job}/cancel"
 NODES = "/nodes"
 QUEUES = "/queues"
 REPORT = "/report"
+EVENTS = "/events"
+EVENTS_STREAM = "/events/stream"
 NODE_HEARTBEAT = "/nodes/{node}/heartbeat"
 NODE_WATCH = "/nodes/{node}/watch"
 WORKER_EXIT = "/workers/{worker}/exit"
@@ -287,6 +289,16 @@ class Report(_Reply):
     held_slot_s: float
     trained_slot_s: float
     jobs: dict[str, JobReport]
+
+
+class EventPage(_Reply):
+    """Events of the coordinator's log (:mod:`maitre.control.eventlog`), oldest first."""
+
+    events: list[dict[str, Any]]
+    """Each ``{"seq", "t", "job", "kind", ...}``: ``seq`` counts from 1, ``t`` is the
+    coordinator's clock (seconds since the epoch), ``job`` is null for the cluster's own."""
+    last: int
+    """The newest ``seq`` of the log: ask again with ``since`` = the last one returned."""
 
 
 # -- agents ----------------------------------------------------------------------------------

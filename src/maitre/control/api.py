@@ -50,6 +50,8 @@ from maitre.control.cluster import ClusterState
 from maitre.control.coordinator import Coordinator
 from maitre.control.detectors import DetectorConfig
 from maitre.control.store import Store
+from maitre.dashboard import auth as dashboard_auth
+from maitre.dashboard import routes as dashboard
 from maitre.control.storedoor import StoreDoor, Stores
 from maitre.errors import NotFound, RequestError
 
@@ -140,9 +142,12 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
                   description="Routes and messages of maitre's coordinator "
                               "(see maitre.protocol).", **extra)
     app.state.waiters = waiters
+    app.state.dashboard_token = token
     lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]] = []
     app.add_middleware(_Gate, waiters=waiters, token=token, lanes=lanes,
                        credential=co.credential)
+    dashboard.mount(app, co.events, co.dashboard_meta, live=True,
+                    closing=lambda: waiters.closing, listeners=co.events.listeners)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -355,6 +360,7 @@ class _Gate:
         self.app = app
         self.waiters = waiters
         self.expected = f"Bearer {token}".encode() if token else None
+        self.token = token or ""
         self.lanes = lanes
         self.credential = credential
 
@@ -372,7 +378,9 @@ class _Gate:
             elif self.expected is not None and scope.get("path") not in _OPEN:
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
-                    response = self._as_worker(given, scope.get("path", ""))
+                    let_in, response = dashboard_auth.authorize(scope, self.token)
+                    if not let_in and response is None:
+                        response = self._as_worker(given, scope.get("path", ""))
             if response is None and scope.get("method") == "POST":
                 for pattern, field, model, handler in self.lanes:
                     match = pattern.match(scope.get("path", ""))

@@ -38,6 +38,7 @@ from maitre import protocol as p
 from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
 from maitre.control.detectors import DetectorConfig
+from maitre.control.eventlog import EventLog
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
@@ -139,6 +140,8 @@ class Coordinator:
         self._node_version: dict[str, int] = {}
         self._wake_nodes: set[str] = set()
         self._wake_jobs: set[str] = set()
+        self.events = EventLog(store)
+        """Every state change, numbered (:mod:`maitre.control.eventlog`)."""
         cluster.log = self._cluster_event
         if store is not None:
             self._restore()
@@ -690,6 +693,12 @@ class Coordinator:
                 self._touch(ms.spec.job_id)
         self._bump(node)
 
+    def dashboard_meta(self) -> dict[str, Any]:
+        """What the dashboard's page needs besides the event log."""
+        prices = getattr(self.cluster, "prices", None)
+        return {"source": "coordinator", "now": self.clock(),
+                "prices": dict(prices) if prices else None}
+
     def report(self) -> dict[str, Any]:
         with self.lock:
             return accounting.report(self.cluster, self.jobs, self.clock())
@@ -847,8 +856,7 @@ class Coordinator:
         self._emit(job, kind, {"t": round(now, 4), **fields})
 
     def _emit(self, job_id: str | None, kind: str, event: dict[str, Any]) -> None:
-        if self.db is not None:
-            body = {k: v for k, v in event.items() if k not in ("kind", "t")}
-            self.db.add_event(event.get("t", self.clock()), kind, job_id, **body)
+        body = {k: v for k, v in event.items() if k not in ("kind", "t", "job")}
+        self.events.append(event.get("t", round(self.clock(), 4)), kind, job_id, body)
         if self.on_event is not None:
             self.on_event(job_id or "", {**event, "kind": kind})

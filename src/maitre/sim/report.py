@@ -71,6 +71,11 @@ def write(results: list[SimResult], out: Path, meta: dict | None = None,
 
     _atomic_write(files[1], timeline)
     _atomic_write(files[2], allocations)
+    for r in results:  # `maitre dashboard DIR` replays these
+        path = out / f"events-{r.policy}.jsonl"
+        _atomic_write(path, lambda f, r=r: f.writelines(
+            json.dumps(e, separators=(",", ":")) + "\n" for e in r.events))
+        files.append(path)
     if plots:
         files += _plots(results, out)
     return files

@@ -187,6 +187,7 @@ def simulate(opts: SimOptions, progress: bool = False, setup: Setup | None = Non
                          SimConfig(interval_s=opts.interval_s, node_mtbf_s=opts.mtbf_h * 3600,
                                    seed=opts.seed),
                          node_events=events,
+                         prices={"on-demand": opts.price, "spot": opts.spot_price},
                          progress=_progress_bar(policy) if progress and sys.stderr.isatty()
                          else None)
         results.append(sim.run())

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from maitre.sim.engine import Engine
+from maitre.sim.events import SimEvents, node_name
 from maitre.sim.jobs import SimJob, young_daly_interval
 from maitre.sim.policies import Allocations, Policy
 
@@ -76,7 +77,8 @@ class Timeline:
 class Simulation:
     def __init__(self, jobs: list[SimJob], nodes: list[SimNode], policy: Policy,
                  cfg: SimConfig | None = None, node_events: list[NodeEvent] = (),
-                 progress: Callable[[int, int, float], None] | None = None) -> None:
+                 progress: Callable[[int, int, float], None] | None = None,
+                 prices: dict[str, float] | None = None) -> None:
         self.cfg = cfg or SimConfig()
         self.jobs = sorted(jobs, key=lambda j: (j.submitted, j.name))
         self.nodes = {n.index: n for n in nodes}
@@ -85,7 +87,10 @@ class Simulation:
         self.active: list[SimJob] = []
         self.done: list[SimJob] = []
         self.timeline = Timeline()
+        self.log = SimEvents()
+        """What happened, in the live coordinator's event shapes (``maitre dashboard``)."""
         self.progress = progress
+        self.log.nodes(nodes, prices or {})
         biggest = max((n.gpus for n in nodes), default=0) * len(nodes)
         too_big = [j.name for j in jobs if j.min_replicas > biggest]
         if too_big:
@@ -104,6 +109,9 @@ class Simulation:
 
     def _arrive(self, job: SimJob) -> None:
         self.active.append(job)
+        self.log.add(self.engine.now, "submitted", job.name, queue=job.queue,
+                     priority=job.priority, min_replicas=job.min_replicas,
+                     max_replicas=job.max_replicas)
 
     def _round(self) -> None:
         self.reschedule()
@@ -135,17 +143,25 @@ class Simulation:
         if ev.kind == "up":
             if not node.up:
                 node.up, node.leaving, node.up_since = True, False, now
+                self.log.add(now, "node_recovered", node=node_name(node.index))
             return
         if not node.up:
             return
         for j in self.active:
             j.advance(now)
         if ev.kind == "notice" and ev.notice_s > 0:
+            self.log.add(now, "spot_notice", node=node_name(node.index), notice_s=ev.notice_s,
+                         deadline=round(now + ev.notice_s, 3), source="simulated")
             node.leaving = True
             self.engine.at(now + ev.notice_s, self._node_event,
                            NodeEvent(now + ev.notice_s, ev.node, "down"))
+            on_it = [j.name for j in self.active if node.index in j.alloc]
             self._evict(node, failed=False)
+            self.log.add(now, "node_drained", node=node_name(node.index), workers=on_it,
+                         seconds=0.0)
         else:
+            self.log.add(now, "node_reclaimed" if node.leaving else "node_dead",
+                         node=node_name(node.index))
             node.cost += (now - node.up_since) * node.gpus * node.price / 3600
             node.up = node.leaving = False
             self._evict(node, failed=True)
@@ -207,7 +223,9 @@ class Simulation:
 
     def _set(self, job: SimJob, alloc: list[int]) -> None:
         now = self.engine.now
+        old = job.alloc
         job.reallocate(alloc, now)
+        self.log.placed(now, job, old, alloc)
         if alloc and job.recovery.checkpoint_s > 0 and math.isfinite(self.cfg.node_mtbf_s):
             job.checkpoint_interval_s = young_daly_interval(
                 job.recovery.checkpoint_s, self.cfg.node_mtbf_s / len(set(alloc)))
@@ -250,6 +268,8 @@ class SimResult:
     restarts: int
     failures: int
     timeline: Timeline
+    events: list[dict] = field(default_factory=list)
+    """The run's event log (:mod:`maitre.sim.events`)."""
 
     @classmethod
     def of(cls, sim: Simulation) -> "SimResult":
@@ -269,7 +289,8 @@ class SimResult:
                    allocation=held / avail if avail else 0.0, gpu_hours=held / 3600,
                    cost=sim.cost_until(end),
                    restarts=sum(max(0, j.restarts) for j in jobs),
-                   failures=sum(j.failures for j in jobs), timeline=tl)
+                   failures=sum(j.failures for j in jobs), timeline=tl,
+                   events=sim.log.events)
 
     @property
     def avg_jct_s(self) -> float:
