@@ -4,6 +4,7 @@
     runtime (the training process)  ->  checkpoint  ->  runtime.statetree (the state encoding)
     scheduling (the policy: pure, no torch) is imported by the coordinator and the simulator
     sim (the simulator: no torch, no processes) imports only scheduling
+    dashboard (the web page and its routes, live or replay) reads an event log, nothing else
 
 The training process never imports the coordinator or the agent; the coordinator never imports
 torch-side training code; the checkpoint package uses only the runtime's state encoding.
@@ -29,6 +30,8 @@ FORBIDDEN = {
                    *_TOP, "torch"),
     "sim": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP,
             "torch"),
+    "dashboard": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
+                  "maitre.scheduling", "maitre.sim", *_TOP, "torch"),
 }
 
 

@@ -146,8 +146,6 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]] = []
     app.add_middleware(_Gate, waiters=waiters, token=token, lanes=lanes,
                        credential=co.credential)
-    dashboard.mount(app, co.events, co.dashboard_meta, live=True,
-                    closing=lambda: waiters.closing, listeners=co.events.listeners)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -183,6 +181,8 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     # Every refusal has this shape; documenting 4XX also keeps FastAPI from documenting a 422
     # this API never sends (a request that does not validate is a 400).
     errors["4XX"] = {"model": p.ErrorReply, "description": "Any other refusal (405)"}
+    dashboard.mount(app, co.events, co.dashboard_meta, live=True, responses=errors,
+                    closing=lambda: waiters.closing, listeners=co.events.listeners)
 
     def route(method: str, path: str, model: Any, **kw: Any) -> Callable[..., Any]:
         return app.api_route(p.API + path, methods=[method], response_model=model,

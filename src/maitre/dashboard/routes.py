@@ -97,7 +97,8 @@ class _Wakeup:
 
 def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
           live: bool, closing: Callable[[], bool] = lambda: False,
-          listeners: list[Callable[[int], None]] | None = None) -> None:
+          listeners: list[Callable[[int], None]] | None = None,
+          responses: dict[int | str, Any] | None = None) -> None:
     """Add the dashboard's routes to ``app`` (``listeners``: the live log's, so that the
     streams wake when it grows; a replay's log never grows)."""
     wakeup = _Wakeup()
@@ -105,7 +106,9 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
         listeners.append(wakeup)
     page = _static("index.html")
 
-    @app.get(p.API + p.EVENTS, response_model=p.EventPage, tags=["dashboard"])
+    errors = responses or {}
+
+    @app.get(p.API + p.EVENTS, response_model=p.EventPage, responses=errors)
     def events_page(since: int = Query(0, ge=0), limit: int = Query(PAGE_LIMIT, ge=1,
                                                                         le=PAGE_LIMIT),
                     job: str | None = Query(None, pattern=p.NAME_PATTERN, max_length=128)
@@ -114,10 +117,10 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
         body = dumps({"events": events.since(since, limit, job), "last": last})
         return Response(body, media_type="application/json")
 
-    @app.get(p.API + p.EVENTS_STREAM, tags=["dashboard"],
-             response_class=StreamingResponse,
-             responses={200: {"content": {"text/event-stream": {}},
-                              "description": "server-sent events, one per event of the log"}})
+    @app.get(p.API + p.EVENTS_STREAM, response_class=StreamingResponse,
+             responses={**errors, 200: {"content": {"text/event-stream": {}},
+                                        "description": "server-sent events, one per event of "
+                                                       "the log"}})
     async def events_stream(request: Request, since: int = Query(0, ge=0)) -> Response:
         async def stream():  # type: ignore[no-untyped-def]
             seq = since
