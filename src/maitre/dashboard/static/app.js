@@ -237,8 +237,10 @@ class Model {
         if (e.placement) this.place(j, e.placement, t);
         if (j.state === "RUNNING" || j.state === "RENDEZVOUS") this.move(j, "RESIZING", t, `${e.kind}: ${e.reason || ""}`);
         break;
-      case "preempting": case "suspend": case "suspending":
-        if (e.placement) this.place(j, e.placement, t);
+      case "preempting": // it waits for the slots its victims give up (not held yet)
+        j.waitingFor = e.reason || "preempting";
+        break;
+      case "suspend": case "suspending":
         this.move(j, "SUSPENDING", t, e.reason || e.kind);
         break;
       case "epoch": {
@@ -423,7 +425,9 @@ const app = {
   pending: false,
   error: null,
 };
-window.__maitre = { ready: false, seq: 0, renderedSeq: 0, renderedAt: 0, errors: [] };
+window.__maitre = { ready: false, seq: 0, renderedSeq: 0, renderedAt: 0, errors: [],
+                   model: () => app.model, // (for tests and the curious: the page's state)
+                   seen: {} }; // seq -> Date.now() when a render first showed it
 
 function tEnd() {
   const last = app.events.length ? app.events[app.events.length - 1].t : 0;
@@ -486,6 +490,7 @@ async function load() {
     }
     for (const e of app.events) app.model.apply(e);
     window.__maitre.seq = since;
+    window.__maitre.loadedSeq = since; // what came later came by the stream
     setupSlider();
     render();
     window.__maitre.ready = true;
@@ -579,8 +584,13 @@ function render() {
   if (app.at === null) slider.value = 1000;
   document.getElementById("clock").textContent = app.events.length ?
     `${fmtS(end - t0)} from the log's start` + (app.meta.live ? ` · ${new Date(end * 1000).toLocaleTimeString()}` : "") : "no events yet";
-  window.__maitre.renderedSeq = m.seq;
-  window.__maitre.renderedAt = Date.now();
+  const now = Date.now();
+  const from = Math.max(window.__maitre.renderedSeq, window.__maitre.loadedSeq ?? Infinity);
+  for (let seq = from + 1; seq <= m.seq && app.at === null; seq++) {
+    if (Object.keys(window.__maitre.seen).length < 20000) window.__maitre.seen[seq] = now;
+  }
+  window.__maitre.renderedSeq = Math.max(window.__maitre.renderedSeq, app.at === null ? m.seq : 0);
+  window.__maitre.renderedAt = now;
 }
 
 function renderHeader(m, end) {
@@ -692,11 +702,9 @@ function viewScaling(m, end) {
   const jobs = [...m.jobs.values()].sort((a, b) => natural(a.id, b.id));
   sec.append(h("div", { class: "canvas-wrap" }, canvas, tip));
   sec.append(legend(jobs.filter((j) => j.replicas.length).slice(0, 40).map((j) => [j.id, colour(j.id)])));
-  // jobs growing and shrinking
-  const series = jobs.filter((j) => j.replicas.length).slice(0, 24).map((j) => ({
-    points: j.replicas.map((r) => [r.t, r.n]), colour: colour(j.id), step: true }));
-  sec.append(chart({ width: Math.min(width, 900), height: 170, x0: t0, x1: end, series,
-                     title: "slots held by each job", yLabel: "slots" }));
+  sec.append(chart({ width: Math.min(width, 900), height: 170, x0: t0, x1: end,
+                     series: stacked(jobs.filter((j) => j.replicas.length)),
+                     title: "slots held by each job (stacked)", yLabel: "slots" }));
   const queued = jobs.filter((j) => j.state === "PENDING" || j.state === "SUSPENDED");
   sec.append(h("h3", {}, `Queued (${queued.length})`));
   sec.append(queued.length ? h("table", { class: "table", id: "queued" },
@@ -712,6 +720,25 @@ function viewScaling(m, end) {
       h("li", {}, h("a", { href: `#/node/${encodeURIComponent(n.name)}` }, n.name), ` ${n.state}`))));
   }
   return sec;
+}
+
+function stacked(jobs, most = 24) { // jobs growing and shrinking, one band each
+  const shown = jobs.slice().sort((a, b) => Math.max(...b.replicas.map((r) => r.n)) -
+    Math.max(...a.replicas.map((r) => r.n))).slice(0, most);
+  const times = [...new Set(shown.flatMap((j) => j.replicas.map((r) => r.t)))].sort((a, b) => a - b);
+  if (!times.length) return [];
+  let lower = times.map((t) => [t, 0]);
+  const out = [];
+  for (const j of shown) {
+    let k = 0, n = 0;
+    const upper = times.map((t, i) => {
+      while (k < j.replicas.length && j.replicas[k].t <= t) n = j.replicas[k++].n;
+      return [t, lower[i][1] + n];
+    });
+    out.push({ points: upper, lower, colour: colour(j.id), step: true, fill: true, width: 1 });
+    lower = upper;
+  }
+  return out;
 }
 
 // -- Rendezvous -------------------------------------------------------------------------------
