@@ -72,6 +72,9 @@ class Model {
     this.notices = [];
     this.recoveries = [];
     this.heldSlots = 0;
+    this.contrib = new Map(); // node -> what it adds to the capacity totals
+    this.totals = { od: 0, spot: 0, rate: 0 };
+    this.maxOnDemandPrice = null;
   }
 
   node(name) {
@@ -106,32 +109,41 @@ class Model {
 
   onDemandPrice() {
     if (this.prices && this.prices["on-demand"] != null) return this.prices["on-demand"];
-    let best = null;
-    for (const n of this.nodes.values()) {
-      if (!this.isSpot(n) && n.price != null) best = Math.max(best ?? 0, n.price);
-    }
-    return best;
+    return this.maxOnDemandPrice;
   }
 
-  capacityPoint(t) {
-    let od = 0, spot = 0, rate = 0, odRate = 0;
-    const odp = this.onDemandPrice();
-    for (const n of this.nodes.values()) {
-      if (n.state === "dead" || n.state === "reclaimed") continue;
-      if (this.isSpot(n)) spot += n.slots; else od += n.slots;
-      rate += n.slots * (n.price ?? 0);
-      odRate += n.slots * (odp ?? n.price ?? 0);
+  capacityPoint(t, n) { // node n's capacity changed at t: the totals move by its difference
+    const alive = n.state !== "dead" && n.state !== "reclaimed";
+    const now = { od: 0, spot: 0, rate: 0 };
+    if (alive) {
+      if (this.isSpot(n)) now.spot = n.slots; else now.od = n.slots;
+      now.rate = n.slots * (n.price ?? 0);
     }
+    if (!this.isSpot(n) && n.price != null) {
+      this.maxOnDemandPrice = Math.max(this.maxOnDemandPrice ?? 0, n.price);
+    }
+    const was = this.contrib.get(n.name) || { od: 0, spot: 0, rate: 0 };
+    this.contrib.set(n.name, now);
+    const c = this.totals;
+    c.od += now.od - was.od; c.spot += now.spot - was.spot; c.rate += now.rate - was.rate;
+    const odp = this.onDemandPrice();
+    const point = { t, od: c.od, spot: c.spot, rate: c.rate,
+                    odRate: odp != null ? (c.od + c.spot) * odp : c.rate };
     const last = this.capacity[this.capacity.length - 1];
-    const point = { t, od, spot, rate, odRate };
     if (last && last.t === t) this.capacity[this.capacity.length - 1] = point;
     else this.capacity.push(point);
+  }
+
+  lastNotice(node) {
+    for (let k = this.notices.length - 1; k >= 0; k--) if (this.notices[k].node === node) return this.notices[k];
+    return null;
   }
 
   accrue(j, t) { // a job's cost: the slots it holds at their node's price
     if (j.lastCostT !== null) {
       const dt = (t - j.lastCostT) / 3600;
       const odp = this.onDemandPrice();
+      if (dt <= 0) { j.lastCostT = t; return; }
       for (const [node, count] of Object.entries(j.placement)) {
         const n = this.nodes.get(node);
         const price = n ? n.price : null;
@@ -187,19 +199,19 @@ class Model {
         n.state = "up";
         n.notice = null;
         if (!n.history.length) n.history.push({ t, state: "up" });
-        this.capacityPoint(t);
+        this.capacityPoint(t, n);
         break;
       }
       case "node_recovered": {
         const n = this.node(e.node);
         n.state = "up"; n.history.push({ t, state: "up" }); n.notice = null;
-        this.capacityPoint(t);
+        this.capacityPoint(t, n);
         break;
       }
       case "node_dead": {
         const n = this.node(e.node);
         n.state = n.notice ? "reclaimed" : "dead"; n.history.push({ t, state: n.state });
-        this.capacityPoint(t);
+        this.capacityPoint(t, n);
         break;
       }
       case "node_suspect": { const n = this.node(e.node); n.state = "suspect"; n.history.push({ t, state: "suspect" }); break; }
@@ -212,16 +224,16 @@ class Model {
         break;
       }
       case "node_drained": {
-        const notice = [...this.notices].reverse().find((x) => x.node === e.node);
+        const notice = this.lastNotice(e.node);
         if (notice) { notice.drained = e.seconds ?? (t - notice.t); notice.workers = e.workers; }
         break;
       }
       case "node_reclaimed": {
         const n = this.node(e.node);
         n.state = "reclaimed"; n.history.push({ t, state: "reclaimed" });
-        const notice = [...this.notices].reverse().find((x) => x.node === e.node);
+        const notice = this.lastNotice(e.node);
         if (notice) notice.reclaimed = t;
-        this.capacityPoint(t);
+        this.capacityPoint(t, n);
         break;
       }
       case "submitted":
@@ -376,6 +388,17 @@ function chart({ width = 640, height = 180, x0, x1, series = [], markers = [], y
                            "stroke-dasharray": ser.dash || null, class: "series" }));
   }
   const labelled = markers.length <= 8;
+  if (markers.length > 100) { // one path per colour: thousands of lines, no titles
+    const byColour = {};
+    for (const mk of markers) {
+      const x = X(mk.x).toFixed(1);
+      byColour[mk.colour || "#c60"] = (byColour[mk.colour || "#c60"] || "") + `M${x},${m.t}V${m.t + H}`;
+    }
+    for (const [col, d] of Object.entries(byColour)) {
+      svg.append(s("path", { d, stroke: col, "stroke-opacity": 0.3, "stroke-width": 0.7, class: "marker" }));
+    }
+    markers = [];
+  }
   for (const mk of markers) {
     const x = X(mk.x);
     svg.append(s("line", { x1: x, x2: x, y1: m.t, y2: m.t + H, stroke: mk.colour || "#c60",
@@ -488,13 +511,18 @@ async function load() {
       if (page.events.length) since = page.events[page.events.length - 1].seq;
       if (!page.events.length || since >= page.last) break;
     }
+    const fetched = performance.now();
     for (const e of app.events) app.model.apply(e);
+    const modelled = performance.now();
     window.__maitre.seq = since;
     window.__maitre.loadedSeq = since; // what came later came by the stream
     setupSlider();
     render();
+    const rendered = performance.now();
     window.__maitre.ready = true;
-    window.__maitre.loadedMs = performance.now();
+    window.__maitre.loadedMs = rendered;
+    window.__maitre.timings = { fetchedMs: fetched, modelMs: modelled - fetched,
+                                renderMs: rendered - modelled };
     if (meta.live) stream(since);
   } catch (err) {
     showError(`The dashboard could not load its data: ${err.message}`);
