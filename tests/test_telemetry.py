@@ -34,7 +34,7 @@ def test_progress_checkpoint_and_recovery_reports_reach_the_coordinator(tmp_path
     assert result.ok and result.steps == STEPS, result.describe()
     co, job = run.coordinator, run.job()
 
-    progress = co.progress["job"]  # the latest (the earlier ones are events, not kept)
+    progress = job["progress"]  # the latest (the earlier ones are events, not kept)
     assert progress["kind"] == "progress" and 0 < progress["step"] <= STEPS
     assert isinstance(progress["loss"], float) and 0 < progress["loss"] < 10, progress
     assert progress["steps_per_s"] > 0 and progress["samples_per_s"] == pytest.approx(

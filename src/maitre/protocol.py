@@ -239,6 +239,10 @@ class JobSummary(_Reply):
 class JobStatus(JobSummary):
     events: list[dict[str, Any]]
     reports: list[dict[str, Any]]
+    """Its workers' recovery, caught-up, checkpoint and restore reports (the newest few
+    thousand; the event log keeps them all)."""
+    progress: dict[str, Any] | None = None
+    """Its rank 0's latest progress report (``t``: when it came), if any."""
 
 
 class JobList(_Reply):

@@ -204,7 +204,8 @@ class Coordinator:
                         "reports": []}
             job = self.job(job_id)
             return {**job.summary(), **self._managed_summary(job_id), "events": list(job.events),
-                    "reports": list(self.reports[job_id])}
+                    "reports": list(self.reports[job_id]),
+                    "progress": self.progress.get(job_id)}
 
     def job_list(self) -> list[dict[str, Any]]:
         with self.lock:
