@@ -3,17 +3,25 @@
 One short run over gloo (two workers, a checkpoint every 25 steps, one worker SIGKILLed) and
 what the coordinator made of it: ``progress`` events with a loss, ``checkpoint`` reports with
 their timings and interval, recovery reports that say where each member's state came from, and
-``/metrics`` counting it all. The exactly-once audit of the run must still hold.
+``/metrics`` counting it all. The exactly-once audit of the run must still hold. And the
+worker's side alone: its reports never wait on the coordinator, and progress is dropped, never
+queued, while a post is in flight.
 """
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from conftest import example_command, play
 from maitre.runtime.ledger import audit
+from maitre.runtime.telemetry import ProgressMeter, Reporter
+from maitre.wire import Client
 from test_metrics import sample
 
 STEPS = 250
@@ -85,3 +93,68 @@ def test_a_resumed_job_reports_its_restore_from_disk(tmp_path: Path) -> None:
     text = run.coordinator.metrics.render().decode()
     assert sample(text, "maitre_restores_total", source="disk") == 1
     assert sample(text, "maitre_restore_duration_seconds_count") == 1
+
+
+# -- the worker's side, alone ----------------------------------------------------------------------
+class _Held(http.server.BaseHTTPRequestHandler):
+    """Answers every report, the first only once the test lets it."""
+
+    protocol_version = "HTTP/1.1"
+    got: list[dict] = []
+    release = threading.Event()
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if not self.got:
+            self.release.wait(10)
+        self.got.append(body)
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_reports_never_wait_and_progress_is_dropped_while_a_post_is_in_flight() -> None:
+    _Held.got, _Held.release = [], threading.Event()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Held)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    reporter = Reporter(Client(f"127.0.0.1:{server.server_address[1]}"), "w1")
+    try:
+        def progress(step: int) -> dict:
+            return {"kind": "progress", "step": step, "loss": 1.0, "world_size": 1,
+                    "steps_per_s": 1.0, "samples_per_s": 1.0}
+
+        began = time.monotonic()
+        assert reporter.offer(progress(1))
+        deadline = time.monotonic() + 5
+        while not reporter._posting and time.monotonic() < deadline:  # in flight, held
+            time.sleep(0.01)
+        assert not reporter.offer(progress(2))  # dropped: one is in flight
+        reporter.send({"kind": "checkpoint", "step": 2})  # queued behind it
+        assert not reporter.offer(progress(3))  # dropped: a report is waiting
+        assert time.monotonic() - began < 1.0  # none of it waited for the server
+        _Held.release.set()
+        assert reporter.flush(5.0)
+        assert [(r["kind"], r["step"]) for r in _Held.got] == [("progress", 1), ("checkpoint", 2)]
+        assert reporter.dropped == 2 and reporter.sent == 2
+    finally:
+        _Held.release.set()
+        reporter.close()
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_progress_meter_reports_rates_over_its_window() -> None:
+    meter = ProgressMeter(every_s=1.0)
+    assert meter.committed(10.0, 5, 12, 2.0, 2) is None  # the window opens here
+    assert meter.committed(10.5, 6, 12, 1.9, 2) is None
+    report = meter.committed(11.0, 7, 12, float("nan"), 2)
+    assert report == {"kind": "progress", "step": 7, "loss": None, "world_size": 2,
+                      "steps_per_s": 2.0, "samples_per_s": 24.0}
+    assert meter.committed(11.5, 8, 12, 1.8, 2) is None  # counted from the last report
+    assert meter.committed(12.0, 9, 12, 1.7, 2)["steps_per_s"] == 2.0

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from maitre import protocol
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+from maitre.checkpoint.writer import SaveResult
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
 from maitre.runtime.heartbeat import Heartbeat
@@ -516,7 +517,7 @@ class ElasticLoop:
             assert self._reporter is not None
             self._reporter.offer(report)
 
-    def _report_checkpoint(self, result: Any) -> None:
+    def _report_checkpoint(self, result: SaveResult) -> None:
         """A finished save: the committing rank tells the coordinator (``checkpoint``)."""
         if result.committer and self._reporter is not None:
             self._reporter.send(telemetry.checkpoint_report(result))
@@ -741,7 +742,9 @@ class ElasticLoop:
             return
         self._client = Client(self.env.coordinator, token=self.env.token or None,
                               tls_ca=self.env.tls_ca or None)
-        self._reporter = telemetry.Reporter(self._client, self.env.worker_id)
+        self._reporter = telemetry.Reporter(
+            self._client, self.env.worker_id,
+            on_error=lambda line: print(line, file=sys.stderr, flush=True))
         if self.checkpointer is not None:
             self.checkpointer.on_result = self._report_checkpoint
         self._heartbeat = Heartbeat(UnixClient(self.env.agent), self.env.worker_id,

@@ -91,6 +91,7 @@ class Reporter:
         self._client = client
         self._path = protocol.WORKER_REPORT.format(worker=worker_id)
         self._on_error = on_error
+        """Told of a checkpoint or restore report that could not be sent."""
         self._cv = threading.Condition()
         self._queue: deque[dict[str, Any]] = deque(maxlen=_QUEUED)
         self._progress: dict[str, Any] | None = None
@@ -155,17 +156,18 @@ class Reporter:
                 else:
                     report, self._progress = self._progress, None
                 self._posting = True
+            error = None
             try:
                 self._client.post(self._path, report, timeout_s=_POST_TIMEOUT_S)
                 self.sent += 1
             except (CoordinatorUnreachable, ApiError) as exc:
-                if self._on_error is not None:
-                    self._on_error(f"maitre: a {report['kind']} report was lost: {exc}")
+                error = str(exc)
             except Exception as exc:  # noqa: BLE001 -- never into the training loop
-                if self._on_error is not None:
-                    self._on_error(f"maitre: a {report['kind']} report failed: "
-                                   f"{type(exc).__name__}: {exc}")
+                error = f"{type(exc).__name__}: {exc}"
             finally:
                 with self._cv:
                     self._posting = False
                     self._cv.notify_all()
+            # (a lost progress report says nothing the next one will not)
+            if error is not None and self._on_error is not None and report["kind"] != "progress":
+                self._on_error(f"maitre: a {report['kind']} report was lost: {error}")
