@@ -54,7 +54,9 @@ def test_progress_checkpoint_and_recovery_reports_reach_the_coordinator(tmp_path
     assert all(r["interval_steps"] == 25 and r["interval_s"] is None for r in saves), saves
     assert all(r["snapshot_s"] > 0 and r["persist_s"] > 0 and r["bytes"] > 10_000
                for r in saves), saves
-    assert STEPS in [r["step"] for r in saves]  # the final one, reported before "done"
+    # The committer's last save, reported before its "done" (the final step's own save may
+    # be vetoed by a writer still busy with one a few steps before).
+    assert saves[-1]["step"] > STEPS - 25 - 3, saves
     assert saves[0]["step"] == 25
     assert any("checkpoint at step 25:" in line for line in lines), "\n".join(lines)
 
