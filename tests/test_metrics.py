@@ -138,6 +138,7 @@ def test_a_scrape_says_what_the_coordinator_saw(world) -> None:
     tick()
     co.cluster.log(t[0], "spot_notice", node="n0", notice_s=120.0, deadline=t[0] + 120.0,
                    source="file:/tmp/notice")  # (as the spot handling emits them)
+    co.cluster.log(t[0], "node_drained", node="n0", workers=[w1], seconds=4.5)
     co.cluster.log(t[0], "node_reclaimed", node="n0")
 
     assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
@@ -183,6 +184,7 @@ def test_a_scrape_says_what_the_coordinator_saw(world) -> None:
     assert sample(text, "maitre_resizes_total", kind="grow") == 0
     assert sample(text, "maitre_spot_notices_total") == 1
     assert sample(text, "maitre_spot_reclaims_total") == 1
+    assert sample(text, "maitre_spot_drain_duration_seconds_sum") == 4.5
     assert sample(text, "maitre_scheduling_pass_duration_seconds_count") >= 3
     assert 0 < sample(text, "maitre_scheduling_pass_duration_seconds_sum") < 5
     kinds = {e["kind"] for e in co.db.events(job="a")}

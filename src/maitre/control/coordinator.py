@@ -2,7 +2,8 @@
 
 It answers agents (a node heartbeat carries the liveness and progress of all the node's workers
 at once; a watch long-polls for the node's orders) and workers (rendezvous, done, left,
-recovery reports: per membership change, never per step), runs the failure detectors and the
+recovery reports: per membership change, never per step; checkpoint reports; rank 0's progress
+about once a second, of which only the latest is kept), runs the failure detectors and the
 scheduling pass every ``tick``, and persists what changed. Transport is elsewhere
 (:mod:`maitre.control.api`): this class is called with validated messages
 (:mod:`maitre.protocol`) under its own lock, with time from ``clock``, so tests drive it
@@ -21,7 +22,8 @@ Work per call is proportional to what the call touches, not to the cluster:
 Jobs are submitted as manifests to its :class:`ClusterState`, and the scheduling policy sizes
 and places them: ``maitre up``'s cluster of queues and jobs, and ``maitre run``'s one job on one
 queue are the same path. With a :class:`Store` every change is persisted and a restarted
-coordinator carries on from it.
+coordinator carries on from it. Every event it emits is also counted for ``/metrics``
+(:mod:`maitre.control.metrics`).
 """
 
 from __future__ import annotations

@@ -117,6 +117,9 @@ class Metrics:
                                     registry=r)
         self.spot_reclaims = Counter("maitre_spot_reclaims",
                                      "Spot nodes reclaimed after a notice.", registry=r)
+        self.spot_drain = Histogram("maitre_spot_drain_duration_seconds", "From a spot notice "
+                                    "to the last of the node's workers gone (node_drained).",
+                                    buckets=_RECOVERY_BUCKETS, registry=r)
         self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
                                 "A scheduling pass: the cluster brought up to date, the policy, "
                                 "its plan carried out.", buckets=_PASS_BUCKETS, registry=r)
@@ -135,7 +138,8 @@ class Metrics:
                            "worker_dead": self._worker_dead, "epoch": self._epoch,
                            "report": self._report, "checkpoint": self._checkpoint,
                            "restore": self._restore, "spot_notice": self._spot_notice,
-                           "node_reclaimed": self._spot_reclaim}
+                           "node_reclaimed": self._spot_reclaim,
+                           "node_drained": self._spot_drained}
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
@@ -203,6 +207,9 @@ class Metrics:
 
     def _spot_reclaim(self, job: str, kind: str, event: dict[str, Any]) -> None:
         self.spot_reclaims.inc()
+
+    def _spot_drained(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        self.spot_drain.observe(max(0.0, float(event.get("seconds", 0.0))))
 
 
 class _StateCollector(Collector):
