@@ -163,7 +163,8 @@ class Metrics:
         self.worker_failures.inc()
 
     def _epoch(self, job: str, kind: str, event: dict[str, Any]) -> None:
-        self._epoch_cause[job] = (int(event.get("epoch", 0)), cause_of(str(event.get("reason", ""))))
+        cause = cause_of(str(event.get("reason", "")))
+        self._epoch_cause[job] = (int(event.get("epoch", 0)), cause)
 
     def _report(self, job: str, kind: str, event: dict[str, Any]) -> None:
         """Every member reports its first step after a change: the first report of an epoch
