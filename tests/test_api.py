@@ -182,7 +182,8 @@ def test_refusals_are_json_naming_the_field_and_change_nothing(api: Api,
                         ("report", {"kind": "recovery", "epoch": 1, "rank": 0, "reason": "x",
                                     "world_size": 1, "detected_at": 0.0, "rendezvous_s": 0.0,
                                     "group_s": 0.0, "state_s": 0.0, "state_bytes": 0,
-                                    "to_next_step_s": 0.0, "step": 0})):
+                                    "to_next_step_s": 0.0, "step": 0,
+                                    "state_source": "none"})):
         refused(client.post(f"/v1/workers/w9/{route}", json=body), 404, "path.worker")
     refused(client.post("/v1/workers/w9/rendezvous", json={"from_epoch": -1}), 400,
             "body.from_epoch")

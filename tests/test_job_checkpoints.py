@@ -110,4 +110,10 @@ def test_whole_job_lost_resumes_from_the_newest_checkpoint(
     assert job["failures"] >= 1, "\n".join(lines)
     points = resume_points(tmp_path)
     assert points and all(p % 25 == 0 and 125 <= p for p in points), points
+    # What the coordinator heard: rank 0's restore from disk, and members that say so.
+    restores = [r for r in job["reports"] if r["kind"] == "restore"]
+    assert restores and all(r["source"] == "disk" and r["step"] in points and r["seconds"] > 0
+                            for r in restores), job["reports"]
+    assert any(r["kind"] == "recovery" and r["epoch"] > 1 and r["state_source"] == "disk"
+               for r in job["reports"]), job["reports"]
     check_end(tmp_path, code, lines, reference(STEPS))

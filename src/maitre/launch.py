@@ -277,8 +277,8 @@ class Run:
         self.server.stop()
 
     def _on_event(self, job_id: str, event: dict[str, Any]) -> None:
-        if event["kind"] == "report" and event.get("rank") != 0:
-            return  # every member reports; rank 0 speaks for the epoch here
+        if quiet(event):
+            return
         self.out(f"maitre: {time.time() - self.t0:7.2f}s  {describe(event)}")
 
 
@@ -300,6 +300,12 @@ def _prefixed(out: Callable[[str], None]) -> Callable[[str, str], None]:
     return lambda wid, line: out(f"[{wid}] {line.rstrip()}")
 
 
+def quiet(event: dict[str, Any]) -> bool:
+    """Events a run's output leaves out: progress (one a second: the workers print their own),
+    and the recovery reports of members other than rank 0 (which speaks for the epoch)."""
+    return event["kind"] == "progress" or (event["kind"] == "report" and event.get("rank") != 0)
+
+
 def describe(event: dict[str, Any]) -> str:
     kind = event["kind"]
     if kind == "epoch":
@@ -319,6 +325,17 @@ def describe(event: dict[str, Any]) -> str:
                 f"{event['state_bytes'] / 1e6:.2f} MB streamed and {event['replayed']} step(s) "
                 f"replayed in {event['listened_s'] * 1000:.0f} ms while the job trained; "
                 f"{event['world_size']} workers train")
+    if kind == "checkpoint":
+        every = f"every {event['interval_steps']} steps" if event.get("interval_steps") \
+            else f"interval {event.get('interval_s') or 0:.0f}s"
+        if not event.get("ok"):
+            return f"checkpoint at step {event['step']} failed: {event.get('error')}"
+        return (f"checkpoint at step {event['step']}: {event['bytes'] / 1e6:.2f} MB, snapshot "
+                f"{event['snapshot_s'] * 1000:.0f} ms, persisted in {event['persist_s'] * 1000:.0f}"
+                f" ms ({every})")
+    if kind == "restore":
+        return (f"restored step {event['step']} from {event['source']} in "
+                f"{event['seconds'] * 1000:.0f} ms ({event['bytes'] / 1e6:.2f} MB)")
     if kind in ("admit", "grow", "shrink", "preempting"):
         where = " ".join(f"{n}x{r}" for n, r in sorted(event.get("placement", {}).items()))
         why = f" ({event['reason']})" if event.get("reason") else ""

@@ -22,7 +22,7 @@ from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.control.detectors import DetectorConfig, PhiConfig
 from maitre.control.store import Store
-from maitre.launch import describe, write_token
+from maitre.launch import describe, quiet, write_token
 from maitre.scheduling.model import Queue
 from maitre.scheduling.policy import PolicyConfig
 
@@ -124,7 +124,7 @@ class LocalCluster:
         self.db.close()
 
     def _print_event(self, job_id: str, event: dict[str, Any]) -> None:
-        if event["kind"] == "report" and event.get("rank") != 0:
+        if quiet(event):
             return
         prefix = f"{job_id}: " if job_id else ""
         self.out(f"maitre: {time.time() - self.t0:7.2f}s  {prefix}{describe(event)}")

@@ -9,7 +9,9 @@ Who talks to whom::
                                                            (long-poll for orders), worker exits
     worker ──(token)───────────────────────▶ coordinator   rendezvous (long-poll), done, left,
                                                            recovery reports: per change, never
-                                                           per step
+                                                           per step; checkpoint and restore
+                                                           reports; rank 0's progress, at
+                                                           most once a second
     worker ──(unix socket, 10 Hz)──────────▶ its agent     heartbeat; the reply is the worker's
                                                            view (epoch closed, change pending,
                                                            leave, stop, suspend)
@@ -124,6 +126,11 @@ WORKER_REPORT = "/workers/{worker}/report"
 WORKER_HEARTBEAT = "/workers/{worker}/heartbeat"
 """On the agent's unix socket only: the coordinator never sees a worker's heartbeat."""
 
+METRICS = "/metrics"
+"""Prometheus's scrape path, at the root (not under :data:`API`: where scrape configs look by
+default), in Prometheus's text format; it needs the coordinator's token like every other route
+(:mod:`maitre.control.metrics`)."""
+
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 """Job, node and worker names in paths."""
 
@@ -234,6 +241,10 @@ class JobSummary(_Reply):
 class JobStatus(JobSummary):
     events: list[dict[str, Any]]
     reports: list[dict[str, Any]]
+    """Its workers' recovery, caught-up, checkpoint and restore reports (the newest few
+    thousand; the event log keeps them all)."""
+    progress: dict[str, Any] | None = None
+    """Its rank 0's latest progress report (``t``: when it came), if any."""
 
 
 class JobList(_Reply):
@@ -451,6 +462,10 @@ class RecoveryReport(_Report):
     group_s: float
     state_s: float
     to_next_step_s: float
+    state_source: Literal["peer", "disk", "none"]
+    """Where the state this member started the epoch with came from: ``peer``, live in the
+    job's group (its own, kept since the last epoch, or received from a member ahead);
+    ``disk``, the newest complete checkpoint; ``none``, nowhere (the initial state: step 0)."""
 
 
 class CaughtUpReport(_Report):
@@ -466,7 +481,56 @@ class CaughtUpReport(_Report):
     """The bytes' time on the wire (from the pair's group built to the last byte)."""
 
 
-WorkerReport = Annotated[RecoveryReport | CaughtUpReport, Field(discriminator="kind")]
+class CheckpointReport(_Request):
+    """A checkpoint of the job is complete (or failed), from the one process that knows: the
+    committing rank, once the manifest is renamed into place."""
+
+    kind: Literal["checkpoint"]
+    step: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    """The ranks that wrote it."""
+    snapshot_s: float = Field(ge=0, allow_inf_nan=False)
+    """The copy into host memory: the only part that blocked training."""
+    persist_s: float = Field(ge=0, allow_inf_nan=False)
+    """The background write, fsync and rename (from the hand-off to the rename)."""
+    bytes: int = Field(ge=0)
+    """Every file of the checkpoint (all ranks' parts and the metadata)."""
+    interval_steps: int | None = Field(None, ge=1)
+    """The interval it was taken at: a fixed count of steps (``every_steps``) ..."""
+    interval_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    """... or the seconds the Young/Daly policy chose (:mod:`maitre.checkpoint.policy`)."""
+    ok: bool
+    error: str | None = Field(None, max_length=2000)
+
+
+class RestoreReport(_Request):
+    """The job started from disk: rank 0 loaded a checkpoint (no live member held the state)."""
+
+    kind: Literal["restore"]
+    step: int = Field(ge=0)
+    source: Literal["disk"]
+    seconds: float = Field(ge=0, allow_inf_nan=False)
+    """Finding, reading, verifying and loading it."""
+    bytes: int = Field(ge=0)
+
+
+class ProgressReport(_Request):
+    """Rank 0's training progress, at most about once a second (dropped rather than delayed)."""
+
+    kind: Literal["progress"]
+    step: int = Field(ge=0)
+    """The committed steps."""
+    loss: float | None = Field(None, allow_inf_nan=False)
+    """The global mean loss of the last step, when the script logs it (``batch.log_loss``,
+    ``batch.backward``), and finite."""
+    world_size: int = Field(ge=1)
+    steps_per_s: float = Field(ge=0, allow_inf_nan=False)
+    """Committed steps over the wall time since the last report (pauses included)."""
+    samples_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+WorkerReport = Annotated[RecoveryReport | CaughtUpReport | CheckpointReport | RestoreReport
+                         | ProgressReport, Field(discriminator="kind")]
 
 
 class Empty(_Reply):

@@ -81,6 +81,10 @@ class Checkpointer:
         self._prepared_for: tuple[int, int] | None = None
         self.results: list[SaveResult] = []
         """Every finished save of this process, oldest first."""
+        self.on_result: Callable[[SaveResult], None] | None = None
+        """Called with each finished save, on the thread that collects it (the training loop's,
+        at its next step boundary): the committer's result tells the coordinator (telemetry)."""
+        self._interval: tuple[int | None, float | None] = (None, None)
 
     # -- saving ----------------------------------------------------------------------------------
     @property
@@ -107,6 +111,8 @@ class Checkpointer:
                                   halfway=lambda: fault_point("snapshot", writer.saves + 1))
         snap.meta = dict(self.meta)
         snap.block_s = self.clock() - started
+        every = self.cfg.interval.every_steps
+        self._interval = (every, None) if every is not None else (None, self.policy.interval_s())
         writer.submit(snap)
         self.policy.started(step, self.clock(), snap.block_s)
         return snap.block_s
@@ -154,7 +160,12 @@ class Checkpointer:
         if fresh:
             self._reported += len(fresh)
             self.results += fresh
+            for result in fresh:  # (one save at a time: the interval of the last one started)
+                result.interval_steps, result.interval_s = self._interval
             self.policy.finished()
+            if self.on_result is not None:
+                for result in fresh:
+                    self.on_result(result)
         return fresh
 
     # -- loading ---------------------------------------------------------------------------------

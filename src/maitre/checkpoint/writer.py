@@ -67,6 +67,19 @@ class SaveResult:
     persist_s: float
     """From the hand-off to the end of this rank's part (on the committer: to the rename)."""
     nbytes: int
+    """This rank's part."""
+    rank: int = 0
+    world_size: int = 1
+    total_bytes: int = 0
+    """Every file of the checkpoint, all ranks' (committer only, once it is complete)."""
+    interval_steps: int | None = None
+    interval_s: float | None = None
+    """The interval the save was taken at (filled in by the :class:`Checkpointer`)."""
+
+    @property
+    def committer(self) -> bool:
+        """This rank made the checkpoint complete (or failed to): it speaks for the save."""
+        return self.rank == 0
 
 
 class Writer:
@@ -84,6 +97,7 @@ class Writer:
         self._cv = threading.Condition()
         self._closed = False
         self._started = self._durable_at = 0.0
+        self._total_bytes = 0
         self._thread = threading.Thread(target=self._run, name="maitre-checkpoint-writer",
                                         daemon=True)
         self._thread.start()
@@ -137,6 +151,7 @@ class Writer:
                 continue
             self._started = time.monotonic()
             self._durable_at = 0.0
+            self._total_bytes = 0
             try:
                 path = self._persist(snap)
                 error = None
@@ -146,7 +161,8 @@ class Writer:
                          f"{error}; training goes on, earlier checkpoints are untouched")
             ended = self._durable_at or time.monotonic()
             result = SaveResult(snap.step, path, error, snap.block_s, ended - self._started,
-                                len(snap.data))
+                                len(snap.data), rank=snap.rank, world_size=snap.world_size,
+                                total_bytes=self._total_bytes)
             with self._cv:
                 self.results.append(result)
                 self._job = None
@@ -219,6 +235,8 @@ class Writer:
             os.rename(tmp, final)
             fmt.fsync_dir(self.root)
             self._durable_at = time.monotonic()
+            self._total_bytes = sum(int(info["size"]) for info in files.values()) + \
+                (final / fmt.MANIFEST).stat().st_size
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

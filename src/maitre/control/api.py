@@ -49,6 +49,7 @@ from maitre import protocol as p
 from maitre.control.cluster import ClusterState
 from maitre.control.coordinator import Coordinator
 from maitre.control.detectors import DetectorConfig
+from maitre.control.metrics import CONTENT_TYPE as METRICS_TYPE
 from maitre.control.store import Store
 from maitre.dashboard import auth as dashboard_auth
 from maitre.dashboard import routes as dashboard
@@ -231,6 +232,12 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     @route("GET", p.REPORT, p.Report)
     def report() -> dict[str, Any]:
         return co.report()
+
+    @app.get(p.METRICS, response_class=Response, responses={
+        **errors, 200: {"description": "Prometheus's text format (maitre.control.metrics)",
+                        "content": {METRICS_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
+    def metrics() -> Response:
+        return Response(co.metrics.render(), media_type=METRICS_TYPE)
 
     async def now(method: Callable[..., Any], *args: Any) -> Any:
         """The hot calls (beats, arrivals, exits): on the loop when the coordinator's lock is

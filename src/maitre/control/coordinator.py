@@ -2,7 +2,8 @@
 
 It answers agents (a node heartbeat carries the liveness and progress of all the node's workers
 at once; a watch long-polls for the node's orders) and workers (rendezvous, done, left,
-recovery reports: per membership change, never per step), runs the failure detectors and the
+recovery reports: per membership change, never per step; checkpoint reports; rank 0's progress
+about once a second, of which only the latest is kept), runs the failure detectors and the
 scheduling pass every ``tick``, and persists what changed. Transport is elsewhere
 (:mod:`maitre.control.api`): this class is called with validated messages
 (:mod:`maitre.protocol`) under its own lock, with time from ``clock``, so tests drive it
@@ -21,7 +22,8 @@ Work per call is proportional to what the call touches, not to the cluster:
 Jobs are submitted as manifests to its :class:`ClusterState`, and the scheduling policy sizes
 and places them: ``maitre up``'s cluster of queues and jobs, and ``maitre run``'s one job on one
 queue are the same path. With a :class:`Store` every change is persisted and a restarted
-coordinator carries on from it.
+coordinator carries on from it. Every event it emits is also counted for ``/metrics``
+(:mod:`maitre.control.metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from maitre import protocol as p
@@ -39,6 +42,7 @@ from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
 from maitre.control.detectors import DetectorConfig
 from maitre.control.eventlog import EventLog
+from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
 from maitre.errors import BadRequest, NotFound
@@ -65,6 +69,14 @@ _SAVE_EVERY_S = 5.0
 change is saved when it happens."""
 _SAVES_PER_TICK = 2
 """... a few jobs a tick, so that no tick holds the lock for long (see _save_progress)."""
+_REPORTS_KEPT = 4096
+"""A job's recovery, checkpoint and restore reports kept in memory (the newest; the event log
+keeps them all)."""
+_PROGRESS_EVENT_S = 0.5
+"""A job's progress reports closer than this become no event (rank 0 sends one a second; two
+rank 0s around a resize would send more): the event log grows by at most two a second a job."""
+_EVENT_OF_REPORT = {"recovery": "report", "caught_up": "caught_up", "checkpoint": "checkpoint",
+                    "restore": "restore", "progress": "progress"}
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -110,7 +122,12 @@ class Coordinator:
         self.lock = threading.RLock()
         self.jobs: dict[str, Membership] = {}
         self.nodes: dict[str, dict[str, Any]] = {}
-        self.reports: dict[str, list[dict[str, Any]]] = {}
+        self.reports: dict[str, deque[dict[str, Any]]] = {}
+        """Per job, its workers' reports but progress, newest :data:`_REPORTS_KEPT`."""
+        self.progress: dict[str, dict[str, Any]] = {}
+        """Per job, its latest progress report (``t``: when it came, coordinator clock)."""
+        self.metrics = Metrics(self)
+        """``/metrics``: counted from the events as they are emitted, the rest read at scrape."""
         self.cluster = cluster
         self.db = store
         self.pass_s = pass_s
@@ -169,7 +186,7 @@ class Coordinator:
         job_id = membership.spec.job_id
         self.jobs[job_id] = membership
         self._tokens[membership.spec.token] = membership
-        self.reports.setdefault(job_id, [])
+        self.reports.setdefault(job_id, deque(maxlen=_REPORTS_KEPT))
         self._emitted[job_id] = 0
         for w in membership.workers.values():
             self._index(membership, w)
@@ -192,7 +209,8 @@ class Coordinator:
                         "reports": []}
             job = self.job(job_id)
             return {**job.summary(), **self._managed_summary(job_id), "events": list(job.events),
-                    "reports": list(self.reports[job_id])}
+                    "reports": list(self.reports[job_id]),
+                    "progress": self.progress.get(job_id)}
 
     def job_list(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -571,9 +589,16 @@ class Coordinator:
             managed = self.cluster.managed.get(job_id)
             report = {"worker": wid, **body,  # epochs count again in each incarnation
                       "incarnation": managed.incarnation if managed is not None else 1}
-            self.reports[job_id].append(report)
-            self._emit(job_id, "caught_up" if body.get("kind") == "caught_up" else "report",
-                       report)
+            kind = body.get("kind", "recovery")
+            if kind == "progress":  # the latest only: one a second a job, for as long as it runs
+                now = self.clock()
+                last = self.progress.get(job_id)
+                self.progress[job_id] = {**report, "t": round(now, 4)}
+                if last is not None and now - last["t"] < _PROGRESS_EVENT_S:
+                    return {}
+            else:
+                self.reports[job_id].append(report)
+            self._emit(job_id, _EVENT_OF_REPORT[kind], report)
         return {}
 
     # -- failure detector and scheduler ----------------------------------------------------------
@@ -594,7 +619,9 @@ class Coordinator:
             pending = None
             if now >= self._next_pass:
                 self._next_pass = now + self.pass_s
+                began = time.perf_counter()  # (self.clock may be a test's)
                 pending = self._begin_pass(now)
+                pass_s = time.perf_counter() - began
             if self.db is not None:
                 self._save_progress(now)
             if self.stores is not None and now >= self._next_store_check:
@@ -608,6 +635,7 @@ class Coordinator:
         # The policy runs with the lock free (tens of milliseconds at a thousand nodes: beats
         # go on meanwhile); its plan is applied only to the cluster it was made for.
         view, jobs, before, made_on = pending
+        began = time.perf_counter()  # (the store's commit above is not the pass's)
         plan = schedule(view, jobs, now, self.cluster.policy)
         with self.lock:
             if self.cluster.fingerprint() == made_on:
@@ -615,6 +643,7 @@ class Coordinator:
             else:
                 self._next_pass = 0.0  # the cluster changed meanwhile: plan again next tick
             self._flush()
+            self.metrics.scheduling_pass(pass_s + time.perf_counter() - began)
         if self.db is not None:
             self.durable(*self.take_pending())
 
@@ -856,6 +885,7 @@ class Coordinator:
         self._emit(job, kind, {"t": round(now, 4), **fields})
 
     def _emit(self, job_id: str | None, kind: str, event: dict[str, Any]) -> None:
+        self.metrics.observe(job_id, kind, event)
         body = {k: v for k, v in event.items() if k not in ("kind", "t", "job")}
         self.events.append(event.get("t", round(self.clock(), 4)), kind, job_id, body)
         if self.on_event is not None:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from maitre import protocol
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
+from maitre.checkpoint.writer import SaveResult
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
 from maitre.runtime.heartbeat import Heartbeat
@@ -69,6 +70,7 @@ from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.storelink import StoreLink, StoreLinkError
+from maitre.runtime import telemetry
 from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
 from maitre.runtime.transfer import unpack as transfer_unpack
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
@@ -100,6 +102,7 @@ class Batch:
     grad_norm: float | None = None
     """The global norm of the reduced gradients, once clipped (for ``on_reduced_grads``)."""
     _loss: float = 0.0
+    _logged: bool = False
     _scale: float = 1.0
     _autocast: tuple[str, torch.dtype] | None = None
 
@@ -115,6 +118,7 @@ class Batch:
     def log_loss(self, loss_sum: torch.Tensor | float) -> None:
         """Record this rank's summed loss; ``loop.last_loss`` is then the global mean."""
         self._loss += float(loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum)
+        self._logged = True
 
     def backward(self, loss_sum: torch.Tensor) -> None:
         """``loss_sum.backward()``, times the loss scale with ``precision="fp16"``; logs the loss."""
@@ -162,6 +166,9 @@ class Recovery:
     synced_at: float = 0.0
     state_bytes: int = 0
     state_from: int = -1
+    state_source: str = "none"
+    """Where the state this member starts the epoch with came from: ``peer`` (live in the
+    group: its own, or received from a member ahead), ``disk`` or ``none`` (step 0)."""
 
 
 class ElasticLoop:
@@ -240,6 +247,9 @@ class ElasticLoop:
                               else f"{self.env.worker_id}.p{self.env.proc}", sampler.num_samples,
                               self.env.run_id) if self.env.ledger_dir else None
         self._client: Client | None = None
+        self._reporter: telemetry.Reporter | None = None
+        """Progress, checkpoint and restore reports to the coordinator (off the step's path)."""
+        self._meter = telemetry.ProgressMeter()
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
         self._store_id: str | None = None
@@ -300,6 +310,8 @@ class ElasticLoop:
         finally:
             if self.checkpointer is not None:  # a save in flight becomes durable (or fails)
                 self.checkpointer.close()
+            if self._reporter is not None:  # (its last checkpoint's report included)
+                self._reporter.close()
             if self._previous_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._previous_sigterm)
             if self._heartbeat is not None:
@@ -489,6 +501,26 @@ class ElasticLoop:
         elif ckpt is not None and save:  # another replica writes it
             ckpt.saved_elsewhere(self.state.step)
         self._committed_at = time.monotonic()
+        if self._reporter is not None and training:
+            self._report_progress(batch)
+
+    def _report_progress(self, batch: Batch) -> None:
+        """Rank 0 (the first process of its replica) counts its commits; about once a second
+        the count goes out, posted in the background (dropped if a post is still in flight)."""
+        if self.rank != 0 or self.env.proc:
+            self._meter.reset()
+            return
+        report = self._meter.committed(self._committed_at, self.state.step,
+                                       batch.global_batch_size,
+                                       self.last_loss if batch._logged else None, self.world_size)
+        if report is not None:
+            assert self._reporter is not None
+            self._reporter.offer(report)
+
+    def _report_checkpoint(self, result: SaveResult) -> None:
+        """A finished save: the committing rank tells the coordinator (``checkpoint``)."""
+        if result.committer and self._reporter is not None:
+            self._reporter.send(telemetry.checkpoint_report(result))
 
     def _skip(self, batch: Batch, scale: float) -> bool:
         """An overflow in the reduced fp16 gradients: the step commits nothing and is trained
@@ -710,6 +742,11 @@ class ElasticLoop:
             return
         self._client = Client(self.env.coordinator, token=self.env.token or None,
                               tls_ca=self.env.tls_ca or None)
+        self._reporter = telemetry.Reporter(
+            self._client, self.env.worker_id,
+            on_error=lambda line: print(line, file=sys.stderr, flush=True))
+        if self.checkpointer is not None:
+            self.checkpointer.on_result = self._report_checkpoint
         self._heartbeat = Heartbeat(UnixClient(self.env.agent), self.env.worker_id,
                                     self.env.heartbeat_s, self._progress,
                                     proc=self.env.proc).start()
@@ -858,9 +895,11 @@ class ElasticLoop:
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
 
-    def _resume_from_disk(self) -> None:
+    def _resume_from_disk(self) -> bool:
+        """Load the newest complete checkpoint, if any; True if one was loaded."""
         if self.checkpointer is None or not self.checkpointer.cfg.resume:
-            return
+            return False
+        started = time.monotonic()
         rep, replica = self._spanning, self.replica
         # Sharded tensors are cut for this process's mesh; the processes of a replica read
         # different shards, so they agree on which checkpoint they all could load.
@@ -869,7 +908,7 @@ class ElasticLoop:
             mesh_of=None if replica is None else (lambda names: replica.mesh[names]),
             agree=None if rep is None else self._replica_agrees)
         if loaded is None:
-            return
+            return False
         try:
             self.state.load_state_dict(loaded.tree)
         except (ValueError, KeyError, RuntimeError) as exc:  # another script's, model's or data's
@@ -880,16 +919,23 @@ class ElasticLoop:
         if self.rank == 0 and (rep is None or rep.local_rank == 0):
             print(f"maitre: resumed from {loaded.path} at step {loaded.step} (saved by "
                   f"{loaded.world_size} worker(s), {loaded.nbytes / 1e6:.1f} MB)", flush=True)
+            if self._reporter is not None:
+                self._reporter.send(telemetry.restore_report(loaded, time.monotonic() - started))
+        return True
 
     def _sync_state(self, rec: Recovery) -> None:
         assert self.group is not None
         steps = sync_steps(self.group, self.state.step)
+        rec.state_source = "peer" if max(steps) > 0 else "none"
         if max(steps) == 0:
             # Nobody has live state (the job starts, or restarts whole): every member reads the
             # newest complete checkpoint, if any; the second count repairs any disagreement.
             if self.checkpointer is not None:
-                self._resume_from_disk()
+                if self._resume_from_disk():
+                    rec.state_source = "disk"
                 steps = sync_steps(self.group, self.state.step)
+                if rec.state_source == "none" and max(steps) > 0:
+                    rec.state_source = "peer"  # another member loaded it: it comes from there
             if max(steps) == 0 and self._state_lost and self._ledger is not None:
                 # Back to the initial state: what the lost workers committed is undone.
                 self._ledger.resumed(0)
@@ -968,7 +1014,8 @@ class ElasticLoop:
                   "rendezvous_s": rec.assigned_at - rec.detected_at,
                   "group_s": rec.group_at - rec.assigned_at,
                   "state_s": rec.synced_at - rec.group_at, "state_bytes": rec.state_bytes,
-                  "to_next_step_s": now - rec.detected_at, "step": self.state.step}
+                  "to_next_step_s": now - rec.detected_at, "step": self.state.step,
+                  "state_source": rec.state_source}
         try:
             self._client.post(protocol.WORKER_REPORT.format(worker=self.env.worker_id), report, timeout_s=2.0)
         except (CoordinatorUnreachable, ApiError):
@@ -982,6 +1029,8 @@ class ElasticLoop:
         if self._owns_default_group:  # left to the interpreter's exit, gloo can abort the process
             dist.destroy_process_group()
             self.group = None
+        if self._reporter is not None:  # the last checkpoint's report before "done"
+            self._reporter.flush()
         if self._client is not None and not self.env.proc:  # the first process speaks
             try:
                 self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id), {"step": self.state.step})
