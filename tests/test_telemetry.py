@@ -68,7 +68,7 @@ def test_progress_checkpoint_and_recovery_reports_reach_the_coordinator(tmp_path
     assert job["failures"] == 1
 
     text = co.metrics.render().decode()
-    assert sample(text, "maitre_events_total", kind="progress") >= 2
+    assert sample(text, "maitre_events_total", kind="progress") >= 1  # (one a second at most)
     assert sample(text, "maitre_checkpoints_total", result="ok") == len(saves)
     assert sample(text, "maitre_checkpoint_snapshot_duration_seconds_count") == len(saves)
     assert sample(text, "maitre_recoveries_total", cause="crash") >= 1
