@@ -163,3 +163,27 @@ def test_no_price_table_means_no_price_and_no_cost(tmp_path: Path) -> None:
         ClusterState([Queue("q")], run_dir=tmp_path, prices={"spot": -1.0})
     cluster = ClusterState([Queue("q")], run_dir=tmp_path, prices={})
     assert cluster.node_price("anything") is None
+
+
+@pytest.mark.parametrize("args,words", [
+    (("up", "--price", "spot=cheap"), "'cheap' is not a number"),
+    (("up", "--price", "spot=-1"), "a price is a number >= 0"),
+    (("up", "--price", "spot=inf"), "a price is a number >= 0"),
+    (("up", "--price", "gpu=1"), "expected on-demand=PRICE or spot=PRICE"),
+    (("up", "--price", "spot=1", "--price", "spot=2"), "spot is given twice"),
+    (("up", "--nodes", "2", "--spot-nodes", "3"), "--spot-nodes must be between 0 and --nodes 2"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "/tmp/n.json"),
+     "expected file:PATH or an http(s):// URL"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "http://"), "has no host"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "file:/tmp/n",
+      "--spot-notice-interval", "0"), "--spot-notice-interval must be a positive number"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice-interval", "5"),
+     "--spot-notice-interval needs --spot-notice"),
+])
+def test_bad_spot_flags_are_one_line_and_exit_2(args, words, capsys, tmp_path: Path) -> None:
+    from maitre.cli import main
+
+    assert main([*args] + (["--state-dir", str(tmp_path / "s")] if args[0] == "up" else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("maitre: error:") and words in err and "\n" not in err, err
+    assert not (tmp_path / "s").exists()  # nothing was started or written
