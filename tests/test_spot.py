@@ -187,3 +187,102 @@ def test_bad_spot_flags_are_one_line_and_exit_2(args, words, capsys, tmp_path: P
     err = capsys.readouterr().err.strip()
     assert err.startswith("maitre: error:") and words in err and "\n" not in err, err
     assert not (tmp_path / "s").exists()  # nothing was started or written
+
+
+def _wait(predicate, timeout: float, what: str, lines: list[str]):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(lines)[-6000:])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
+        tmp_path: Path, reference) -> None:
+    """Real agents and workers: ``b`` (a fixed gang of 1) runs on the spot node alone and
+    ``a`` (1..3) across it and an on-demand node. A notice file with 30 s of warning: the spot
+    node's workers are gone well within it, ``a`` trains on the others, ``b`` checkpoints first
+    and resumes on the on-demand node; the node is reclaimed when its agent stops. Both end with
+    every sample exactly once and the parameters of a fixed-size run, and no failure."""
+    import torch
+
+    from conftest import example_command, relative_error
+    from maitre.local import LocalCluster, UpConfig
+    from maitre.runtime.ledger import audit
+    from maitre.scheduling.policy import PolicyConfig
+
+    steps = {"a": 500, "b": 240}
+    out = {j: tmp_path / f"{j}.pt" for j in steps}
+    lines: list[str] = []
+    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")],
+                                    policy=PolicyConfig(resize_cooldown_s=1.0),
+                                    notice_interval_s=0.2), out=lines.append).start()
+    co = cluster.coordinator
+
+    def manifest(name: str, lo: int, hi: int) -> dict:
+        return {"name": name, "queue": "q", "minReplicas": lo, "maxReplicas": hi,
+                "checkpointDir": str(tmp_path / "ck" / name),
+                "command": example_command(steps[name], out[name]) +
+                ["--device-ms-per-sample", "8"]}
+
+    def on_spot() -> set[str]:
+        return {w["id"] for j in ("a", "b") for w in co.job_status(j)["workers"]
+                if w["node"] == "node-0"}
+
+    try:
+        cluster.add_node(slots=2, spot=True)  # node-0
+        _wait(lambda: co.nodes_view(), 20, "the spot node", lines)
+        co.submit(manifest("b", 1, 1))
+        _wait(lambda: co.job_status("b")["step"] >= 5, 90, "b to train on the spot node", lines)
+        co.submit(manifest("a", 1, 3))
+        _wait(lambda: co.job_status("a")["step"] >= 5, 90, "a to train on the spot node", lines)
+        cluster.add_node(slots=3)  # node-1, on-demand: a grows onto it
+        _wait(lambda: (lambda a: len(a["members"]) == 3 and a["state"] == "RUNNING" and
+                       min(w["step"] for w in a["workers"] if w["id"] in a["members"]) > 0)(
+            co.job_status("a")), 90, "a to grow to 3 workers", lines)
+        assert co.job_status("a")["placement"] == {"node-0": 1, "node-1": 2}
+        assert co.job_status("b")["placement"] == {"node-0": 1}
+        before = on_spot()
+        path = cluster.notice_file("node-0")
+        path.with_suffix(".tmp").write_text(json.dumps({"notice_s": 30}))
+        os.replace(path.with_suffix(".tmp"), path)
+        noticed = time.monotonic()
+        drained = _wait(lambda: [e for e in cluster.db.events() if e["kind"] == "node_drained"],
+                        30, "node-0 to drain", lines)[0]
+        gone_after = time.monotonic() - noticed
+        assert drained["seconds"] < 15 and gone_after < 20, (drained, gone_after)
+        assert not any(cluster.agents[0].running()), "the spot node's processes are gone"
+        cluster.remove_node("node-0")  # the machine goes
+        _wait(lambda: [e for e in cluster.db.events() if e["kind"] == "node_reclaimed"], 30,
+              "node-0 to be reclaimed", lines)
+        _wait(lambda: all(co.job_status(j)["state"] == "COMPLETED" for j in steps), 200,
+              "both jobs to finish", lines)
+        statuses = {j: co.job_status(j) for j in steps}
+        events = list(cluster.db.events())
+        after = on_spot()
+    finally:
+        cluster.stop(drain_s=10)
+    log = "\n".join(lines)
+    assert after <= before, "nothing was placed on the spot node after its notice"
+    assert sorted(drained["workers"]) == sorted(before), (drained, before)
+    kinds = [(e["kind"], e.get("job")) for e in events]
+    assert ("spot_notice", None) in kinds and ("node_reclaimed", None) in kinds, log
+    assert not [e for e in events if e["kind"] == "node_dead"], log
+    notice = next(e for e in events if e["kind"] == "spot_notice")
+    assert notice["notice_s"] <= 30 and notice["source"].startswith("file:")
+    assert any(k == ("suspend", "b") for k in kinds) and any(k == ("job_suspended", "b")
+                                                             for k in kinds), log
+    assert statuses["b"]["incarnation"] == 2 and statuses["a"]["incarnation"] == 1
+    assert any(e["kind"] == "shrink" and e.get("job") == "a" and "spot notice" in e["reason"]
+               for e in events), log
+    for j, status in statuses.items():
+        assert status["failures"] == 0, (j, status)
+        result = audit(tmp_path / "state" / "ledger" / j)
+        assert result.ok, (j, result.describe())
+        assert relative_error(torch.load(out[j], weights_only=True), reference(steps[j])) < 1e-9, j
+
+
