@@ -154,6 +154,10 @@ class Demo:
                              "(its agent stops)")
                     cluster.remove_node(f"node-{cfg.nodes - 1}")
                     stage = 5
+                elif stage == 5 and self._reclaimed(f"node-{cfg.nodes - 1}"):
+                    agent = cluster.add_node(spot=True)  # spot capacity comes back
+                    self.out(f"maitre demo: >>> a new spot node {agent.node_id} comes up")
+                    stage = 6
                 time.sleep(0.2)
             if not finished:
                 self.out(f"maitre demo: not done after {cfg.timeout_s:.0f}s; cancelling")
@@ -199,6 +203,10 @@ class Demo:
         return any(e["kind"] == "node_drained" and e.get("node") == node
                    for e in self.cluster.db.events())
 
+    def _reclaimed(self, node: str) -> bool:
+        return any(e["kind"] == "node_reclaimed" and e.get("node") == node
+                   for e in self.cluster.db.events())
+
     # -- the report ------------------------------------------------------------------------------
     def print_report(self, report: dict[str, Any], statuses: dict[str, dict[str, Any]],
                      elapsed: float) -> bool:
@@ -222,7 +230,7 @@ class Demo:
             ettr = "n/a" if j["ettr"] is None else f"{j['ettr']:.1%}"
             lines.append(f"  {jid:<8} {j['state']:<10} {j['waited_s']:>6.1f}s {j['ran_s']:>5.0f}s "
                          f"{ettr:>6} {job_eta:>6.1%}  {rates}")
-        lines.append(self._costs(report))
+        lines.extend(self._costs(report))
         lines.extend(self._spot(report, statuses))
         lines.append("  resizes and recoveries, ms. detect: from the cause to a member noticing it (the "
                      "members train on meanwhile); then they pause for re-sharding (rendezvous, "
@@ -264,18 +272,20 @@ class Demo:
         return all_ok
 
     @staticmethod
-    def _costs(report: dict[str, Any]) -> str:
+    def _costs(report: dict[str, Any]) -> list[str]:
         """Per queue and in all: the slot-hours at their nodes' prices, and all on-demand."""
         if report.get("cost") is None:
-            return "  cost: no price table"
-        parts = []
+            return ["  cost: no price table"]
+        prices = ", ".join(f"{k} {v:g}" for k, v in report.get("prices", {}).items())
+        lines = [f"  cost of the slot-hours held, at their nodes' prices per slot-hour ({prices}):",
+                 f"  {'queue':<8} {'slot-h':>7} {'on spot':>7} {'cost':>8} {'on-demand':>9} "
+                 f"{'saved':>6}"]
         for name, c in [*report.get("queues", {}).items(), ("all", report)]:
             saved = 1 - c["cost"] / c["on_demand_cost"] if c["on_demand_cost"] else 0.0
-            parts.append(f"{name} {c['cost']:.4f} (on-demand {c['on_demand_cost']:.4f}, "
-                         f"{c['spot_slot_s'] / max(c['held_slot_s'], 1e-9):.0%} of slot-s on "
-                         f"spot, {saved:.0%} saved)")
-        prices = ", ".join(f"{k} {v:g}" for k, v in report.get("prices", {}).items())
-        return f"  cost per slot-hour {prices}: " + "; ".join(parts)
+            lines.append(f"  {name:<8} {c['held_slot_s'] / 3600:>7.3f} "
+                         f"{c['spot_slot_s'] / max(c['held_slot_s'], 1e-9):>7.0%} "
+                         f"{c['cost']:>8.4f} {c['on_demand_cost']:>9.4f} {saved:>6.0%}")
+        return lines
 
     def _spot(self, report: dict[str, Any], statuses: dict[str, dict[str, Any]]) -> list[str]:
         events = getattr(self, "spot_events", [])
