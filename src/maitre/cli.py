@@ -624,8 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
         _coordinator_args(cmd)
         cmd.set_defaults(fn=fn)
 
-    demo = sub.add_parser("demo", help="watch the scheduler: 4 nodes, three jobs, a preemption "
-                          "and a crash (about 3 minutes)")
+    demo = sub.add_parser("demo", help="watch the scheduler: 4 nodes (2 spot), three jobs, a "
+                          "preemption, a crash and a spot reclaim (about 3 minutes)")
     demo.add_argument("--steps", type=int, default=900,
                       help="steps of each elastic job (default 900: about 3 minutes)")
     demo.add_argument("--run-dir", help="where state and ledgers go (default: a temp dir)")
