@@ -5,7 +5,8 @@ Who talks to whom::
 
     CLI / dashboard ──(token)──────────────▶ coordinator   jobs, nodes, queues, report
     agent (one per node) ──(token)─────────▶ coordinator   node heartbeat (its workers' liveness
-                                                           and progress in one beat), watch
+                                                           and progress in one beat, and a spot
+                                                           notice while one stands), watch
                                                            (long-poll for orders), worker exits
     worker ──(token)───────────────────────▶ coordinator   rendezvous (long-poll), done, left,
                                                            recovery reports: per change, never
