@@ -170,6 +170,9 @@ def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_pat
         assert 28 < beat["notice"]["notice_s"] <= 30
         assert beat["notice"]["source"] == f"file:{path}"
         assert beat["labels"] == {"capacity_type": "spot"}
+        agent.stop()
+        last = beats[-1][1]  # stopping with a notice standing: the node goes now
+        assert last["notice"]["notice_s"] == 0 and last["workers"] == []
     finally:
         agent.stop()
         server.shutdown()

@@ -156,6 +156,18 @@ def test_the_deadline_passing_reclaims_a_node_that_still_beats(tmp_path: Path) -
     assert sim.co.report()["reclaims"] == 1
 
 
+def test_an_agent_that_stops_under_its_notice_is_reclaimed_at_the_next_pass(
+        tmp_path: Path) -> None:
+    sim = _spot_sim(tmp_path, {"n0": 2, "s0": 1}, spot={"s0"})
+    sim.advance(1)
+    sim.notices["s0"] = _notice(30.0)
+    sim.advance(1)
+    sim.notices["s0"] = _notice(0.0)  # its last beat: "going now"
+    sim.advance(0.75)
+    assert [e["node"] for e in _events(sim, "node_reclaimed")] == ["s0"]
+    assert not _events(sim, "node_dead")
+
+
 def test_no_price_table_means_no_price_and_no_cost(tmp_path: Path) -> None:
     from maitre.control.cluster import ClusterState
 

@@ -203,6 +203,8 @@ class Agent:
         self.slots = slots
         self.labels = dict(labels or {})
         self.notices = notices
+        self._going = False
+        """Stopping with a notice standing: the last beat says the node goes now."""
         if notices is not None:  # a notice is news worth a beat at once
             notices.on_notice = lambda notice: self._poke.set()
         self.iface = iface
@@ -306,6 +308,14 @@ class Agent:
                 w.wait()
             for t in w.threads:
                 t.join(timeout=2)
+        if self.notices is not None and self.notices.current is not None:
+            # A node with a notice that stops is going now: one last beat says so, and the
+            # coordinator counts the reclaim at once, not after its detector gave up on us.
+            self._going = True
+            try:
+                self._beat()
+            except (CoordinatorUnreachable, RuntimeError, OSError):
+                pass
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def running(self) -> list[str]:
@@ -326,7 +336,8 @@ class Agent:
                                 "since": self.version, "interval_s": self.heartbeat_s}
         notice = self.notices.current if self.notices is not None else None
         if notice is not None:
-            body["notice"] = {"notice_s": round(notice.remaining_s(self.notices.clock()), 3),
+            left = 0.0 if self._going else notice.remaining_s(self.notices.clock())
+            body["notice"] = {"notice_s": round(left, 3),
                               "action": notice.action[:64], "source": notice.source[:500]}
         sent = time.monotonic()
         try:

@@ -317,7 +317,12 @@ class Coordinator:
         """A spot notice in a node's beat: the first one drains the node (its jobs' workers
         there leave, or their jobs checkpoint first: :mod:`maitre.control.drain`)."""
         state = self.cluster.nodes.get(node)
-        if state is None or state.reclaim is not None:
+        if state is None:
+            return
+        if state.reclaim is not None:  # it may come sooner (an agent that stops says "now")
+            if now + notice.notice_s < state.reclaim.deadline:
+                state.reclaim.deadline = now + notice.notice_s
+                self._next_pass = 0.0  # (the pass counts the reclaim)
             return
         changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source,
                                       self.jobs, now)

@@ -9,7 +9,9 @@ holding its state (every member that trained is on the node), the job is suspend
 members checkpoint after the current step and stop, within the notice, and the scheduler admits
 it again elsewhere (it resumes from that checkpoint). When the node goes (its agent falls silent,
 or the deadline passes) it is *reclaimed*: counted as such, never as a node failure or a job
-failure (a worker still there is lost like any other, which a drain in time avoids).
+failure (a worker still there is lost like any other, which a drain in time avoids). A notice
+may bring the deadline forward, never back: an agent that stops while its notice stands sends
+a last one with no time left, and the node is reclaimed at the next pass.
 
 Events (the coordinator's log): ``spot_notice`` {node, notice_s, deadline, source},
 ``node_drained`` {node, workers (those that left gracefully), seconds (from the notice to the
