@@ -50,7 +50,7 @@ from maitre import protocol
 from maitre.control.accounting import Usage, account, measure
 from maitre.control.detectors import DetectorConfig, PhiAccrual, PhiConfig
 from maitre.control.drain import Reclaim, decide
-from maitre.control.membership import JobSpec, Membership, WorkerState
+from maitre.control.membership import JobSpec, Membership, Worker, WorkerState
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
@@ -144,11 +144,14 @@ class ClusterState:
 
     # -- nodes -----------------------------------------------------------------------------------
     def node_beat(self, node: Node, now: float, noticed: bool = False) -> str | None:
-        """An agent's heartbeat (``noticed``: it carries a spot notice). Returns what changed: ``node_registered``, ``node_changed``
-        (labels, or more slots), ``node_shrunk`` (fewer slots: its allocations are withdrawn,
-        the coordinator evicts its workers) or ``node_recovered``; None when nothing did."""
+        """An agent's heartbeat (``noticed``: it carries a spot notice). Returns what changed:
+        ``node_registered``, ``node_changed`` (labels, or more slots), ``node_shrunk`` (fewer
+        slots: its allocations are withdrawn, the coordinator evicts its workers) or
+        ``node_recovered``; None when nothing did. A reclaimed node that beats without a notice
+        is a new machine of the same name: registered afresh."""
         state = self.nodes.get(node.name)
-        if state is not None and state.reclaim is not None and state.reclaim.reclaimed_at is not None:
+        if state is not None and state.reclaim is not None and \
+                state.reclaim.reclaimed_at is not None:
             if noticed:  # the node that went, still beating its notice: it stays out
                 return None
             state = None  # a new machine of the same name
@@ -207,19 +210,16 @@ class ClusterState:
 
     # -- spot notices ----------------------------------------------------------------------------
     def notice(self, node: str, notice_s: float, action: str, source: str,
-               memberships: dict[str, Membership], now: float) -> set[str]:
+               here: list[tuple[str, Worker]], memberships: dict[str, Membership],
+               now: float) -> set[str]:
         """A beat of ``node`` carried a spot notice. The first one drains the node (see
-        :mod:`maitre.control.drain`); returns the jobs it changed (none for a repeat)."""
+        :mod:`maitre.control.drain`); ``here``: its live workers, with their jobs. Returns the
+        jobs it changed (none for a repeat)."""
         state = self.nodes.get(node)
         if state is None or state.reclaim is not None or not state.alive:
             return set()
-        here, jobs_here = [], set()
-        for job_id, ms in memberships.items():
-            mine = [w for w in ms.live_workers() if w.node == node] if not ms.over else []
-            here += mine
-            if mine:
-                jobs_here.add(job_id)
-        state.reclaim = Reclaim(now, now + notice_s, source, action, here)
+        jobs_here = {job_id for job_id, _ in here}
+        state.reclaim = Reclaim(now, now + notice_s, source, action, [w for _, w in here])
         self.log(now, "spot_notice", node=node, notice_s=round(notice_s, 3),
                  deadline=round(now + notice_s, 4), source=source, action=action)
         changed = set()

@@ -324,8 +324,10 @@ class Coordinator:
                 state.reclaim.deadline = now + notice.notice_s
                 self._next_pass = 0.0  # (the pass counts the reclaim)
             return
+        here = [(ms.spec.job_id, ms.workers[wid]) for wid in sorted(self._on_node.get(node, ()))
+                if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over]
         changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source,
-                                      self.jobs, now)
+                                      here, self.jobs, now)
         for job_id in changed:
             self._touch(job_id, persist=True)
         self.cluster.index_allocations()
