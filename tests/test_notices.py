@@ -177,3 +177,37 @@ def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_pat
         agent.stop()
         server.shutdown()
         server.server_close()
+
+
+def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from test_agent_beats import _Coordinator
+
+    import socket
+
+    from maitre.agent.agent import Agent
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    beats: list[tuple[float, dict]] = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Recorder", (_Coordinator,),
+                                                        {"beats": beats}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    watcher = NoticeWatcher(source(f"http://127.0.0.1:{dead}/latest/meta-data/spot/"
+                                   "instance-action"), interval_s=0.05)
+    agent = Agent(f"127.0.0.1:{server.server_port}", "spot-1", 1, heartbeat_s=0.1,
+                  notices=watcher)
+    caplog.set_level(logging.WARNING, logger="maitre.agent.notices")
+    try:
+        agent.start()
+        deadline = time.monotonic() + 10
+        while len(beats) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        agent.stop()
+        server.shutdown()
+        server.server_close()
+    assert len(beats) >= 5 and not any("notice" in b for _, b in beats)
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "unreachable" in warned[0], warned  # once, not once a poll
