@@ -320,7 +320,8 @@ class Coordinator:
         if state is None:
             return
         if state.reclaim is not None:  # it may come sooner (an agent that stops says "now")
-            if now + notice.notice_s < state.reclaim.deadline:
+            if state.reclaim.reclaimed_at is None and \
+                    now + notice.notice_s < state.reclaim.deadline - 1.0:  # (not jitter)
                 state.reclaim.deadline = now + notice.notice_s
                 self._next_pass = 0.0  # (the pass counts the reclaim)
             return
