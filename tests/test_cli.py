@@ -478,7 +478,10 @@ def test_up_submit_status_cancel(cli: Cli, tmp_path: Path) -> None:
                 break
             time.sleep(0.5)
         assert re.search(r"long\s+team-a\s+1000\s+RUNNING", status.stdout), status.stdout
-        assert re.search(r"node-0\s+alive\s+2\s+2\s+rack-0", status.stdout), status.stdout
+        assert re.search(r"node-0\s+alive\s+2\s+2\s+rack-0\s+on-demand\s+2\.5\s", status.stdout), \
+            status.stdout  # with its price per slot-hour
+        assert re.search(r"\(all\)\s+\d+\.\d{3}\s+0\.000\s+\d+\.\d{4}\s+\d+\.\d{4}",
+                         status.stdout), status.stdout  # the cost table: nothing on spot
         assert re.search(r"team-a\s+2\s+any\s+1\s+2\s+1", status.stdout), status.stdout
         assert re.search(r"team-b\s+0\s+1\s+1\s+0\s+0", status.stdout), status.stdout
 

@@ -24,7 +24,7 @@ def test_the_demo_story_shrinks_instead_of_killing_and_loses_no_sample(tmp_path:
     lines: list[str] = []
     demo = Demo(DemoConfig(run_dir=tmp_path, nodes=2, slots_per_node=2, steps=200,
                            urgent_at_step=50, urgent_steps=60, cooldown_s=5.0, timeout_s=300,
-                           device_ms_per_sample=4.0), out=lines.append)
+                           device_ms_per_sample=4.0, reclaim_after_s=2.0), out=lines.append)
     code = demo.run()
     log = "\n".join(lines)
     report = json.loads((tmp_path / "report.json").read_text())
@@ -35,6 +35,10 @@ def test_the_demo_story_shrinks_instead_of_killing_and_loses_no_sample(tmp_path:
     causes = [r["cause"] for r in report["recoveries"]]
     assert any("shrink (preempted by urgent)" in c for c in causes), causes
     assert any(c.startswith("SIGKILL") for c in causes), causes
+    # A spot node's reclaim notice: its workers left at a step boundary, a reclaim, no failure.
+    assert any("shrink (spot notice on node-1)" in c for c in causes), causes
+    assert report["reclaims"] == 1 and "spot: node-1 drained in" in log, log
+    assert report["cost"] < report["on_demand_cost"], report
     assert report["jobs"]["a-lm"]["incarnations"] == report["jobs"]["b-lm"]["incarnations"] == 1
     assert 0 < report["allocation"] <= 1 and 0 < report["utilization"] <= 1
     assert "maitre demo: report" in log

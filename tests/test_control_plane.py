@@ -45,6 +45,10 @@ class Sim:
         self.steps: dict[str, int] = {}
         self.views: dict[str, dict] = {}
         self.version: dict[str, int] = {n: -1 for n in nodes}
+        self.labels: dict[str, dict[str, str]] = {}
+        """Each node's labels, as its agent sends them (none by default)."""
+        self.notices: dict[str, p.SpotNotice] = {}
+        """Spot notices the agents carry in their beats (tests/test_spot.py)."""
 
     def _coordinator(self) -> Coordinator:
         cluster = ClusterState(list(self.queues), run_dir=self.tmp,
@@ -80,7 +84,9 @@ class Sim:
             for node in self.slots:
                 if node in self.down:
                     continue
-                beat = p.NodeBeat(slots=self.slots[node], since=self.version[node], workers=[
+                beat = p.NodeBeat(slots=self.slots[node], since=self.version[node],
+                                  labels=p.Labels(**self.labels.get(node, {})),
+                                  notice=self.notices.get(node), workers=[
                     p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0)
                     for w in sorted(self.running[node])])
                 reply = self.co.node_heartbeat(node, beat)

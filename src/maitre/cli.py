@@ -173,6 +173,29 @@ def _checkpoint_dir(args: argparse.Namespace) -> Path | None:
     return directory
 
 
+def _notices(args: argparse.Namespace):
+    """``--spot-notice`` and its interval, checked (None without a source)."""
+    from maitre.agent.notices import NoticeWatcher, source
+
+    for flag, value in (("--spot-notice-interval", args.spot_notice_interval),
+                        ("--spot-notice-default", args.spot_notice_default)):
+        if value is not None and not (value > 0 and value < math.inf):
+            raise UsageError(f"{flag} must be a positive number of seconds, got {value:g}")
+    if args.spot_notice is None:
+        for flag, value in (("--spot-notice-interval", args.spot_notice_interval),
+                            ("--spot-notice-default", args.spot_notice_default)):
+            if value is not None:
+                raise UsageError(f"{flag} needs --spot-notice")
+        return None
+    try:
+        src = source(args.spot_notice)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    kw = {k: v for k, v in (("interval_s", args.spot_notice_interval),
+                            ("default_notice_s", args.spot_notice_default)) if v is not None}
+    return NoticeWatcher(src, **kw)
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from maitre.agent import netaddr
     from maitre.agent.agent import Agent
@@ -182,11 +205,14 @@ def cmd_agent(args: argparse.Namespace) -> int:
     labels = _labels(args.label or [])
     if args.iface and args.iface not in {name for _, name in socket.if_nameindex()}:
         raise UsageError(f"--iface {args.iface}: no such network interface on this machine")
+    notices = _notices(args)
     client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
-                  iface=args.iface, tls_ca=client.tls_ca)
-    print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}", flush=True)
+                  iface=args.iface, tls_ca=client.tls_ca, notices=notices)
+    print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}"
+          + (f", watching {notices.src.description} for spot notices every "
+             f"{notices.interval_s:g}s" if notices is not None else ""), flush=True)
     advertised = netaddr.worker_env(client.address, os.environ, args.iface)
     if advertised:
         print("maitre: workers advertise " + " ".join(f"{k}={v}" for k, v in advertised.items()),
@@ -231,12 +257,25 @@ def cmd_status(args: argparse.Namespace) -> int:
                   "NODES"], rows))
     if nodes:
         print()
-        print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PHI", "WORKERS"],
-                     [[n["node"], "alive" if n["alive"] else "DEAD", str(n["slots"]),
-                       str(n["used"]), n["labels"].get("rack", ""),
+        print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PRICE/H", "PHI",
+                      "WORKERS"],
+                     [[n["node"], "RECLAIMED" if n.get("reclaimed") else "draining"
+                       if n.get("draining") else "alive" if n["alive"] else "DEAD",
+                       str(n["slots"]), str(n["used"]), n["labels"].get("rack", ""),
                        n["labels"].get("capacity_type", "on-demand"),
+                       "-" if n.get("price") is None else f"{n['price']:g}",
                        "-" if n["phi"] is None else f"{n['phi']:.1f}", " ".join(n["workers"])]
                       for n in nodes]))
+        report = client.get(protocol.REPORT)
+        if report.get("cost") is not None:
+            print()
+            print(_table(["QUEUE", "SLOT-H", "SPOT SLOT-H", "COST", "ALL ON-DEMAND"],
+                         [[q, f"{c['held_slot_s'] / 3600:.3f}", f"{c['spot_slot_s'] / 3600:.3f}",
+                           _money(c["cost"]), _money(c["on_demand_cost"])]
+                          for q, c in report["queues"].items()]
+                         + [["(all)", f"{report['held_slot_s'] / 3600:.3f}",
+                             f"{report['spot_slot_s'] / 3600:.3f}", _money(report["cost"]),
+                             _money(report["on_demand_cost"])]]))
     if queues:
         print()
         print(_table(["QUEUE", "GUARANTEED", "BORROW", "WEIGHT", "ALLOCATED", "JOBS"],
@@ -244,6 +283,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "any" if q["borrowing_limit"] is None else str(q["borrowing_limit"]),
                        f"{q['weight']:g}", str(q["allocated"]), str(q["jobs"])] for q in queues]))
     return 0
+
+
+def _money(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4f}"
 
 
 def _placement(placement: dict[str, int] | None) -> str:
@@ -283,6 +326,28 @@ def parse_queue(text: str) -> "Queue":
         return Queue(parts[0], guaranteed, borrow, weight)
     except ValueError as exc:
         raise UsageError(f"--queue {text!r}: {exc}") from None
+
+
+def parse_prices(items: list[str]) -> dict[str, float]:
+    """``--price TYPE=PRICE`` (repeatable): per slot (GPU) hour, over the defaults."""
+    from maitre.control.cluster import DEFAULT_PRICES
+
+    prices, given = dict(DEFAULT_PRICES), set()
+    for item in items:
+        kind, sep, value = item.partition("=")
+        if not sep or kind not in DEFAULT_PRICES:
+            raise UsageError(f"--price {item!r}: expected on-demand=PRICE or spot=PRICE")
+        if kind in given:
+            raise UsageError(f"--price: {kind} is given twice")
+        try:
+            price = float(value)
+        except ValueError:
+            raise UsageError(f"--price {item!r}: {value!r} is not a number") from None
+        if not 0 <= price < math.inf:
+            raise UsageError(f"--price {item!r}: a price is a number >= 0")
+        prices[kind] = price
+        given.add(kind)
+    return prices
 
 
 def _tls(args: argparse.Namespace) -> dict[str, str | None]:
@@ -328,11 +393,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             raise UsageError(f"--resize-cooldown must be a number of seconds >= 0, got "
                              f"{args.resize_cooldown:g}")
         policy.resize_cooldown_s = args.resize_cooldown
+    prices = parse_prices(args.price or [])
+    if not 0 <= args.spot_nodes <= args.nodes:
+        raise UsageError(f"--spot-nodes must be between 0 and --nodes {args.nodes}, got "
+                         f"{args.spot_nodes}")
     _check_port(args.host, args.port)
     tls = _tls(args)
     cfg = UpConfig(state_dir=Path(args.state_dir), queues=queues, nodes=args.nodes,
                    slots_per_node=slots, racks=racks, host=args.host, port=args.port,
-                   policy=policy, quiet_workers=not args.worker_output, **tls)
+                   policy=policy, quiet_workers=not args.worker_output, prices=prices,
+                   spot_nodes=args.spot_nodes, **tls)
     try:
         cluster = LocalCluster(cfg)
     except StoreError as exc:
@@ -514,6 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--iface", metavar="NAME", help="network interface the workers advertise "
                        "to their peers (default: the one that reaches the coordinator, none on "
                        "loopback; $GLOO_SOCKET_IFNAME and $NCCL_SOCKET_IFNAME, if set, win)")
+    agent.add_argument("--spot-notice", metavar="SOURCE", help="watch for spot notices: "
+                       "file:PATH, or an http(s):// URL polled like instance metadata (AWS "
+                       "spot/instance-action, GCE instance/preempted); on a notice the node is "
+                       "drained before its deadline")
+    agent.add_argument("--spot-notice-interval", type=float, metavar="SECONDS",
+                       help="how often the source is polled (default 5, AWS's guidance)")
+    agent.add_argument("--spot-notice-default", type=float, metavar="SECONDS",
+                       help="the warning a notice without a time gives (GCE's TRUE; default 30)")
     agent.set_defaults(fn=cmd_agent)
 
     scale = sub.add_parser("scale", help="set a job's number of workers (a submitted job: its "
@@ -546,6 +624,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "scheduler grows or rebalances it again (damping: no back and forth); an "
                     "elastic job that lost a node grows back onto it only then (default: the "
                     "policy's, 180)")
+    up.add_argument("--price", action="append", metavar="TYPE=PRICE",
+                    help="price per slot (GPU) hour of a capacity type, for the cost report "
+                    "(repeatable; default on-demand=2.5 spot=0.75, the simulator's)")
+    up.add_argument("--spot-nodes", type=int, default=0, help="the last N local nodes are "
+                    "spot; each watches <state-dir>/notices/<node>.json for a notice "
+                    '(write {"notice_s": 30} there to reclaim it)')
     up.add_argument("--worker-output", action="store_true", help="print workers' output")
     up.add_argument("--tls-cert", metavar="PEM", help="serve the API over HTTPS with this "
                     "certificate (its names must include the address agents use)")
@@ -567,8 +651,8 @@ def build_parser() -> argparse.ArgumentParser:
         _coordinator_args(cmd)
         cmd.set_defaults(fn=fn)
 
-    demo = sub.add_parser("demo", help="watch the scheduler: 4 nodes, three jobs, a preemption "
-                          "and a crash (about 3 minutes)")
+    demo = sub.add_parser("demo", help="watch the scheduler: 4 nodes (2 spot), three jobs, a "
+                          "preemption, a crash and a spot reclaim (about 3 minutes)")
     demo.add_argument("--steps", type=int, default=900,
                       help="steps of each elastic job (default 900: about 3 minutes)")
     demo.add_argument("--run-dir", help="where state and ledgers go (default: a temp dir)")

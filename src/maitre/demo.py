@@ -9,6 +9,10 @@ team-b 2, both may borrow), and three jobs running ``examples/train.py`` (a tiny
    are not stopped: their workers leave at a step boundary and the rest train on.
 3. ``urgent`` finishes; once the resize damping has passed the elastic jobs grow back.
 4. A worker of ``b-lm`` is killed (SIGKILL); the job recovers in place.
+5. Two of the nodes are spot (cheaper, reclaimable). One gets a reclaim notice with 30 s of
+   warning (the demo writes the notice file its agent watches): its workers leave at a step
+   boundary, the node drains, then goes (its agent stops); a reclaim, not a failure. The cost
+   table says what the slot-hours cost at their nodes' prices, and all on-demand.
 
 Every sample also waits ``device_ms_per_sample`` ms, standing in for accelerator compute: two
 CPU cores cannot show 8 GPUs' worth of scaling otherwise, and the scheduler's speedup model is
@@ -59,6 +63,12 @@ class DemoConfig:
     """The script the jobs run; None: :data:`EXAMPLE`."""
     nodes: int = 4
     slots_per_node: int = 2
+    spot_nodes: int = 2
+    """The last nodes are spot (at most half of them); the last one is reclaimed mid-run."""
+    notice_s: float = 30.0
+    """The reclaim notice's warning."""
+    reclaim_after_s: float = 5.0
+    """The notice comes this long after the kill's recovery."""
 
 
 class Demo:
@@ -98,6 +108,7 @@ class Demo:
             state_dir=self.run_dir / "state", nodes=cfg.nodes, slots_per_node=cfg.slots_per_node,
             racks=2, queues=[Queue("team-a", guaranteed=a_quota),
                              Queue("team-b", guaranteed=b_quota)],
+            spot_nodes=min(cfg.spot_nodes, cfg.nodes // 2),
             policy=PolicyConfig(resize_cooldown_s=cfg.cooldown_s)), out=self.out).start()
         self.cluster = cluster
         self.out(f"maitre demo: watch it live at {cluster.dashboard_url}")
@@ -133,7 +144,21 @@ class Demo:
                 elif stage == 2 and (len(b["members"]) > capacity // 4 or now - stage_at > 30) and \
                         b["state"] == "RUNNING" and _all_hold_state(b):
                     self._kill_one(b)
-                    stage = 3
+                    stage, stage_at = 3, now
+                elif stage == 3 and now - stage_at > cfg.reclaim_after_s and \
+                        cluster.cfg.spot_nodes and all(
+                            j["state"] == "RUNNING" and _all_hold_state(j) for j in (a, b)):
+                    self._notice(f"node-{cfg.nodes - 1}")
+                    stage = 4
+                elif stage == 4 and self._drained(f"node-{cfg.nodes - 1}"):
+                    self.out(f"maitre demo: >>> node-{cfg.nodes - 1} is drained; it goes "
+                             "(its agent stops)")
+                    cluster.remove_node(f"node-{cfg.nodes - 1}")
+                    stage = 5
+                elif stage == 5 and self._reclaimed(f"node-{cfg.nodes - 1}"):
+                    agent = cluster.add_node(spot=True)  # spot capacity comes back
+                    self.out(f"maitre demo: >>> a new spot node {agent.node_id} comes up")
+                    stage = 6
                 time.sleep(0.2)
             if not finished:
                 self.out(f"maitre demo: not done after {cfg.timeout_s:.0f}s; cancelling")
@@ -147,6 +172,8 @@ class Demo:
             self.decisions = {jid: [e for e in cluster.db.events(job=jid)
                                     if e["kind"] in ("admit", "grow", "shrink", "suspend")]
                               for jid in statuses}
+            self.spot_events = [e for e in cluster.db.events() if e["kind"] in
+                                ("spot_notice", "node_drained", "node_reclaimed")]
             cluster.stop(drain_s=10.0)
         elapsed = time.time() - t0
         ok = self.print_report(report, statuses, elapsed)
@@ -163,6 +190,23 @@ class Demo:
         self.out(f"maitre demo: >>> SIGKILL worker {victim} of {job['job_id']} at step {job['step']}")
         self.causes.append((time.time(), job["job_id"], f"SIGKILL {victim}"))
         os.kill(pid, signal.SIGKILL)
+
+    def _notice(self, node: str) -> None:
+        """A reclaim notice for a spot node: the file its agent watches, written whole."""
+        path = self.cluster.notice_file(node)
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps({"notice_s": self.cfg.notice_s}))
+        os.replace(partial, path)
+        self.out(f"maitre demo: >>> spot node {node} gets a reclaim notice "
+                 f"({self.cfg.notice_s:.0f} s of warning)")
+
+    def _drained(self, node: str) -> bool:
+        return any(e["kind"] == "node_drained" and e.get("node") == node
+                   for e in self.cluster.db.events())
+
+    def _reclaimed(self, node: str) -> bool:
+        return any(e["kind"] == "node_reclaimed" and e.get("node") == node
+                   for e in self.cluster.db.events())
 
     # -- the report ------------------------------------------------------------------------------
     def print_report(self, report: dict[str, Any], statuses: dict[str, dict[str, Any]],
@@ -187,6 +231,8 @@ class Demo:
             ettr = "n/a" if j["ettr"] is None else f"{j['ettr']:.1%}"
             lines.append(f"  {jid:<8} {j['state']:<10} {j['waited_s']:>6.1f}s {j['ran_s']:>5.0f}s "
                          f"{ettr:>6} {job_eta:>6.1%}  {rates}")
+        lines.extend(self._costs(report))
+        lines.extend(self._spot(report, statuses))
         lines.append("  resizes and recoveries, ms. detect: from the cause to a member noticing it (the "
                      "members train on meanwhile); then they pause for re-sharding (rendezvous, "
                      "new group, new data shares), state transfer and the first step:")
@@ -225,6 +271,40 @@ class Demo:
         lines.append(f"  report: {self.run_dir / 'report.json'}")
         self.out("\n".join(lines))
         return all_ok
+
+    @staticmethod
+    def _costs(report: dict[str, Any]) -> list[str]:
+        """Per queue and in all: the slot-hours at their nodes' prices, and all on-demand."""
+        if report.get("cost") is None:
+            return ["  cost: no price table"]
+        prices = ", ".join(f"{k} {v:g}" for k, v in report.get("prices", {}).items())
+        lines = [f"  cost of the slot-hours held, at their nodes' prices per slot-hour ({prices}):",
+                 f"  {'queue':<8} {'slot-h':>7} {'on spot':>7} {'cost':>8} {'on-demand':>9} "
+                 f"{'saved':>6}"]
+        for name, c in [*report.get("queues", {}).items(), ("all", report)]:
+            saved = 1 - c["cost"] / c["on_demand_cost"] if c["on_demand_cost"] else 0.0
+            lines.append(f"  {name:<8} {c['held_slot_s'] / 3600:>7.3f} "
+                         f"{c['spot_slot_s'] / max(c['held_slot_s'], 1e-9):>7.0%} "
+                         f"{c['cost']:>8.4f} {c['on_demand_cost']:>9.4f} {saved:>6.0%}")
+        return lines
+
+    def _spot(self, report: dict[str, Any], statuses: dict[str, dict[str, Any]]) -> list[str]:
+        events = getattr(self, "spot_events", [])
+        lines = []
+        for e in events:
+            if e["kind"] == "spot_notice":
+                lines.append(f"  spot: {e['node']} noticed ({e['notice_s']:.0f} s of warning, "
+                             f"{e['source']})")
+            elif e["kind"] == "node_drained":
+                lines.append(f"  spot: {e['node']} drained in {e['seconds']:.1f}s: "
+                             f"{', '.join(e['workers']) or 'no workers'} left at a step boundary")
+            elif e["kind"] == "node_reclaimed":
+                lines.append(f"  spot: {e['node']} reclaimed")
+        if lines:
+            failures = sum(s.get("failures", 0) for s in statuses.values())
+            lines.append(f"  spot: {report.get('reclaims', 0)} reclaim(s); job failures in all: "
+                         f"{failures} (the demo's SIGKILL is one)")
+        return lines
 
     def _cause(self, job_id: str, status: dict[str, Any], r: dict[str, Any]
                ) -> tuple[str, float | None]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
+from maitre.agent.notices import NoticeWatcher, source
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.control.detectors import DetectorConfig, PhiConfig
@@ -45,6 +46,13 @@ class UpConfig:
     """With ``tls_key``: the API is served over HTTPS (``tls_ca`` checks it, for local nodes)."""
     tls_key: str | None = None
     tls_ca: str | None = None
+    prices: dict[str, float] | None = None
+    """Per slot-hour by capacity type (None: :data:`~maitre.control.cluster.DEFAULT_PRICES`)."""
+    spot_nodes: int = 0
+    """The last ``spot_nodes`` local nodes are spot (``capacity_type=spot``); each watches
+    ``<state-dir>/notices/<node>.json`` for a notice (:meth:`LocalCluster.notice_file`)."""
+    notice_interval_s: float = 0.5
+    """How often a local spot node looks at its notice file."""
 
 
 class LocalCluster:
@@ -64,7 +72,7 @@ class LocalCluster:
         port = cfg.port or ports.get("http", 0)
         cluster = ClusterState(cfg.queues or [Queue("default")], run_dir=cfg.state_dir,
                                policy=cfg.policy, phi=PhiConfig(), detector=DetectorConfig(),
-                               max_restarts=cfg.max_restarts)
+                               max_restarts=cfg.max_restarts, prices=cfg.prices)
         self.server = CoordinatorServer(cluster, cfg.host, port, ports.get("store", 0),
                                         on_event=on_event or self._print_event,
                                         token=self.token, db=self.db,
@@ -76,6 +84,7 @@ class LocalCluster:
                                    "store": self.server.door.port})
         write_token(self.token_file, self.token)
         self.agents: list[Agent] = []
+        self._added = 0
         self._lock = threading.Lock()
 
     @property
@@ -95,21 +104,50 @@ class LocalCluster:
 
     def start(self) -> "LocalCluster":
         self.server.start()
-        for _ in range(self.cfg.nodes):
-            self.add_node()
+        for index in range(self.cfg.nodes):
+            spot = index >= self.cfg.nodes - self.cfg.spot_nodes
+            self.add_node(spot=spot)
         return self
 
-    def add_node(self, slots: int | None = None, labels: dict[str, str] | None = None) -> Agent:
+    def add_node(self, slots: int | None = None, labels: dict[str, str] | None = None,
+                 spot: bool = False, notice: str | None = None) -> Agent:
+        """A local node. ``spot``: labelled so, watching its :meth:`notice_file` (or the
+        ``notice`` source given: ``file:PATH``, a URL) for a reclaim notice."""
         with self._lock:
-            index = len(self.agents)
+            index = self._added
+            self._added += 1
+            name = f"node-{index}"
             rack = f"rack-{index % max(1, self.cfg.racks)}"
             output = (lambda wid, line: None) if self.cfg.quiet_workers else \
                 (lambda wid, line: self.out(f"[{wid}] {line.rstrip()}"))
-            agent = Agent(self.address, f"node-{index}", slots or self.cfg.slots_per_node,
-                          output=output, token=self.token, labels=labels or {"rack": rack},
-                          heartbeat_s=LOCAL_HEARTBEAT_S, tls_ca=self.cfg.tls_ca)
+            labels = dict(labels or {"rack": rack})
+            watcher = None
+            if spot:
+                labels["capacity_type"] = "spot"
+                if notice is None:
+                    path = self.notice_file(name)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.unlink(missing_ok=True)  # an earlier run's notice
+                    notice = f"file:{path}"
+                watcher = NoticeWatcher(source(notice), interval_s=self.cfg.notice_interval_s)
+            agent = Agent(self.address, name, slots or self.cfg.slots_per_node,
+                          output=output, token=self.token, labels=labels,
+                          heartbeat_s=LOCAL_HEARTBEAT_S, tls_ca=self.cfg.tls_ca,
+                          notices=watcher)
             self.agents.append(agent)
         return agent.start()
+
+    def remove_node(self, node: str) -> None:
+        """Stop a local node's agent and its workers (the machine goes away)."""
+        with self._lock:
+            agents = [a for a in self.agents if a.node_id == node]
+            self.agents = [a for a in self.agents if a.node_id != node]
+        for agent in agents:
+            agent.stop()
+
+    def notice_file(self, node: str) -> Path:
+        """Where local spot node ``node`` looks for its notice (``{"notice_s": 30}``)."""
+        return self.cfg.state_dir / "notices" / f"{node}.json"
 
     def pid_of(self, worker_id: str) -> int | None:
         for agent in self.agents:

@@ -5,7 +5,8 @@ Who talks to whom::
 
     CLI / dashboard ──(token)──────────────▶ coordinator   jobs, nodes, queues, report
     agent (one per node) ──(token)─────────▶ coordinator   node heartbeat (its workers' liveness
-                                                           and progress in one beat), watch
+                                                           and progress in one beat, and a spot
+                                                           notice while one stands), watch
                                                            (long-poll for orders), worker exits
     worker ──(token)───────────────────────▶ coordinator   rendezvous (long-poll), done, left,
                                                            recovery reports: per change, never
@@ -256,6 +257,13 @@ class NodeSummary(_Reply):
     slots: int
     labels: dict[str, str]
     alive: bool
+    price: float | None = None
+    """Per slot (GPU) hour, from the coordinator's price table by capacity type (None: none
+    configured for it)."""
+    draining: bool = False
+    """A spot notice stands: nothing new is placed here; its workers leave."""
+    reclaimed: bool = False
+    """The noticed node went away (a reclaim, not a failure)."""
     phi: float | None
     used: int
     workers: list[str]
@@ -291,6 +299,20 @@ class JobReport(_Reply):
     held_slot_s: float
     trained_slot_s: float
     throughput: dict[str, float]
+    spot_slot_s: float = 0.0
+    """Of ``held_slot_s``, what its workers held on spot nodes."""
+    cost: float | None = None
+    """The slot-seconds it held, each at its node's price (per slot-hour): None when a node's
+    capacity type has no price."""
+    on_demand_cost: float | None = None
+    """The same slot-seconds, all at the on-demand price: what spot saved is the difference."""
+
+
+class QueueCost(_Reply):
+    held_slot_s: float
+    spot_slot_s: float
+    cost: float | None
+    on_demand_cost: float | None
 
 
 class Report(_Reply):
@@ -300,6 +322,15 @@ class Report(_Reply):
     held_slot_s: float
     trained_slot_s: float
     jobs: dict[str, JobReport]
+    spot_slot_s: float = 0.0
+    cost: float | None = None
+    on_demand_cost: float | None = None
+    queues: dict[str, QueueCost] = {}
+    """Each queue's jobs' costs, summed."""
+    prices: dict[str, float] = {}
+    """The price table: currency units per slot (GPU) hour, by capacity type."""
+    reclaims: int = 0
+    """Spot nodes that went after a notice (none of them counts as a failure)."""
 
 
 class EventPage(_Reply):
@@ -342,9 +373,24 @@ class WorkerBeat(_Request):
     (the coordinator's hang detector adapts to it)."""
 
 
+class SpotNotice(_Request):
+    """The node will be taken away (a spot reclaim), as its agent's notice source said."""
+
+    notice_s: float = Field(ge=0, le=7 * 86400)
+    """Seconds left until the node goes, as of this beat (relative: the agent's and the
+    coordinator's clocks need not agree)."""
+    action: str = Field("terminate", min_length=1, max_length=64)
+    """What the source said will happen: AWS's ``terminate``/``stop``, GCE's ``preempt``..."""
+    source: str = Field(min_length=1, max_length=500)
+    """The notice source's description (``file:PATH``, ``http://...``)."""
+
+
 class NodeBeat(_Request):
     slots: int = Field(ge=1, le=4096)
     labels: Labels = Labels()
+    notice: SpotNotice | None = None
+    """A spot notice stands for this node: it is sent with every beat while it does (so a
+    coordinator that restarted hears it again), and the first one drains the node."""
     workers: list[WorkerBeat] = Field([], max_length=4096)
     """The worker processes the agent runs now, with their liveness and progress."""
     since: int = Field(-1, ge=-1)

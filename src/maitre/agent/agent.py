@@ -52,6 +52,7 @@ from typing import Any, Callable, TextIO
 
 from maitre import protocol
 from maitre.agent import netaddr, warmstart
+from maitre.agent.notices import NoticeWatcher
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
 
 log = logging.getLogger("maitre.agent")
@@ -169,13 +170,15 @@ class Agent:
         iface: the network interface workers advertise to their peers (``GLOO_SOCKET_IFNAME``,
             ``NCCL_SOCKET_IFNAME``) unless the environment names one; default: the one this
             node reaches the coordinator through (:mod:`maitre.agent.netaddr`).
+        notices: the watch on the node's spot notice source (:mod:`maitre.agent.notices`):
+            once it sees a notice, every beat carries it and the coordinator drains the node.
     """
 
     def __init__(self, coordinator: str, node_id: str, slots: int, *, heartbeat_s: float = 2.0,
                  urgent_s: float = 0.1, extra_env: dict[str, str] | None = None,
                  output: Output = print_output, token: str | None = None,
                  labels: dict[str, str] | None = None, iface: str | None = None,
-                 tls_ca: str | None = None) -> None:
+                 tls_ca: str | None = None, notices: NoticeWatcher | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.client = Client(coordinator, timeout_s=5.0, token=token, tls_ca=tls_ca)
@@ -199,6 +202,11 @@ class Agent:
         self.node_id = node_id
         self.slots = slots
         self.labels = dict(labels or {})
+        self.notices = notices
+        self._going = False
+        """Stopping with a notice standing: the last beat says the node goes now."""
+        if notices is not None:  # a notice is news worth a beat at once
+            notices.on_notice = lambda notice: self._poke.set()
         self.iface = iface
         self.heartbeat_s = heartbeat_s
         self.extra_env = dict(extra_env or {})
@@ -219,6 +227,8 @@ class Agent:
     def serve(self) -> None:
         """Heartbeat until stopped (blocking). Raises CoordinatorUnreachable if the coordinator
         cannot be reached at all at start-up."""
+        if self.notices is not None:
+            self.notices.start()
         self._beat()
         self._threads = [
             threading.Thread(target=self._local.serve_forever, kwargs={"poll_interval": 0.2},
@@ -269,6 +279,8 @@ class Agent:
         saving the model), then SIGTERM, then SIGKILL after ``grace_s``."""
         self._stop.set()
         self._poke.set()
+        if self.notices is not None:
+            self.notices.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._threads:  # shutdown() would wait forever for a loop that never ran
@@ -296,6 +308,14 @@ class Agent:
                 w.wait()
             for t in w.threads:
                 t.join(timeout=2)
+        if self.notices is not None and self.notices.current is not None:
+            # A node with a notice that stops is going now: one last beat says so, and the
+            # coordinator counts the reclaim at once, not after its detector gave up on us.
+            self._going = True
+            try:
+                self._beat()
+            except (CoordinatorUnreachable, RuntimeError, OSError):
+                pass
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def running(self) -> list[str]:
@@ -312,12 +332,16 @@ class Agent:
         with self._lock:
             workers = [_report(wid, self.beats[wid], now) if wid in self.beats else {"id": wid}
                        for wid in running]
+        body: dict[str, Any] = {"slots": self.slots, "labels": self.labels, "workers": workers,
+                                "since": self.version, "interval_s": self.heartbeat_s}
+        notice = self.notices.current if self.notices is not None else None
+        if notice is not None:
+            left = 0.0 if self._going else notice.remaining_s(self.notices.clock())
+            body["notice"] = {"notice_s": round(left, 3),
+                              "action": notice.action[:64], "source": notice.source[:500]}
         sent = time.monotonic()
         try:
-            reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id),
-                                     {"slots": self.slots, "labels": self.labels,
-                                      "workers": workers, "since": self.version,
-                                      "interval_s": self.heartbeat_s})
+            reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id), body)
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
         self._apply(reply, sent)

@@ -8,6 +8,10 @@
   (:func:`account`), and the attained service least-attained-first orders by.
 * **Allocation** (:class:`Usage`): slot-seconds held by workers over slot-seconds of capacity,
   counted only while some job waits or could grow.
+* **Cost**: the slot-seconds each worker held, at its node's price per slot-hour (by capacity
+  type: ``ClusterState.prices``), and the same slot-seconds all at the on-demand price (what they
+  would have cost without spot), per job, per queue and for the cluster. Live: a worker still
+  running counts up to now.
 * :func:`report`: all of it, per job and for the cluster (``/v1/report``, the demo's table).
 
 Pure logic over injected time; the coordinator calls it under its lock.
@@ -85,7 +89,8 @@ def tick_usage(cluster: "ClusterState", memberships: dict[str, Membership], now:
         for m in cluster.managed.values():  # attained service: what least-attained-first orders
             if m.job.state.placed:
                 m.job.attained_slot_s += m.job.slots * (now - usage.last)
-    capacity = sum(s.node.slots for s in cluster.nodes.values() if s.alive)
+    # A draining node's slots are no capacity: nothing may be placed there any more.
+    capacity = sum(s.node.slots for s in cluster.nodes.values() if s.alive and not s.draining)
     held = sum(w.slots for m in cluster.managed.values() for ms in _memberships(m, memberships)
                for w in ms.workers.values() if w.ended_at is None and w.state in LIVE)
     contended = any(
@@ -100,15 +105,25 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
     """Allocation, utilization and each job's effective training time (see the demo)."""
     held_s = trained_s = 0.0
     jobs = {}
+    on_demand = cluster.price("on-demand")
+    total = Cost()
+    queues: dict[str, Cost] = {}
     for m in cluster.managed.values():
         j_held = j_trained = 0.0
+        cost = Cost()
         for ms in _memberships(m, memberships):
             for w in ms.workers.values():
                 end = w.ended_at if w.ended_at is not None else now
-                j_held += max(0.0, end - w.started_at) * w.slots
+                slot_s = max(0.0, end - w.started_at) * w.slots
+                j_held += slot_s
                 j_trained += w.trained_s * w.slots
+                state = cluster.nodes.get(w.node)
+                cost.add(slot_s, cluster.node_price(w.node), on_demand,
+                         spot=state is not None and state.node.capacity_type == "spot")
         held_s += j_held
         trained_s += j_trained
+        total.merge(cost)
+        queues.setdefault(m.job.queue, Cost()).merge(cost)
         span_end = m.ended_at if m.ended_at is not None else now
         ran = span_end - m.admitted_at if m.admitted_at is not None else 0.0
         jobs[m.id] = {
@@ -118,12 +133,52 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
             "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),
             "ettr": round(m.productive_s / ran, 4) if ran > 0 else None,
             "held_slot_s": round(j_held, 2), "trained_slot_s": round(j_trained, 2),
-            "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())}}
+            "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())},
+            "spot_slot_s": round(cost.spot_slot_s, 2), "cost": cost.rounded(cost.cost),
+            "on_demand_cost": cost.rounded(cost.on_demand_cost)}
     usage = cluster.usage
     return {"allocation": usage.allocation(), "contended_s": round(usage.contended_s, 2),
             "utilization": round(trained_s / held_s, 4) if held_s else None,
             "held_slot_s": round(held_s, 2), "trained_slot_s": round(trained_s, 2),
-            "jobs": jobs}
+            "jobs": jobs, "spot_slot_s": round(total.spot_slot_s, 2),
+            "cost": total.rounded(total.cost), "on_demand_cost": total.rounded(total.on_demand_cost),
+            "queues": {q: c.to_json() for q, c in sorted(queues.items())},
+            "prices": dict(cluster.prices), "reclaims": cluster.reclaims}
+
+
+@dataclass(slots=True)
+class Cost:
+    """Slot-seconds held and what they cost, at their nodes' prices and all at on-demand's
+    (None once a slot-second had no price: a capacity type missing from the table)."""
+
+    held_slot_s: float = 0.0
+    spot_slot_s: float = 0.0
+    cost: float | None = 0.0
+    on_demand_cost: float | None = 0.0
+
+    def add(self, slot_s: float, price: float | None, on_demand: float | None,
+            spot: bool) -> None:
+        self.held_slot_s += slot_s
+        self.spot_slot_s += slot_s if spot else 0.0
+        self.cost = None if self.cost is None or price is None else \
+            self.cost + slot_s / 3600.0 * price
+        self.on_demand_cost = None if self.on_demand_cost is None or on_demand is None else \
+            self.on_demand_cost + slot_s / 3600.0 * on_demand
+
+    def merge(self, other: "Cost") -> None:
+        self.held_slot_s += other.held_slot_s
+        self.spot_slot_s += other.spot_slot_s
+        self.cost = None if self.cost is None or other.cost is None else self.cost + other.cost
+        self.on_demand_cost = None if self.on_demand_cost is None or \
+            other.on_demand_cost is None else self.on_demand_cost + other.on_demand_cost
+
+    @staticmethod
+    def rounded(value: float | None) -> float | None:
+        return None if value is None else round(value, 6)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"held_slot_s": round(self.held_slot_s, 2), "spot_slot_s": round(self.spot_slot_s, 2),
+                "cost": self.rounded(self.cost), "on_demand_cost": self.rounded(self.on_demand_cost)}
 
 
 @dataclass(slots=True)

@@ -22,6 +22,11 @@ Agents start a job's worker on a node only within its allocation there and only 
 is really free (a leaving worker holds its slot until its process exits), so a node is never
 over-committed, not even for the moment between a shrink and its preemptor's start.
 
+A node with a spot notice is drained, then reclaimed (:mod:`maitre.control.drain`): the pass
+stops seeing it, its workers leave at a step boundary (or their job checkpoints first), and
+its going is a reclaim, not a failure. Each node has a price per slot-hour by its capacity type
+(``prices``), which the accounting charges its slot-seconds at.
+
 Nodes are watched by a phi-accrual detector (:mod:`maitre.control.detector`) on their agents'
 heartbeats; a node declared dead has its workers evicted (the jobs recover as from any crash) and
 its allocations withdrawn, and the next pass places the lost replicas elsewhere.
@@ -44,7 +49,8 @@ from typing import Any, Callable
 from maitre import protocol
 from maitre.control.accounting import Usage, account, measure
 from maitre.control.detectors import DetectorConfig, PhiAccrual, PhiConfig
-from maitre.control.membership import JobSpec, Membership, WorkerState
+from maitre.control.drain import Reclaim, decide
+from maitre.control.membership import JobSpec, Membership, Worker, WorkerState
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
@@ -57,6 +63,17 @@ class NodeState:
     detector: PhiAccrual
     alive: bool = True
     registered_at: float = 0.0
+    reclaim: Reclaim | None = None
+    """The node's spot notice, from the first beat that carried one."""
+
+    @property
+    def draining(self) -> bool:
+        return self.reclaim is not None
+
+
+DEFAULT_PRICES = {"on-demand": 2.5, "spot": 0.75}
+"""Per slot (GPU) hour, by capacity type: ``maitre up``'s defaults (``--price``), the same as
+the simulator's (``maitre simulate --price/--spot-price``): spot at 30% of on-demand."""
 
 
 @dataclass(slots=True)
@@ -101,7 +118,15 @@ class ClusterState:
 
     def __init__(self, queues: list[Queue], *, run_dir: Path, policy: PolicyConfig | None = None,
                  phi: PhiConfig | None = None, detector: DetectorConfig | None = None,
-                 max_restarts: int = 3, log: Callable[..., None] | None = None) -> None:
+                 max_restarts: int = 3, log: Callable[..., None] | None = None,
+                 prices: dict[str, float] | None = None) -> None:
+        self.prices = dict(DEFAULT_PRICES if prices is None else prices)
+        """Per slot-hour by capacity type; a type without one has no price (its cost is None)."""
+        for kind, price in self.prices.items():
+            if not 0 <= price < math.inf:
+                raise ValueError(f"the {kind} price must be a number >= 0, got {price}")
+        self.reclaims = 0
+        """Spot nodes reclaimed after a notice."""
         self.queues = {q.name: q for q in queues}
         self.nodes: dict[str, NodeState] = {}
         self.managed: dict[str, ManagedJob] = {}
@@ -118,19 +143,28 @@ class ClusterState:
         """Nodes whose allocations the next sync withdraws (they lost slots)."""
 
     # -- nodes -----------------------------------------------------------------------------------
-    def node_beat(self, node: Node, now: float) -> str | None:
-        """An agent's heartbeat. Returns what changed: ``node_registered``, ``node_changed``
-        (labels, or more slots), ``node_shrunk`` (fewer slots: its allocations are withdrawn,
-        the coordinator evicts its workers) or ``node_recovered``; None when nothing did."""
+    def node_beat(self, node: Node, now: float, noticed: bool = False) -> str | None:
+        """An agent's heartbeat (``noticed``: it carries a spot notice). Returns what changed:
+        ``node_registered``, ``node_changed`` (labels, or more slots), ``node_shrunk`` (fewer
+        slots: its allocations are withdrawn, the coordinator evicts its workers) or
+        ``node_recovered``; None when nothing did. A reclaimed node that beats without a notice
+        is a new machine of the same name: registered afresh."""
         state = self.nodes.get(node.name)
+        if state is not None and state.reclaim is not None and \
+                state.reclaim.reclaimed_at is not None:
+            if noticed:  # the node that went, still beating its notice: it stays out
+                return None
+            state = None  # a new machine of the same name
         if state is None or state.node != node:
             self.nodes[node.name] = NodeState(node, PhiAccrual(self.phi, now), True,
-                                              state.registered_at if state else now)
+                                              state.registered_at if state else now,
+                                              state.reclaim if state else None)
             kind = "node_registered" if state is None else \
                 "node_shrunk" if node.slots < state.node.slots else "node_changed"
             if kind == "node_shrunk":
                 self._withdraw.add(node.name)
-            self.log(now, kind, node=node.name, slots=node.slots)
+            self.log(now, kind, node=node.name, slots=node.slots, labels=node_labels(node),
+                     price=self.price(node.capacity_type))
             return kind
         state.detector.heartbeat(now)
         if not state.alive:
@@ -141,9 +175,19 @@ class ClusterState:
         return None
 
     def detect_dead_nodes(self, now: float) -> list[str]:
+        """Nodes found dead (silent agents), and noticed nodes that went (silent, or past their
+        deadline): those are reclaimed, not dead."""
         dead = []
         for name, state in self.nodes.items():
-            if state.alive and state.detector.dead(now):
+            if not state.alive:
+                continue
+            reclaim = state.reclaim
+            if reclaim is not None and (now >= reclaim.deadline or state.detector.dead(now)):
+                state.alive, reclaim.reclaimed_at = False, now
+                self.reclaims += 1
+                dead.append(name)
+                self.log(now, "node_reclaimed", node=name)
+            elif state.detector.dead(now):
                 state.alive = False
                 dead.append(name)
                 self.log(now, "node_dead", node=name,
@@ -152,8 +196,68 @@ class ClusterState:
         return dead
 
     def cluster(self) -> Cluster:
-        return Cluster.of([s.node for s in self.nodes.values() if s.alive],
+        """The policy's view: live nodes that are not draining."""
+        return Cluster.of([s.node for s in self.nodes.values() if s.alive and not s.draining],
                           list(self.queues.values()))
+
+    def price(self, capacity_type: str) -> float | None:
+        return self.prices.get(capacity_type)
+
+    def node_price(self, node: str) -> float | None:
+        """The node's price per slot-hour (a node never seen: on-demand's)."""
+        state = self.nodes.get(node)
+        return self.price(state.node.capacity_type if state is not None else "on-demand")
+
+    # -- spot notices ----------------------------------------------------------------------------
+    def notice(self, node: str, notice_s: float, action: str, source: str,
+               here: list[tuple[str, Worker]], memberships: dict[str, Membership],
+               now: float) -> set[str]:
+        """A beat of ``node`` carried a spot notice. The first one drains the node (see
+        :mod:`maitre.control.drain`); ``here``: its live workers, with their jobs. Returns the
+        jobs it changed (none for a repeat)."""
+        state = self.nodes.get(node)
+        if state is None or state.reclaim is not None or not state.alive:
+            return set()
+        jobs_here = {job_id for job_id, _ in here}
+        state.reclaim = Reclaim(now, now + notice_s, source, action, [w for _, w in here])
+        self.log(now, "spot_notice", node=node, notice_s=round(notice_s, 3),
+                 deadline=round(now + notice_s, 4), source=source, action=action)
+        changed = set()
+        for m in self.managed.values():
+            if m.ended_at is not None or (node not in m.job.placement and m.id not in jobs_here):
+                continue
+            ms = memberships.get(m.id) if m.incarnation else None
+            d = decide(m, ms, node)
+            m.job.placement = d.placement
+            changed.add(m.id)
+            if d.kind == "leave":
+                assert ms is not None
+                try:
+                    ms.scale(max(ms.spec.min_workers, sum(d.placement.values())), now,
+                             leave=d.leave)
+                except ValueError as exc:  # (the run ended meanwhile)
+                    self.log(now, "resize_skipped", job=m.id, reason=str(exc))
+                    continue
+                self.log(now, "shrink", job=m.id, placement=dict(d.placement), reason=d.reason)
+            elif d.kind == "suspend":
+                assert ms is not None
+                ms.suspend(d.reason, now)
+                m.suspend_deadline = min(now + m.job.grace_period_s, now + notice_s)
+                self.log(now, "suspend", job=m.id, reason=d.reason)
+            elif d.kind == "blocked":
+                self.log(now, "drain_blocked", job=m.id, node=node, reason=d.reason)
+        return changed
+
+    def check_drained(self, node: str, now: float) -> bool:
+        """Log ``node_drained`` once every worker that was on the noticed node is gone."""
+        state = self.nodes.get(node)
+        reclaim = state.reclaim if state is not None else None
+        if reclaim is None or reclaim.drained_at is not None or not reclaim.drained():
+            return False
+        reclaim.drained_at = now
+        self.log(now, "node_drained", node=node, workers=reclaim.left_gracefully(),
+                 seconds=round(now - reclaim.noticed_at, 3))
+        return True
 
     # -- jobs ------------------------------------------------------------------------------------
     def submit(self, manifest: JobManifest, now: float,
@@ -289,7 +393,7 @@ class ClusterState:
                        m.job.min_replicas,
                        m.job.max_replicas, tuple(sorted(m.job.placement.items())))
                       for m in self.managed.values()),
-                tuple((n, s.alive, s.node) for n, s in self.nodes.items()))
+                tuple((n, s.alive, s.draining, s.node) for n, s in self.nodes.items()))
 
     def apply(self, plan: Plan, memberships: dict[str, Membership], now: float
               ) -> list[tuple[str, str, Any]]:
@@ -423,3 +527,8 @@ class ClusterState:
                 "suspend_deadline": m.suspend_deadline, "env": dict(m.env),
                 "membership": None if ms is None else ms.to_json(),
                 "history": [h.to_json() for h in m.history]}
+
+
+def node_labels(node: Node) -> dict[str, str]:
+    """The node's labels as its agent gave them (the capacity type always)."""
+    return {k: v for k in protocol.LABELS if (v := getattr(node, k))}

@@ -311,13 +311,15 @@ class Coordinator:
                 described = Node(node, beat.slots, **labels)
             except ValueError as exc:
                 raise BadRequest(str(exc), "body.labels") from None
-            change = self.cluster.node_beat(described, now)
+            change = self.cluster.node_beat(described, now, noticed=beat.notice is not None)
             if change and self.db is not None:
                 self.db.put_node(described, now)
             if change == "node_shrunk":
                 self._evict_node(node, f"node {node} now has {beat.slots} slots", now)
             if change:
                 self._bump(node)
+            if beat.notice is not None:
+                self._noticed(node, beat.notice, now)
             running = set()
             for wb in beat.workers:
                 running.add(wb.id)
@@ -331,6 +333,30 @@ class Coordinator:
                             wb.gap_std_s, vouched)
             info["running"] = running
             return self._orders(node, beat.since, now)
+
+    def _noticed(self, node: str, notice: p.SpotNotice, now: float) -> None:
+        """A spot notice in a node's beat: the first one drains the node (its jobs' workers
+        there leave, or their jobs checkpoint first: :mod:`maitre.control.drain`)."""
+        state = self.cluster.nodes.get(node)
+        if state is None:
+            return
+        if state.reclaim is not None:  # it may come sooner (an agent that stops says "now")
+            if state.reclaim.reclaimed_at is None and \
+                    now + notice.notice_s < state.reclaim.deadline - 1.0:  # (not jitter)
+                state.reclaim.deadline = now + notice.notice_s
+                self._next_pass = 0.0  # (the pass counts the reclaim)
+            return
+        here = [(ms.spec.job_id, ms.workers[wid]) for wid in sorted(self._on_node.get(node, ()))
+                if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over]
+        changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source,
+                                      here, self.jobs, now)
+        for job_id in changed:
+            self._touch(job_id, persist=True)
+        self.cluster.index_allocations()
+        self.cluster.check_drained(node, now)  # (nothing ran there)
+        self._bump(node)
+        self._next_pass = 0.0  # the jobs that gave it up may grow elsewhere
+        self._flush()
 
     def try_now(self, method: Callable[..., Any], *args: Any, block: bool = False
                 ) -> tuple[Any, tuple[int, int]] | None:
@@ -466,7 +492,8 @@ class Coordinator:
 
     def _start_orders(self, node: str, slots: int, used: set[int],
                       now: float) -> list[dict[str, Any]]:
-        if node not in self.cluster.nodes or not self.cluster.nodes[node].alive:
+        state = self.cluster.nodes.get(node)
+        if state is None or not state.alive or state.draining:
             return []
         candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
         start: list[dict[str, Any]] = []
@@ -504,6 +531,7 @@ class Coordinator:
             ms = self._job_of(wid)
             ms.exited(wid, req.code, req.error, self.clock())
             self._bump(ms.workers[wid].node)  # its slots are free: a replacement may start
+            self.cluster.check_drained(ms.workers[wid].node, self.clock())
             self._changed(ms.spec.job_id)
         return {}
 
@@ -679,7 +707,9 @@ class Coordinator:
         will see (and the fingerprint it is made on)."""
         cluster = self.cluster
         for node in cluster.detect_dead_nodes(now):
-            self._evict_node(node, f"node {node} is dead (no agent heartbeat)", now)
+            self._evict_node(node, f"node {node} was reclaimed (spot notice)"
+                             if cluster.nodes[node].draining else
+                             f"node {node} is dead (no agent heartbeat)", now)
         cluster.sync(self.jobs, now)
         before = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
         view, jobs = cluster.prepare(now)
@@ -742,6 +772,10 @@ class Coordinator:
                 state = self.cluster.nodes.get(name)
                 out.append({"node": name, "slots": info["slots"], "labels": info.get("labels", {}),
                             "alive": True if state is None else state.alive,
+                            "price": self.cluster.node_price(name),
+                            "draining": state is not None and state.draining,
+                            "reclaimed": state is not None and state.reclaim is not None and
+                            state.reclaim.reclaimed_at is not None,
                             "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
                             "used": sum(self._worker_job[w].workers[w].slots for w in held),
                             "workers": held,
