@@ -79,5 +79,18 @@ def browser() -> Iterator[Any]:
             b.close()
 
 
+@contextmanager
+def browser_if_any() -> Iterator[Any]:
+    """:func:`browser`, or None where there is none and this is not CI (a test that is about
+    more than the page runs on without it)."""
+    try:
+        need_chromium()
+    except pytest.skip.Exception:
+        yield None
+        return
+    with browser() as b:
+        yield b
+
+
 def new_page(b: Any, width: int = 1300, height: int = 900) -> Page:
     return Page(b.new_page(viewport={"width": width, "height": height}))

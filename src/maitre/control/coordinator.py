@@ -162,6 +162,10 @@ class Coordinator:
         cluster.log = self._cluster_event
         if store is not None:
             self._restore()
+        prices = dict(getattr(cluster, "prices", {}) or {})
+        last = self.events.newest("prices")
+        if prices and (last is None or last.get("prices") != prices):  # what cost is counted at
+            self._emit(None, "prices", {"t": round(clock(), 4), "prices": prices})
 
     # -- jobs ------------------------------------------------------------------------------------
     @acknowledged

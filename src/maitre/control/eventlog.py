@@ -49,6 +49,14 @@ class EventLog:
             listen(seq)
         return seq
 
+    def newest(self, kind: str) -> dict[str, Any] | None:
+        """The newest event of ``kind`` still in memory."""
+        with self._lock:
+            for event in reversed(self._tail):
+                if event["kind"] == kind:
+                    return event
+        return None
+
     def since(self, seq: int = 0, limit: int | None = None,
               job: str | None = None) -> list[dict[str, Any]]:
         """The events after ``seq`` (at most ``limit``), oldest first; only ``job``'s if given."""

@@ -281,7 +281,9 @@ class Model {
             j.recoveries.push(rec);
             this.recoveries.push(rec);
           }
-          if (e.state_source === "disk" || e.state_source === "peer") {
+          // A restore: the state came from disk, or moved from a live peer (a survivor that
+          // kept its own state restored nothing; a streamed join is its caught_up event).
+          if (e.state_source === "disk" || (e.state_source === "peer" && e.state_bytes > 0)) {
             if (!j.restores.some((r) => r.epoch === e.epoch && r.source === e.state_source)) {
               j.restores.push({ t, epoch: e.epoch, step: e.step, source: e.state_source,
                                 seconds: e.state_s, bytes: e.state_bytes });
@@ -294,6 +296,8 @@ class Model {
         const ep = j.epochs.find((x) => x.epoch === e.epoch);
         if (ep) ep.caughtUp.push(e);
         j.caughtUp.push(e);
+        j.restores.push({ t, epoch: e.epoch, step: e.step, source: "peer", seconds: e.transfer_s,
+                          bytes: e.state_bytes, streamed: true });
         break;
       }
       case "checkpoint":
