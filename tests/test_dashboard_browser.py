@@ -182,7 +182,6 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
     page.page.wait_for_function(
         "(() => { const j = window.__maitre.model().jobs.get('b-lm');"
         " return j && j.states.some(s => s.to === 'RESIZING'); })()", timeout=240_000)
-    shot(page, "scaling")
     assert page.page.locator("#scaling-canvas").count() == 1
     assert "b-lm" in page.page.inner_text(".legend")
     page.view("rendezvous")
@@ -202,6 +201,8 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
     runner.join(300)
     page.page.wait_for_function(
         "window.__maitre.model().jobs.get('a-lm').state === 'COMPLETED'", timeout=30_000)
+    page.view("scaling")
+    shot(page, "scaling")
     page.view("checkpoints")
     shot(page, "checkpoints")
     page.view("job/b-lm")

@@ -110,8 +110,7 @@ class Simulation:
     def _arrive(self, job: SimJob) -> None:
         self.active.append(job)
         self.log.add(self.engine.now, "submitted", job.name, queue=job.queue,
-                     priority=job.priority, min_replicas=job.min_replicas,
-                     max_replicas=job.max_replicas)
+                     priority=job.priority, replicas=[job.min_replicas, job.max_replicas])
 
     def _round(self) -> None:
         self.reschedule()

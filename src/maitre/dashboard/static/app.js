@@ -238,7 +238,7 @@ class Model {
       }
       case "submitted":
         j.queue = e.queue ?? j.queue; j.priority = e.priority ?? j.priority; j.submitted = t;
-        j.min = e.min_replicas ?? e.min_workers; j.max = e.max_replicas ?? e.max_workers;
+        j.min = e.min_replicas ?? (e.replicas || [])[0]; j.max = e.max_replicas ?? (e.replicas || [])[1];
         this.move(j, "PENDING", t, "submitted");
         break;
       case "admit":
