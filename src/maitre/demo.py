@@ -269,6 +269,7 @@ class Demo:
             {**report, "elapsed_s": round(elapsed, 1), "recoveries": recoveries,
              "audits": audits, "targets": TARGETS}, indent=2, default=str))
         lines.append(f"  report: {self.run_dir / 'report.json'}")
+        lines.append(f"  watch it again: maitre dashboard {self.run_dir / 'state'}")
         self.out("\n".join(lines))
         return all_ok
 

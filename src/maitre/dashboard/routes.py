@@ -1,7 +1,9 @@
 """The dashboard's routes, on the coordinator's API (live) or on a replay's own server.
 
-- ``GET /dashboard/``: the page (one HTML file, its script and styles under
-  ``/dashboard/assets/``, all in the package: nothing is fetched from elsewhere).
+- ``GET /dashboard/``: the page (one HTML file, its scripts and styles under
+  ``/dashboard/assets/``, all in the package: nothing is fetched from elsewhere). The scripts:
+  ``draw.js`` (DOM and SVG helpers, charts), ``model.js`` (the events folded into a model),
+  ``views.js`` (each view drawn from the model), ``app.js`` (loading, the stream, the slider).
 - ``GET /dashboard/meta.json``: live or replay, the source, the price table.
 - ``GET /v1/events?since=N``: the event log after ``seq`` N, a page at a time
   (:class:`~maitre.protocol.EventPage`).
@@ -27,8 +29,9 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response, Stream
 from maitre import protocol as p
 from maitre.dashboard import auth
 
-ASSETS = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
-          "favicon.svg": "image/svg+xml"}
+_JS = "text/javascript; charset=utf-8"
+ASSETS = {"draw.js": _JS, "model.js": _JS, "views.js": _JS, "app.js": _JS,
+          "app.css": "text/css; charset=utf-8", "favicon.svg": "image/svg+xml"}
 """Every file the page loads, and its type: anything else under ``/dashboard/`` is a 404."""
 PAGE_LIMIT = 10_000
 KEEPALIVE_S = 15.0
