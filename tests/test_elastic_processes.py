@@ -83,6 +83,7 @@ def test_worker_leaves_gracefully(tmp_path: Path, reference) -> None:
     assert any(e["kind"] == "worker_left" for e in job["events"])
 
 
+@pytest.mark.slow  # (40 s: a chaos run; each of its events has its own test above)
 @pytest.mark.timeout(300)
 def test_several_events_in_one_run(tmp_path: Path, reference) -> None:
     # Long enough that a joiner started under load (6-9 s on 2 busy cores) arrives before the
