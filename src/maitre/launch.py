@@ -333,6 +333,9 @@ def describe(event: dict[str, Any]) -> str:
         return (f"checkpoint at step {event['step']}: {event['bytes'] / 1e6:.2f} MB, snapshot "
                 f"{event['snapshot_s'] * 1000:.0f} ms, persisted in {event['persist_s'] * 1000:.0f}"
                 f" ms ({every})")
+    if kind == "prices":
+        return "prices per slot-hour: " + ", ".join(f"{k} {v:g}" for k, v in
+                                                     event["prices"].items())
     if kind == "restore":
         return (f"restored step {event['step']} from {event['source']} in "
                 f"{event['seconds'] * 1000:.0f} ms ({event['bytes'] / 1e6:.2f} MB)")
