@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -141,3 +142,19 @@ def play(tmp_path: Path, command: list[str], events: str, **cfg: object) -> tupl
         for worker in agent.workers.values():
             assert not worker.alive(), f"{worker.worker_id} still running"
     return code, lines, run
+
+
+def wait_for(predicate, timeout: float, what: str, log: Path | list[str] | None = None):
+    """``predicate()``'s first true value within ``timeout`` s (polled), else an AssertionError
+    naming ``what``, with the end of ``log`` (a file, or lines)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    if isinstance(log, list):
+        detail = "\n".join(log)[-6000:]
+    else:
+        detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
+    raise AssertionError(f"timed out waiting for {what}\n{detail}")

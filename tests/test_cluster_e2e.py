@@ -4,7 +4,6 @@ workers, runs in tests/test_dashboard_browser.py, watched in the browser as it h
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TAG_VAR
+from conftest import ROOT, TAG_VAR, wait_for
 from maitre.runtime.ledger import audit
 from maitre.wire import Client, CoordinatorUnreachable
 
@@ -56,20 +55,6 @@ class _Procs:
                 pass
 
 
-def _wait(predicate, timeout: float, what: str, log: Path | list[str] | None = None):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    if isinstance(log, list):
-        detail = "\n".join(log)[-6000:]
-    else:
-        detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
-    raise AssertionError(f"timed out waiting for {what}\n{detail}")
-
-
 @pytest.mark.timeout(300)
 def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
         tmp_path: Path, reference) -> None:
@@ -83,7 +68,7 @@ def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
         procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state),
                     "--queue", "q")
         log = tmp_path / "coordinator.log"
-        address = _wait(lambda: next((line.split("coordinator at ")[1].split()[0]
+        address = wait_for(lambda: next((line.split("coordinator at ")[1].split()[0]
                                       for line in log.read_text().splitlines()
                                       if "coordinator at " in line), None)
                         if log.exists() else None, 60, "the coordinator", log)
@@ -99,7 +84,7 @@ def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
         def job() -> dict:
             return client.get("/jobs/fixed")
 
-        before = _wait(lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 30 and j,
+        before = wait_for(lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 30 and j,
                        120, "the job to train", log)
         procs.procs[0].send_signal(signal.SIGKILL)  # the coordinator, without a word
         procs.procs[0].wait(timeout=10)
@@ -108,12 +93,12 @@ def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
         time.sleep(4.0)  # its workers train on meanwhile
 
         procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state))
-        after = _wait(lambda: _try(job), 60, "the restarted coordinator", log)
+        after = wait_for(lambda: _try(job), 60, "the restarted coordinator", log)
         assert after["state"] == "RUNNING", after
         assert after["epoch"] == before["epoch"] and after["members"] == before["members"]
-        progressed = _wait(lambda: (j := _try(job)) and j["step"] > before["step"] + 10 and j,
+        progressed = wait_for(lambda: (j := _try(job)) and j["step"] > before["step"] + 10 and j,
                            10, "the job's steps after the restart", log)
-        final = _wait(lambda: (j := _try(job)) and j["state"] in ("COMPLETED", "FAILED") and j,
+        final = wait_for(lambda: (j := _try(job)) and j["state"] in ("COMPLETED", "FAILED") and j,
                       150, "the job to finish", log)
     finally:
         procs.cleanup()
@@ -157,11 +142,11 @@ def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_sto
         co.submit({"name": "low", "queue": "q", "priorityClassName": "low", "minReplicas": 2,
                    "maxReplicas": 2, "checkpointDir": str(tmp_path / "ck"),
                    "command": example_command(steps, out) + ["--device-ms-per-sample", "8"]})
-        _wait(lambda: co.job_status("low")["step"] >= 40, 120, "low to train", lines)
+        wait_for(lambda: co.job_status("low")["step"] >= 40, 120, "low to train", lines)
         co.submit({"name": "high", "queue": "q", "priorityClassName": "high", "minReplicas": 2,
                    "maxReplicas": 2, "preemptible": False,
                    "command": example_command(60) + ["--device-ms-per-sample", "8"]})
-        _wait(lambda: co.job_status("low")["state"] == "COMPLETED", 240, "low to finish", lines)
+        wait_for(lambda: co.job_status("low")["state"] == "COMPLETED", 240, "low to finish", lines)
         high = co.job_status("high")
         low = co.job_status("low")
         events = [e for e in cluster.db.events()]

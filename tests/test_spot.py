@@ -15,6 +15,7 @@ import pytest
 
 from maitre import protocol as p
 from maitre.control.cluster import DEFAULT_PRICES
+from conftest import wait_for
 from test_control_plane import Sim
 from maitre.scheduling.model import Queue
 
@@ -201,16 +202,6 @@ def test_bad_spot_flags_are_one_line_and_exit_2(args, words, capsys, tmp_path: P
     assert not (tmp_path / "s").exists()  # nothing was started or written
 
 
-def _wait(predicate, timeout: float, what: str, lines: list[str]):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}\n" + "\n".join(lines)[-6000:])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
@@ -247,13 +238,13 @@ def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
 
     try:
         cluster.add_node(slots=2, spot=True)  # node-0
-        _wait(lambda: co.nodes_view(), 20, "the spot node", lines)
+        wait_for(lambda: co.nodes_view(), 20, "the spot node", lines)
         co.submit(manifest("b", 1, 1))
-        _wait(lambda: co.job_status("b")["step"] >= 5, 90, "b to train on the spot node", lines)
+        wait_for(lambda: co.job_status("b")["step"] >= 5, 90, "b to train on the spot node", lines)
         co.submit(manifest("a", 1, 3))
-        _wait(lambda: co.job_status("a")["step"] >= 5, 90, "a to train on the spot node", lines)
+        wait_for(lambda: co.job_status("a")["step"] >= 5, 90, "a to train on the spot node", lines)
         cluster.add_node(slots=3)  # node-1, on-demand: a grows onto it
-        _wait(lambda: (lambda a: len(a["members"]) == 3 and a["state"] == "RUNNING" and
+        wait_for(lambda: (lambda a: len(a["members"]) == 3 and a["state"] == "RUNNING" and
                        min(w["step"] for w in a["workers"] if w["id"] in a["members"]) > 0)(
             co.job_status("a")), 90, "a to grow to 3 workers", lines)
         assert co.job_status("a")["placement"] == {"node-0": 1, "node-1": 2}
@@ -263,15 +254,15 @@ def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
         path.with_suffix(".tmp").write_text(json.dumps({"notice_s": 30}))
         os.replace(path.with_suffix(".tmp"), path)
         noticed = time.monotonic()
-        drained = _wait(lambda: [e for e in cluster.db.events() if e["kind"] == "node_drained"],
+        drained = wait_for(lambda: [e for e in cluster.db.events() if e["kind"] == "node_drained"],
                         30, "node-0 to drain", lines)[0]
         gone_after = time.monotonic() - noticed
         assert drained["seconds"] < 15 and gone_after < 20, (drained, gone_after)
         assert not any(cluster.agents[0].running()), "the spot node's processes are gone"
         cluster.remove_node("node-0")  # the machine goes
-        _wait(lambda: [e for e in cluster.db.events() if e["kind"] == "node_reclaimed"], 30,
+        wait_for(lambda: [e for e in cluster.db.events() if e["kind"] == "node_reclaimed"], 30,
               "node-0 to be reclaimed", lines)
-        _wait(lambda: all(co.job_status(j)["state"] == "COMPLETED" for j in steps), 200,
+        wait_for(lambda: all(co.job_status(j)["state"] == "COMPLETED" for j in steps), 200,
               "both jobs to finish", lines)
         statuses = {j: co.job_status(j) for j in steps}
         events = list(cluster.db.events())
