@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, example_command
+from conftest import ROOT, example_command, wait_for
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.scheduling import Queue
 from maitre.wire import Client, CoordinatorUnreachable
-from test_cluster_e2e import _Procs, _wait
+from test_cluster_e2e import _Procs
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="openssl makes the test certificates (.ci/run installs it)")
@@ -85,7 +85,7 @@ def test_a_job_trains_with_the_api_over_https(certs, tmp_path: Path) -> None:
         procs.start("coordinator", "up", "--nodes", "2", "--slots-per-node", "1",
                     "--state-dir", str(tmp_path / "state"), "--queue", "q",
                     "--tls-cert", str(cert), "--tls-key", str(key))
-        export = _wait(lambda: log.exists() and re.search(
+        export = wait_for(lambda: log.exists() and re.search(
             r"export MAITRE_COORDINATOR=(\S+) MAITRE_TOKEN_FILE=(\S+) MAITRE_TLS_CA=(\S+)",
             log.read_text()), 60, "the export line", log)
         address, token_file, ca = export.groups()
@@ -100,7 +100,7 @@ def test_a_job_trains_with_the_api_over_https(certs, tmp_path: Path) -> None:
                                     *env_args], cwd=ROOT, capture_output=True, text=True,
                                    timeout=30)
         assert submitted.returncode == 0, submitted.stderr
-        final = _wait(lambda: (j := client.get("/jobs/secure"))["state"] in
+        final = wait_for(lambda: (j := client.get("/jobs/secure"))["state"] in
                       ("COMPLETED", "FAILED") and j, 150, "the job to finish", log)
     finally:
         procs.cleanup()
