@@ -519,6 +519,8 @@ class CoordinatorServer:
     def stop(self) -> None:
         self._stop.set()
         self.app.state.waiters.close()
+        for wake in self.coordinator.events.listeners:  # the dashboard's streams end now
+            wake(self.coordinator.events.last)
         self.httpd.should_exit = True
         for t in self._threads:
             t.join(timeout=5)
