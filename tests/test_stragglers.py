@@ -3,17 +3,24 @@
 The synthetic runs give each rank a compute time per step proportional to its share (uneven
 shares: 4 or 5 samples), times a jitter on every rank, plus isolated spikes on one rank; a slow
 rank computes ``factor`` times longer from its onset on. Each rank keeps its window as the loop
-does (:class:`Window`), and the detector sees one value per rank per window.
+does (:class:`Window`), and the detector sees one value per rank per window. Then three real
+workers under ``maitre run``, one slowed by fault injection (``MAITRE_SLOW_RANK``), and the same
+run without it.
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import example_command, play, relative_error
 from maitre import protocol
+from maitre.runtime.ledger import audit
 from maitre.runtime.stragglers import Detector, Thresholds, Window
+from test_metrics import ok, sample, world  # noqa: F401 -- (world: a fixture)
 
 RANKS = 4
 STEPS = 120
@@ -116,3 +123,80 @@ def test_thresholds_from_the_environment() -> None:
         Thresholds.from_environ({protocol.STRAGGLER_POLICY: "evict"})
     with pytest.raises(ValueError, match="onset would come after"):
         Thresholds.from_environ({protocol.STRAGGLER_DRIFT: "1.5"})
+
+
+def straggler_report(worker: str, **changes: object) -> dict:
+    det, found = Detector(), []
+    for i in range(2):
+        found += det.observe(i * 5 + 1, i * 5 + 5, [1.0, 2.0, 1.0], ["a", worker, "c"])
+    [verdict] = found
+    return {**verdict.report(det.t), "epoch": 1, "world_size": 3, **changes}
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world) -> None:
+    co, client, t = world
+    ok(client.post("/v1/jobs", json={"manifest": {
+        "name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 2,
+        "command": ["python", "train.py"]}}))
+    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2}))
+    t[0] += 1.0
+    co.tick()  # admits it on n0
+    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2,
+                                                            "since": orders["version"]}))
+    w1, w2 = sorted(o["worker_id"] for o in orders["start"])
+    report = f"/v1/workers/{w1}/report"
+    bad = [{"policy": "evict"}, {"ratio": -1.0}, {"since_step": -1}, {"straggler": "a b"},
+           {"windows": 0}, {"surprise": 1}, {"evidence": [{"step": 1}]}]
+    for change in bad:
+        response = client.post(report, json=straggler_report(w2, **change))
+        assert response.status_code == 400, (change, response.text)
+    assert not co.reports["a"]
+    ok(client.post(report, json=straggler_report(w2)))
+    [event] = [e for e in co.db.events(job="a") if e["kind"] == "straggler"]
+    assert (event["worker"], event["node"], event["reporter"], event["rank"]) == (w2, "n0", w1, 1)
+    assert event["ratio"] == 2.0 and event["since_step"] == 1 and event["step"] == 10
+    assert [w["step"] for w in event["evidence"]] == [5, 10] and event["policy"] == "report"
+    text = co.metrics.render().decode()
+    assert sample(text, "maitre_stragglers_total", job="a") == 1
+
+
+REAL_STEPS = 150
+DEVICE = ("--device-ms-per-sample", "2")
+"""A step of 4 samples a rank holds a device-like 8 ms (a sleep: no CPU), so that on a loaded
+machine the ranks' compute stays comparable."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow", ["1:0.5", ""], ids=["rank1-1.5x", "noise-only"])
+def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkeypatch,
+                                                          reference, slow: str) -> None:
+    """Three workers under ``maitre run``; with MAITRE_SLOW_RANK=1:0.5 rank 1 computes 1.5x as
+    long: a ``straggler`` event names its worker and node, the metric counts it, and the run
+    is exact (every sample once, the parameters of a fixed-size run). Without: nothing."""
+    if slow:
+        monkeypatch.setenv(protocol.SLOW_RANK, slow)
+    code, lines, run = play(tmp_path, example_command(REAL_STEPS, tmp_path / "final.pt", DEVICE),
+                            "", min_nodes=3, max_nodes=3, local_nodes=3, max_restarts=0)
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == REAL_STEPS, result.describe()
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert relative_error(final, reference(REAL_STEPS)) <= 1e-5
+
+    job = run.job()
+    found = [r for r in job["reports"] if r["kind"] == "straggler"]  # (as their events)
+    text = run.coordinator.metrics.render().decode()
+    assert (sample(text, "maitre_stragglers_total", job=job["job_id"]) or 0) == len(found)
+    if not slow:
+        assert found == [], found
+        return
+    members = next(e for e in job["events"] if e["kind"] == "epoch")["members"]
+    node_of = {w["id"]: w["node"] for w in job["workers"]}
+    assert len(found) == 1, found  # reported once: it stays slow
+    verdict = found[0]
+    assert verdict["worker"] == members[1] and verdict["node"] == node_of[members[1]], verdict
+    assert verdict["rank"] == 1 and verdict["reporter"] == members[0]
+    assert verdict["ratio"] >= 1.3 and verdict["windows"] == 2
+    assert verdict["since_step"] <= 10 and verdict["step"] <= 30, verdict  # slow from the start
+    assert all(w["ratio"] >= 1.15 for w in verdict["evidence"][-2:]), verdict["evidence"]
