@@ -121,6 +121,11 @@ def test_thresholds_from_the_environment() -> None:
         Thresholds.from_environ({protocol.STRAGGLER_POLICY: "kill"})
     with pytest.raises(ValueError, match="not available yet"):
         Thresholds.from_environ({protocol.STRAGGLER_POLICY: "evict"})
+    assert Thresholds(ratio=2, window=10).ratio == 2
+    for bad_field in ({"ratio": 0.5}, {"window": 2.5}, {"windows": 65}, {"z": float("inf")},
+                      {"policy": "evict"}, {"min_ranks": 2}):
+        with pytest.raises(ValueError):
+            Thresholds(**bad_field)
     with pytest.raises(ValueError, match="onset would come after"):
         Thresholds.from_environ({protocol.STRAGGLER_DRIFT: "1.5"})
 

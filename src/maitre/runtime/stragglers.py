@@ -47,10 +47,10 @@ from maitre import protocol
 _MAD_SCALE = 1.4826
 """The MAD of a normal distribution times this is its standard deviation."""
 _EVIDENCE = 8
-"""Windows of evidence a verdict carries (the newest)."""
+"""Windows of evidence a verdict carries (the newest; ``windows`` of them if more)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Thresholds:
     """The detector's settings, all configurable per job (see the module docstring)."""
 
@@ -73,14 +73,25 @@ class Thresholds:
     come."""
     min_ranks: int = 3
 
-    _RANGES = {  # field: (env name, type, low, high, low inclusive)
-        "window": (protocol.STRAGGLER_WINDOW, int, 1, 10_000, True),
-        "ratio": (protocol.STRAGGLER_RATIO, float, 1.01, 100.0, True),
-        "z": (protocol.STRAGGLER_Z, float, 0.0, 1000.0, True),
-        "windows": (protocol.STRAGGLER_WINDOWS, int, 1, 64, True),
-        "mad_floor": (protocol.STRAGGLER_MAD_FLOOR, float, 0.001, 1.0, True),
-        "drift": (protocol.STRAGGLER_DRIFT, float, 1.0, 100.0, True),
-    }
+    def __post_init__(self) -> None:
+        for name, (var, kind, low, high, low_inclusive) in _RANGES.items():
+            value = getattr(self, name)
+            typed = isinstance(value, (int, float) if kind is float else int)
+            if not typed or isinstance(value, bool) or not (
+                    math.isfinite(value) and (value >= low if low_inclusive else value > low)
+                    and value <= high):
+                raise ValueError(f"{var}={value!r}: out of range "
+                                 f"({'[' if low_inclusive else '('}{low}, {high}])")
+        if self.policy not in protocol.STRAGGLER_POLICIES:
+            later = " (not available yet)" if self.policy == "evict" else ""
+            raise ValueError(f"{protocol.STRAGGLER_POLICY}={self.policy!r}: no such policy"
+                             f"{later}; the policies are {', '.join(protocol.STRAGGLER_POLICIES)}")
+        if self.drift > self.ratio:
+            raise ValueError(f"{protocol.STRAGGLER_DRIFT}={self.drift} is above "
+                             f"{protocol.STRAGGLER_RATIO}={self.ratio}: the onset would come after "
+                             f"the verdict")
+        if self.min_ranks < 3:
+            raise ValueError(f"min_ranks={self.min_ranks}: a median needs three ranks or more")
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "Thresholds":
@@ -88,35 +99,29 @@ class Thresholds:
         naming the variable for a value that is no number, out of range, or a policy that does
         not exist."""
         given: dict[str, Any] = {}
-        for name, (var, kind, low, high, low_inclusive) in cls._RANGES.items():
+        for name, (var, kind, *_) in _RANGES.items():
             text = env.get(var, "").strip()
-            if not text:
-                continue
-            try:
-                value = kind(text)
-            except ValueError:
-                raise ValueError(f"{var}={text!r}: not {'an integer' if kind is int else 'a number'}"
-                                 ) from None
-            if not (math.isfinite(value) and (value >= low if low_inclusive else value > low)
-                    and value <= high):
-                raise ValueError(f"{var}={text!r}: out of range "
-                                 f"({'[' if low_inclusive else '('}{low}, {high}])")
-            given[name] = value
+            if text:
+                try:
+                    given[name] = kind(text)
+                except ValueError:
+                    raise ValueError(f"{var}={text!r}: not "
+                                     f"{'an integer' if kind is int else 'a number'}") from None
         policy = env.get(protocol.STRAGGLER_POLICY, "").strip()
         if policy:
-            if policy == "evict":
-                raise ValueError(f"{protocol.STRAGGLER_POLICY}='evict': not available yet "
-                                 f"(the policies are {', '.join(protocol.STRAGGLER_POLICIES)})")
-            if policy not in protocol.STRAGGLER_POLICIES:
-                raise ValueError(f"{protocol.STRAGGLER_POLICY}={policy!r}: no such policy (the "
-                                 f"policies are {', '.join(protocol.STRAGGLER_POLICIES)})")
             given["policy"] = policy
-        made = cls(**given)
-        if made.drift > made.ratio:
-            raise ValueError(f"{protocol.STRAGGLER_DRIFT}={made.drift} is above "
-                             f"{protocol.STRAGGLER_RATIO}={made.ratio}: the onset would come after "
-                             f"the verdict")
-        return made
+        return cls(**given)
+
+
+_RANGES: dict[str, tuple[str, type, float, float, bool]] = {
+    # field: (its variable, type, low, high, low inclusive)
+    "window": (protocol.STRAGGLER_WINDOW, int, 1, 10_000, True),
+    "ratio": (protocol.STRAGGLER_RATIO, float, 1.01, 100.0, True),
+    "z": (protocol.STRAGGLER_Z, float, 0.0, 1000.0, True),
+    "windows": (protocol.STRAGGLER_WINDOWS, int, 1, 64, True),
+    "mad_floor": (protocol.STRAGGLER_MAD_FLOOR, float, 0.001, 1.0, True),
+    "drift": (protocol.STRAGGLER_DRIFT, float, 1.0, 100.0, True),
+}
 
 
 class Window:
@@ -204,7 +209,7 @@ class Detector:
             st.cusum = max(0.0, grown)
             st.evidence = (st.evidence + [{"step": last_step, "value": v, "median": med,
                                            "ratio": round(ratio, 4), "z": round(z, 3),
-                                           "cusum": round(st.cusum, 4)}])[-_EVIDENCE:]
+                                           "cusum": round(st.cusum, 4)}])[-max(n, _EVIDENCE):]
             recent = st.evidence[-n:]
             mean_ratio = statistics.fmean(e["ratio"] for e in recent)
             slow = (len(recent) == n and mean_ratio >= self.t.ratio
