@@ -541,10 +541,10 @@ class ElasticLoop:
         """This rank's compute this step (from the step's start to here, its arrival at the
         step's first collective) per unit of its work, into its window; at the window's last
         step, the window's value into this rank's slot (every other slot is zero here)."""
-        if self._detector is None or self.group is None:
-            return
         if self._slow is not None and self._slow[0] == self.rank and self._listening is None:
             time.sleep(self._slow[1] * (time.monotonic() - self._step_began))
+        if self._detector is None or self.group is None:
+            return
         work = (batch._tokens or len(batch.indices)) if counts else 0
         self._window.add(time.monotonic() - self._step_began, work)
         control[_CONTROL:] = 0.0

@@ -30,7 +30,10 @@ Every threshold comes from the job's environment (:meth:`Thresholds.from_environ
 that names the variable. The policy is ``report`` (an event and a metric); ``evict`` is to come.
 With two ranks there is no majority to compare against: the detector needs ``min_ranks`` (3).
 
-What it cannot see: a rank's fixed per-step overhead over a share smaller by one sample looks
+What it cannot see: on a GPU the clock is the host's, so kernels queued but not finished when
+the rank reaches the allreduce are not counted (a script that reads its loss, ``float(loss)``,
+syncs its forward passes; the last backward stays asynchronous): CUDA events, a step behind, are
+to come. And a rank's fixed per-step overhead over a share smaller by one sample looks
 like slowness per sample (by at most ``(n + 1) / n`` for shares of ``n`` and ``n + 1``): keep
 ``ratio`` above that, or shares large.
 """
