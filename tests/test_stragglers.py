@@ -166,7 +166,7 @@ def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world)
     assert sample(text, "maitre_stragglers_total", job="a") == 1
 
 
-REAL_STEPS = 150
+REAL_STEPS = 100
 DEVICE = ("--device-ms-per-sample", "2")
 """A step of 4 samples a rank holds a device-like 8 ms (a sleep: no CPU), so that on a loaded
 machine the ranks' compute stays comparable."""
@@ -198,7 +198,7 @@ def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkey
         return
     members = next(e for e in job["events"] if e["kind"] == "epoch")["members"]
     node_of = {w["id"]: w["node"] for w in job["workers"]}
-    assert len(found) == 1, found  # reported once: it stays slow
+    assert len(found) == 1, [(r["step"], r["ratio"]) for r in found]  # once: it stays slow
     verdict = found[0]
     assert verdict["worker"] == members[1] and verdict["node"] == node_of[members[1]], verdict
     assert verdict["rank"] == 1 and verdict["reporter"] == members[0]

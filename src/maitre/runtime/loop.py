@@ -1192,6 +1192,8 @@ def _slow_rank(text: str) -> tuple[int, float] | None:
                          f"a factor in [0, 1000]), e.g. 1:0.5")
     return parsed
 
+
+def _local(t: torch.Tensor) -> torch.Tensor:
     """A tensor's own storage: a sharded (DTensor) parameter's local shard, else itself."""
     return t.to_local() if replicas.is_sharded(t) else t
 

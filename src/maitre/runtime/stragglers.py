@@ -23,7 +23,8 @@ Rank 0 runs the :class:`Detector` on them, window after window:
 
 A verdict (:class:`Verdict`) names the rank and worker, by how much (the mean ratio of those
 windows), since which step, and the windows' numbers as evidence. A rank that is flagged is
-reported once, and again only after it recovered (its mean ratio back under ``ratio``).
+reported once, and again only after it recovered (its mean ratio back under ``drift``: a rank
+that hovers about ``ratio`` is one straggler, not many).
 
 Every threshold comes from the job's environment (:meth:`Thresholds.from_environ`; the
 ``MAITRE_STRAGGLER_*`` variables of :mod:`maitre.protocol`); a value out of range is an error
@@ -223,7 +224,7 @@ class Detector:
                 verdicts.append(Verdict(rank=r, key=keys[r], ratio=round(mean_ratio, 4),
                                         since_step=st.onset, step=last_step, windows=n,
                                         evidence=list(st.evidence)))
-            elif st.flagged and len(recent) == n and mean_ratio < self.t.ratio:
+            elif st.flagged and len(recent) == n and mean_ratio < self.t.drift:
                 st.flagged = False  # recovered: a new slowdown is a new verdict, with its own
                 st.cusum = 0.0  # onset
         return verdicts
