@@ -163,6 +163,12 @@ def test_max_restarts_negative(cli: Cli) -> None:
 
 
 @pytest.mark.timeout(60)
+def test_straggler_thresholds_out_of_range(cli: Cli) -> None:
+    line = assert_rejected(cli("run", str(EXAMPLE), MAITRE_STRAGGLER_RATIO="0.9"), cli)
+    assert "MAITRE_STRAGGLER_RATIO=0.9: " in line and "out of range" in line, line
+
+
+@pytest.mark.timeout(60)
 def test_local_nodes_outside_nnodes(cli: Cli) -> None:
     line = assert_rejected(cli("run", "--nnodes", "1:2", "--local-nodes", "3", str(EXAMPLE)), cli)
     assert "--local-nodes" in line, line

@@ -77,6 +77,29 @@ JOIN_MODES = ("stream", "pause")
 TRANSFER_DELAY_S = "MAITRE_TRANSFER_DELAY_S"
 """Fault injection (tests, drills): a streamed snapshot lands this many seconds late on the
 listener, as over a slow network, so that it has many steps to replay."""
+SLOW_RANK = "MAITRE_SLOW_RANK"
+"""Fault injection (tests, drills): ``RANK:FACTOR``, e.g. ``1:0.5``: the worker of data rank
+``RANK`` sleeps ``FACTOR`` times its step's compute each step before the step's allreduce, as a
+throttled GPU would (a straggler for :mod:`maitre.runtime.stragglers` to find)."""
+STRAGGLER_WINDOW = "MAITRE_STRAGGLER_WINDOW"
+"""Steps per window of the per-rank timing (default 5): the ranks share their numbers at each
+window's last step, in slots of that step's reduction."""
+STRAGGLER_RATIO = "MAITRE_STRAGGLER_RATIO"
+"""A rank's mean compute per unit of work over the median, over ``MAITRE_STRAGGLER_WINDOWS``
+consecutive windows, that makes it a straggler (default 1.3)."""
+STRAGGLER_Z = "MAITRE_STRAGGLER_Z"
+"""The mean robust z score (median and MAD across ranks) over those windows (default 3)."""
+STRAGGLER_WINDOWS = "MAITRE_STRAGGLER_WINDOWS"
+"""Consecutive windows a rank must be slow in (default 2)."""
+STRAGGLER_MAD_FLOOR = "MAITRE_STRAGGLER_MAD_FLOOR"
+"""The MAD's floor as a fraction of the median (default 0.05)."""
+STRAGGLER_DRIFT = "MAITRE_STRAGGLER_DRIFT"
+"""The ratio above which the onset's CUSUM accumulates, and which each of those windows must
+exceed (default 1.15)."""
+STRAGGLER_POLICY = "MAITRE_STRAGGLER_POLICY"
+"""What a straggler found does: ``report`` (the default: a ``straggler`` event and metric) or
+``off`` (no timing shared, no detector). ``evict`` is to come."""
+STRAGGLER_POLICIES = ("report", "off")
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 """Where workers record the samples they commit (the exactly-once audit)."""
 RUN_ID = "MAITRE_RUN_ID"
@@ -242,8 +265,8 @@ class JobSummary(_Reply):
 class JobStatus(JobSummary):
     events: list[dict[str, Any]]
     reports: list[dict[str, Any]]
-    """Its workers' recovery, caught-up, checkpoint and restore reports (the newest few
-    thousand; the event log keeps them all)."""
+    """Its workers' recovery, caught-up, checkpoint, restore and straggler reports (the newest
+    few thousand; the event log keeps them all)."""
     progress: dict[str, Any] | None = None
     """Its rank 0's latest progress report (``t``: when it came), if any."""
 
@@ -575,8 +598,50 @@ class ProgressReport(_Request):
     samples_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
+class StragglerWindow(_Request):
+    """One window of a straggler's evidence (:mod:`maitre.runtime.stragglers`)."""
+
+    step: int = Field(ge=0)
+    """The window's last step."""
+    value: float = Field(ge=0, allow_inf_nan=False)
+    """The rank's median compute per unit of work over the window (seconds per sample or
+    token)."""
+    median: float = Field(ge=0, allow_inf_nan=False)
+    """The median of every rank's value in that window."""
+    ratio: float = Field(ge=0, allow_inf_nan=False)
+    z: float = Field(allow_inf_nan=False)
+    """The robust z score: (value - median) / (1.4826 MAD, floored)."""
+    cusum: float = Field(ge=0, allow_inf_nan=False)
+    """The onset's CUSUM of log(ratio / drift) up to this window."""
+
+
+class StragglerReport(_Request):
+    """Rank 0 found a rank slower than its peers for several windows (policy ``report``)."""
+
+    kind: Literal["straggler"]
+    straggler: str = Field(pattern=NAME_PATTERN)
+    """The slow worker (the coordinator adds its node)."""
+    rank: int = Field(ge=0)
+    """Its rank in the epoch's group."""
+    epoch: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    ratio: float = Field(gt=0, allow_inf_nan=False)
+    """Its compute per unit of work over the median across ranks (the mean of the windows that
+    flagged it)."""
+    since_step: int = Field(ge=0)
+    """The onset: the first step of the window where it began to be slow."""
+    step: int = Field(ge=0)
+    """The last step of the window that flagged it."""
+    windows: int = Field(ge=1)
+    """Consecutive windows it was slow in."""
+    evidence: list[StragglerWindow] = Field(max_length=64)
+    policy: Literal["report"]
+    thresholds: dict[str, float] = Field(max_length=16)
+    """The detector's settings: ``window`` (steps), ``ratio``, ``z``, ``windows``."""
+
+
 WorkerReport = Annotated[RecoveryReport | CaughtUpReport | CheckpointReport | RestoreReport
-                         | ProgressReport, Field(discriminator="kind")]
+                         | ProgressReport | StragglerReport, Field(discriminator="kind")]
 
 
 class Empty(_Reply):

@@ -3,7 +3,8 @@
 It answers agents (a node heartbeat carries the liveness and progress of all the node's workers
 at once; a watch long-polls for the node's orders) and workers (rendezvous, done, left,
 recovery reports: per membership change, never per step; checkpoint reports; rank 0's progress
-about once a second, of which only the latest is kept), runs the failure detectors and the
+about once a second, of which only the latest is kept; rank 0's straggler verdicts, to which it
+adds the slow worker's node), runs the failure detectors and the
 scheduling pass every ``tick``, and persists what changed. Transport is elsewhere
 (:mod:`maitre.control.api`): this class is called with validated messages
 (:mod:`maitre.protocol`) under its own lock, with time from ``clock``, so tests drive it
@@ -76,7 +77,7 @@ _PROGRESS_EVENT_S = 0.5
 """A job's progress reports closer than this become no event (rank 0 sends one a second; two
 rank 0s around a resize would send more): the event log grows by at most two a second a job."""
 _EVENT_OF_REPORT = {"recovery": "report", "caught_up": "caught_up", "checkpoint": "checkpoint",
-                    "restore": "restore", "progress": "progress"}
+                    "restore": "restore", "progress": "progress", "straggler": "straggler"}
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -617,11 +618,16 @@ class Coordinator:
     @acknowledged
     def worker_report(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            job_id = self._job_of(wid).spec.job_id
+            ms = self._job_of(wid)
+            job_id = ms.spec.job_id
             managed = self.cluster.managed.get(job_id)
             report = {"worker": wid, **body,  # epochs count again in each incarnation
                       "incarnation": managed.incarnation if managed is not None else 1}
             kind = body.get("kind", "recovery")
+            if kind == "straggler":  # about the slow worker (rank 0 found it), and its node
+                slow = ms.workers.get(report.pop("straggler"))
+                report = {**report, "worker": body["straggler"], "reporter": wid,
+                          "node": slow.node if slow is not None else None}
             if kind == "progress":  # the latest only: one a second a job, for as long as it runs
                 now = self.clock()
                 last = self.progress.get(job_id)

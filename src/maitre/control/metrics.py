@@ -120,6 +120,9 @@ class Metrics:
         self.spot_drain = Histogram("maitre_spot_drain_duration_seconds", "From a spot notice "
                                     "to the last of the node's workers gone (node_drained).",
                                     buckets=_RECOVERY_BUCKETS, registry=r)
+        self.stragglers = Counter("maitre_stragglers", "Slow ranks found (straggler events: "
+                                  "a rank slower than its peers' median for several windows), "
+                                  "by job.", ["job"], registry=r)
         self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
                                 "A scheduling pass: the cluster brought up to date, the policy, "
                                 "its plan carried out.", buckets=_PASS_BUCKETS, registry=r)
@@ -139,7 +142,8 @@ class Metrics:
                            "report": self._report, "checkpoint": self._checkpoint,
                            "restore": self._restore, "spot_notice": self._spot_notice,
                            "node_reclaimed": self._spot_reclaim,
-                           "node_drained": self._spot_drained}
+                           "node_drained": self._spot_drained,
+                           "straggler": self._straggler}
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
@@ -208,6 +212,9 @@ class Metrics:
 
     def _spot_reclaim(self, job: str, kind: str, event: dict[str, Any]) -> None:
         self.spot_reclaims.inc()
+
+    def _straggler(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        self.stragglers.labels(job).inc()
 
     def _spot_drained(self, job: str, kind: str, event: dict[str, Any]) -> None:
         self.spot_drain.observe(max(0.0, float(event.get("seconds", 0.0))))

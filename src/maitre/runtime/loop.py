@@ -70,13 +70,16 @@ from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.storelink import StoreLink, StoreLinkError
+from maitre.runtime import stragglers
 from maitre.runtime import telemetry
 from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
 from maitre.runtime.transfer import unpack as transfer_unpack
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
 # loss sum, sample count, resize flag; save request, stop request, save token, writer busy;
-# in a replica of several processes: gradients not finite, the epoch lost; a listener caught up
+# in a replica of several processes: gradients not finite, the epoch lost; a listener caught up;
+# then one slot per member of the epoch's group: its compute per unit of work over the window
+# that ends at this step (zero on other steps: :mod:`maitre.runtime.stragglers`)
 _CONTROL = 10
 _SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY = 3, 4, 5, 6, 7, 8, 9
 _STALL_FLOOR_S = 0.5
@@ -105,6 +108,7 @@ class Batch:
     _logged: bool = False
     _scale: float = 1.0
     _autocast: tuple[str, torch.dtype] | None = None
+    _tokens: int = 0
 
     @property
     def indices(self) -> list[int]:
@@ -114,6 +118,11 @@ class Batch:
     @property
     def global_batch_size(self) -> int:
         return self.slice.global_count
+
+    def log_tokens(self, tokens: int) -> None:
+        """Count ``tokens`` of this rank's work this step: its compute is then timed per token
+        rather than per sample (variable sequence lengths do not look slow)."""
+        self._tokens += tokens
 
     def log_loss(self, loss_sum: torch.Tensor | float) -> None:
         """Record this rank's summed loss; ``loop.last_loss`` is then the global mean."""
@@ -231,6 +240,18 @@ class ElasticLoop:
         self._tp_checked = self._spanning is None or self._spanning.spec.tp == 1
         """Whether the tp ranks' copies of a tp-replicated parameter got the same gradients."""
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
+        try:
+            thresholds = stragglers.Thresholds.from_environ(os.environ)
+            self._slow = _slow_rank(os.environ.get(protocol.SLOW_RANK, ""))
+        except ValueError as exc:
+            raise SystemExit(f"maitre: {exc}") from None
+        self._detector = stragglers.Detector(thresholds) if thresholds.policy != "off" else None
+        """Rank 0's verdicts on the ranks' timings (None: policy ``off``, nothing shared)."""
+        self._window = stragglers.Window()
+        """This rank's compute per unit of work over the window so far."""
+        self._step_began = 0.0
+        self._members: list[str] = []
+        """The epoch's members (worker ids) by group rank, when the coordinator named them."""
         self.device = self.params[0].device
         self.rank, self.world_size, self.epoch = self.env.rank, self.env.world_size, 0
         self.group: EpochGroup | None = None
@@ -238,7 +259,7 @@ class ElasticLoop:
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
         self.recoveries: list[Recovery] = []
-        self._buffers = _GradBuffers(self.params)
+        self._buffers = _GradBuffers(self.params, 0)
         self._step_times: deque[float] = deque(maxlen=32)
         self._trained_s = 0.0
         self._committed_at = 0.0
@@ -293,7 +314,7 @@ class ElasticLoop:
                     continue
                 batch = self._next_batch()
                 self._buffers.zero()
-                step_start = time.monotonic()
+                step_start = self._step_began = time.monotonic()
                 yield batch
                 if not self._tp_checked:  # each tp rank's own gradients, before any reduction
                     self._tp_checked = replicas.check_tp_grads(self.model, self._spanning)
@@ -377,6 +398,7 @@ class ElasticLoop:
         else:
             committed = self._update(batch, control)
             if committed:
+                self._judge(batch, control)
                 self._commit(batch, control, stop)
         if float(control[_READY]) >= self._ready_quorum():
             self._promote()
@@ -412,6 +434,7 @@ class ElasticLoop:
             if ckpt is not None and self.rank == 0 else 0.0
         control[_NONFINITE] = control[_LOST] = 0.0
         control[_READY] = 1.0 if lst is not None and lst.caught_up else 0.0
+        self._time_step(batch, control, counts)
         if self._ledger is not None and counts:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
         lost: EpochLost | None = None
@@ -439,7 +462,7 @@ class ElasticLoop:
         if lost is not None:
             # The abandoned allreduce still holds these buffers and may yet finish (a peer that
             # was cut off comes back) and write into them: never hand them to the next epoch.
-            self._buffers = _GradBuffers(self.params)
+            self._buffers = _GradBuffers(self.params, self._buffers.slots)
             self._recover(lost)
             return None
         return control
@@ -503,6 +526,49 @@ class ElasticLoop:
         self._committed_at = time.monotonic()
         if self._reporter is not None and training:
             self._report_progress(batch)
+
+    # -- per-rank timing: slow ranks (maitre.runtime.stragglers) --------------------------------
+    def _size_slots(self) -> None:
+        """One timing slot per member of the new epoch's group (none with policy ``off``); the
+        window starts afresh (its steps ran in another group)."""
+        assert self.group is not None
+        slots = self.group.world_size if self._detector is not None else 0
+        if slots != self._buffers.slots:
+            self._buffers = _GradBuffers(self.params, slots)
+        self._window = stragglers.Window()
+
+    def _time_step(self, batch: Batch, control: torch.Tensor, counts: bool) -> None:
+        """This rank's compute this step (from the step's start to here, its arrival at the
+        step's first collective) per unit of its work, into its window; at the window's last
+        step, the window's value into this rank's slot (every other slot is zero here)."""
+        if self._slow is not None and self._slow[0] == self.rank and self._listening is None:
+            time.sleep(self._slow[1] * (time.monotonic() - self._step_began))
+        if self._detector is None or self.group is None:
+            return
+        work = (batch._tokens or len(batch.indices)) if counts else 0
+        self._window.add(time.monotonic() - self._step_began, work)
+        control[_CONTROL:] = 0.0
+        if batch.step % self._detector.t.window == 0:
+            control[_CONTROL + self.group.rank] = self._window.take()
+
+    def _judge(self, batch: Batch, control: torch.Tensor) -> None:
+        """At a window's last step, rank 0 (the first process of its replica) runs the detector
+        on every member's slot; each verdict goes out as a ``straggler`` report."""
+        det = self._detector
+        if det is None or batch.step % det.t.window or self.rank != 0 or self.env.proc:
+            return
+        values = [float(v) for v in control[_CONTROL:].tolist()]
+        keys = self._members if len(self._members) == len(values) else None
+        for verdict in det.observe(max(1, batch.step - det.t.window + 1), batch.step, values,
+                                   keys):
+            report = {**verdict.report(det.t), "epoch": self.epoch,
+                      "world_size": self.world_size}
+            print(f"maitre: straggler: {verdict.key} (rank {verdict.rank}) computes "
+                  f"{verdict.ratio:.2f}x the median since step {verdict.since_step} "
+                  f"({verdict.windows} windows of {det.t.window} steps)", file=sys.stderr,
+                  flush=True)
+            if self._reporter is not None and keys is not None:
+                self._reporter.send(report)
 
     def _report_progress(self, batch: Batch) -> None:
         """Rank 0 (the first process of its replica) counts its commits; about once a second
@@ -738,6 +804,7 @@ class ElasticLoop:
             else:
                 self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
                                         self.device)
+            self._size_slots()
             self._sync_state(Recovery("start", time.time()))
             return
         self._client = Client(self.env.coordinator, token=self.env.token or None,
@@ -835,6 +902,8 @@ class ElasticLoop:
             self._prefix = prefix
             self.group = EpochGroup.create(self._store, prefix, self.rank,
                                            self.world_size, self.device, self._epoch_closed)
+            self._members = list(answer.get("members") or [])
+            self._size_slots()
             self._building_since = None
             rec.group_at = time.time()
             self._sync_state(rec)
@@ -1054,7 +1123,9 @@ class _GradBuffers:
     of their own for half-precision-only models).
     """
 
-    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], slots: int) -> None:
+        self.slots = slots
+        """Timing slots after the control slots, one per member of the epoch's group."""
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -1065,7 +1136,7 @@ class _GradBuffers:
         self.groups: list[tuple[torch.Tensor, int, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
         for dtype, ps in by_dtype.items():
             numel = sum(_local(p).numel() for p in ps)
-            extra = _CONTROL if dtype == control_dtype else 0
+            extra = _CONTROL + slots if dtype == control_dtype else 0
             flat = torch.zeros(numel + extra, dtype=dtype, device=device)
             views, offset = [], 0
             for p in ps:
@@ -1105,6 +1176,21 @@ class _GradBuffers:
             flat[:numel].mul_(scale)
             for p, view in views:
                 p.grad = view
+
+
+def _slow_rank(text: str) -> tuple[int, float] | None:
+    """``MAITRE_SLOW_RANK`` (fault injection): ``RANK:FACTOR`` (None when unset)."""
+    if not text.strip():
+        return None
+    rank, sep, factor = text.partition(":")
+    try:
+        parsed = int(rank), float(factor)
+    except ValueError:
+        parsed = None
+    if not sep or parsed is None or parsed[0] < 0 or not 0 <= parsed[1] <= 1000:
+        raise ValueError(f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR (a rank >= 0, "
+                         f"a factor in [0, 1000]), e.g. 1:0.5")
+    return parsed
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,18 +1,20 @@
 """What a worker tells the coordinator besides its membership: progress and checkpoints.
 
-The coordinator turns each report into an event (``progress``, ``checkpoint``, ``restore``) for
-its event log, the dashboard and ``/metrics``. Three kinds, each from the one process that
-knows (:mod:`maitre.protocol` has their shapes):
+The coordinator turns each report into an event (``progress``, ``checkpoint``, ``restore``,
+``straggler``) for its event log, the dashboard and ``/metrics``. Four kinds, each from the one
+process that knows (:mod:`maitre.protocol` has their shapes):
 
 - **progress**, from the job's rank 0 (the first process of its replica), at most once every
   :data:`PROGRESS_EVERY_S`: the committed step, the last step's loss, steps and samples per
   second over the wall time since the previous report (pauses included: what the job got);
 - **checkpoint**, from the committing rank, once the manifest is in place or the save failed;
-- **restore**, from rank 0, when the job's state came from disk.
+- **restore**, from rank 0, when the job's state came from disk;
+- **straggler**, from rank 0, when its detector found a rank slower than its peers
+  (:mod:`maitre.runtime.stragglers`).
 
 The step never waits on the network: :class:`Reporter` posts on a thread of its own. A progress
 report is dropped when a post is in flight or waiting (the next one, a second later, says more);
-a checkpoint or restore report waits its turn in a short queue. Nothing here raises into the
+a checkpoint, restore or straggler report waits its turn in a short queue. Nothing here raises into the
 training loop: a coordinator that is away loses these reports, not the job's time.
 """
 

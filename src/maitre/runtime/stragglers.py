@@ -1,0 +1,230 @@
+"""Slow ranks: each rank's compute per unit of work, compared across ranks (pure, no torch).
+
+In synchronous training the slowest rank sets everyone's pace, so a rank that computes slower
+than its peers costs the whole job. Each rank times its compute per step (from the start of the
+step to its arrival at the step's gradient allreduce: the wait for its peers excluded) divided
+by its work (the samples of its share, or the tokens the script logged), and keeps a window of
+``window`` steps (:class:`Window`). At the window's last step every rank puts the window's
+median into its own slot of the step's reduction (:mod:`maitre.runtime.loop`): no collective
+of its own, and rank 0 reads every rank's number from the reduced slots.
+
+Rank 0 runs the :class:`Detector` on them, window after window:
+
+- per window, each rank's value against the median across ranks: ``ratio = value / median``
+  and a robust z score, ``z = (value - median) / (1.4826 * MAD)``, where the MAD has a floor
+  of ``mad_floor * median`` (ranks that agree closely would make a tiny MAD explode);
+- smoothed over windows: a rank is flagged when, over its last ``windows`` consecutive
+  windows, its mean ratio is at least ``ratio``, its mean z at least ``z``, and every one of
+  them is above ``drift`` (one slow window, a spike, a hiccup of the machine, is no straggler;
+  a rank a little slower than ``drift`` never is);
+- its onset comes from a CUSUM of ``log(ratio / drift)`` per rank (a change-point test): the
+  first step of the window where the sum last rose from zero, i.e. where the rank began to be
+  slower than ``drift`` times the median.
+
+A verdict (:class:`Verdict`) names the rank and worker, by how much (the mean ratio of those
+windows), since which step, and the windows' numbers as evidence. A rank that is flagged is
+reported once, and again only after it recovered (its mean ratio back under ``drift``: a rank
+that hovers about ``ratio`` is one straggler, not many).
+
+Every threshold comes from the job's environment (:meth:`Thresholds.from_environ`; the
+``MAITRE_STRAGGLER_*`` variables of :mod:`maitre.protocol`); a value out of range is an error
+that names the variable. The policy is ``report`` (an event and a metric); ``evict`` is to come.
+With two ranks there is no majority to compare against: the detector needs ``min_ranks`` (3).
+
+What it cannot see: on a GPU the clock is the host's, so kernels queued but not finished when
+the rank reaches the allreduce are not counted (a script that reads its loss, ``float(loss)``,
+syncs its forward passes; the last backward stays asynchronous): CUDA events, a step behind, are
+to come. And a rank's fixed per-step overhead over a share smaller by one sample looks
+like slowness per sample (by at most ``(n + 1) / n`` for shares of ``n`` and ``n + 1``): keep
+``ratio`` above that, or shares large.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from maitre import protocol
+
+_MAD_SCALE = 1.4826
+"""The MAD of a normal distribution times this is its standard deviation."""
+_EVIDENCE = 8
+"""Windows of evidence a verdict carries (the newest; ``windows`` of them if more)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Thresholds:
+    """The detector's settings, all configurable per job (see the module docstring)."""
+
+    window: int = 5
+    """Steps per window (``MAITRE_STRAGGLER_WINDOW``, 1..10000)."""
+    ratio: float = 1.3
+    """Mean ratio to the median over ``windows`` windows that flags a rank
+    (``MAITRE_STRAGGLER_RATIO``, 1.01..100)."""
+    z: float = 3.0
+    """Mean robust z score over them that flags it (``MAITRE_STRAGGLER_Z``, 0..1000)."""
+    windows: int = 2
+    """Consecutive windows it must be slow in (``MAITRE_STRAGGLER_WINDOWS``, 1..64)."""
+    mad_floor: float = 0.05
+    """The MAD's floor, as a fraction of the median (``MAITRE_STRAGGLER_MAD_FLOOR``, 0.001..1)."""
+    drift: float = 1.15
+    """Ratio above which the onset's CUSUM accumulates, and which each of the flagging windows
+    must exceed (``MAITRE_STRAGGLER_DRIFT``, 1..ratio)."""
+    policy: str = "report"
+    """``report`` (event and metric) or ``off`` (``MAITRE_STRAGGLER_POLICY``); ``evict``: to
+    come."""
+    min_ranks: int = 3
+
+    def __post_init__(self) -> None:
+        for name, (var, kind, low, high, low_inclusive) in _RANGES.items():
+            value = getattr(self, name)
+            typed = isinstance(value, (int, float) if kind is float else int)
+            if not typed or isinstance(value, bool) or not (
+                    math.isfinite(value) and (value >= low if low_inclusive else value > low)
+                    and value <= high):
+                raise ValueError(f"{var}={value!r}: out of range "
+                                 f"({'[' if low_inclusive else '('}{low}, {high}])")
+        if self.policy not in protocol.STRAGGLER_POLICIES:
+            later = " (not available yet)" if self.policy == "evict" else ""
+            raise ValueError(f"{protocol.STRAGGLER_POLICY}={self.policy!r}: no such policy"
+                             f"{later}; the policies are {', '.join(protocol.STRAGGLER_POLICIES)}")
+        if self.drift > self.ratio:
+            raise ValueError(f"{protocol.STRAGGLER_DRIFT}={self.drift} is above "
+                             f"{protocol.STRAGGLER_RATIO}={self.ratio}: the onset would come after "
+                             f"the verdict")
+        if self.min_ranks < 3:
+            raise ValueError(f"min_ranks={self.min_ranks}: a median needs three ranks or more")
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "Thresholds":
+        """The settings from ``MAITRE_STRAGGLER_*`` (defaults for those unset); ValueError
+        naming the variable for a value that is no number, out of range, or a policy that does
+        not exist."""
+        given: dict[str, Any] = {}
+        for name, (var, kind, *_) in _RANGES.items():
+            text = env.get(var, "").strip()
+            if text:
+                try:
+                    given[name] = kind(text)
+                except ValueError:
+                    raise ValueError(f"{var}={text!r}: not "
+                                     f"{'an integer' if kind is int else 'a number'}") from None
+        policy = env.get(protocol.STRAGGLER_POLICY, "").strip()
+        if policy:
+            given["policy"] = policy
+        return cls(**given)
+
+
+_RANGES: dict[str, tuple[str, type, float, float, bool]] = {
+    # field: (its variable, type, low, high, low inclusive)
+    "window": (protocol.STRAGGLER_WINDOW, int, 1, 10_000, True),
+    "ratio": (protocol.STRAGGLER_RATIO, float, 1.01, 100.0, True),
+    "z": (protocol.STRAGGLER_Z, float, 0.0, 1000.0, True),
+    "windows": (protocol.STRAGGLER_WINDOWS, int, 1, 64, True),
+    "mad_floor": (protocol.STRAGGLER_MAD_FLOOR, float, 0.001, 1.0, True),
+    "drift": (protocol.STRAGGLER_DRIFT, float, 1.0, 100.0, True),
+}
+
+
+class Window:
+    """One rank's compute per unit of work over the steps of a window (its median: a step or
+    two of a hiccup do not move it)."""
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def add(self, compute_s: float, work: float) -> None:
+        if work > 0 and compute_s >= 0 and math.isfinite(compute_s):
+            self.values.append(compute_s / work)
+
+    def take(self) -> float:
+        """The window's value (0.0: no work in it, e.g. a listener), and a new window."""
+        values, self.values = self.values, []
+        return statistics.median(values) if values else 0.0
+
+
+@dataclass(slots=True)
+class Verdict:
+    """A rank found slow: the ``straggler`` report's body, but the worker's node (the
+    coordinator knows it)."""
+
+    rank: int
+    """Its slot in the shared numbers: its rank in the epoch's group."""
+    key: str
+    """The worker, as the caller named the slot (its id)."""
+    ratio: float
+    """Its compute per unit of work over the median across ranks, the mean of the windows
+    that flagged it."""
+    since_step: int
+    """The onset: the first step of the window where it began to be slow."""
+    step: int
+    """The last step of the window that flagged it."""
+    windows: int
+    """Consecutive windows it was found slow in."""
+    evidence: list[dict[str, float]]
+    """The newest windows' numbers: ``{step, value, median, ratio, z, cusum}``."""
+
+    def report(self, thresholds: Thresholds) -> dict[str, Any]:
+        return {"kind": "straggler", "rank": self.rank, "straggler": self.key,
+                "ratio": self.ratio, "since_step": self.since_step, "step": self.step,
+                "windows": self.windows, "evidence": self.evidence,
+                "policy": thresholds.policy,
+                "thresholds": {"window": thresholds.window, "ratio": thresholds.ratio,
+                               "z": thresholds.z, "windows": thresholds.windows}}
+
+
+@dataclass(slots=True)
+class _Rank:
+    cusum: float = 0.0
+    onset: int = 0
+    flagged: bool = False
+    evidence: list[dict[str, float]] = field(default_factory=list)
+
+
+class Detector:
+    """Rank 0's verdicts, window after window (see the module docstring). Keyed by the name
+    of each slot (a worker id), so a rank's history follows its worker across epochs."""
+
+    def __init__(self, thresholds: Thresholds | None = None) -> None:
+        self.t = thresholds or Thresholds()
+        self._ranks: dict[str, _Rank] = {}
+
+    def observe(self, first_step: int, last_step: int, values: list[float],
+                keys: list[str] | None = None) -> list[Verdict]:
+        """One window (steps ``first_step..last_step``): ``values[r]`` is slot ``r``'s compute
+        per unit of work (0 or less: no work in it, left out). The verdicts it brings."""
+        keys = keys if keys is not None else [str(r) for r in range(len(values))]
+        seen = [(r, v) for r, v in enumerate(values) if v > 0 and math.isfinite(v)]
+        if len(seen) < self.t.min_ranks:
+            return []
+        med = statistics.median(v for _, v in seen)
+        mad = statistics.median(abs(v - med) for _, v in seen)
+        scale = max(_MAD_SCALE * mad, self.t.mad_floor * med)
+        log_drift, n = math.log(self.t.drift), self.t.windows
+        verdicts = []
+        for r, v in seen:
+            st = self._ranks.setdefault(keys[r], _Rank())
+            ratio, z = v / med, (v - med) / scale
+            grown = st.cusum + math.log(ratio) - log_drift
+            if st.cusum <= 0 < grown:
+                st.onset = first_step
+            st.cusum = max(0.0, grown)
+            st.evidence = (st.evidence + [{"step": last_step, "value": v, "median": med,
+                                           "ratio": round(ratio, 4), "z": round(z, 3),
+                                           "cusum": round(st.cusum, 4)}])[-max(n, _EVIDENCE):]
+            recent = st.evidence[-n:]
+            mean_ratio = statistics.fmean(e["ratio"] for e in recent)
+            slow = (len(recent) == n and mean_ratio >= self.t.ratio
+                    and statistics.fmean(e["z"] for e in recent) >= self.t.z
+                    and min(e["ratio"] for e in recent) >= self.t.drift)
+            if slow and not st.flagged:
+                st.flagged = True
+                verdicts.append(Verdict(rank=r, key=keys[r], ratio=round(mean_ratio, 4),
+                                        since_step=st.onset, step=last_step, windows=n,
+                                        evidence=list(st.evidence)))
+            elif st.flagged and len(recent) == n and mean_ratio < self.t.drift:
+                st.flagged = False  # recovered: a new slowdown is a new verdict, with its own
+                st.cusum = 0.0  # onset
+        return verdicts

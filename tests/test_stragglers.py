@@ -1,0 +1,207 @@
+"""Slow ranks: the detector on synthetic timings, its settings, and a real run with one slow rank.
+
+The synthetic runs give each rank a compute time per step proportional to its share (uneven
+shares: 4 or 5 samples), times a jitter on every rank, plus isolated spikes on one rank; a slow
+rank computes ``factor`` times longer from its onset on. Each rank keeps its window as the loop
+does (:class:`Window`), and the detector sees one value per rank per window. Then three real
+workers under ``maitre run``, one slowed by fault injection (``MAITRE_SLOW_RANK``), and the same
+run without it.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import example_command, play, relative_error
+from maitre import protocol
+from maitre.runtime.ledger import audit
+from maitre.runtime.stragglers import Detector, Thresholds, Window
+from test_metrics import ok, sample, world  # noqa: F401 -- (world: a fixture)
+
+RANKS = 4
+STEPS = 120
+RUNS = 1000
+
+
+def simulate(seed: int, slow: tuple[int, float, int] | None = None, ranks: int = RANKS,
+             steps: int = STEPS, t: Thresholds | None = None) -> list:
+    """One run: the verdicts, each with the step that brought it. ``slow``: (rank, factor,
+    onset step)."""
+    rng = random.Random(seed)
+    t = t or Thresholds()
+    det = Detector(t)
+    windows = [Window() for _ in range(ranks)]
+    spiky = rng.randrange(ranks)
+    found = []
+    for step in range(1, steps + 1):
+        for r in range(ranks):
+            share = 4 + (r + step) % 2  # uneven, and changing from step to step
+            seconds = 0.01 * share * rng.lognormvariate(0.0, 0.1)  # ~10% jitter everywhere
+            if r == spiky and rng.random() < 0.03:
+                seconds *= 4.0  # an isolated hiccup (a page fault storm, a GC pause)
+            if slow is not None and r == slow[0] and step >= slow[2]:
+                seconds *= slow[1]
+            windows[r].add(seconds, share)
+        if step % t.window == 0:
+            found += det.observe(step - t.window + 1, step, [w.take() for w in windows],
+                                 [f"w{r}" for r in range(ranks)])
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_noise_only_flags_nothing_in_a_thousand_runs() -> None:
+    flagged = sum(1 for seed in range(RUNS) if simulate(seed))
+    assert flagged / RUNS <= 0.01, f"{flagged} of {RUNS} noise-only runs flagged a rank"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("factor", [1.5, 3.0])
+def test_a_slow_rank_is_found_within_twenty_steps_with_its_onset(factor: float) -> None:
+    onset, late, wrong = 43, [], []
+    for seed in range(RUNS):
+        slow_rank = seed % RANKS
+        verdicts = simulate(seed, (slow_rank, factor, onset))
+        mine = [v for v in verdicts if v.key == f"w{slow_rank}"]
+        if not mine or mine[0].step > onset + 20:
+            late.append(seed)
+            continue
+        v = mine[0]
+        # The onset is told to a window (5 steps): the one it fell in, or the next.
+        if not (onset - 5 < v.since_step <= onset + 5) or v.rank != slow_rank:
+            wrong.append((seed, v))
+        assert v.ratio >= 1.3 and v.windows >= 2 and v.evidence[-1]["step"] == v.step
+        assert [e["ratio"] for e in v.evidence[-2:]] == [pytest.approx(e["value"] / e["median"],
+                                                                       rel=1e-3)
+                                                         for e in v.evidence[-2:]]
+    assert len(late) <= RUNS // 100, f"{len(late)} of {RUNS} runs late or missed: {late[:10]}"
+    assert len(wrong) <= RUNS // 100, wrong[:5]
+    # Others are no stragglers: any verdict names the slow rank only.
+    assert all(v.key == f"w{1}" for v in simulate(1, (1, factor, onset)))
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_is_reported_once_per_slowdown_and_again_after_it_recovered() -> None:
+    t = Thresholds()
+    det = Detector(t)
+    fast, slow = [1.0, 1.02, 0.98, 1.01], [1.0, 2.0, 0.98, 1.01]
+    series = [fast] * 4 + [slow] * 10 + [fast] * 10 + [slow] * 4
+    found = [(i, v) for i, values in enumerate(series)
+             for v in det.observe(i * 5 + 1, i * 5 + 5, values)]
+    assert [(i, v.key, v.since_step) for i, v in found] == [(5, "1", 21), (25, "1", 121)]
+
+
+@pytest.mark.timeout(30)
+def test_too_few_ranks_or_idle_slots_give_no_verdict() -> None:
+    det = Detector()
+    for i in range(10):  # two ranks: no majority to judge by
+        assert det.observe(i * 5 + 1, i * 5 + 5, [1.0, 3.0]) == []
+    for i in range(10):  # a listener's slot (0: no work) is left out
+        assert det.observe(i * 5 + 1, i * 5 + 5, [1.0, 3.0, 0.0]) == []
+
+
+@pytest.mark.timeout(30)
+def test_thresholds_from_the_environment() -> None:
+    t = Thresholds.from_environ({protocol.STRAGGLER_WINDOW: "10", protocol.STRAGGLER_RATIO: "1.5",
+                                 protocol.STRAGGLER_Z: "4", protocol.STRAGGLER_WINDOWS: "3",
+                                 protocol.STRAGGLER_POLICY: "off"})
+    assert (t.window, t.ratio, t.z, t.windows, t.policy) == (10, 1.5, 4.0, 3, "off")
+    assert Thresholds.from_environ({}) == Thresholds()
+    bad = {protocol.STRAGGLER_WINDOW: "0", protocol.STRAGGLER_WINDOW + "_": "x",
+           protocol.STRAGGLER_RATIO: "1.0", protocol.STRAGGLER_Z: "nan",
+           protocol.STRAGGLER_MAD_FLOOR: "0", protocol.STRAGGLER_WINDOWS: "2.5"}
+    for var, text in bad.items():
+        if not var.endswith("_"):
+            with pytest.raises(ValueError, match=var):
+                Thresholds.from_environ({var: text})
+    with pytest.raises(ValueError, match="no such policy"):
+        Thresholds.from_environ({protocol.STRAGGLER_POLICY: "kill"})
+    with pytest.raises(ValueError, match="not available yet"):
+        Thresholds.from_environ({protocol.STRAGGLER_POLICY: "evict"})
+    assert Thresholds(ratio=2, window=10).ratio == 2
+    for bad_field in ({"ratio": 0.5}, {"window": 2.5}, {"windows": 65}, {"z": float("inf")},
+                      {"policy": "evict"}, {"min_ranks": 2}):
+        with pytest.raises(ValueError):
+            Thresholds(**bad_field)
+    with pytest.raises(ValueError, match="onset would come after"):
+        Thresholds.from_environ({protocol.STRAGGLER_DRIFT: "1.5"})
+
+
+def straggler_report(worker: str, **changes: object) -> dict:
+    det, found = Detector(), []
+    for i in range(2):
+        found += det.observe(i * 5 + 1, i * 5 + 5, [1.0, 2.0, 1.0], ["a", worker, "c"])
+    [verdict] = found
+    return {**verdict.report(det.t), "epoch": 1, "world_size": 3, **changes}
+
+
+@pytest.mark.timeout(60)
+def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world) -> None:
+    co, client, t = world
+    ok(client.post("/v1/jobs", json={"manifest": {
+        "name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 2,
+        "command": ["python", "train.py"]}}))
+    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2}))
+    t[0] += 1.0
+    co.tick()  # admits it on n0
+    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2,
+                                                            "since": orders["version"]}))
+    w1, w2 = sorted(o["worker_id"] for o in orders["start"])
+    report = f"/v1/workers/{w1}/report"
+    bad = [{"policy": "evict"}, {"ratio": -1.0}, {"since_step": -1}, {"straggler": "a b"},
+           {"windows": 0}, {"surprise": 1}, {"evidence": [{"step": 1}]}]
+    for change in bad:
+        response = client.post(report, json=straggler_report(w2, **change))
+        assert response.status_code == 400, (change, response.text)
+    assert not co.reports["a"]
+    ok(client.post(report, json=straggler_report(w2)))
+    [event] = [e for e in co.db.events(job="a") if e["kind"] == "straggler"]
+    assert (event["worker"], event["node"], event["reporter"], event["rank"]) == (w2, "n0", w1, 1)
+    assert event["ratio"] == 2.0 and event["since_step"] == 1 and event["step"] == 10
+    assert [w["step"] for w in event["evidence"]] == [5, 10] and event["policy"] == "report"
+    text = co.metrics.render().decode()
+    assert sample(text, "maitre_stragglers_total", job="a") == 1
+
+
+REAL_STEPS = 100
+DEVICE = ("--device-ms-per-sample", "2")
+"""A step of 4 samples a rank holds a device-like 8 ms (a sleep: no CPU), so that on a loaded
+machine the ranks' compute stays comparable."""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow", ["1:0.5", ""], ids=["rank1-1.5x", "noise-only"])
+def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkeypatch,
+                                                          reference, slow: str) -> None:
+    """Three workers under ``maitre run``; with MAITRE_SLOW_RANK=1:0.5 rank 1 computes 1.5x as
+    long: a ``straggler`` event names its worker and node, the metric counts it, and the run
+    is exact (every sample once, the parameters of a fixed-size run). Without: nothing."""
+    if slow:
+        monkeypatch.setenv(protocol.SLOW_RANK, slow)
+    code, lines, run = play(tmp_path, example_command(REAL_STEPS, tmp_path / "final.pt", DEVICE),
+                            "", min_nodes=3, max_nodes=3, local_nodes=3, max_restarts=0)
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == REAL_STEPS, result.describe()
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert relative_error(final, reference(REAL_STEPS)) <= 1e-5
+
+    job = run.job()
+    found = [r for r in job["reports"] if r["kind"] == "straggler"]  # (as their events)
+    text = run.coordinator.metrics.render().decode()
+    assert (sample(text, "maitre_stragglers_total", job=job["job_id"]) or 0) == len(found)
+    if not slow:
+        assert found == [], found
+        return
+    members = next(e for e in job["events"] if e["kind"] == "epoch")["members"]
+    node_of = {w["id"]: w["node"] for w in job["workers"]}
+    assert len(found) == 1, [(r["step"], r["ratio"]) for r in found]  # once: it stays slow
+    verdict = found[0]
+    assert verdict["worker"] == members[1] and verdict["node"] == node_of[members[1]], verdict
+    assert verdict["rank"] == 1 and verdict["reporter"] == members[0]
+    assert verdict["ratio"] >= 1.3 and verdict["windows"] == 2
+    assert verdict["since_step"] <= 10 and verdict["step"] <= 30, verdict  # slow from the start
+    assert all(w["ratio"] >= 1.15 for w in verdict["evidence"][-2:]), verdict["evidence"]
