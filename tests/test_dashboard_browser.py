@@ -235,3 +235,32 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
     # may be on the console.
     gone = ("ERR_CONNECTION_REFUSED", "ERR_INCOMPLETE_CHUNKED_ENCODING")
     assert [e for e in page.page_errors() if not any(g in e for g in gone)] == []
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_rank_is_marked_on_its_job_and_node(tmp_path: Path) -> None:
+    import json
+
+    events = [
+        {"kind": "node_registered", "node": "n0", "slots": 2, "labels": {}, "price": None},
+        {"kind": "node_registered", "node": "n1", "slots": 2, "labels": {}, "price": None},
+        {"kind": "submitted", "job": "lm", "queue": "q", "priority": 0, "replicas": [1, 4]},
+        {"kind": "admit", "job": "lm", "placement": {"n0": 2, "n1": 2}},
+        {"kind": "epoch", "job": "lm", "epoch": 1, "members": ["w1", "w2", "w3", "w4"],
+         "reason": "start"},
+        {"kind": "straggler", "job": "lm", "worker": "w3", "rank": 2, "node": "n1",
+         "ratio": 1.62, "since_step": 1, "step": 10, "policy": "report"},
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
+                            for k, e in enumerate(events)))
+    with ReplayServer(path, TOKEN) as srv, browser() as b:
+        page = new_page(b)
+        page.open(f"{srv.url}?token={TOKEN}")
+        assert "1 slow rank" in page.page.inner_text("#stat-stragglers")
+        page.view("job/lm")
+        row = page.page.locator("#job #stragglers tr").nth(1).inner_text()
+        assert "w3" in row and "n1" in row and "1.62x" in row
+        page.view("node/n1")
+        assert "w3" in page.page.inner_text("#node #stragglers")
+        assert page.page_errors() == []

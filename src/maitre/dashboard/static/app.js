@@ -209,6 +209,8 @@ function renderHeader(m, end) {
       " utilization", h("small", {}, " (slots training)")),
     h("div", { class: "stat jobs" }, STATES.filter((st) => byState[st]).map((st) =>
       h("span", { class: `pill st-${st.toLowerCase()}` }, `${byState[st]} ${st.toLowerCase()}`))),
+    m.stragglers.length ? h("div", { class: "stat", id: "stat-stragglers" }, h("b", {}, m.stragglers.length),
+      " slow rank(s) found") : null,
     h("div", { class: "stat recoveries" }, last.length ? ["last recoveries: ", ...last.map((r) =>
       h("a", { href: `#/job/${encodeURIComponent(r.job)}` }, `${r.job} ${fmtS(r.to_next_step_s)}`))] :
       "no recoveries"));

@@ -21,6 +21,7 @@ class Model {
     this.held = []; // {t, slots}
     this.notices = [];
     this.recoveries = [];
+    this.stragglers = [];
     this.heldSlots = 0;
     this.contrib = new Map(); // node -> what it adds to the capacity totals
     this.totals = { od: 0, spot: 0, rate: 0 };
@@ -31,7 +32,7 @@ class Model {
     let n = this.nodes.get(name);
     if (!n) {
       n = { name, slots: 0, labels: {}, price: null, state: "up", history: [], open: new Map(),
-            segments: [], events: [], notice: null };
+            segments: [], events: [], notice: null, slow: [] };
       this.nodes.set(name, n);
     }
     return n;
@@ -42,7 +43,8 @@ class Model {
     if (!j) {
       j = { id, queue: "", priority: null, state: "PENDING", states: [], placement: {},
             replicas: [], epochs: [], recoveries: [], checkpoints: [], restores: [],
-            progress: [], events: [], caughtUp: [], submitted: null, cost: 0, odCost: 0,
+            progress: [], events: [], caughtUp: [], stragglers: [], submitted: null, cost: 0,
+            odCost: 0,
             lastCostT: null };
       this.jobs.set(id, j);
     }
@@ -258,6 +260,12 @@ class Model {
         j.restores.push({ t, step: e.step, source: e.source || "disk", seconds: e.seconds, bytes: e.bytes });
         break;
       case "progress": j.progress.push(e); break;
+      case "straggler": { // a slow rank, as its job's rank 0 found it (issue 15: report)
+        j.stragglers.push(e);
+        if (e.node) this.node(e.node).slow.push(e);
+        this.stragglers.push(e);
+        break;
+      }
       case "job_suspended":
         this.place(j, {}, t); this.move(j, "SUSPENDED", t, "checkpointed and stopped"); break;
       case "job_completed": case "completed":

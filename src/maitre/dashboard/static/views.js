@@ -13,7 +13,8 @@ function viewScaling(m, end) {
   const nodes = [...m.nodes.values()].sort((a, b) => natural(a.name, b.name));
   const sec = h("section", { id: "scaling" }, h("h2", {}, "Scaling"),
     h("p", { class: "hint" }, "Each row is a node, its height its slots; colour: the job holding them. " +
-      "Orange: a spot node (hatched while under notice); grey: down. Click a row for the node."));
+      "Orange: a spot node (hatched while under notice); red mark: a slow rank was found there; grey: down. " +
+      "Click a row for the node."));
   if (!nodes.length) { sec.append(h("p", { class: "empty" }, "No node has registered yet.")); return sec; }
   const t0 = m.t0 ?? end;
   const width = Math.max(480, Math.min(1400, (document.getElementById("view").clientWidth || 900) - 8));
@@ -28,6 +29,7 @@ function viewScaling(m, end) {
   nodes.forEach((n, i) => {
     const y = i * rh;
     if (m.isSpot(n)) { ctx.fillStyle = "#f3a43b"; ctx.fillRect(gutter - 6, y, 4, Math.max(1, rh - (rh > 3 ? 1 : 0))); }
+    if (n.slow.length) { ctx.fillStyle = "#b3261e"; ctx.fillRect(gutter - 12, y, 4, Math.max(1, rh - (rh > 3 ? 1 : 0))); }
     // down intervals
     let downAt = null;
     for (const hst of n.history) {
@@ -356,10 +358,21 @@ function viewJob(m, end) {
   sec.append(row);
   sec.append(chart({ width: 880, height: 140, x0: t0, x1: end, title: "slots held",
     series: [{ points: j.replicas.map((r) => [r.t, r.n]), colour: colour(j.id), step: true, fill: true }] }));
+  if (j.stragglers.length) sec.append(h("h3", {}, `Slow ranks (${j.stragglers.length})`), slowTable(j.stragglers, t0));
   sec.append(h("h3", {}, "Epochs"), epochsTable(j, 30));
   if (j.checkpoints.length || j.restores.length) sec.append(h("h3", {}, "Checkpoints"), checkpointTimeline(j, t0, end, 880));
   sec.append(h("h3", {}, "Events"), eventList(j.events, t0));
   return sec;
+}
+
+function slowTable(rows, t0) {
+  return h("table", { class: "table", id: "stragglers" },
+    h("tr", {}, h("th", {}, "found"), h("th", {}, "worker"), h("th", {}, "rank"), h("th", {}, "node"),
+      h("th", {}, "slower than the median"), h("th", {}, "since step"), h("th", {}, "policy")),
+    rows.slice(-30).reverse().map((e) => h("tr", {}, h("td", {}, fmtS(e.t - t0)), h("td", {}, e.worker || "–"),
+      h("td", {}, e.rank ?? "–"), h("td", {}, e.node ? h("a", { href: `#/node/${encodeURIComponent(e.node)}` }, e.node) : "–"),
+      h("td", {}, e.ratio != null ? `${e.ratio.toFixed(2)}x` : "–"), h("td", {}, e.since_step ?? "–"),
+      h("td", {}, e.policy || "report"))));
 }
 
 function eventList(events, t0) {
@@ -392,6 +405,7 @@ function viewNode(m, end) {
   sec.append(legend(Object.keys(byJob).map((job) => [job, colour(job)])));
   sec.append(chart({ width: 880, height: 160, x0: t0, x1: end, title: "slots held by each job", yMax: Math.max(1, n.slots), series,
     markers: n.history.filter((x) => x.state !== "up").map((x) => ({ x: x.t, label: x.state, colour: "#a33" })) }));
+  if (n.slow.length) sec.append(h("h3", {}, `Slow ranks found here (${n.slow.length})`), slowTable(n.slow, t0));
   sec.append(h("h3", {}, "Events"), eventList(n.events, t0));
   return sec;
 }
