@@ -16,6 +16,7 @@ the replay), as an error page and a 422 from the events route, never a blank pag
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import sqlite3
@@ -140,6 +141,10 @@ def load(path: Path) -> list[dict[str, Any]]:
     return _sqlite(path) if sqlite else _jsonl(path)
 
 
+def _seq(event: dict[str, Any]) -> int:
+    return event["seq"]
+
+
 class ReplayLog:
     """A recorded log as the dashboard's routes read it (like the live
     :class:`~maitre.control.eventlog.EventLog`), read again when its file changes."""
@@ -185,15 +190,9 @@ class ReplayLog:
         self._refresh()
         if self.error:
             raise Unreplayable(f"the event log cannot be replayed: {self.error}", "path")
-        lo, hi = 0, len(self._events)  # seq is increasing: bisect for the first after seq
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self._events[mid]["seq"] <= seq:
-                lo = mid + 1
-            else:
-                hi = mid
+        first = bisect.bisect_right(self._events, seq, key=_seq)  # (seq is increasing)
         out = []
-        for event in self._events[lo:]:
+        for event in self._events[first:]:
             if job is None or event["job"] == job:
                 out.append(event)
                 if limit is not None and len(out) >= limit:
