@@ -181,3 +181,32 @@ def test_names_are_dns_labels(name: str) -> None:
         f"name {name!r} must be 1-63 lowercase letters, digits or '-', starting and ending with "
         "a letter or digit"]
     assert parse_manifest({"name": "a" * 63, "queue": "q", "command": "x"}).name == "a" * 63
+
+
+def test_stragglers_and_spares() -> None:
+    """The detector's settings and the policy per job, and warm spares; every limit named."""
+    from maitre import protocol
+    from maitre.runtime.stragglers import Thresholds
+
+    base = {"name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 4, "command": "x"}
+    m = parse_manifest({**base, "spares": 2, "stragglers": {
+        "policy": "evict", "ratio": 1.5, "windows": 3, "madFloor": 0.1, "cooldownSeconds": 60}})
+    assert m.spares == 2 and m.stragglers.policy == "evict" and m.stragglers.cooldown_s == 60
+    env = m.stragglers.environ()
+    assert env[protocol.STRAGGLER_POLICY] == "evict" and env[protocol.STRAGGLER_RATIO] == "1.5"
+    t = Thresholds.from_environ(env)  # the workers read back what the manifest said
+    assert (t.policy, t.ratio, t.windows, t.mad_floor, t.window) == ("evict", 1.5, 3, 0.1, 5)
+    assert parse_manifest(base).stragglers is None and parse_manifest(base).spares == 0
+    bad = [({"spares": 5}, "spares 5 is more than maxReplicas 4"),
+           ({"spares": -1}, "spares must be at least 0"),
+           ({"stragglers": {"policy": "kill"}}, "stragglers.policy must be 'report', 'evict' or"),
+           ({"stragglers": {"ratio": 1.0}}, "stragglers.ratio must be at least 1.01"),
+           ({"stragglers": {"window": 0}}, "stragglers.window must be at least 1"),
+           ({"stragglers": {"windows": 65}}, "stragglers.windows must be at most 64"),
+           ({"stragglers": {"ratio": 1.2, "drift": 1.3}}, "stragglers.drift 1.3 is above"),
+           ({"stragglers": {"cooldownSeconds": -1}}, "stragglers.cooldownSeconds must be at"),
+           ({"stragglers": {"treshold": 2}}, "unknown field 'stragglers.treshold'")]
+    for change, words in bad:
+        with pytest.raises(ManifestError) as err:
+            parse_manifest({**base, **change})
+        assert words in str(err.value), (change, str(err.value))

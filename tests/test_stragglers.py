@@ -119,11 +119,10 @@ def test_thresholds_from_the_environment() -> None:
                 Thresholds.from_environ({var: text})
     with pytest.raises(ValueError, match="no such policy"):
         Thresholds.from_environ({protocol.STRAGGLER_POLICY: "kill"})
-    with pytest.raises(ValueError, match="not available yet"):
-        Thresholds.from_environ({protocol.STRAGGLER_POLICY: "evict"})
+    assert Thresholds.from_environ({protocol.STRAGGLER_POLICY: "evict"}).policy == "evict"
     assert Thresholds(ratio=2, window=10).ratio == 2
     for bad_field in ({"ratio": 0.5}, {"window": 2.5}, {"windows": 65}, {"z": float("inf")},
-                      {"policy": "evict"}, {"min_ranks": 2}):
+                      {"policy": "kill"}, {"min_ranks": 2}):
         with pytest.raises(ValueError):
             Thresholds(**bad_field)
     with pytest.raises(ValueError, match="onset would come after"):
@@ -151,7 +150,7 @@ def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world)
                                                             "since": orders["version"]}))
     w1, w2 = sorted(o["worker_id"] for o in orders["start"])
     report = f"/v1/workers/{w1}/report"
-    bad = [{"policy": "evict"}, {"ratio": -1.0}, {"since_step": -1}, {"straggler": "a b"},
+    bad = [{"policy": "kill"}, {"ratio": -1.0}, {"since_step": -1}, {"straggler": "a b"},
            {"windows": 0}, {"surprise": 1}, {"evidence": [{"step": 1}]}]
     for change in bad:
         response = client.post(report, json=straggler_report(w2, **change))

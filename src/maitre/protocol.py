@@ -97,9 +97,9 @@ STRAGGLER_DRIFT = "MAITRE_STRAGGLER_DRIFT"
 """The ratio above which the onset's CUSUM accumulates, and which each of those windows must
 exceed (default 1.15)."""
 STRAGGLER_POLICY = "MAITRE_STRAGGLER_POLICY"
-"""What a straggler found does: ``report`` (the default: a ``straggler`` event and metric) or
-``off`` (no timing shared, no detector). ``evict`` is to come."""
-STRAGGLER_POLICIES = ("report", "off")
+"""What a straggler found does: ``report`` (the default: a ``straggler`` event and metric),
+``evict`` (reported, and the coordinator moves its replica off its node) or ``off`` (no timing
+shared, no detector). A managed job sets these from its manifest's ``stragglers``."""
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 """Where workers record the samples they commit (the exactly-once audit)."""
 RUN_ID = "MAITRE_RUN_ID"
@@ -616,7 +616,8 @@ class StragglerWindow(_Request):
 
 
 class StragglerReport(_Request):
-    """Rank 0 found a rank slower than its peers for several windows (policy ``report``)."""
+    """Rank 0 found a rank slower than its peers for several windows (policy ``report`` or
+    ``evict``)."""
 
     kind: Literal["straggler"]
     straggler: str = Field(pattern=NAME_PATTERN)
@@ -635,7 +636,7 @@ class StragglerReport(_Request):
     windows: int = Field(ge=1)
     """Consecutive windows it was slow in."""
     evidence: list[StragglerWindow] = Field(max_length=64)
-    policy: Literal["report"]
+    policy: Literal["report", "evict"]
     thresholds: dict[str, float] = Field(max_length=16)
     """The detector's settings: ``window`` (steps), ``ratio``, ``z``, ``windows``."""
 

@@ -28,7 +28,9 @@ that hovers about ``ratio`` is one straggler, not many).
 
 Every threshold comes from the job's environment (:meth:`Thresholds.from_environ`; the
 ``MAITRE_STRAGGLER_*`` variables of :mod:`maitre.protocol`); a value out of range is an error
-that names the variable. The policy is ``report`` (an event and a metric); ``evict`` is to come.
+that names the variable. A managed job sets them from its manifest's ``stragglers`` (the
+limits are :data:`maitre.scheduling.spec.STRAGGLER_LIMITS`, checked at submit). The policy is
+``report`` (an event and a metric) or ``evict`` (the coordinator also moves the replica away).
 With two ranks there is no majority to compare against: the detector needs ``min_ranks`` (3).
 
 What it cannot see: on a GPU the clock is the host's, so kernels queued but not finished when
@@ -47,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from maitre import protocol
+from maitre.scheduling.spec import STRAGGLER_LIMITS, STRAGGLER_POLICIES
 
 _MAD_SCALE = 1.4826
 """The MAD of a normal distribution times this is its standard deviation."""
@@ -73,23 +76,20 @@ class Thresholds:
     """Ratio above which the onset's CUSUM accumulates, and which each of the flagging windows
     must exceed (``MAITRE_STRAGGLER_DRIFT``, 1..ratio)."""
     policy: str = "report"
-    """``report`` (event and metric) or ``off`` (``MAITRE_STRAGGLER_POLICY``); ``evict``: to
-    come."""
+    """``report`` (event and metric), ``evict`` (the coordinator also moves the rank's replica
+    off its node) or ``off`` (``MAITRE_STRAGGLER_POLICY``)."""
     min_ranks: int = 3
 
     def __post_init__(self) -> None:
-        for name, (var, kind, low, high, low_inclusive) in _RANGES.items():
+        for name, (var, kind, low, high) in _RANGES.items():
             value = getattr(self, name)
             typed = isinstance(value, (int, float) if kind is float else int)
             if not typed or isinstance(value, bool) or not (
-                    math.isfinite(value) and (value >= low if low_inclusive else value > low)
-                    and value <= high):
-                raise ValueError(f"{var}={value!r}: out of range "
-                                 f"({'[' if low_inclusive else '('}{low}, {high}])")
-        if self.policy not in protocol.STRAGGLER_POLICIES:
-            later = " (not available yet)" if self.policy == "evict" else ""
-            raise ValueError(f"{protocol.STRAGGLER_POLICY}={self.policy!r}: no such policy"
-                             f"{later}; the policies are {', '.join(protocol.STRAGGLER_POLICIES)}")
+                    math.isfinite(value) and low <= value <= high):
+                raise ValueError(f"{var}={value!r}: out of range [{low}, {high}]")
+        if self.policy not in STRAGGLER_POLICIES:
+            raise ValueError(f"{protocol.STRAGGLER_POLICY}={self.policy!r}: no such policy; "
+                             f"the policies are {', '.join(STRAGGLER_POLICIES)}")
         if self.drift > self.ratio:
             raise ValueError(f"{protocol.STRAGGLER_DRIFT}={self.drift} is above "
                              f"{protocol.STRAGGLER_RATIO}={self.ratio}: the onset would come after "
@@ -117,15 +117,12 @@ class Thresholds:
         return cls(**given)
 
 
-_RANGES: dict[str, tuple[str, type, float, float, bool]] = {
-    # field: (its variable, type, low, high, low inclusive)
-    "window": (protocol.STRAGGLER_WINDOW, int, 1, 10_000, True),
-    "ratio": (protocol.STRAGGLER_RATIO, float, 1.01, 100.0, True),
-    "z": (protocol.STRAGGLER_Z, float, 0.0, 1000.0, True),
-    "windows": (protocol.STRAGGLER_WINDOWS, int, 1, 64, True),
-    "mad_floor": (protocol.STRAGGLER_MAD_FLOOR, float, 0.001, 1.0, True),
-    "drift": (protocol.STRAGGLER_DRIFT, float, 1.0, 100.0, True),
-}
+_VARIABLES = {"window": protocol.STRAGGLER_WINDOW, "ratio": protocol.STRAGGLER_RATIO,
+              "z": protocol.STRAGGLER_Z, "windows": protocol.STRAGGLER_WINDOWS,
+              "mad_floor": protocol.STRAGGLER_MAD_FLOOR, "drift": protocol.STRAGGLER_DRIFT}
+_RANGES: dict[str, tuple[str, type, float, float]] = {
+    # field: (its variable, type, lowest, highest), the manifest's limits
+    name: (_VARIABLES[name], kind, low, high) for name, (kind, low, high) in STRAGGLER_LIMITS.items()}
 
 
 class Window:

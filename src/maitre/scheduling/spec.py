@@ -13,6 +13,8 @@ The field names are the ones users know from Kubeflow's training operators, Volc
     topology: {level: rack, mode: preferred}   # node | rack | block; required | preferred
     command: ["python", "train.py", "--steps", "300"]   # or one string, split like a shell
     checkpointDir: /shared/ckpt/bert-large
+    stragglers: {policy: evict, ratio: 1.3, cooldownSeconds: 600}   # slow ranks: see below
+    spares: 1                     # warm spare replicas, started and waiting (at most maxReplicas)
 
 :class:`JobManifest` is the pydantic model of it (``extra="forbid"``, strict: ``"2"`` or
 ``true`` is no integer; the API's schema documents it). :func:`parse_manifest` reports every
@@ -68,6 +70,66 @@ class TopologySpec(_Fields):
     """required: never placed across domains; preferred: packed, but may spread."""
 
 
+STRAGGLER_LIMITS: dict[str, tuple[type, float, float]] = {
+    # field: (type, lowest, highest), inclusive; the one table of them (the workers' detector,
+    # :mod:`maitre.runtime.stragglers`, checks its ``MAITRE_STRAGGLER_*`` variables against it)
+    "window": (int, 1, 10_000),
+    "ratio": (float, 1.01, 100.0),
+    "z": (float, 0.0, 1000.0),
+    "windows": (int, 1, 64),
+    "mad_floor": (float, 0.001, 1.0),
+    "drift": (float, 1.0, 100.0),
+}
+STRAGGLER_POLICIES = ("report", "evict", "off")
+
+
+def _limit(name: str, default: float, doc: str) -> Any:
+    _, low, high = STRAGGLER_LIMITS[name]
+    return Field(default, ge=low, le=high, description=doc)
+
+
+class StragglerSpec(_Fields):
+    """What the job does about slow ranks (:mod:`maitre.runtime.stragglers` finds them: each
+    rank's compute per sample against the median across ranks, window after window)."""
+
+    policy: Literal["report", "evict", "off"] = "report"
+    """report: a ``straggler`` event, a metric and a mark in the dashboard; evict: that too, and
+    the slow rank's replica leaves at a step boundary, its node is avoided until its health
+    check passes or ``cooldownSeconds`` end, and a spare or a free slot takes its place; off: no
+    timing shared."""
+    window: int = _limit("window", 5, "Steps per window: the ranks share their numbers at its "
+                         "last step.")
+    ratio: float = _limit("ratio", 1.3, "A rank's mean compute per sample over the median, over "
+                          "`windows` consecutive windows, that flags it.")
+    z: float = _limit("z", 3.0, "The mean robust z score (median and MAD across ranks) over them.")
+    windows: int = _limit("windows", 2, "Consecutive windows a rank must be slow in.")
+    mad_floor: float = _limit("mad_floor", 0.05, "The MAD's floor, a fraction of the median.")
+    drift: float = _limit("drift", 1.15, "The ratio each of those windows must exceed, above "
+                          "which the onset's change-point sum grows; at most `ratio`.")
+    cooldown_s: float = Field(600.0, ge=0, le=7 * 86400, alias="cooldownSeconds")
+    """evict: how long the slow rank's node is avoided unless its health check passes first."""
+
+    @field_validator("drift")
+    @classmethod
+    def _drift_below_ratio(cls, drift: float, info: ValidationInfo) -> float:
+        ratio = info.data.get("ratio")
+        if ratio is not None and drift > ratio:
+            raise _problem(f"stragglers.drift {drift} is above stragglers.ratio {ratio}: the onset "
+                           "would come after the verdict")
+        return drift
+
+    def environ(self) -> dict[str, str]:
+        """The workers' ``MAITRE_STRAGGLER_*`` variables for these settings."""
+        from maitre import protocol  # here: maitre.protocol imports this module
+
+        named = {"window": protocol.STRAGGLER_WINDOW, "ratio": protocol.STRAGGLER_RATIO,
+                 "z": protocol.STRAGGLER_Z, "windows": protocol.STRAGGLER_WINDOWS,
+                 "mad_floor": protocol.STRAGGLER_MAD_FLOOR, "drift": protocol.STRAGGLER_DRIFT}
+        env = {var: str(getattr(self, name)) for name, var in named.items()}
+        env[protocol.STRAGGLER_POLICY] = self.policy
+        return env
+
+
 class MeshSpecFields(_Fields):
     """A replica's mesh (the names are torch's mesh dimensions, spelt as they are)."""
 
@@ -107,6 +169,12 @@ class JobManifest(_Fields):
     command: tuple[str, ...]
     """A list of arguments, or one string split like a shell."""
     checkpoint_dir: str | None = Field(None, min_length=1)
+    stragglers: StragglerSpec | None = None
+    """Slow ranks: how they are found and what is done about them (default: reported)."""
+    spares: int = Field(0, ge=0)
+    """Warm spare replicas kept started and waiting (imports done, model built, no state), not
+    counted as training capacity; one joins at the next step boundary when a replica fails or is
+    evicted. At most maxReplicas."""
 
     @field_validator("name")
     @classmethod
@@ -175,6 +243,14 @@ class JobManifest(_Fields):
             raise _problem(f"gpusPerReplica {value} is not a multiple of nprocPerReplica {nproc}"
                            " (each process of a replica holds the same number of slots)")
         return value
+
+    @field_validator("spares")
+    @classmethod
+    def _spares_fit(cls, spares: int, info: ValidationInfo) -> int:
+        high = info.data.get("max_replicas")
+        if high is not None and spares > high:
+            raise _problem(f"spares {spares} is more than maxReplicas {high}")
+        return spares
 
     @property
     def mesh_text(self) -> str:
@@ -246,6 +322,7 @@ _SAYS = {
     "string_type": "{at} must be a string, got {got}",
     "string_too_short": "{at} must not be empty",
     "greater_than_equal": "{at} must be at least {ge}, got {got}",
+    "less_than_equal": "{at} must be at most {le}, got {got}",
     "literal_error": "{at} must be {expected}, got {got}",
     "model_type": "{at} must be a mapping of {keys}, got {got}",
 }
