@@ -120,7 +120,8 @@ def play(tmp_path: Path, command: list[str], events: str, **cfg: object) -> tupl
     before pytest-timeout kills it."""
     import threading
 
-    from maitre.launch import Run, RunConfig, parse_events
+    from maitre.launch import Run, RunConfig
+    from maitre.story import parse_events
 
     lines: list[str] = []
     run = Run(RunConfig(command=command, events=parse_events(events), run_dir=tmp_path / "run",

@@ -85,7 +85,7 @@ def _coordinator(args: argparse.Namespace) -> Client:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from maitre.launch import Run, RunConfig, parse_events
+    from maitre.story import parse_events
 
     lo, hi = parse_nnodes(args.nnodes)
     per_replica = _positive("--nproc-per-replica", args.nproc_per_replica)
@@ -121,6 +121,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(f"--events: {exc}") from None
     checkpoint_dir = _checkpoint_dir(args)
+    _check_port(args.host, args.port)
+    from maitre.launch import Run, RunConfig  # torch: only once the flags are known good
+
     cfg = RunConfig(command=command, min_nodes=lo, max_nodes=hi, nproc_per_node=nproc,
                     nproc_per_replica=per_replica, mesh=args.mesh,
                     max_restarts=args.max_restarts, local_nodes=args.local_nodes, host=args.host,
@@ -130,7 +133,6 @@ def cmd_run(args: argparse.Namespace) -> int:
                     checkpoint_every=args.checkpoint_every, mtbf_s=args.mtbf,
                     checkpoint_keep=args.checkpoint_keep,
                     resume=args.resume, grace_period_s=args.grace_period)
-    _check_port(args.host, args.port)
     try:
         run = Run(cfg)
     except ValueError as exc:  # the job it would submit is not a valid one (its --job-id)
@@ -381,8 +383,6 @@ def _tls(args: argparse.Namespace) -> dict[str, str | None]:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from maitre.control.store import StoreError
-    from maitre.local import LocalCluster, UpConfig
     from maitre.scheduling.policy import PolicyConfig
 
     if args.nodes < 0:
@@ -404,6 +404,9 @@ def cmd_up(args: argparse.Namespace) -> int:
                          f"{args.spot_nodes}")
     _check_port(args.host, args.port)
     tls = _tls(args)
+    from maitre.control.store import StoreError  # torch (maitre.local): once the flags are good
+    from maitre.local import LocalCluster, UpConfig
+
     cfg = UpConfig(state_dir=Path(args.state_dir), queues=queues, nodes=args.nodes,
                    slots_per_node=slots, racks=racks, host=args.host, port=args.port,
                    policy=policy, quiet_workers=not args.worker_output, prices=prices,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import re
 import secrets
 import shutil
 import signal
@@ -43,35 +42,12 @@ from maitre.scheduling.lifecycle import JobState
 from maitre.runtime.ledger import audit
 from maitre.scheduling import PolicyConfig, Queue
 from maitre.scheduling.spec import ManifestError, parse_manifest
+from maitre.story import StoryEvent
 
 RUN_QUEUE = "run"
 RUN_POLICY = PolicyConfig(resize_cooldown_s=0.0, min_gain=-math.inf, rebalance_gain=0.0)
 """``maitre run``'s one job owns its nodes: it grows into a slot as soon as one is free (no
 cooldown, no gain threshold), as ``torchrun --nnodes MIN:MAX`` takes every node that comes."""
-
-EVENT_KINDS = ("kill", "hang", "join", "leave")
-DEMO_EVENTS = "kill@60,join@120,leave@200"
-
-
-@dataclass(frozen=True, slots=True)
-class StoryEvent:
-    kind: str
-    step: int
-
-
-def parse_events(spec: str) -> list[StoryEvent]:
-    """``kill@60,join@120,leave@200`` (or ``demo``) -> events sorted by step."""
-    if spec == "demo":
-        spec = DEMO_EVENTS
-    events = []
-    for part in filter(None, (p.strip() for p in spec.split(","))):
-        match = re.fullmatch(r"([a-z]+)@(\d+)", part)
-        if not match or match.group(1) not in EVENT_KINDS:
-            raise ValueError(f"bad event {part!r}: expected KIND@STEP with KIND one of "
-                             f"{', '.join(EVENT_KINDS)} (e.g. kill@60,join@120)")
-        events.append(StoryEvent(match.group(1), int(match.group(2))))
-    return sorted(events, key=lambda e: e.step)
-
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
