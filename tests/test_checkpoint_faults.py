@@ -62,10 +62,12 @@ def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
     crashed = run_tagged(checkpointed(directory), timeout=200, **{FAULT_ENV: f"{phase}@3"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     # The 3rd save is due at step 15: killed after its rename it is complete, else the 2nd
-    # (due at 10) is the newest. A save vetoed by a still-busy writer lands a step or two later.
+    # (due at 10) is the newest. A save vetoed by a still-busy writer lands some steps later (on
+    # a loaded machine, at the next one's turn): counted, not timed.
     saves = 3 if phase == "after_rename" else 2
-    completed = assert_all_complete(directory)[0]
-    assert saves * EVERY <= completed < (saves + 1) * EVERY, completed
+    steps = assert_all_complete(directory)
+    completed = steps[0]
+    assert len(steps) == saves and completed >= saves * EVERY, steps
     warnings: list[str] = []
     loaded = load_latest(directory, log=warnings.append)
     assert loaded is not None and loaded.step == completed and not warnings
