@@ -150,8 +150,17 @@ def test_the_demo_story_watched_live(tmp_path: Path) -> None:
     demo = Demo(DemoConfig(run_dir=tmp_path, nodes=2, slots_per_node=2, steps=300,
                            urgent_at_step=50, urgent_steps=60, cooldown_s=5.0, timeout_s=300,
                            device_ms_per_sample=4.0, reclaim_after_s=2.0), out=out)
-    result: list[int] = []
-    runner = threading.Thread(target=lambda: result.append(demo.run()), daemon=True)
+    result: list[int | str] = []
+
+    def play() -> None:
+        try:
+            result.append(demo.run())
+        except BaseException:  # what the story raised, in the test's message
+            import traceback
+
+            result.append(traceback.format_exc())
+            raise
+    runner = threading.Thread(target=play, daemon=True)
     runner.start()
     with browser_if_any() as b:
         if b is not None:
@@ -162,7 +171,7 @@ def test_the_demo_story_watched_live(tmp_path: Path) -> None:
                 raise AssertionError("\n".join(lines)[-8000:]) from exc
         runner.join(300)
     log = "\n".join(lines)
-    assert result == [0], log
+    assert result == [0], f"{result}\n{log[-6000:]}"  # (the end of the story says what failed)
     report = json.loads((tmp_path / "report.json").read_text())
     assert {j: v["state"] for j, v in report["jobs"].items()} == {
         "a-lm": "COMPLETED", "b-lm": "COMPLETED", "urgent": "COMPLETED"}, log

@@ -202,6 +202,7 @@ def llm_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow  # (the example's replicas: under maitre run below; FSDP2 under torchrun: above)
 def test_the_llm_example_under_torchrun_matches_one_process(tmp_path: Path, llm_alone) -> None:
     out = tmp_path / "final.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",

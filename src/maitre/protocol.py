@@ -260,6 +260,8 @@ class JobSummary(_Reply):
     incarnation: int | None = None
     held: bool | None = None
     waiting_for: str = ""
+    throughput: dict[str, float] = {}
+    """Steps per second it measured at each world size (the speedup the scheduler grows it by)."""
 
 
 class JobStatus(JobSummary):

@@ -235,7 +235,8 @@ class Coordinator:
                 "priority": m.job.priority, "min_workers": m.job.min_replicas,
                 "max_workers": m.job.max_replicas, "placement": dict(m.job.placement),
                 "incarnation": m.incarnation, "held": m.held,
-                "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else ""}
+                "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else "",
+                "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())}}
 
     @acknowledged
     def scale(self, job_id: str, workers: int) -> dict[str, Any]:
