@@ -288,3 +288,19 @@ def test_a_real_agent_whose_check_fails_is_drained_and_gets_work_once_it_passes(
         ("node-1", "sick\nexit code 1", "command")]
     assert any(e["kind"] == "shrink" and "health probe failed on node-1" in e["reason"]
                for e in events)
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--health-timeout", "0"), "health timeout must be 0.1..3600 s"),
+    (("--health-interval", "0.5"), "health interval must be 0 (at start only)"),
+    (("--health-interval", "inf"), "--health-interval must be a number of seconds"),
+    (("--no-health-builtin",), "no probe: the built-in one is off"),
+    (("--health-check", "'unclosed"), "--health-check \"'unclosed\": No closing quotation"),
+    (("--health-check", "  "), "--health-check is empty"),
+])
+def test_bad_health_flags_are_one_line_and_exit_2(args, words, capsys) -> None:
+    from maitre.cli import main
+
+    assert main(["agent", "--coordinator", "127.0.0.1:1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("maitre: error:") and words in err and "\n" not in err, err
