@@ -304,3 +304,50 @@ def test_bad_health_flags_are_one_line_and_exit_2(args, words, capsys) -> None:
     assert main(["agent", "--coordinator", "127.0.0.1:1", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("maitre: error:") and words in err and "\n" not in err, err
+
+
+@pytest.mark.slow  # a real run of 3 workers and a replacement: ~30 s on 2 loaded cores
+@pytest.mark.timeout(300)
+def test_a_slow_node_is_found_evicted_and_the_job_trains_on_at_full_speed_exactly(
+        tmp_path: Path, reference) -> None:
+    """4 single-slot nodes, a job of 3 (min 2) with ``stragglers: {policy: evict}``, node-0's
+    workers 3x slower (MAITRE_SLOW_FACTOR in its agent's environment): the straggler is found
+    within a bounded number of steps, its replica leaves, node-0 is suspect, the job grows onto
+    the free node at once, every sample is trained once, the parameters are a fixed-size
+    run's, and its steps come at least 1.4x as fast as before."""
+    import torch
+
+    from conftest import relative_error
+    from maitre.runtime.ledger import audit
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import eviction  # the benchmark's scenario, one run of it
+
+    steps = 300
+    slow = eviction.run(tmp_path, slow=True, steps=steps, factor=2.0, ms_per_sample=4.0)
+    log = "\n".join(slow["lines"])
+    status, events = slow["status"], slow["events"]
+    assert status["state"] == "COMPLETED" and status["failures"] == 0, log
+    [verdict] = [e for e in events if e["kind"] == "straggler"]
+    assert verdict["node"] == "node-0" and verdict["policy"] == "evict", verdict
+    assert verdict["step"] <= 40, verdict  # slow from its first step: found within 40
+    [suspect] = [e for e in events if e["kind"] == "node_suspect"]
+    assert suspect["node"] == "node-0" and suspect["worker"] == verdict["worker"]
+    [repair] = [e for e in events if e["kind"] == "repair" and e.get("job") == "a"]
+    assert "node-3" in repair["placement"] and "node-0" not in repair["placement"], repair
+    gone = next(w for w in status["workers"] if w["id"] == verdict["worker"])
+    assert gone["state"] == "LEFT", gone
+    assert any(w["node"] == "node-3" and w["id"] in status["members"]
+               for w in status["workers"]), status
+    node0 = {n["node"]: n for n in slow["nodes"]}["node-0"]
+    assert node0["suspect"] is not None and "straggler" in node0["suspect"]["reason"]
+
+    result = audit(slow["ledger"])
+    assert result.ok and result.steps == steps, result.describe()
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert relative_error(final, reference(steps)) <= 1e-9
+
+    p = eviction.phases(slow)
+    assert p["throughput_before"] and p["throughput_after"], p
+    assert p["throughput_after"] >= 1.4 * p["throughput_before"], p
+    assert p["evict_to_join_s"] is not None and p["evict_to_join_s"] < 15, p
