@@ -18,6 +18,7 @@ from maitre.agent.health import HealthConfig, HealthMonitor, Prober, judge, run_
 from maitre.scheduling.model import Queue
 from conftest import wait_for
 from test_control_plane import Sim
+from test_metrics import sample
 from test_spot import SpotSim
 
 pytestmark = pytest.mark.timeout(60)
@@ -62,6 +63,7 @@ def test_a_failing_probe_drains_its_node_and_no_work_goes_there_until_one_passes
     assert view["unhealthy"] and view["health"]["ok"] is False
     assert view["health"]["detail"] == "gpu 3: ECC error"
     p.NodeList(nodes=sim.co.nodes_view())  # as `maitre status` gets it
+    assert sample(sim.co.metrics.render().decode(), "maitre_health_probe_failures_total") == 1
 
     # Free slots there, and a job that wants them: none goes there while its probe fails.
     sim.submit("b", "q", 1, 4)
@@ -132,6 +134,7 @@ def test_evict_moves_the_stragglers_replica_to_a_free_node_at_once_and_suspects_
     assert sim.running[free] and not sim.running[node]
     view = {n["node"]: n for n in sim.co.nodes_view()}[node]
     assert view["suspect"]["reason"] == suspect["reason"]
+    assert sample(sim.co.metrics.render().decode(), "maitre_evictions_total", job="a") == 1
     _straggle(sim, slow)  # a second verdict about the one gone changes nothing
     assert len(_events(sim, "node_suspect")) == 1
 
@@ -235,7 +238,7 @@ def test_health_config_refuses_bad_values() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_real_agent_whose_check_fails_is_drained_and_gets_work_once_it_passes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, capsys) -> None:
     """Real agents and training workers; node-1's check fails while a file exists: its worker
     leaves at a step boundary, the job trains on, nothing starts there; the file gone, its next
     probe passes and the job grows back onto it."""
@@ -273,7 +276,12 @@ def test_a_real_agent_whose_check_fails_is_drained_and_gets_work_once_it_passes(
         w = next(w for w in co.job_status("a")["workers"] if w["id"] == first)
         assert w["state"] == "LEFT", w
         step = co.job_status("a")["step"]
-        time.sleep(2.0)
+        from maitre.cli import main
+
+        assert main(["status", "--coordinator", cluster.address, "--token-file",
+                     str(cluster.token_file)]) == 0
+        shown = capsys.readouterr().out
+        time.sleep(1.0)
         assert not cluster.agents[1].running(), "no work on an unhealthy node"
         assert co.job_status("a")["step"] > step, "the job trains on"
         flag.unlink()
@@ -283,6 +291,9 @@ def test_a_real_agent_whose_check_fails_is_drained_and_gets_work_once_it_passes(
     finally:
         cluster.stop()
     assert status["failures"] == 0, status
+    row = next(line for line in shown.splitlines() if line.startswith("node-1 "))
+    assert "UNHEALTHY" in row and "FAILED" in row, shown
+    assert "node-1: health probe failed (command" in shown and "sick | exit code 1" in shown
     bad = [e for e in events if e["kind"] == "node_health" and not e["ok"]]
     assert [(e["node"], e["detail"], e["probe"]) for e in bad][:1] == [
         ("node-1", "sick\nexit code 1", "command")]
