@@ -5,8 +5,9 @@ Who talks to whom::
 
     CLI / dashboard ──(token)──────────────▶ coordinator   jobs, nodes, queues, report
     agent (one per node) ──(token)─────────▶ coordinator   node heartbeat (its workers' liveness
-                                                           and progress in one beat, and a spot
-                                                           notice while one stands), watch
+                                                           and progress in one beat, a spot
+                                                           notice while one stands, its latest
+                                                           health probe), watch
                                                            (long-poll for orders), worker exits
     worker ──(token)───────────────────────▶ coordinator   rendezvous (long-poll), done, left,
                                                            recovery reports: per change, never

@@ -20,6 +20,10 @@ Three paths, each with its own thread (the messages are :mod:`maitre.protocol`'s
   change (workers to start, workers to kill, new views), so news reaches the workers within a
   round trip, not a beat interval.
 
+The node's health probes (:mod:`maitre.agent.health`) run in child processes: one before the
+first beat, then periodically and when the orders ask (``probe``: the node is suspect); the
+latest result rides every beat, and a new one is news worth a beat at once.
+
 A thread per worker waits on the process and reports its exit at once, with the last line of
 its stderr (for a Python exception, ``Type: message``), which is what lets the coordinator tell
 a crash from a bug that every rank hits.

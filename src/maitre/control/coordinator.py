@@ -382,11 +382,12 @@ class Coordinator:
     def _health(self, node: str, health: p.NodeHealth, now: float) -> None:
         """A probe result in a node's beat: a new failing one drains the node (as a notice
         does, :mod:`maitre.control.health`); a passing one lets work go there again."""
+        state = self.cluster.nodes.get(node)
+        if state is None or (state.health.probe is not None and
+                             state.health.probe.id == health.id):
+            return  # (every beat carries the latest: the same one again is no news)
         here = {ms.spec.job_id for wid in self._on_node.get(node, ())
                 if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over}
-        state = self.cluster.nodes.get(node)
-        if state is None:
-            return
         before = (state.health.unhealthy, state.health.suspect)
         probe = Probe(health.id, health.ok, health.detail, health.seconds, health.probe, now)
         changed = self.cluster.node_health(node, probe, here, self.jobs, now)
