@@ -79,6 +79,25 @@ def test_a_failing_probe_drains_its_node_and_no_work_goes_there_until_one_passes
     assert not {n["node"]: n for n in sim.co.nodes_view()}["n2"]["unhealthy"]
 
 
+def test_a_job_whose_only_live_state_is_on_the_failing_node_checkpoints_first(
+        tmp_path: Path) -> None:
+    sim = SpotSim(tmp_path, {"s0": 2, "n0": 2}, [Queue("q")], cooldown_s=1.0)
+    sim.down.add("n0")  # not there yet: the job starts on s0
+    sim.submit("a", "q", 2, 2)
+    sim.advance(3)
+    assert sim.job("a")["placement"] == {"s0": 2}
+    sim.down.discard("n0")
+    sim.advance(1)
+    sim.health["s0"] = _health(1, False)
+    sim.advance(4)
+    [suspend] = [e for e in _events(sim, "suspend") if e.get("job") == "a"]
+    assert suspend["reason"].startswith("health probe failed on s0") and \
+        "checkpoints first" in suspend["reason"]
+    job = sim.job("a")
+    assert job["incarnation"] == 2 and job["state"] == "RUNNING" and job["failures"] == 0
+    assert job["placement"] == {"n0": 2} and not sim.running["s0"]
+
+
 def test_a_node_that_fails_its_first_probe_never_gets_work(tmp_path: Path) -> None:
     sim = Sim(tmp_path, {"n0": 1, "n1": 1}, [Queue("q")], cooldown_s=1.0)
     sim.health = {"n0": _health(1, True), "n1": _health(1, False, "timed out after 60s")}
