@@ -43,7 +43,7 @@ from maitre.local import LocalCluster, UpConfig  # noqa: E402
 from maitre.scheduling.model import Queue  # noqa: E402
 from maitre.scheduling.policy import PolicyConfig  # noqa: E402
 
-EXAMPLE = HERE.parent / "src" / "maitre" / "examples" / "train_llm.py"
+EXAMPLE = HERE.parent / "examples" / "train.py"
 TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
         "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000"]
 SKIP_START, SKIP_AFTER = 5, 10
@@ -72,8 +72,10 @@ def rate(times: dict[int, float], lo: float, hi: float) -> tuple[float | None, i
 
 
 def run(work: Path, *, slow: bool, steps: int = 400, factor: float = 2.0,
-        ms_per_sample: float = 4.0, timeout_s: float = 300.0) -> dict[str, Any]:
-    """One run (see the module docstring); its events, step times and final job status."""
+        ms_per_sample: float = 4.0, timeout_s: float = 300.0,
+        stragglers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One run (see the module docstring); its events, step times and final job status.
+    ``stragglers``: the manifest's detector settings beyond ``policy: evict``."""
     lines: list[str] = []
     cluster = LocalCluster(UpConfig(state_dir=work / "state", queues=[Queue("q")],
                                     policy=PolicyConfig(resize_cooldown_s=1.0)),
@@ -88,8 +90,10 @@ def run(work: Path, *, slow: bool, steps: int = 400, factor: float = 2.0,
                    "command": [sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY,
                                "--device-ms-per-sample", f"{ms_per_sample:g}",
                                "--out", str(work / "final.pt")],
-                   "stragglers": {"policy": "evict", "cooldownSeconds": 600}})
-        _wait(lambda: co.job_status("a")["step"] >= 1, 120, "the first step", lines)
+                   "stragglers": {**(stragglers or {}), "policy": "evict",
+                                  "cooldownSeconds": 600}})
+        _wait(lambda: co.job_status("a")["step"] >= 1 or
+              co.job_status("a")["state"] == "FAILED", 120, "the first step", lines)
         if slow:
             cluster.add_node(slots=1)  # node-3: free, for the replacement
         _wait(lambda: co.job_status("a")["state"] in ("COMPLETED", "FAILED"), timeout_s,
@@ -132,19 +136,23 @@ def phases(slow: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(steps: int = 400, factor: float = 2.0, ms_per_sample: float = 4.0,
-            work: Path | None = None) -> dict[str, Any]:
-    """Both runs and the numbers (see the module docstring)."""
+            work: Path | None = None, stragglers: dict[str, Any] | None = None
+            ) -> dict[str, Any]:
+    """Both runs and the numbers (see the module docstring). ``stragglers``: the detector's
+    settings (the manifest's ``stragglers`` keys: ``ratio``, ``z``, ``windows``...)."""
     with tempfile.TemporaryDirectory(prefix="maitre-eviction-") as tmp:
         root = Path(work or tmp)
         slow = run(root / "slow", slow=True, steps=steps, factor=factor,
-                   ms_per_sample=ms_per_sample)
+                   ms_per_sample=ms_per_sample, stragglers=stragglers)
         ref = run(root / "reference", slow=False, steps=steps, factor=factor,
-                  ms_per_sample=ms_per_sample)
+                  ms_per_sample=ms_per_sample, stragglers=stragglers)
     out: dict[str, Any] = {"steps": steps, "slow_factor": 1 + factor,
                            "ms_per_sample": ms_per_sample}
     p = phases(slow)
     out.update({k: v for k, v in p.items() if k not in ("verdict", "t_found", "t_join")})
     out["evicted"] = any(e["kind"] == "node_suspect" for e in slow["events"])
+    out["evictions"] = sum(1 for e in slow["events"] if e["kind"] == "node_suspect")
+    out["reference_evictions"] = sum(1 for e in ref["events"] if e["kind"] == "node_suspect")
     out["failures"] = slow["status"]["failures"]
     reference = None
     if p.get("settled_step") is not None:
