@@ -2,7 +2,8 @@
 evict}``: how fast it trains before the straggler is found, between the verdict and the
 replacement's first step, and after, against the same world size on nodes never slow.
 
-    python benchmarks/eviction.py [--steps 400] [--factor 2.0] [--ms-per-sample 4]
+    python benchmarks/eviction.py [--steps 400] [--factor 2.0] [--ms-per-sample 4] [--ratio R]
+                                  [--out benchmarks/results/eviction.json]
 
 One run each (a local cluster, ``maitre up``'s, of single-slot nodes on this machine):
 
@@ -147,7 +148,7 @@ def measure(steps: int = 400, factor: float = 2.0, ms_per_sample: float = 4.0,
         ref = run(root / "reference", slow=False, steps=steps, factor=factor,
                   ms_per_sample=ms_per_sample, stragglers=stragglers)
     out: dict[str, Any] = {"steps": steps, "slow_factor": 1 + factor,
-                           "ms_per_sample": ms_per_sample}
+                           "ms_per_sample": ms_per_sample, "stragglers": dict(stragglers or {})}
     p = phases(slow)
     out.update({k: v for k, v in p.items() if k not in ("verdict", "t_found", "t_join")})
     out["evicted"] = any(e["kind"] == "node_suspect" for e in slow["events"])
@@ -187,9 +188,12 @@ def main() -> int:
     parser.add_argument("--factor", type=float, default=2.0,
                         help="MAITRE_SLOW_FACTOR of the slow node (its compute x 1+factor)")
     parser.add_argument("--ms-per-sample", type=float, default=4.0)
+    parser.add_argument("--ratio", type=float, help="the detector's ratio (stragglers.ratio; "
+                        "default the manifest's, 1.3)")
     parser.add_argument("--out", type=Path, help="write the numbers as JSON here")
     args = parser.parse_args()
-    result = measure(steps=args.steps, factor=args.factor, ms_per_sample=args.ms_per_sample)
+    result = measure(steps=args.steps, factor=args.factor, ms_per_sample=args.ms_per_sample,
+                     stragglers={"ratio": args.ratio} if args.ratio else None)
     width = max(len(k) for k in result)
     for k, v in result.items():
         print(f"{k:<{width}}  {v}")
