@@ -248,6 +248,26 @@ def test_the_builtin_probe_checks_compute_and_memory_and_judges_speed_by_the_fir
     assert code == 0 and '"name": "memory", "ok": true' in out
 
 
+def test_the_monitor_probes_at_start_then_when_asked_and_says_so_in_the_beat() -> None:
+    monitor = HealthMonitor(HealthConfig(builtin=False, interval_s=0, timeout_s=5,
+                                         command=["sh", "-c", "echo fine"]))
+    results = []
+    monitor.on_result = results.append
+    assert monitor.beat() is None
+    monitor.first()
+    assert monitor.beat() == {"id": 1, "ok": True, "detail": "fine",
+                              "seconds": results[0].seconds, "probe": "command"}
+    p.NodeHealth(**monitor.beat())  # the beat's shape
+    monitor.start()
+    try:
+        time.sleep(0.2)
+        assert monitor.count == 1, "interval 0: no periodic probe"
+        monitor.request()  # as orders with ``probe`` ask
+        wait_for(lambda: monitor.count == 2, 10, "the asked-for probe", [])
+    finally:
+        monitor.stop()
+
+
 def test_health_config_refuses_bad_values() -> None:
     for bad in ({"interval_s": 0.5}, {"timeout_s": 0}, {"slowdown": 1.0}, {"command": []},
                 {"builtin": False}):
