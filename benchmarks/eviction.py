@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from maitre import protocol  # noqa: E402
+from maitre.agent.health import HealthConfig  # noqa: E402
 from maitre.local import LocalCluster, UpConfig  # noqa: E402
 from maitre.scheduling.model import Queue  # noqa: E402
 from maitre.scheduling.policy import PolicyConfig  # noqa: E402
@@ -74,18 +75,23 @@ def rate(times: dict[int, float], lo: float, hi: float) -> tuple[float | None, i
 
 def run(work: Path, *, slow: bool, steps: int = 400, factor: float = 2.0,
         ms_per_sample: float = 4.0, timeout_s: float = 300.0,
-        stragglers: dict[str, Any] | None = None) -> dict[str, Any]:
+        stragglers: dict[str, Any] | None = None, probes: bool = False) -> dict[str, Any]:
     """One run (see the module docstring); its events, step times and final job status.
-    ``stragglers``: the manifest's detector settings beyond ``policy: evict``."""
+    ``stragglers``: the manifest's detector settings beyond ``policy: evict``. ``probes``: each
+    node's agent runs a health check that passes (``true``), at start and when asked: a suspect
+    node is cleared by the probe its agent is asked for."""
+    health = HealthConfig(builtin=False, interval_s=0, timeout_s=10, command=["true"]) \
+        if probes else None
     lines: list[str] = []
     cluster = LocalCluster(UpConfig(state_dir=work / "state", queues=[Queue("q")],
                                     policy=PolicyConfig(resize_cooldown_s=1.0)),
                            out=lines.append).start()
     co = cluster.coordinator
     try:
-        cluster.add_node(slots=1, env={protocol.SLOW_FACTOR: str(factor)} if slow else None)
-        cluster.add_node(slots=1)
-        cluster.add_node(slots=1)
+        cluster.add_node(slots=1, env={protocol.SLOW_FACTOR: str(factor)} if slow else None,
+                         health=health)
+        cluster.add_node(slots=1, health=health)
+        cluster.add_node(slots=1, health=health)
         _wait(lambda: len(co.nodes_view()) == 3, 30, "three nodes", lines)
         co.submit({"name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 3,
                    "command": [sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY,
@@ -96,7 +102,7 @@ def run(work: Path, *, slow: bool, steps: int = 400, factor: float = 2.0,
         _wait(lambda: co.job_status("a")["step"] >= 1 or
               co.job_status("a")["state"] == "FAILED", 120, "the first step", lines)
         if slow:
-            cluster.add_node(slots=1)  # node-3: free, for the replacement
+            cluster.add_node(slots=1, health=health)  # node-3: free, for the replacement
         _wait(lambda: co.job_status("a")["state"] in ("COMPLETED", "FAILED"), timeout_s,
               "the job to end", lines)
         status = co.job_status("a")
