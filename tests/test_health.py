@@ -185,7 +185,8 @@ def test_a_suspect_node_is_avoided_until_its_cooldown_ends(tmp_path: Path) -> No
 
 
 def test_report_policy_and_no_free_slot(tmp_path: Path) -> None:
-    """Policy ``report`` moves nothing; ``evict`` with no free slot runs one smaller."""
+    """Policy ``report`` moves nothing; ``evict`` with no free slot runs one smaller, and at
+    its minimum does not evict."""
     sim = _evict_sim(tmp_path)
     ms = sim.co.jobs["a"]
     _straggle(sim, ms.members[-1], policy="report")
@@ -198,6 +199,13 @@ def test_report_policy_and_no_free_slot(tmp_path: Path) -> None:
     assert _events(sim, "replace_waiting") and ms.target == 2
     sim.advance(3)
     assert len(sim.job("a")["members"]) == 2 and sim.job("a")["failures"] == 0
+    # At its minimum with no free slot: it keeps its straggler (a gang that waits is worse).
+    other = ms.members[-1]
+    _straggle(sim, other)
+    [skipped] = _events(sim, "evict_skipped")
+    assert skipped["worker"] == other and "below its minimum of 2" in skipped["reason"]
+    sim.advance(2)
+    assert ms.workers[other].state.value == "ACTIVE" and len(sim.job("a")["members"]) == 2
 
 
 # -- the agent's probes, in real child processes ---------------------------------------------------

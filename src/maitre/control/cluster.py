@@ -326,47 +326,50 @@ class ClusterState:
 
     def evict(self, job_id: str, ms: Membership, worker: str, reason: str,
               now: float) -> dict[str, int] | None:
-        """A straggler of a job with ``stragglers: {policy: evict}``: its replica leaves at the
-        next step boundary, its node is suspect for ``cooldownSeconds`` (or until a later probe
-        passes), and the job is repaired at once (:meth:`replace`). Returns where the
-        replacement goes (None: the eviction did not happen, or no slot is free now)."""
+        """A straggler of a job with ``stragglers: {policy: evict}``: its node is suspect for
+        ``cooldownSeconds`` (or until a later probe passes), its replica leaves at the next step
+        boundary, and the job is repaired at once (:meth:`replace`). A job that has no free slot
+        for the replacement and would be left below its minimum keeps the worker
+        (``evict_skipped``: a gang that waits is worse than one that is slow). Returns where the
+        replacement goes (None: no eviction, or no slot free now)."""
         m = self.managed.get(job_id)
         spec = m.manifest.stragglers if m is not None else None
         w = ms.workers.get(worker)
-        if m is None or spec is None or spec.policy != "evict" or w is None or \
-                not ms.release(worker, now):
-            return None
+        if m is None or spec is None or spec.policy != "evict" or w is None or ms.over or \
+                w.state != WorkerState.ACTIVE:
+            return None  # (a repeated verdict about one already leaving, too)
         node = w.node
-        left = m.job.placement.get(node, 0) - 1
-        if left > 0:
-            m.job.placement[node] = left
-        else:
-            m.job.placement.pop(node, None)
         state = self.nodes.get(node)
         if state is not None:
             sus = state.health.suspected(reason, now, spec.cooldown_s, job_id, worker)
             self.log(now, "node_suspect", node=node, reason=reason, until=round(sus.until, 4),
                      job=job_id, worker=worker)
+        where = self._free_for(m)  # (the node is suspect now: none of its slots is free)
+        if where is None and sum(m.job.placement.values()) - 1 < ms.spec.min_workers:
+            self.log(now, "evict_skipped", job=job_id, worker=worker, node=node,
+                     reason=f"{reason}: no free slot for its replacement, and the job would be "
+                     f"below its minimum of {ms.spec.min_workers}")
+            return None
+        ms.release(worker, now)
+        left = m.job.placement.get(node, 0) - 1
+        if left > 0:
+            m.job.placement[node] = left
+        else:
+            m.job.placement.pop(node, None)
         self.log(now, "evict", job=job_id, worker=worker, node=node, reason=reason)
-        return self.replace(m, ms, now, reason=f"replaces {worker} (evicted from {node})")
+        return self.replace(m, ms, now, f"replaces {worker} (evicted from {node})", where)
 
-    def replace(self, m: ManagedJob, ms: Membership, now: float, reason: str
-                ) -> dict[str, int] | None:
+    def replace(self, m: ManagedJob, ms: Membership, now: float, reason: str,
+                where: dict[str, int] | None = None) -> dict[str, int] | None:
         """Grow the job by one replica at once, outside the scheduling pass (a repair: no resize
-        cooldown): on a free slot of a node that takes work, its own nodes first. Where a warm
-        spare stands by (issue 15's spares), this is the place to hand it the slot instead.
-        With no free slot the job runs one smaller (at least its minimum; below it, the pass's
-        repair gives it the next free slot)."""
-        used: dict[str, int] = {}
-        for other in self.managed.values():
-            if not other.job.state.ended:
-                for n, r in other.job.placement.items():
-                    used[n] = used.get(n, 0) + r * other.job.slots_per_replica
-        free = FreeSlots(self.cluster(), used)
-        where = place(m.job, 1, free, prefer=m.job.placement) if free.total > 0 else None
+        cooldown): on a free slot of a node that takes work, its own nodes first (``where``:
+        found already). Where a warm spare stands by (issue 15's spares), this is the place to
+        hand it the slot instead. With no free slot the job runs one smaller (never below its
+        minimum: :meth:`evict` does not evict then)."""
+        where = where if where is not None else self._free_for(m)
         if where is None:
             size = sum(m.job.placement.values())
-            if size >= ms.spec.min_workers and size < ms.target:
+            if ms.spec.min_workers <= size < ms.target:
                 ms.scale(size, now)
             self.log(now, "replace_waiting", job=m.id, reason=f"{reason}: no free slot")
             return None
@@ -375,6 +378,15 @@ class ClusterState:
         self.log(now, "repair", job=m.id, placement=dict(m.job.placement), reason=reason)
         self.index_allocations()
         return dict(where)
+
+    def _free_for(self, m: ManagedJob) -> dict[str, int] | None:
+        """Where one more replica of ``m`` fits now, on slots no job holds (None: nowhere)."""
+        used: dict[str, int] = {}
+        for other in self.managed.values():
+            if not other.job.state.ended:
+                for n, r in other.job.placement.items():
+                    used[n] = used.get(n, 0) + r * other.job.slots_per_replica
+        return place(m.job, 1, FreeSlots(self.cluster(), used), prefer=m.job.placement)
 
     # -- jobs ------------------------------------------------------------------------------------
     def submit(self, manifest: JobManifest, now: float,

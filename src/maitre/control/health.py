@@ -16,8 +16,10 @@ Two ways a node falls out of favour:
 Events (the coordinator's log): ``node_health`` {node, ok, detail, seconds, probe} for each new
 probe result; ``node_suspect`` {node, reason, until, job, worker}; ``node_cleared`` {node,
 reason} when a suspicion ends. Each job's part of a drain is a ``shrink`` or ``suspend`` with
-the failed probe as its reason; an eviction's replacement is a ``repair`` {job, placement,
-reason}.
+the failed probe as its reason; an eviction is an ``evict`` {job, worker, node, reason} and its
+replacement a ``repair`` {job, placement, reason} (``replace_waiting`` with no free slot;
+``evict_skipped`` where the job would be left below its minimum: the node is suspect all the
+same).
 
 Neither state is persisted: a restarted coordinator hears each node's latest probe with its
 next beat, and forgets suspicions (the cool-down is a preference, not a safety property).

@@ -127,7 +127,7 @@ class Metrics:
                                        "Node health probes that failed (node_health events "
                                        "with ok false: the node is drained).", registry=r)
         self.evictions = Counter("maitre_evictions", "Stragglers' replicas moved off their node "
-                                 "(policy evict: node_suspect events), by job.", ["job"],
+                                 "(policy evict: evict events), by job.", ["job"],
                                  registry=r)
         self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
                                 "A scheduling pass: the cluster brought up to date, the policy, "
@@ -150,7 +150,7 @@ class Metrics:
                            "node_reclaimed": self._spot_reclaim,
                            "node_drained": self._spot_drained,
                            "straggler": self._straggler, "node_health": self._node_health,
-                           "node_suspect": self._eviction}
+                           "evict": self._eviction}
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
