@@ -49,6 +49,10 @@ class Sim:
         """Each node's labels, as its agent sends them (none by default)."""
         self.notices: dict[str, p.SpotNotice] = {}
         """Spot notices the agents carry in their beats (tests/test_spot.py)."""
+        self.health: dict[str, p.NodeHealth] = {}
+        """Health probe results the agents carry in their beats (tests/test_health.py)."""
+        self.probe_asked: dict[str, bool] = {}
+        """Whether the node's latest orders asked for a health probe."""
 
     def _coordinator(self) -> Coordinator:
         cluster = ClusterState(list(self.queues), run_dir=self.tmp,
@@ -86,11 +90,13 @@ class Sim:
                     continue
                 beat = p.NodeBeat(slots=self.slots[node], since=self.version[node],
                                   labels=p.Labels(**self.labels.get(node, {})),
-                                  notice=self.notices.get(node), workers=[
+                                  notice=self.notices.get(node),
+                                  health=self.health.get(node), workers=[
                     p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0)
                     for w in sorted(self.running[node])])
                 reply = self.co.node_heartbeat(node, beat)
                 self.version[node] = reply["version"]
+                self.probe_asked[node] = reply.get("probe", False)
                 if reply["views"] is not None:
                     self.views.update(reply["views"])
                 for wid in reply["kill"]:

@@ -276,3 +276,35 @@ def test_a_slow_rank_is_marked_on_its_job_and_node(tmp_path: Path) -> None:
         page.view("node/n1")
         assert "w3" in page.page.inner_text("#node #stragglers")
         assert page.page_errors() == []
+
+
+@pytest.mark.timeout(120)
+def test_an_unhealthy_and_a_suspect_node_are_marked_with_why(tmp_path: Path) -> None:
+    import json
+
+    events = [
+        {"kind": "node_registered", "node": "n0", "slots": 1, "labels": {}, "price": None},
+        {"kind": "node_registered", "node": "n1", "slots": 1, "labels": {}, "price": None},
+        {"kind": "node_health", "node": "n0", "ok": True, "detail": "ok: cpu 0.050s",
+         "seconds": 0.6, "probe": "builtin"},
+        {"kind": "node_health", "node": "n1", "ok": False, "detail": "gpu 3: ECC error",
+         "seconds": 0.4, "probe": "command"},
+        {"kind": "node_suspect", "node": "n0", "reason": "straggler: w2 at 2.00x the median",
+         "until": 600.0, "job": "lm", "worker": "w2"},
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
+                            for k, e in enumerate(events)))
+    with ReplayServer(path, TOKEN) as srv, browser() as b:
+        page = new_page(b)
+        page.open(f"{srv.url}?token={TOKEN}")
+        page.view("scaling")
+        marked = page.page.inner_text("#scaling .marked")
+        assert "n1 unhealthy" in marked and "n0 suspect" in marked, marked
+        page.view("node/n1")
+        text = page.page.inner_text("#node #health")
+        assert "FAILED" in text and "gpu 3: ECC error" in text
+        assert "unhealthy" in page.page.inner_text("#node h2")
+        page.view("node/n0")
+        assert "straggler: w2 at 2.00x the median" in page.page.inner_text("#node #health")
+        assert page.page_errors() == []

@@ -17,8 +17,9 @@ import socket
 import sys
 import ssl
 import threading
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from maitre import protocol
 from maitre.protocol import COORDINATOR as _COORDINATOR
@@ -203,6 +204,23 @@ def _notices(args: argparse.Namespace):
     return NoticeWatcher(src, **kw)
 
 
+def _health_monitor(args: argparse.Namespace):
+    """``--health-interval``, ``--health-timeout``, ``--health-check``, checked."""
+    from maitre.agent.health import HealthConfig, HealthMonitor, command
+
+    for flag, value in (("--health-interval", args.health_interval),
+                        ("--health-timeout", args.health_timeout)):
+        if not value < math.inf:
+            raise UsageError(f"{flag} must be a number of seconds, got {value:g}")
+    try:
+        cfg = HealthConfig(interval_s=args.health_interval, timeout_s=args.health_timeout,
+                           command=command(args.health_check) if args.health_check else None,
+                           builtin=not args.no_health_builtin)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    return HealthMonitor(cfg)
+
+
 def cmd_agent(args: argparse.Namespace) -> int:
     from maitre.agent import netaddr
     from maitre.agent.agent import Agent
@@ -213,10 +231,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if args.iface and args.iface not in {name for _, name in socket.if_nameindex()}:
         raise UsageError(f"--iface {args.iface}: no such network interface on this machine")
     notices = _notices(args)
+    health = _health_monitor(args)
     client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
     node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
-                  iface=args.iface, tls_ca=client.tls_ca, notices=notices)
+                  iface=args.iface, tls_ca=client.tls_ca, notices=notices, health=health)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}"
           + (f", watching {notices.src.description} for spot notices every "
              f"{notices.interval_s:g}s" if notices is not None else ""), flush=True)
@@ -265,14 +284,25 @@ def cmd_status(args: argparse.Namespace) -> int:
     if nodes:
         print()
         print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PRICE/H", "PHI",
-                      "WORKERS"],
+                      "HEALTH", "WORKERS"],
                      [[n["node"], "RECLAIMED" if n.get("reclaimed") else "draining"
-                       if n.get("draining") else "alive" if n["alive"] else "DEAD",
+                       if n.get("draining") else "UNHEALTHY" if n.get("unhealthy") else
+                       "suspect" if n.get("suspect") else "alive" if n["alive"] else "DEAD",
                        str(n["slots"]), str(n["used"]), n["labels"].get("rack", ""),
                        n["labels"].get("capacity_type", "on-demand"),
                        "-" if n.get("price") is None else f"{n['price']:g}",
-                       "-" if n["phi"] is None else f"{n['phi']:.1f}", " ".join(n["workers"])]
+                       "-" if n["phi"] is None else f"{n['phi']:.1f}", _health(n.get("health")),
+                       " ".join(n["workers"])]
                       for n in nodes]))
+        for n in nodes:  # why a node is avoided
+            h, sus = n.get("health"), n.get("suspect")
+            if h is not None and not h["ok"]:
+                print(f"  {n['node']}: health probe failed ({h['probe']}, {h['seconds']:g}s, "
+                      f"{h['age_s']:.0f}s ago): {' | '.join(h['detail'].splitlines())}")
+            if sus is not None:
+                left = max(0.0, sus["until"] - time.time())
+                print(f"  {n['node']}: suspect for up to {left:.0f}s more, or until a health "
+                      f"probe passes: {sus['reason']}")
         report = client.get(protocol.REPORT)
         if report.get("cost") is not None:
             print()
@@ -290,6 +320,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "any" if q["borrowing_limit"] is None else str(q["borrowing_limit"]),
                        f"{q['weight']:g}", str(q["allocated"]), str(q["jobs"])] for q in queues]))
     return 0
+
+
+def _health(h: dict[str, Any] | None) -> str:
+    """A node's latest probe in a cell: ``ok 12s ago``, ``FAILED 3s ago``, ``-`` (none)."""
+    if h is None:
+        return "-"
+    return f"{'ok' if h['ok'] else 'FAILED'} {h['age_s']:.0f}s ago"
 
 
 def _money(value: float | None) -> str:
@@ -600,6 +637,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how often the source is polled (default 5, AWS's guidance)")
     agent.add_argument("--spot-notice-default", type=float, metavar="SECONDS",
                        help="the warning a notice without a time gives (GCE's TRUE; default 30)")
+    agent.add_argument("--health-interval", type=float, default=300.0, metavar="SECONDS",
+                       help="probe the node's health this often (default 300; 0: only at "
+                       "start and when the coordinator asks); a failing probe drains the node")
+    agent.add_argument("--health-timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="a probe still running after this long is killed and fails "
+                       "(default 60)")
+    agent.add_argument("--health-check", metavar="CMD", help="the site's own check, run after "
+                       "the built-in compute and memory probe: exit 0 is healthy, the last "
+                       "lines of its output say why not (like Slurm's HealthCheckProgram)")
+    agent.add_argument("--no-health-builtin", action="store_true",
+                       help="skip the built-in probe (then --health-check is needed)")
     agent.set_defaults(fn=cmd_agent)
 
     scale = sub.add_parser("scale", help="set a job's number of workers (a submitted job: its "

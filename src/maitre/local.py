@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
+from maitre.agent.health import HealthConfig, HealthMonitor
 from maitre.agent.notices import NoticeWatcher, source
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
@@ -110,9 +111,13 @@ class LocalCluster:
         return self
 
     def add_node(self, slots: int | None = None, labels: dict[str, str] | None = None,
-                 spot: bool = False, notice: str | None = None) -> Agent:
+                 spot: bool = False, notice: str | None = None,
+                 health: HealthConfig | None = None, env: dict[str, str] | None = None
+                 ) -> Agent:
         """A local node. ``spot``: labelled so, watching its :meth:`notice_file` (or the
-        ``notice`` source given: ``file:PATH``, a URL) for a reclaim notice."""
+        ``notice`` source given: ``file:PATH``, a URL) for a reclaim notice. ``health``: its
+        probes (:mod:`maitre.agent.health`; default none). ``env``: its workers' environment
+        beyond this process's (a node's own, such as :data:`maitre.protocol.SLOW_FACTOR`)."""
         with self._lock:
             index = self._added
             self._added += 1
@@ -133,7 +138,8 @@ class LocalCluster:
             agent = Agent(self.address, name, slots or self.cfg.slots_per_node,
                           output=output, token=self.token, labels=labels,
                           heartbeat_s=LOCAL_HEARTBEAT_S, tls_ca=self.cfg.tls_ca,
-                          notices=watcher)
+                          notices=watcher, extra_env=env,
+                          health=HealthMonitor(health) if health is not None else None)
             self.agents.append(agent)
         return agent.start()
 

@@ -5,8 +5,9 @@ Who talks to whom::
 
     CLI / dashboard ──(token)──────────────▶ coordinator   jobs, nodes, queues, report
     agent (one per node) ──(token)─────────▶ coordinator   node heartbeat (its workers' liveness
-                                                           and progress in one beat, and a spot
-                                                           notice while one stands), watch
+                                                           and progress in one beat, a spot
+                                                           notice while one stands, its latest
+                                                           health probe), watch
                                                            (long-poll for orders), worker exits
     worker ──(token)───────────────────────▶ coordinator   rendezvous (long-poll), done, left,
                                                            recovery reports: per change, never
@@ -81,6 +82,11 @@ SLOW_RANK = "MAITRE_SLOW_RANK"
 """Fault injection (tests, drills): ``RANK:FACTOR``, e.g. ``1:0.5``: the worker of data rank
 ``RANK`` sleeps ``FACTOR`` times its step's compute each step before the step's allreduce, as a
 throttled GPU would (a straggler for :mod:`maitre.runtime.stragglers` to find)."""
+SLOW_FACTOR = "MAITRE_SLOW_FACTOR"
+"""Fault injection (tests, drills), node-scoped: set in an agent's environment, every worker it
+starts sleeps ``FACTOR`` times its step's compute each step before the step's allreduce, as on a
+node whose CPUs a neighbour steals. Unlike :data:`SLOW_RANK` it stays with the node: a rank that
+moves away is no longer slow (the ``evict`` policy's test)."""
 STRAGGLER_WINDOW = "MAITRE_STRAGGLER_WINDOW"
 """Steps per window of the per-rank timing (default 5): the ranks share their numbers at each
 window's last step, in slots of that step's reduction."""
@@ -277,6 +283,21 @@ class JobList(_Reply):
     jobs: list[JobSummary]
 
 
+class NodeHealthSummary(_Reply):
+    ok: bool
+    detail: str
+    seconds: float
+    probe: str
+    age_s: float
+    """Seconds since the coordinator heard of this probe."""
+
+
+class NodeSuspect(_Reply):
+    reason: str
+    until: float
+    """Coordinator time when the cool-down ends (unless a health probe passes first)."""
+
+
 class NodeSummary(_Reply):
     node: str
     slots: int
@@ -293,6 +314,12 @@ class NodeSummary(_Reply):
     used: int
     workers: list[str]
     last_heartbeat_s: float
+    health: NodeHealthSummary | None = None
+    """Its latest health probe (None: its agent sent none)."""
+    unhealthy: bool = False
+    """Its latest probe failed: drained, and given no work until one passes."""
+    suspect: NodeSuspect | None = None
+    """Avoided by the scheduler since a straggler was evicted from it (policy ``evict``)."""
 
 
 class NodeList(_Reply):
@@ -410,12 +437,30 @@ class SpotNotice(_Request):
     """The notice source's description (``file:PATH``, ``http://...``)."""
 
 
+class NodeHealth(_Request):
+    """The node's latest health probe (:mod:`maitre.agent.health`), sent with every beat."""
+
+    id: int = Field(ge=1)
+    """The agent's count of probes: a new one is news; the same one again is not."""
+    ok: bool
+    detail: str = Field("", max_length=2000)
+    """What failed (or what was measured), the last lines of a site check's output."""
+    seconds: float = Field(ge=0, le=86400, allow_inf_nan=False)
+    """How long the probe took."""
+    probe: str = Field(min_length=1, max_length=64)
+    """Which probe decided: ``builtin`` (compute and memory, and each visible GPU), ``command``
+    (the site's ``--health-check``)."""
+
+
 class NodeBeat(_Request):
     slots: int = Field(ge=1, le=4096)
     labels: Labels = Labels()
     notice: SpotNotice | None = None
     """A spot notice stands for this node: it is sent with every beat while it does (so a
     coordinator that restarted hears it again), and the first one drains the node."""
+    health: NodeHealth | None = None
+    """The node's latest health probe (None: none ran yet, or the agent runs none). A failing
+    one drains the node; no work goes there until one passes."""
     workers: list[WorkerBeat] = Field([], max_length=4096)
     """The worker processes the agent runs now, with their liveness and progress."""
     since: int = Field(-1, ge=-1)
@@ -471,6 +516,8 @@ class NodeOrders(_Reply):
     kill: list[str] = []
     views: dict[str, WorkerView] | None = None
     """Every live worker's view, when it changed since ``since`` (else None)."""
+    probe: bool = False
+    """Run a health probe now (the node is suspect: a passing probe clears it)."""
 
 
 class ExitRequest(_Request):

@@ -20,6 +20,10 @@ Three paths, each with its own thread (the messages are :mod:`maitre.protocol`'s
   change (workers to start, workers to kill, new views), so news reaches the workers within a
   round trip, not a beat interval.
 
+The node's health probes (:mod:`maitre.agent.health`) run in child processes: one before the
+first beat, then periodically and when the orders ask (``probe``: the node is suspect); the
+latest result rides every beat, and a new one is news worth a beat at once.
+
 A thread per worker waits on the process and reports its exit at once, with the last line of
 its stderr (for a Python exception, ``Type: message``), which is what lets the coordinator tell
 a crash from a bug that every rank hits.
@@ -52,6 +56,7 @@ from typing import Any, Callable, TextIO
 
 from maitre import protocol
 from maitre.agent import netaddr, warmstart
+from maitre.agent.health import HealthMonitor
 from maitre.agent.notices import NoticeWatcher
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
 
@@ -172,13 +177,17 @@ class Agent:
             node reaches the coordinator through (:mod:`maitre.agent.netaddr`).
         notices: the watch on the node's spot notice source (:mod:`maitre.agent.notices`):
             once it sees a notice, every beat carries it and the coordinator drains the node.
+        health: the node's health probes (:mod:`maitre.agent.health`): the first runs before
+            the first beat (the node takes no work before it is known), the rest on their
+            thread; every beat carries the latest result, a new one is news worth a beat.
     """
 
     def __init__(self, coordinator: str, node_id: str, slots: int, *, heartbeat_s: float = 2.0,
                  urgent_s: float = 0.1, extra_env: dict[str, str] | None = None,
                  output: Output = print_output, token: str | None = None,
                  labels: dict[str, str] | None = None, iface: str | None = None,
-                 tls_ca: str | None = None, notices: NoticeWatcher | None = None) -> None:
+                 tls_ca: str | None = None, notices: NoticeWatcher | None = None,
+                 health: HealthMonitor | None = None) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.client = Client(coordinator, timeout_s=5.0, token=token, tls_ca=tls_ca)
@@ -207,6 +216,9 @@ class Agent:
         """Stopping with a notice standing: the last beat says the node goes now."""
         if notices is not None:  # a notice is news worth a beat at once
             notices.on_notice = lambda notice: self._poke.set()
+        self.health = health
+        if health is not None:  # so is a probe's result
+            health.on_result = lambda result: self._poke.set()
         self.iface = iface
         self.heartbeat_s = heartbeat_s
         self.extra_env = dict(extra_env or {})
@@ -229,6 +241,10 @@ class Agent:
         cannot be reached at all at start-up."""
         if self.notices is not None:
             self.notices.start()
+        if self.health is not None:
+            if self.health.latest is None:
+                self.health.first()
+            self.health.start()
         self._beat()
         self._threads = [
             threading.Thread(target=self._local.serve_forever, kwargs={"poll_interval": 0.2},
@@ -281,6 +297,8 @@ class Agent:
         self._poke.set()
         if self.notices is not None:
             self.notices.stop()
+        if self.health is not None:
+            self.health.stop()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         if self._threads:  # shutdown() would wait forever for a loop that never ran
@@ -339,6 +357,9 @@ class Agent:
             left = 0.0 if self._going else notice.remaining_s(self.notices.clock())
             body["notice"] = {"notice_s": round(left, 3),
                               "action": notice.action[:64], "source": notice.source[:500]}
+        health = self.health.beat() if self.health is not None else None
+        if health is not None:
+            body["health"] = health
         sent = time.monotonic()
         try:
             reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id), body)
@@ -366,6 +387,8 @@ class Agent:
             w = self.workers.get(wid)
             if w is not None:
                 w.signal(signal.SIGKILL)
+        if orders.get("probe") and self.health is not None:
+            self.health.request()
 
     def worker_beat(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         """A worker's heartbeat on the local socket; returns its view."""

@@ -24,7 +24,9 @@ over-committed, not even for the moment between a shrink and its preemptor's sta
 
 A node with a spot notice is drained, then reclaimed (:mod:`maitre.control.drain`): the pass
 stops seeing it, its workers leave at a step boundary (or their job checkpoints first), and
-its going is a reclaim, not a failure. Each node has a price per slot-hour by its capacity type
+its going is a reclaim, not a failure. A node whose health probe failed is drained the same way
+and not seen until a probe passes; a node a straggler was evicted from is *suspect*: nothing new
+is placed there for a while (:mod:`maitre.control.health`). Each node has a price per slot-hour by its capacity type
 (``prices``), which the accounting charges its slot-seconds at.
 
 Nodes are watched by a phi-accrual detector (:mod:`maitre.control.detector`) on their agents'
@@ -41,6 +43,7 @@ and persists what changed (:mod:`maitre.control.store`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,11 +53,12 @@ from maitre import protocol
 from maitre.control.accounting import Usage, account, measure
 from maitre.control.detectors import DetectorConfig, PhiAccrual, PhiConfig
 from maitre.control.drain import Reclaim, decide
+from maitre.control.health import NodeHealth, Probe
 from maitre.control.membership import JobSpec, Membership, Worker, WorkerState
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
-from maitre.scheduling.policy import Plan, PolicyConfig, schedule
+from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
 from maitre.scheduling.spec import JobManifest
 
 @dataclass(slots=True)
@@ -65,10 +69,17 @@ class NodeState:
     registered_at: float = 0.0
     reclaim: Reclaim | None = None
     """The node's spot notice, from the first beat that carried one."""
+    health: NodeHealth = field(default_factory=NodeHealth)
+    """Its latest probe, and a suspicion (:mod:`maitre.control.health`)."""
 
     @property
     def draining(self) -> bool:
         return self.reclaim is not None
+
+    @property
+    def takes_work(self) -> bool:
+        """New workers may start here (alive, no notice, its latest probe did not fail)."""
+        return self.alive and not self.draining and not self.health.unhealthy
 
 
 DEFAULT_PRICES = {"on-demand": 2.5, "spot": 0.75}
@@ -158,7 +169,8 @@ class ClusterState:
         if state is None or state.node != node:
             self.nodes[node.name] = NodeState(node, PhiAccrual(self.phi, now), True,
                                               state.registered_at if state else now,
-                                              state.reclaim if state else None)
+                                              state.reclaim if state else None,
+                                              state.health if state else NodeHealth())
             kind = "node_registered" if state is None else \
                 "node_shrunk" if node.slots < state.node.slots else "node_changed"
             if kind == "node_shrunk":
@@ -196,9 +208,21 @@ class ClusterState:
         return dead
 
     def cluster(self) -> Cluster:
-        """The policy's view: live nodes that are not draining."""
-        return Cluster.of([s.node for s in self.nodes.values() if s.alive and not s.draining],
-                          list(self.queues.values()))
+        """The policy's view: live nodes that are not draining and whose latest probe did not
+        fail; a suspect node only with the slots its jobs hold there now (none new)."""
+        nodes = []
+        for s in self.nodes.values():
+            if not s.takes_work:
+                continue
+            if s.health.suspect is not None:
+                held = sum(m.job.placement.get(s.node.name, 0) * m.job.slots_per_replica
+                           for m in self.managed.values() if not m.job.state.ended)
+                if not held:
+                    continue
+                nodes.append(dataclasses.replace(s.node, slots=min(held, s.node.slots)))
+            else:
+                nodes.append(s.node)
+        return Cluster.of(nodes, list(self.queues.values()))
 
     def price(self, capacity_type: str) -> float | None:
         return self.prices.get(capacity_type)
@@ -218,16 +242,24 @@ class ClusterState:
         state = self.nodes.get(node)
         if state is None or state.reclaim is not None or not state.alive:
             return set()
-        jobs_here = {job_id for job_id, _ in here}
         state.reclaim = Reclaim(now, now + notice_s, source, action, [w for _, w in here])
         self.log(now, "spot_notice", node=node, notice_s=round(notice_s, 3),
                  deadline=round(now + notice_s, 4), source=source, action=action)
+        return self._vacate(node, f"spot notice on {node}", {j for j, _ in here}, memberships,
+                            now, within_s=notice_s)
+
+    def _vacate(self, node: str, reason: str, jobs_here: set[str],
+                memberships: dict[str, Membership], now: float,
+                within_s: float = math.inf) -> set[str]:
+        """Every job gives up its allocation on ``node``: its workers there leave at a step
+        boundary, or it checkpoints first (within ``within_s``) where that would leave it with
+        no live state or below its minimum (:func:`maitre.control.drain.decide`)."""
         changed = set()
         for m in self.managed.values():
             if m.ended_at is not None or (node not in m.job.placement and m.id not in jobs_here):
                 continue
             ms = memberships.get(m.id) if m.incarnation else None
-            d = decide(m, ms, node)
+            d = decide(m, ms, node, reason)
             m.job.placement = d.placement
             changed.add(m.id)
             if d.kind == "leave":
@@ -242,7 +274,7 @@ class ClusterState:
             elif d.kind == "suspend":
                 assert ms is not None
                 ms.suspend(d.reason, now)
-                m.suspend_deadline = min(now + m.job.grace_period_s, now + notice_s)
+                m.suspend_deadline = min(now + m.job.grace_period_s, now + within_s)
                 self.log(now, "suspend", job=m.id, reason=d.reason)
             elif d.kind == "blocked":
                 self.log(now, "drain_blocked", job=m.id, node=node, reason=d.reason)
@@ -258,6 +290,103 @@ class ClusterState:
         self.log(now, "node_drained", node=node, workers=reclaim.left_gracefully(),
                  seconds=round(now - reclaim.noticed_at, 3))
         return True
+
+    # -- health and suspicion (maitre.control.health) ----------------------------------------------
+    def node_health(self, node: str, probe: Probe, here: set[str],
+                    memberships: dict[str, Membership], now: float) -> set[str]:
+        """A beat of ``node`` carried a probe result (``here``: the jobs of its live workers).
+        A new failing one drains the node; a passing one after a suspicion clears it. Returns
+        the jobs it changed."""
+        state = self.nodes.get(node)
+        if state is None:
+            return set()
+        was_unhealthy = state.health.unhealthy
+        news, cleared = state.health.heard(probe)
+        if not news:
+            return set()
+        self.log(now, "node_health", node=node, ok=probe.ok, detail=probe.detail,
+                 seconds=probe.seconds, probe=probe.probe)
+        if cleared:
+            self.log(now, "node_cleared", node=node, reason="health probe passed")
+        if probe.ok or was_unhealthy or not state.alive:
+            return set()
+        why = f"health probe failed on {node} ({probe.probe})"
+        return self._vacate(node, why, here, memberships, now)
+
+    def wants_probe(self, node: str) -> bool:
+        state = self.nodes.get(node)
+        return state is not None and state.alive and state.health.wants_probe
+
+    def cool_suspects(self, now: float) -> list[str]:
+        """Suspect nodes whose cool-down ended: seen again by the next pass."""
+        cooled = [n for n, s in self.nodes.items() if s.health.cooled(now)]
+        for node in cooled:
+            self.log(now, "node_cleared", node=node, reason="cool-down ended")
+        return cooled
+
+    def evict(self, job_id: str, ms: Membership, worker: str, reason: str,
+              now: float) -> dict[str, int] | None:
+        """A straggler of a job with ``stragglers: {policy: evict}``: its node is suspect for
+        ``cooldownSeconds`` (or until a later probe passes), its replica leaves at the next step
+        boundary, and the job is repaired at once (:meth:`replace`). A job that has no free slot
+        for the replacement and would be left below its minimum keeps the worker
+        (``evict_skipped``: a gang that waits is worse than one that is slow). Returns where the
+        replacement goes (None: no eviction, or no slot free now)."""
+        m = self.managed.get(job_id)
+        spec = m.manifest.stragglers if m is not None else None
+        w = ms.workers.get(worker)
+        if m is None or spec is None or spec.policy != "evict" or w is None or ms.over or \
+                w.state != WorkerState.ACTIVE:
+            return None  # (a repeated verdict about one already leaving, too)
+        node = w.node
+        state = self.nodes.get(node)
+        if state is not None:
+            sus = state.health.suspected(reason, now, spec.cooldown_s, job_id, worker)
+            self.log(now, "node_suspect", node=node, reason=reason, until=round(sus.until, 4),
+                     job=job_id, worker=worker)
+        where = self._free_for(m)  # (the node is suspect now: none of its slots is free)
+        if where is None and sum(m.job.placement.values()) - 1 < ms.spec.min_workers:
+            self.log(now, "evict_skipped", job=job_id, worker=worker, node=node,
+                     reason=f"{reason}: no free slot for its replacement, and the job would be "
+                     f"below its minimum of {ms.spec.min_workers}")
+            return None
+        ms.release(worker, now)
+        left = m.job.placement.get(node, 0) - 1
+        if left > 0:
+            m.job.placement[node] = left
+        else:
+            m.job.placement.pop(node, None)
+        self.log(now, "evict", job=job_id, worker=worker, node=node, reason=reason)
+        return self.replace(m, ms, now, f"replaces {worker} (evicted from {node})", where)
+
+    def replace(self, m: ManagedJob, ms: Membership, now: float, reason: str,
+                where: dict[str, int] | None = None) -> dict[str, int] | None:
+        """Grow the job by one replica at once, outside the scheduling pass (a repair: no resize
+        cooldown): on a free slot of a node that takes work, its own nodes first (``where``:
+        found already). Where a warm spare stands by (issue 15's spares), this is the place to
+        hand it the slot instead. With no free slot the job runs one smaller (never below its
+        minimum: :meth:`evict` does not evict then)."""
+        where = where if where is not None else self._free_for(m)
+        if where is None:
+            size = sum(m.job.placement.values())
+            if ms.spec.min_workers <= size < ms.target:
+                ms.scale(size, now)
+            self.log(now, "replace_waiting", job=m.id, reason=f"{reason}: no free slot")
+            return None
+        for n, r in where.items():
+            m.job.placement[n] = m.job.placement.get(n, 0) + r
+        self.log(now, "repair", job=m.id, placement=dict(m.job.placement), reason=reason)
+        self.index_allocations()
+        return dict(where)
+
+    def _free_for(self, m: ManagedJob) -> dict[str, int] | None:
+        """Where one more replica of ``m`` fits now, on slots no job holds (None: nowhere)."""
+        used: dict[str, int] = {}
+        for other in self.managed.values():
+            if not other.job.state.ended:
+                for n, r in other.job.placement.items():
+                    used[n] = used.get(n, 0) + r * other.job.slots_per_replica
+        return place(m.job, 1, FreeSlots(self.cluster(), used), prefer=m.job.placement)
 
     # -- jobs ------------------------------------------------------------------------------------
     def submit(self, manifest: JobManifest, now: float,
@@ -395,7 +524,8 @@ class ClusterState:
                        m.job.min_replicas,
                        m.job.max_replicas, tuple(sorted(m.job.placement.items())))
                       for m in self.managed.values()),
-                tuple((n, s.alive, s.draining, s.node) for n, s in self.nodes.items()))
+                tuple((n, s.alive, s.draining, s.node, s.health.unhealthy,
+                       s.health.suspect is not None) for n, s in self.nodes.items()))
 
     def apply(self, plan: Plan, memberships: dict[str, Membership], now: float
               ) -> list[tuple[str, str, Any]]:

@@ -43,6 +43,7 @@ from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
 from maitre.control.detectors import DetectorConfig
 from maitre.control.eventlog import EventLog
+from maitre.control.health import Probe
 from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
@@ -94,6 +95,19 @@ def acknowledged(method: F) -> F:
             if self.db is not None:
                 self.durable(*self.take_pending())
     return call  # type: ignore[return-value]
+
+
+def _health_view(state: Any, now: float) -> dict[str, Any]:
+    """A node's health for ``maitre status`` (:class:`maitre.protocol.NodeSummary`)."""
+    if state is None:
+        return {}
+    h = state.health
+    probe = None if h.probe is None else {
+        "ok": h.probe.ok, "detail": h.probe.detail, "seconds": h.probe.seconds,
+        "probe": h.probe.probe, "age_s": round(max(0.0, now - h.probe.heard_at), 2)}
+    suspect = None if h.suspect is None else {"reason": h.suspect.reason,
+                                              "until": round(h.suspect.until, 4)}
+    return {"health": probe, "unhealthy": h.unhealthy, "suspect": suspect}
 
 
 class Coordinator:
@@ -326,6 +340,8 @@ class Coordinator:
                 self._bump(node)
             if beat.notice is not None:
                 self._noticed(node, beat.notice, now)
+            if beat.health is not None:
+                self._health(node, beat.health, now)
             running = set()
             for wb in beat.workers:
                 running.add(wb.id)
@@ -363,6 +379,39 @@ class Coordinator:
         self._bump(node)
         self._next_pass = 0.0  # the jobs that gave it up may grow elsewhere
         self._flush()
+
+    def _health(self, node: str, health: p.NodeHealth, now: float) -> None:
+        """A probe result in a node's beat: a new failing one drains the node (as a notice
+        does, :mod:`maitre.control.health`); a passing one lets work go there again."""
+        state = self.cluster.nodes.get(node)
+        if state is None or (state.health.probe is not None and
+                             state.health.probe.id == health.id):
+            return  # (every beat carries the latest: the same one again is no news)
+        here = {ms.spec.job_id for wid in self._on_node.get(node, ())
+                if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over}
+        before = (state.health.unhealthy, state.health.suspect)
+        probe = Probe(health.id, health.ok, health.detail, health.seconds, health.probe, now)
+        changed = self.cluster.node_health(node, probe, here, self.jobs, now)
+        for job_id in changed:
+            self._touch(job_id, persist=True)
+        if changed or (state.health.unhealthy, state.health.suspect) != before:
+            self.cluster.index_allocations()
+            self._bump(node)
+            self._next_pass = 0.0  # jobs that gave it up may grow elsewhere, or back here
+            self._flush()
+
+    def _evict_straggler(self, ms: Membership, report: dict[str, Any], now: float) -> None:
+        """A straggler of a job whose policy is ``evict``: its replica leaves at a step
+        boundary and a free slot elsewhere replaces it at once (:meth:`ClusterState.evict`)."""
+        wid, node = report["worker"], report.get("node")
+        reason = f"straggler: {wid} at {report.get('ratio', 0):.2f}x the median since step " \
+                 f"{report.get('since_step', 0)}"
+        where = self.cluster.evict(ms.spec.job_id, ms, wid, reason, now)
+        if node is not None:
+            self._bump(node)  # its worker's view says leave; its agent probes
+        for n in where or {}:
+            self._bump(n)  # start orders for the replacement
+        self._touch(ms.spec.job_id, persist=True)
 
     def try_now(self, method: Callable[..., Any], *args: Any, block: bool = False
                 ) -> tuple[Any, tuple[int, int]] | None:
@@ -494,12 +543,13 @@ class Coordinator:
             here = self._on_node.get(node, set())  # with the workers just started
             views = {wid: self._worker_job[wid].view(wid, now) for wid in sorted(here)
                      if self._worker_job[wid].workers[wid].state in LIVE}
-        return {"version": version, "start": start, "kill": kill, "views": views}
+        return {"version": version, "start": start, "kill": kill, "views": views,
+                "probe": self.cluster.wants_probe(node)}
 
     def _start_orders(self, node: str, slots: int, used: set[int],
                       now: float) -> list[dict[str, Any]]:
         state = self.cluster.nodes.get(node)
-        if state is None or not state.alive or state.draining:
+        if state is None or not state.takes_work:
             return []
         candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
         start: list[dict[str, Any]] = []
@@ -638,6 +688,9 @@ class Coordinator:
             else:
                 self.reports[job_id].append(report)
             self._emit(job_id, _EVENT_OF_REPORT[kind], report)
+            if kind == "straggler" and report.get("policy") == "evict":
+                self._evict_straggler(ms, report, self.clock())
+                self._flush()
         return {}
 
     # -- failure detector and scheduler ----------------------------------------------------------
@@ -721,6 +774,8 @@ class Coordinator:
             self._evict_node(node, f"node {node} was reclaimed (spot notice)"
                              if cluster.nodes[node].draining else
                              f"node {node} is dead (no agent heartbeat)", now)
+        for node in cluster.cool_suspects(now):
+            self._bump(node)
         cluster.sync(self.jobs, now)
         before = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
         view, jobs = cluster.prepare(now)
@@ -790,7 +845,8 @@ class Coordinator:
                             "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
                             "used": sum(self._worker_job[w].workers[w].slots for w in held),
                             "workers": held,
-                            "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2)})
+                            "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2),
+                            **_health_view(state, now)})
             return out
 
     def queues_view(self) -> list[dict[str, Any]]:

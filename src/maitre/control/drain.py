@@ -65,10 +65,12 @@ class Decision(NamedTuple):
     reason: str
 
 
-def decide(m: "ManagedJob", ms: Membership | None, node: str) -> Decision:
-    """What one job does about a notice on ``node`` (see the module docstring)."""
+def decide(m: "ManagedJob", ms: Membership | None, node: str, reason: str | None = None
+           ) -> Decision:
+    """What one job does about a notice on ``node`` (see the module docstring), or about
+    another reason to vacate it (a failed health probe: :mod:`maitre.control.health`)."""
     placement = {n: r for n, r in m.job.placement.items() if n != node}
-    reason = f"spot notice on {node}"
+    reason = reason or f"spot notice on {node}"
     if ms is None or ms.over:
         return Decision("none", placement, [], reason)
     here = [w for w in ms.live_workers() if w.node == node]

@@ -500,6 +500,17 @@ class Membership:
         self._log(now, "scale", target=target, leaving=leaving)
         return leaving
 
+    def release(self, wid: str, now: float) -> bool:
+        """Ask one member to leave at the next step boundary while the job keeps its size: a
+        replacement is wanted at once (an eviction is a repair, not a shrink). False when it is
+        not an active member (it left, or is leaving, already)."""
+        w = self.workers.get(wid)
+        if self.over or w is None or w.state != WorkerState.ACTIVE:
+            return False
+        self._set_state(w, WorkerState.LEAVING)
+        self._log(now, "scale", target=self.target, leaving=[wid])
+        return True
+
     # -- rendezvous ------------------------------------------------------------------------------
     def arrive(self, wid: str, from_epoch: int, step: int, reason: str, now: float, *,
                group_failed: bool = False, unreachable: list[str] | None = None) -> None:

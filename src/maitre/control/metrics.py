@@ -123,6 +123,12 @@ class Metrics:
         self.stragglers = Counter("maitre_stragglers", "Slow ranks found (straggler events: "
                                   "a rank slower than its peers' median for several windows), "
                                   "by job.", ["job"], registry=r)
+        self.health_failures = Counter("maitre_health_probe_failures",
+                                       "Node health probes that failed (node_health events "
+                                       "with ok false: the node is drained).", registry=r)
+        self.evictions = Counter("maitre_evictions", "Stragglers' replicas moved off their node "
+                                 "(policy evict: evict events), by job.", ["job"],
+                                 registry=r)
         self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
                                 "A scheduling pass: the cluster brought up to date, the policy, "
                                 "its plan carried out.", buckets=_PASS_BUCKETS, registry=r)
@@ -143,7 +149,8 @@ class Metrics:
                            "restore": self._restore, "spot_notice": self._spot_notice,
                            "node_reclaimed": self._spot_reclaim,
                            "node_drained": self._spot_drained,
-                           "straggler": self._straggler}
+                           "straggler": self._straggler, "node_health": self._node_health,
+                           "evict": self._eviction}
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
@@ -215,6 +222,13 @@ class Metrics:
 
     def _straggler(self, job: str, kind: str, event: dict[str, Any]) -> None:
         self.stragglers.labels(job).inc()
+
+    def _node_health(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        if not event.get("ok", True):
+            self.health_failures.inc()
+
+    def _eviction(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        self.evictions.labels(job or "").inc()
 
     def _spot_drained(self, job: str, kind: str, event: dict[str, Any]) -> None:
         self.spot_drain.observe(max(0.0, float(event.get("seconds", 0.0))))

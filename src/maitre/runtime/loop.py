@@ -243,6 +243,7 @@ class ElasticLoop:
         try:
             thresholds = stragglers.Thresholds.from_environ(os.environ)
             self._slow = _slow_rank(os.environ.get(protocol.SLOW_RANK, ""))
+            self._slow_node = _slow_factor(os.environ.get(protocol.SLOW_FACTOR, ""))
         except ValueError as exc:
             raise SystemExit(f"maitre: {exc}") from None
         self._detector = stragglers.Detector(thresholds) if thresholds.policy != "off" else None
@@ -541,8 +542,10 @@ class ElasticLoop:
         """This rank's compute this step (from the step's start to here, its arrival at the
         step's first collective) per unit of its work, into its window; at the window's last
         step, the window's value into this rank's slot (every other slot is zero here)."""
-        if self._slow is not None and self._slow[0] == self.rank and self._listening is None:
-            time.sleep(self._slow[1] * (time.monotonic() - self._step_began))
+        factor = self._slow_node + (self._slow[1] if self._slow is not None and
+                                    self._slow[0] == self.rank else 0.0)
+        if factor and self._listening is None:
+            time.sleep(factor * (time.monotonic() - self._step_began))
         if self._detector is None or self.group is None:
             return
         work = (batch._tokens or len(batch.indices)) if counts else 0
@@ -1191,6 +1194,20 @@ def _slow_rank(text: str) -> tuple[int, float] | None:
         raise ValueError(f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR (a rank >= 0, "
                          f"a factor in [0, 1000]), e.g. 1:0.5")
     return parsed
+
+
+def _slow_factor(text: str) -> float:
+    """``MAITRE_SLOW_FACTOR`` (fault injection, the node's): ``FACTOR`` (0 when unset)."""
+    if not text.strip():
+        return 0.0
+    try:
+        factor = float(text)
+    except ValueError:
+        factor = -1.0
+    if not 0 <= factor <= 1000:
+        raise ValueError(f"{protocol.SLOW_FACTOR}={text!r}: expected a factor in [0, 1000], "
+                         "e.g. 1.0 (each step's compute takes twice as long)")
+    return factor
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

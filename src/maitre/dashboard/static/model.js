@@ -32,7 +32,8 @@ class Model {
     let n = this.nodes.get(name);
     if (!n) {
       n = { name, slots: 0, labels: {}, price: null, state: "up", history: [], open: new Map(),
-            segments: [], events: [], notice: null, slow: [] };
+            segments: [], events: [], notice: null, slow: [], health: null, probes: [],
+            suspect: null };
       this.nodes.set(name, n);
     }
     return n;
@@ -166,7 +167,30 @@ class Model {
         this.capacityPoint(t, n);
         break;
       }
-      case "node_suspect": { const n = this.node(e.node); n.state = "suspect"; n.history.push({ t, state: "suspect" }); break; }
+      case "node_suspect": {
+        const n = this.node(e.node);
+        n.suspect = { t, reason: e.reason || "", until: e.until ?? null, job: e.job, worker: e.worker };
+        if (n.state === "up") { n.state = "suspect"; n.history.push({ t, state: "suspect" }); }
+        break;
+      }
+      case "node_cleared": {
+        const n = this.node(e.node);
+        if (n.suspect) n.suspect = { ...n.suspect, cleared: t, why: e.reason || "" };
+        if (n.state === "suspect") { n.state = "up"; n.history.push({ t, state: "up" }); }
+        break;
+      }
+      case "node_health": { // a probe's result: a failing one drains the node until one passes
+        const n = this.node(e.node);
+        n.health = { t, ok: !!e.ok, detail: e.detail || "", probe: e.probe || "", seconds: e.seconds };
+        n.probes.push(n.health);
+        if (!e.ok && (n.state === "up" || n.state === "suspect")) {
+          n.state = "unhealthy"; n.history.push({ t, state: "unhealthy" });
+        } else if (e.ok && n.state === "unhealthy") {
+          n.state = n.suspect && !n.suspect.cleared ? "suspect" : "up";
+          n.history.push({ t, state: n.state });
+        }
+        break;
+      }
       case "spot_notice": {
         const n = this.node(e.node);
         n.notice = { t, deadline: e.deadline ?? (t + (e.notice_s || 0)), notice_s: e.notice_s };

@@ -13,7 +13,8 @@ function viewScaling(m, end) {
   const nodes = [...m.nodes.values()].sort((a, b) => natural(a.name, b.name));
   const sec = h("section", { id: "scaling" }, h("h2", {}, "Scaling"),
     h("p", { class: "hint" }, "Each row is a node, its height its slots; colour: the job holding them. " +
-      "Orange: a spot node (hatched while under notice); red mark: a slow rank was found there; grey: down. " +
+      "Orange: a spot node (hatched while under notice); red mark: a slow rank was found there; " +
+      "purple mark: a health probe failed there, or it was suspect (hatched while it was); grey: down. " +
       "Click a row for the node."));
   if (!nodes.length) { sec.append(h("p", { class: "empty" }, "No node has registered yet.")); return sec; }
   const t0 = m.t0 ?? end;
@@ -30,6 +31,12 @@ function viewScaling(m, end) {
     const y = i * rh;
     if (m.isSpot(n)) { ctx.fillStyle = "#f3a43b"; ctx.fillRect(gutter - 6, y, 4, Math.max(1, rh - (rh > 3 ? 1 : 0))); }
     if (n.slow.length) { ctx.fillStyle = "#b3261e"; ctx.fillRect(gutter - 12, y, 4, Math.max(1, rh - (rh > 3 ? 1 : 0))); }
+    const sick = sickIntervals(n, end);
+    if (sick.length) {
+      ctx.fillStyle = "#7b3fa0"; ctx.fillRect(gutter - 18, y, 4, Math.max(1, rh - (rh > 3 ? 1 : 0)));
+      ctx.fillStyle = "rgba(123,63,160,0.45)";
+      for (const [a, b] of sick) for (let x = X(Math.max(a, t0)); x < X(b); x += 4) ctx.fillRect(x, y, 1.5, rh);
+    }
     // down intervals
     let downAt = null;
     for (const hst of n.history) {
@@ -385,6 +392,45 @@ function eventList(events, t0) {
   }));
 }
 
+function sickIntervals(n, end) { // [from, to] while the node was unhealthy or suspect
+  const out = [];
+  let from = null;
+  for (const x of n.history) {
+    const sick = x.state === "unhealthy" || x.state === "suspect";
+    if (sick && from === null) from = x.t;
+    else if (!sick && from !== null) { out.push([from, x.t]); from = null; }
+  }
+  if (from !== null) out.push([from, end]);
+  return out;
+}
+
+function healthSection(n, t0) {
+  const sec = h("div", { id: "health" });
+  if (n.health) {
+    const r = n.health;
+    sec.append(h("p", { class: r.ok ? "" : "bad" },
+      `Latest health probe (${r.probe}, ${r.seconds ?? "–"} s) at ${fmtS(r.t - t0)}: `,
+      h("b", {}, r.ok ? "ok" : "FAILED"), r.detail ? ` — ${r.detail}` : ""));
+  }
+  if (n.suspect && !n.suspect.cleared) {
+    const s = n.suspect;
+    sec.append(h("p", { class: "bad" }, `Suspect since ${fmtS(s.t - t0)}` +
+      (s.until !== null ? ` (avoided until ${fmtS(s.until - t0)} unless a probe passes first)` : "") +
+      `: ${s.reason}`));
+  } else if (n.suspect) {
+    sec.append(h("p", {}, `Was suspect from ${fmtS(n.suspect.t - t0)} (${n.suspect.reason}); cleared at ` +
+      `${fmtS(n.suspect.cleared - t0)}: ${n.suspect.why}`));
+  }
+  const failed = n.probes.filter((r) => !r.ok);
+  if (failed.length) {
+    sec.append(h("table", { class: "table", id: "probes" },
+      h("tr", {}, h("th", {}, "at"), h("th", {}, "probe"), h("th", {}, "seconds"), h("th", {}, "detail")),
+      failed.slice(-50).map((r) => h("tr", {}, h("td", {}, fmtS(r.t - t0)), h("td", {}, r.probe),
+        h("td", {}, String(r.seconds ?? "–")), h("td", {}, r.detail)))));
+  }
+  return sec;
+}
+
 function viewNode(m, end) {
   const n = m.nodes.get(app.arg);
   if (!n) return h("section", { class: "missing" }, h("h2", {}, "Not found"),
@@ -406,6 +452,7 @@ function viewNode(m, end) {
   sec.append(chart({ width: 880, height: 160, x0: t0, x1: end, title: "slots held by each job", yMax: Math.max(1, n.slots), series,
     markers: n.history.filter((x) => x.state !== "up").map((x) => ({ x: x.t, label: x.state, colour: "#a33" })) }));
   if (n.slow.length) sec.append(h("h3", {}, `Slow ranks found here (${n.slow.length})`), slowTable(n.slow, t0));
+  if (n.health || n.suspect) sec.append(h("h3", {}, "Health"), healthSection(n, t0));
   sec.append(h("h3", {}, "Events"), eventList(n.events, t0));
   return sec;
 }
