@@ -22,6 +22,11 @@ Agents start a job's worker on a node only within its allocation there and only 
 is really free (a leaving worker holds its slot until its process exits), so a node is never
 over-committed, not even for the moment between a shrink and its preemptor's start.
 
+A job's warm spares (``spares: N``) are started on slots no allocation holds, so the policy
+counts them free: they are no training capacity, and a job placed there takes their slots (the
+spares stop first: they hold no state). When a spare takes a lost worker's place, the job's
+allocation moves to the spare's slot (:meth:`ClusterState.take_spares`).
+
 A node with a spot notice is drained, then reclaimed (:mod:`maitre.control.drain`): the pass
 stops seeing it, its workers leave at a step boundary (or their job checkpoints first), and
 its going is a reclaim, not a failure. Each node has a price per slot-hour by its capacity type
@@ -42,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -295,6 +301,7 @@ class ClusterState:
         env.update(m.env)
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
                        max_workers=man.max_replicas, max_restarts=self.max_restarts, env=env,
+                       spares=man.spares,
                        nproc_per_replica=man.nproc_per_replica,
                        mesh=man.mesh_text if man.nproc_per_replica > 1 else "",
                        store_scope=scope)
@@ -326,6 +333,31 @@ class ClusterState:
                     by_node.setdefault(node, []).append(m.id)
         self._by_node = by_node
 
+    def take_spares(self, m: ManagedJob, ms: Membership, now: float) -> bool:
+        """The spares the run promoted hold slots of the job now: its allocation grows on each
+        one's node and gives up a slot it no longer fills (the lost worker's, preferably).
+        Returns whether the allocation changed."""
+        changed = False
+        place = m.job.placement
+        for wid, replacing in ms.take_promotions():
+            spare = ms.workers[wid]
+            if spare.state not in (WorkerState.STARTING, WorkerState.READY) or spare.spare:
+                continue  # lost meanwhile
+            place[spare.node] = place.get(spare.node, 0) + 1
+            held = Counter(w.node for w in ms.live_workers() if w.state != WorkerState.LEAVING)
+            gone = ms.workers[replacing].node if replacing in ms.workers else None
+            unfilled = [n for n in place if place[n] > held[n]]
+            if unfilled:
+                node = gone if gone in unfilled else max(unfilled,
+                                                         key=lambda n: (place[n] - held[n], n))
+                place[node] -= 1
+                if not place[node]:
+                    del place[node]
+            changed = True
+            self.log(now, "spare_assigned", job=m.id, worker=wid, replacing=replacing,
+                     node=spare.node, placement=dict(place))
+        return changed
+
     def slots_per_worker(self, job_id: str) -> int:
         m = self.managed.get(job_id)
         return 1 if m is None else m.job.slots_per_replica
@@ -344,6 +376,7 @@ class ClusterState:
                 del job.placement[name]
             if ms is None:
                 continue
+            self.take_spares(m, ms, now)  # (before the lost nodes' replicas are counted)
             if lost and not ms.over:
                 ms.target = max(ms.spec.min_workers, min(ms.spec.max_workers, job.replicas))
             account(m, ms)
@@ -520,7 +553,8 @@ class ClusterState:
                              "gracePeriodSeconds": man.grace_period_s,
                              "topology": None if man.topology is None else
                              {"level": man.topology.level, "mode": man.topology.mode},
-                             "command": list(man.command), "checkpointDir": man.checkpoint_dir},
+                             "command": list(man.command), "checkpointDir": man.checkpoint_dir,
+                             "spares": man.spares},
                 "incarnation": m.incarnation, "workers_started": m.workers_started,
                 "generation": m.generation,
                 "suspended_run": m.suspended_run, "held": m.held, "admitted_at": m.admitted_at,

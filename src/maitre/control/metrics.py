@@ -123,6 +123,12 @@ class Metrics:
         self.stragglers = Counter("maitre_stragglers", "Slow ranks found (straggler events: "
                                   "a rank slower than its peers' median for several windows), "
                                   "by job.", ["job"], registry=r)
+        self.spare_promotions = Counter("maitre_spares_promoted", "Warm spares that joined "
+                                        "an epoch in place of a lost or evicted worker, by job.",
+                                        ["job"], registry=r)
+        self.spare_join = Histogram("maitre_spare_promotion_duration_seconds", "From a spare's "
+                                    "promotion (the loss found) to the epoch that has it.",
+                                    buckets=_RECOVERY_BUCKETS, registry=r)
         self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
                                 "A scheduling pass: the cluster brought up to date, the policy, "
                                 "its plan carried out.", buckets=_PASS_BUCKETS, registry=r)
@@ -143,7 +149,8 @@ class Metrics:
                            "restore": self._restore, "spot_notice": self._spot_notice,
                            "node_reclaimed": self._spot_reclaim,
                            "node_drained": self._spot_drained,
-                           "straggler": self._straggler}
+                           "straggler": self._straggler,
+                           "spare_promoted": self._spare_promoted}
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
@@ -164,7 +171,12 @@ class Metrics:
         self.resizes.labels(kind).inc()
 
     def _worker_dead(self, job: str, kind: str, event: dict[str, Any]) -> None:
-        self.worker_failures.inc()
+        if not event.get("spare"):  # a warm spare lost is no job's failure
+            self.worker_failures.inc()
+
+    def _spare_promoted(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        self.spare_promotions.labels(job).inc()
+        self.spare_join.observe(max(0.0, float(event.get("seconds", 0.0))))
 
     def _epoch(self, job: str, kind: str, event: dict[str, Any]) -> None:
         cause = cause_of(str(event.get("reason", "")))

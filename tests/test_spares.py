@@ -1,0 +1,119 @@
+"""Warm spares (issue 15): a job's ``spares: N`` workers are started on slots no allocation holds
+and held back from every epoch; a lost member's place goes to one at the next epoch (no cold
+start), the allocation follows it and a new spare starts; a job that needs a spare's slot gets
+it. First on the control plane alone (test_control_plane's simulated agents and workers, on an
+injected clock), then with real agents and workers, a member SIGKILLed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from maitre.control.membership import WorkerState
+from maitre.errors import BadRequest
+from maitre.scheduling.model import Queue
+from test_control_plane import Sim
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _submit(sim: Sim, name: str, lo: int, hi: int, spares: int = 0,
+            priority: str = "normal") -> None:
+    sim.co.submit({"name": name, "queue": "q", "minReplicas": lo, "maxReplicas": hi,
+                   "priorityClassName": priority, "spares": spares,
+                   "checkpointDir": str(sim.tmp / "ck" / name), "command": ["python", "t.py"]})
+
+
+def _kinds(sim: Sim, kind: str) -> list[dict]:
+    return [e for e in sim.db.events() if e["kind"] == kind]
+
+
+def _workers(sim: Sim, job: str) -> dict[str, object]:
+    return dict(sim.co.jobs[job].workers)
+
+
+def test_a_spare_is_started_and_held_back_and_its_slot_counts_as_free(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and len(job["members"]) == 2 and job["epoch"] == 1
+    assert sum(job["placement"].values()) == 2, "the spare is no replica of the job"
+    assert len(job["spares"]) == 1 and job["spares_wanted"] == 1
+    spare = sim.co.jobs["a"].workers[job["spares"][0]]
+    assert spare.spare and spare.state == WorkerState.READY and spare.id not in job["members"]
+    held = {(w.node, w.slot) for w in sim.co.jobs["a"].live_workers()}
+    assert (spare.node, spare.slot) not in held, "on a slot no member holds"
+    assert [e["worker"] for e in _kinds(sim, "spare_started")] == [spare.id]
+    assert [e["worker"] for e in _kinds(sim, "spare_ready")] == [spare.id]
+    view, jobs = sim.co.cluster.prepare(sim.t)
+    free = view.capacity - sum(j.slots for j in jobs)
+    assert free == 1, "the scheduler sees the spare's slot free"
+    sim.advance(3)
+    assert sim.job("a")["epoch"] == 1, "a waiting spare closes no epoch"
+
+
+def test_a_killed_member_is_replaced_by_the_spare_and_a_new_spare_starts(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    before = sim.job("a")
+    spare = before["spares"][0]
+    victim = next(m for m in before["members"]
+                  if sim.co.jobs["a"].workers[m].node != sim.co.jobs["a"].workers[spare].node)
+    node = sim.co.jobs["a"].workers[victim].node
+    started = set(_workers(sim, "a"))
+    sim._exit(node, victim, -9)  # SIGKILL
+    sim.advance(2)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and job["epoch"] == 2
+    assert spare in job["members"] and victim not in job["members"] and len(job["members"]) == 2
+    promoted = _kinds(sim, "spare_promoted")
+    assert [(e["worker"], e["replacing"]) for e in promoted] == [(spare, victim)]
+    assert 0 <= promoted[0]["seconds"] < 2
+    spare_node = sim.co.jobs["a"].workers[spare].node
+    assert job["placement"].get(spare_node, 0) >= 1 and sum(job["placement"].values()) == 2
+    new = set(_workers(sim, "a")) - started
+    assert len(new) == 1, "no cold replacement: one new worker, the new spare"
+    (fresh,) = new
+    assert sim.co.jobs["a"].workers[fresh].spare and job["spares"] == [fresh]
+    assert job["failures"] == 1
+
+
+def test_a_job_that_needs_the_spares_slot_takes_it(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    spare = sim.job("a")["spares"][0]
+    _submit(sim, "b", 1, 1, priority="high")
+    sim.advance(4)
+    b, a = sim.job("b"), sim.job("a")
+    assert b["state"] == "RUNNING" and len(b["members"]) == 1
+    assert a["state"] == "RUNNING" and a["epoch"] == 1 and a["failures"] == 0, a
+    released = _kinds(sim, "spare_released")
+    assert [e["worker"] for e in released] == [spare] and "job b" in released[0]["reason"]
+    assert a["spares"] == [], "no slot is left for a spare"
+    assert not any(e.get("spare") is None and e["worker"] == spare
+                   for e in _kinds(sim, "worker_dead"))
+    sim.finish("b")
+    sim.advance(3)
+    assert len(sim.job("a")["spares"]) == 1, "a spare again once the slot is free"
+
+
+def test_a_spare_that_dies_is_no_failure_and_one_over_the_max_is_refused(tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 3}, [Queue("q")])
+    with pytest.raises(BadRequest, match="spares 3 is more than maxReplicas 2"):
+        _submit(sim, "x", 1, 2, spares=3)
+    assert "x" not in sim.co.cluster.managed and not list(sim.db.jobs())
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    spare = sim.job("a")["spares"][0]
+    sim._exit("n0", spare, -9)
+    sim.advance(2)
+    job = sim.job("a")
+    assert job["failures"] == 0 and job["epoch"] == 1
+    assert len(job["spares"]) == 1 and job["spares"] != [spare]
