@@ -117,3 +117,93 @@ def test_a_spare_that_dies_is_no_failure_and_one_over_the_max_is_refused(tmp_pat
     job = sim.job("a")
     assert job["failures"] == 0 and job["epoch"] == 1
     assert len(job["spares"]) == 1 and job["spares"] != [spare]
+
+
+@pytest.mark.timeout(240)
+def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exact(
+        tmp_path: Path, reference) -> None:
+    """Real agents and workers: ``a`` (2 workers, 1 spare) on 3 slots. A member SIGKILLed: the
+    spare is in the next epoch and trains, no cold worker is started in its place, a new spare
+    starts, and the job ends with every sample exactly once and a fixed-size run's parameters."""
+    import torch
+
+    from conftest import example_command, relative_error, wait_for
+    from maitre.local import LocalCluster, UpConfig
+    from maitre.runtime.ledger import audit
+
+    steps, out = 150, tmp_path / "a.pt"
+    lines: list[str] = []
+    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")]),
+                           out=lines.append).start()
+    co = cluster.coordinator
+    try:
+        cluster.add_node(slots=2)
+        cluster.add_node(slots=1)
+        co.submit({"name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 2, "spares": 1,
+                   "command": example_command(steps, out) + ["--device-ms-per-sample", "5"]})
+        status = wait_for(lambda: (lambda s: s["step"] >= 10 and len(s["spares"]) == 1 and
+                                   co.jobs["a"].workers[s["spares"][0]].state ==
+                                   WorkerState.READY and s)(co.job_status("a")),
+                          120, "a to train with a ready spare", lines)
+        assert status["epoch"] == 1 and len(status["members"]) == 2
+        spare = status["spares"][0]
+        before = {w["id"] for w in status["workers"]}
+        victim = next(m for m in status["members"]
+                      if co.jobs["a"].workers[m].node != co.jobs["a"].workers[spare].node)
+        os.kill(cluster.pid_of(victim), signal.SIGKILL)
+        wait_for(lambda: any(r["worker"] == spare and r.get("kind", "recovery") == "recovery"
+                             for r in co.job_status("a")["reports"]), 60,
+                 "the spare to train", lines)
+        wait_for(lambda: co.job_status("a")["state"] == "COMPLETED", 120, "a to finish", lines)
+        status = co.job_status("a")
+        events = list(cluster.db.events())
+    finally:
+        cluster.stop(drain_s=5)
+    log = "\n".join(lines)
+    promoted = [e for e in events if e["kind"] == "spare_promoted"]
+    assert [(e["worker"], e["replacing"]) for e in promoted] == [(spare, victim)], log
+    assert spare in status["members"] and victim not in status["members"], status
+    new = {w["id"] for w in status["workers"]} - before
+    started = [e["worker"] for e in events if e["kind"] == "spare_started"]
+    assert new and set(started) >= new, ("only spares were started after the kill", new, log)
+    assert len(started) == 2, log
+    result = audit(tmp_path / "state" / "ledger" / "a")
+    assert result.ok, result.describe()
+    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9
+
+
+@pytest.mark.timeout(120)
+def test_the_jobs_page_shows_its_spares_apart_from_its_slots(tmp_path: Path) -> None:
+    import json
+
+    from browser import browser, new_page
+    from maitre.dashboard.server import ReplayServer
+    from test_dashboard import TOKEN
+
+    events = [
+        {"kind": "node_registered", "node": "n0", "slots": 2, "labels": {}, "price": None},
+        {"kind": "node_registered", "node": "n1", "slots": 1, "labels": {}, "price": None},
+        {"kind": "submitted", "job": "a", "queue": "q", "priority": 0, "replicas": [2, 2]},
+        {"kind": "admit", "job": "a", "placement": {"n0": 2}},
+        {"kind": "spare_started", "job": "a", "worker": "a-w3", "node": "n1"},
+        {"kind": "spare_ready", "job": "a", "worker": "a-w3", "seconds": 1.0},
+        {"kind": "epoch", "job": "a", "epoch": 1, "members": ["a-w1", "a-w2"], "reason": "start"},
+        {"kind": "worker_dead", "job": "a", "worker": "a-w1", "reason": "killed by signal 9"},
+        {"kind": "spare_assigned", "job": "a", "worker": "a-w3", "replacing": "a-w1",
+         "node": "n1", "placement": {"n0": 1, "n1": 1}},
+        {"kind": "spare_started", "job": "a", "worker": "a-w4", "node": "n0"},
+        {"kind": "spare_promoted", "job": "a", "worker": "a-w3", "replacing": "a-w1",
+         "node": "n1", "epoch": 2, "seconds": 0.31},
+    ]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
+                            for k, e in enumerate(events)))
+    with ReplayServer(path, TOKEN) as srv, browser() as b:
+        page = new_page(b)
+        page.open(f"{srv.url}?token={TOKEN}")
+        page.view("job/a")
+        assert "1 warm spare(s), not in the slots held" in page.page.inner_text("#job")
+        rows = [page.page.locator("#job #spares tr").nth(k).inner_text() for k in (1, 2)]
+        assert "a-w4" in rows[0] and "starting" in rows[0], rows
+        assert "a-w3" in rows[1] and "a-w1" in rows[1] and "0.31 s" in rows[1], rows
+        assert page.page_errors() == []

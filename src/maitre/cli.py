@@ -18,7 +18,7 @@ import sys
 import ssl
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, Sequence
 
 from maitre import protocol
 from maitre.protocol import COORDINATOR as _COORDINATOR
@@ -256,10 +256,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     rows = [[j["job_id"], j.get("queue", "-"), str(j.get("priority", "-")), j["state"],
              str(j["epoch"]), str(j["step"]), f"{len(j['members'])}/{j['max_workers']}",
-             str(j["failures"]), _placement(j.get("placement")) or j.get("waiting_for", "")]
+             _spares(j), str(j["failures"]),
+             _placement(j.get("placement")) or j.get("waiting_for", "")]
             for j in jobs]
-    print(_table(["JOB", "QUEUE", "PRIO", "STATE", "EPOCH", "STEP", "WORKERS", "FAILS",
-                  "NODES"], rows))
+    print(_table(["JOB", "QUEUE", "PRIO", "STATE", "EPOCH", "STEP", "WORKERS", "SPARES",
+                  "FAILS", "NODES"], rows))
     if nodes:
         print()
         print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PRICE/H", "PHI",
@@ -288,6 +289,12 @@ def cmd_status(args: argparse.Namespace) -> int:
                        "any" if q["borrowing_limit"] is None else str(q["borrowing_limit"]),
                        f"{q['weight']:g}", str(q["allocated"]), str(q["jobs"])] for q in queues]))
     return 0
+
+
+def _spares(job: dict[str, Any]) -> str:
+    """Warm spares started and waiting, of those the job keeps (``-``: it keeps none)."""
+    wanted = job.get("spares_wanted", 0)
+    return f"{len(job.get('spares', []))}/{wanted}" if wanted else "-"
 
 
 def _money(value: float | None) -> str:

@@ -236,6 +236,9 @@ class WorkerSummary(_Reply):
     exit_code: int | None
     error: str | None
     trained_s: float
+    spare: bool = False
+    """A warm spare: started and waiting, held back from every epoch (no rank, no slot of the
+    job's allocation)."""
 
 
 class JobSummary(_Reply):
@@ -260,6 +263,10 @@ class JobSummary(_Reply):
     incarnation: int | None = None
     held: bool | None = None
     waiting_for: str = ""
+    spares: list[str] = []
+    """Its warm spares started and waiting (they are no part of ``placement``)."""
+    spares_wanted: int = 0
+    """How many it keeps (the manifest's ``spares``)."""
 
 
 class JobStatus(JobSummary):
@@ -324,6 +331,8 @@ class JobReport(_Reply):
     throughput: dict[str, float]
     spot_slot_s: float = 0.0
     """Of ``held_slot_s``, what its workers held on spot nodes."""
+    spare_slot_s: float = 0.0
+    """Of ``held_slot_s``, what its warm spares held while they waited."""
     cost: float | None = None
     """The slot-seconds it held, each at its node's price (per slot-hour): None when a node's
     capacity type has no price."""
