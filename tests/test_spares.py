@@ -207,3 +207,38 @@ def test_the_jobs_page_shows_its_spares_apart_from_its_slots(tmp_path: Path) -> 
         assert "a-w4" in rows[0] and "starting" in rows[0], rows
         assert "a-w3" in rows[1] and "a-w1" in rows[1] and "0.31 s" in rows[1], rows
         assert page.page_errors() == []
+
+
+def test_spares_survive_a_coordinator_restart_and_replace_a_dead_nodes_member(
+        tmp_path: Path) -> None:
+    sim = Sim(tmp_path, {"n0": 1, "n1": 1, "n2": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    spare = sim.job("a")["spares"][0]
+    sim.restart()  # a new coordinator reads the store: the spare is still one
+    sim.advance(2)
+    job = sim.job("a")
+    assert job["spares"] == [spare] and job["epoch"] == 1 and spare not in job["members"]
+    victim = job["members"][0]
+    dead = sim.co.jobs["a"].workers[victim].node
+    sim.down.add(dead)  # its agent and workers fall silent
+    sim.advance(10)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and spare in job["members"] and len(job["members"]) == 2
+    assert dead not in job["placement"] and sum(job["placement"].values()) == 2, job
+    assert [e["replacing"] for e in _kinds(sim, "spare_promoted")] == [victim]
+
+
+def test_a_noticed_node_lets_its_spare_go_and_drains(tmp_path: Path) -> None:
+    from maitre import protocol as p
+
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    spare = sim.co.jobs["a"].workers[sim.job("a")["spares"][0]]
+    assert spare.node == "n1"
+    sim.notices["n1"] = p.SpotNotice(notice_s=30.0, source="file:/n1.json")
+    sim.advance(2)
+    assert [e["worker"] for e in _kinds(sim, "spare_released")] == [spare.id]
+    assert [e["node"] for e in _kinds(sim, "node_drained")] == ["n1"]
+    assert sim.job("a")["epoch"] == 1 and sim.job("a")["failures"] == 0

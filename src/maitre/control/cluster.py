@@ -341,8 +341,9 @@ class ClusterState:
         place = m.job.placement
         for wid, replacing in ms.take_promotions():
             spare = ms.workers[wid]
-            if spare.state not in (WorkerState.STARTING, WorkerState.READY) or spare.spare:
-                continue  # lost meanwhile
+            if spare.spare or spare.state not in (WorkerState.STARTING, WorkerState.READY,
+                                                  WorkerState.ACTIVE):
+                continue  # lost meanwhile (it may be in its epoch already: that is no loss)
             place[spare.node] = place.get(spare.node, 0) + 1
             held = Counter(w.node for w in ms.live_workers() if w.state != WorkerState.LEAVING)
             gone = ms.workers[replacing].node if replacing in ms.workers else None

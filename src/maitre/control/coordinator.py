@@ -358,6 +358,7 @@ class Coordinator:
                 state.reclaim.deadline = now + notice.notice_s
                 self._next_pass = 0.0  # (the pass counts the reclaim)
             return
+        self._release_spares(node, f"node {node} has a spot notice", now)  # (no state to save)
         here = [(ms.spec.job_id, ms.workers[wid]) for wid in sorted(self._on_node.get(node, ()))
                 if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over]
         changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source,
@@ -519,10 +520,11 @@ class Coordinator:
                                        WorkerState.ACTIVE))
                 want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
                 per = self.cluster.slots_per_worker(job.spec.job_id)
-            for _ in range(want):
+            for started in range(want):
                 slot = free_slot(used, slots, per)
                 if slot is None:  # spares here give their slots back first (they hold no state)
-                    self._release_spares(node, f"its slot went to job {job.spec.job_id}", now)
+                    self._release_spares(node, f"its slot went to job {job.spec.job_id}", now,
+                                         need=(want - started) * per)
                     break
                 start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per),
                                                used))
@@ -570,10 +572,15 @@ class Coordinator:
                                                used))
         return start
 
-    def _release_spares(self, node: str, reason: str, now: float) -> None:
-        """A job allocated here finds no free slot: the spares here stop (their slots are free
-        once their processes exited, a beat later)."""
+    def _release_spares(self, node: str, reason: str, now: float,
+                        need: int | None = None) -> None:
+        """Spares here stop, enough of them for ``need`` slots (None: all): a job allocated here
+        finds no free slot, or the node goes. Their slots are free once their processes
+        exited, a beat later."""
         for w in self._spares_here(node):
+            if need is not None and need <= 0:
+                return
+            need = None if need is None else need - w.slots
             ms = self._worker_job[w.id]
             ms.release_spare(w.id, reason, now)
             self._pending_kills.setdefault(node, set()).add(w.id)
