@@ -242,3 +242,23 @@ def test_a_noticed_node_lets_its_spare_go_and_drains(tmp_path: Path) -> None:
     assert [e["worker"] for e in _kinds(sim, "spare_released")] == [spare.id]
     assert [e["node"] for e in _kinds(sim, "node_drained")] == ["n1"]
     assert sim.job("a")["epoch"] == 1 and sim.job("a")["failures"] == 0
+
+
+def test_a_spare_whose_script_fails_is_started_again_only_so_often(tmp_path: Path) -> None:
+    from maitre import protocol as p
+
+    sim = Sim(tmp_path, {"n0": 3}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(3)
+    failed = []
+    for _ in range(6):  # its script raises before its first rendezvous, every time
+        spares = sim.job("a")["spares"]
+        if not spares:
+            break
+        failed.append(spares[0])
+        sim.running["n0"].discard(spares[0])
+        sim.co.worker_exit(spares[0], p.ExitRequest(code=1, error="ImportError: no module x"))
+        sim.advance(1)
+    ms = sim.co.jobs["a"]
+    assert len(failed) == ms.spec.max_restarts + 1 and sim.job("a")["spares"] == []
+    assert sim.job("a")["state"] == "RUNNING" and sim.job("a")["failures"] == 0

@@ -331,7 +331,8 @@ class Membership:
         """Make a spare a joiner of the next epoch in place of ``replacing`` (a lost or evicted
         worker, or None for a larger size): the warmest one (ready the longest), else one still
         starting. Returns it, or None without a spare. The epoch it joins is the next one: a
-        loss closed the current one, an eviction closes it at the next step boundary."""
+        loss closed the current one; for an eviction, ask the evicted member to leave (it then
+        goes at the next step boundary, and the spare comes in at the same one)."""
         live = self.live_spares()
         if not live or self.over or self.suspending:
             return None
@@ -477,7 +478,8 @@ class Membership:
         self._set_arrived(w, None)
         self._promoted.pop(w.id, None)
         if w.spare:  # it held no state and trained nothing: no failure of the job
-            self.spare_failures += 1
+            if w.exit_code is not None and w.exit_code > 0:  # its script failed (not a kill)
+                self.spare_failures += 1
             self._log(now, "worker_dead", worker=w.id, reason=reason, spare=True)
             return
         if was_member and self._check_completed(now):
