@@ -6,6 +6,7 @@ injected clock), then with real agents and workers, a member SIGKILLed."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -119,7 +120,8 @@ def test_a_spare_that_dies_is_no_failure_and_one_over_the_max_is_refused(tmp_pat
     assert len(job["spares"]) == 1 and job["spares"] != [spare]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.slow  # (about 20 s, most of it the first workers' start; the control plane's
+@pytest.mark.timeout(240)  # part of it runs above in a second)
 def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exact(
         tmp_path: Path, reference) -> None:
     """Real agents and workers: ``a`` (2 workers, 1 spare) on 3 slots. A member SIGKILLed: the
@@ -131,7 +133,7 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
     from maitre.local import LocalCluster, UpConfig
     from maitre.runtime.ledger import audit
 
-    steps, out = 150, tmp_path / "a.pt"
+    steps, out = 100, tmp_path / "a.pt"
     lines: list[str] = []
     cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")]),
                            out=lines.append).start()
@@ -140,8 +142,8 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
         cluster.add_node(slots=2)
         cluster.add_node(slots=1)
         co.submit({"name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 2, "spares": 1,
-                   "command": example_command(steps, out) + ["--device-ms-per-sample", "5"]})
-        status = wait_for(lambda: (lambda s: s["step"] >= 10 and len(s["spares"]) == 1 and
+                   "command": example_command(steps, out) + ["--device-ms-per-sample", "2"]})
+        status = wait_for(lambda: (lambda s: s["step"] >= 5 and len(s["spares"]) == 1 and
                                    co.jobs["a"].workers[s["spares"][0]].state ==
                                    WorkerState.READY and s)(co.job_status("a")),
                           120, "a to train with a ready spare", lines)
@@ -151,9 +153,6 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
         victim = next(m for m in status["members"]
                       if co.jobs["a"].workers[m].node != co.jobs["a"].workers[spare].node)
         os.kill(cluster.pid_of(victim), signal.SIGKILL)
-        wait_for(lambda: any(r["worker"] == spare and r.get("kind", "recovery") == "recovery"
-                             for r in co.job_status("a")["reports"]), 60,
-                 "the spare to train", lines)
         wait_for(lambda: co.job_status("a")["state"] == "COMPLETED", 120, "a to finish", lines)
         status = co.job_status("a")
         events = list(cluster.db.events())
@@ -167,8 +166,12 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
     started = [e["worker"] for e in events if e["kind"] == "spare_started"]
     assert new and set(started) >= new, ("only spares were started after the kill", new, log)
     assert len(started) == 2, log
-    result = audit(tmp_path / "state" / "ledger" / "a")
+    ledger = tmp_path / "state" / "ledger" / "a"
+    result = audit(ledger)
     assert result.ok, result.describe()
+    shares = [r for r in map(json.loads, (ledger / f"{spare}.jsonl").read_text().splitlines())
+              if r["k"] == "a" and r["i"]]
+    assert len(shares) > 10, "the spare trained on its shares of the data"
     assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9
 
 
