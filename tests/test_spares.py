@@ -45,6 +45,10 @@ def test_a_spare_is_started_and_held_back_and_its_slot_counts_as_free(tmp_path: 
     assert job["state"] == "RUNNING" and len(job["members"]) == 2 and job["epoch"] == 1
     assert sum(job["placement"].values()) == 2, "the spare is no replica of the job"
     assert len(job["spares"]) == 1 and job["spares_wanted"] == 1
+    from maitre.cli import _spares
+    from maitre.protocol import JobStatus
+    JobStatus.model_validate(job)  # (the API's shape: spares, spares_wanted, spare)
+    assert _spares(job) == "1/1", "maitre status: SPARES waiting/kept"
     spare = sim.co.jobs["a"].workers[job["spares"][0]]
     assert spare.spare and spare.state == WorkerState.READY and spare.id not in job["members"]
     held = {(w.node, w.slot) for w in sim.co.jobs["a"].live_workers()}
