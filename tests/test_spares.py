@@ -48,6 +48,10 @@ def test_a_spare_is_started_and_held_back_and_its_slot_counts_as_free(tmp_path: 
     from maitre.protocol import JobStatus
     JobStatus.model_validate(job)  # (the API's shape: spares, spares_wanted, spare)
     assert _spares(job) == "1/1", "maitre status: SPARES waiting/kept"
+    from test_metrics import sample
+    text = sim.co.metrics.render().decode()
+    assert sample(text, "maitre_job_slots_held", job="a") == 2
+    assert sample(text, "maitre_job_spare_slots", job="a") == 1
     spare = sim.co.jobs["a"].workers[job["spares"][0]]
     assert spare.spare and spare.state == WorkerState.READY and spare.id not in job["members"]
     held = {(w.node, w.slot) for w in sim.co.jobs["a"].live_workers()}

@@ -245,7 +245,9 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         co = self.co
         held = GaugeMetricFamily("maitre_job_slots_held", "Slots held by the job's live "
-                                 "workers.", labels=["job"])
+                                 "workers (its warm spares apart).", labels=["job"])
+        spare = GaugeMetricFamily("maitre_job_spare_slots", "Slots held by the job's warm "
+                                  "spares, waiting (no training capacity).", labels=["job"])
         busy = GaugeMetricFamily("maitre_job_slots_busy", "Slots of the job's members "
                                  "training in its open epoch (not stalled).", labels=["job"])
         step = GaugeMetricFamily("maitre_job_step", "The job's committed steps (its latest "
@@ -274,7 +276,8 @@ class _StateCollector(Collector):
         nodes = GaugeMetricFamily("maitre_nodes", "Nodes by state.", labels=["state"])
         capacity = GaugeMetricFamily("maitre_cluster_slots", "Slots of the live nodes.")
         cluster_held = GaugeMetricFamily("maitre_cluster_slots_held",
-                                         "Slots held by live workers.")
+                                         "Slots held by live workers (warm spares "
+                                         "apart).")
         cluster_busy = GaugeMetricFamily("maitre_cluster_slots_busy",
                                          "Slots of members training in an open epoch.")
         allocation = GaugeMetricFamily("maitre_cluster_allocation_ratio", "Slot-seconds held "
@@ -295,16 +298,20 @@ class _StateCollector(Collector):
                 if state.ended:
                     continue
                 ms = co.jobs.get(job_id)
-                h = b = 0
+                h = b = sp = 0
                 if ms is not None and not ms.over:
                     members = set(ms.members) if ms.open else set()
                     for w in ms.workers.values():
-                        if w.ended_at is None and w.state in LIVE:
+                        if w.ended_at is None and w.state in LIVE and w.spare:
+                            sp += w.slots
+                        elif w.ended_at is None and w.state in LIVE:
                             h += w.slots
                             if w.id in members and not w.stalled and w.state in (
                                     WorkerState.ACTIVE, WorkerState.LEAVING):
                                 b += w.slots
                 held.add_metric([job_id], h)
+                if ms is not None and ms.spec.spares:
+                    spare.add_metric([job_id], sp)
                 busy.add_metric([job_id], b)
                 total_held += h
                 total_busy += b
@@ -340,6 +347,6 @@ class _StateCollector(Collector):
             allocation.add_metric([], report_all["allocation"])
         if report_all["utilization"] is not None:
             utilization.add_metric([], report_all["utilization"])
-        yield from (held, busy, step, rate, samples, loss, world, seen, every_s, every_steps,
+        yield from (held, spare, busy, step, rate, samples, loss, world, seen, every_s, every_steps,
                     jobs, waiting, nodes, capacity, cluster_held, cluster_busy, allocation,
                     utilization)
