@@ -272,3 +272,28 @@ def test_a_spare_whose_script_fails_is_started_again_only_so_often(tmp_path: Pat
     ms = sim.co.jobs["a"]
     assert len(failed) == ms.spec.max_restarts + 1 and sim.job("a")["spares"] == []
     assert sim.job("a")["state"] == "RUNNING" and sim.job("a")["failures"] == 0
+
+
+def test_a_replica_placed_on_its_own_spares_slot_is_that_spare(tmp_path: Path) -> None:
+    """A repair that moves a replica of the job onto the node of its spare (as the health
+    policy's eviction does, outside the scheduling pass) promotes the spare: it is not stopped
+    to start the same worker again cold."""
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    ms, m = sim.co.jobs["a"], sim.co.cluster.managed["a"]
+    spare = sim.job("a")["spares"][0]
+    assert ms.workers[spare].node == "n1"
+    victim = sim.job("a")["members"][1]
+    with sim.co.lock:  # the member is asked to leave, its replica placed on n1
+        ms._set_state(ms.workers[victim], WorkerState.LEAVING)
+        m.job.placement = {"n0": 1, "n1": 1}
+        sim.co.cluster.index_allocations()
+        sim.co._changed("a", persist=True)
+    started = set(ms.workers)
+    sim.advance(3)
+    job = sim.job("a")
+    assert spare in job["members"] and victim not in job["members"], job
+    assert job["placement"] == {"n0": 1, "n1": 1} and job["failures"] == 0
+    assert not _kinds(sim, "spare_released")
+    assert all(ms.workers[w].spare for w in set(ms.workers) - started), "no cold start"

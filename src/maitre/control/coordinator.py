@@ -517,14 +517,14 @@ class Coordinator:
                 staying_here = sum(1 for wid in self._on_node.get(node, ())
                                    if self._worker_job[wid] is job and job.workers[wid].state
                                    in (WorkerState.STARTING, WorkerState.READY,
-                                       WorkerState.ACTIVE))
+                                       WorkerState.ACTIVE) and not job.workers[wid].spare)
                 want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
                 per = self.cluster.slots_per_worker(job.spec.job_id)
             for started in range(want):
                 slot = free_slot(used, slots, per)
                 if slot is None:  # spares here give their slots back first (they hold no state)
                     self._release_spares(node, f"its slot went to job {job.spec.job_id}", now,
-                                         need=(want - started) * per)
+                                         need=(want - started) * per, job=job)
                     break
                 start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per),
                                                used))
@@ -573,15 +573,22 @@ class Coordinator:
         return start
 
     def _release_spares(self, node: str, reason: str, now: float,
-                        need: int | None = None) -> None:
+                        need: int | None = None, job: Membership | None = None) -> None:
         """Spares here stop, enough of them for ``need`` slots (None: all): a job allocated here
         finds no free slot, or the node goes. Their slots are free once their processes
-        exited, a beat later."""
-        for w in self._spares_here(node):
+        exited, a beat later. A spare of ``job`` itself (the job that wants the slot) is
+        promoted in its place instead: it is the replica the job wants, and warm."""
+        spares = self._spares_here(node)
+        if job is not None:  # its own first
+            spares.sort(key=lambda w: self._worker_job[w.id] is not job)
+        for w in spares:
             if need is not None and need <= 0:
                 return
             need = None if need is None else need - w.slots
             ms = self._worker_job[w.id]
+            if ms is job and ms.promote_spare(None, now, spare=w.id) is not None:
+                self._touch(ms.spec.job_id)
+                continue
             ms.release_spare(w.id, reason, now)
             self._pending_kills.setdefault(node, set()).add(w.id)
             self._touch(ms.spec.job_id)
