@@ -106,17 +106,18 @@ def test_a_node_that_fails_its_first_probe_never_gets_work(tmp_path: Path) -> No
     assert sim.job("a")["placement"] == {"n0": 1} and not sim.running["n1"]
 
 
-def _evict_sim(tmp_path: Path, cooldown_s: float = 30.0, resize_cooldown_s: float = 60.0
-               ) -> Sim:
+def _evict_sim(tmp_path: Path, cooldown_s: float = 30.0, resize_cooldown_s: float = 60.0,
+               spares: int = 0) -> Sim:
     sim = Sim(tmp_path, {f"n{i}": 1 for i in range(4)}, [Queue("q")],
               cooldown_s=resize_cooldown_s)
     for n in sim.slots:
         sim.health[n] = _health(1, True)
     sim.co.submit({"name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 3,
                    "command": ["python", "train.py"],
-                   "stragglers": {"policy": "evict", "cooldownSeconds": cooldown_s}})
+                   "stragglers": {"policy": "evict", "cooldownSeconds": cooldown_s},
+                   "spares": spares})
     sim.advance(3)
-    assert len(sim.job("a")["members"]) == 3
+    assert len(sim.job("a")["members"]) == 3 and len(sim.job("a")["spares"]) == spares
     return sim
 
 
@@ -163,6 +164,44 @@ def test_evict_moves_the_stragglers_replica_to_a_free_node_at_once_and_suspects_
         [(node, "health probe passed")]
     assert not sim.probe_asked[node] and {n["node"]: n for n in sim.co.nodes_view()}[node][
         "suspect"] is None
+
+
+def test_an_evicted_replica_is_replaced_by_the_warm_spare_not_a_cold_start(
+        tmp_path: Path) -> None:
+    """With ``spares: 1`` on the fourth node, the straggler's place goes to the spare at the
+    step boundary it leaves at: no repair (no cold start), the allocation follows the spare."""
+    sim = _evict_sim(tmp_path, spares=1)
+    ms = sim.co.jobs["a"]
+    [spare] = sim.job("a")["spares"]
+    slow = ms.members[-1]
+    node = ms.workers[slow].node
+    started = set(ms.workers)
+    _straggle(sim, slow)
+    assert not [e for e in _events(sim, "repair") if e.get("job") == "a"], "no cold start"
+    [assigned] = _events(sim, "spare_assigned")
+    assert (assigned["worker"], assigned["replacing"]) == (spare, slow)
+    sim.advance(3)
+    job = sim.job("a")
+    assert spare in job["members"] and slow not in job["members"] and len(job["members"]) == 3
+    assert node not in job["placement"] and ms.workers[spare].node in job["placement"]
+    assert job["failures"] == 0 and ms.workers[slow].state.value == "LEFT"
+    # No worker started for the evicted one's place; a new spare, and not on the suspect node.
+    new = [ms.workers[w] for w in set(ms.workers) - started]
+    assert all(w.spare and w.node != node for w in new), [(w.id, w.spare, w.node) for w in new]
+
+
+def test_a_node_that_fails_its_probe_lets_its_spare_go_and_gets_no_new_one(
+        tmp_path: Path) -> None:
+    sim = _evict_sim(tmp_path, spares=1)
+    ms = sim.co.jobs["a"]
+    [spare] = sim.job("a")["spares"]
+    node = ms.workers[spare].node
+    sim.health[node] = _health(2, False, "memory pattern read back wrong")
+    sim.advance(2)
+    [released] = _events(sim, "spare_released")
+    assert released["worker"] == spare and "failed its health probe" in released["reason"]
+    assert ms.workers[spare].state.value == "DEAD" and ms.failures == 0
+    assert not sim.job("a")["spares"] and not sim.running[node], "no new spare there"
 
 
 def test_a_suspect_node_is_avoided_until_its_cooldown_ends(tmp_path: Path) -> None:

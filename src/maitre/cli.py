@@ -277,10 +277,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     rows = [[j["job_id"], j.get("queue", "-"), str(j.get("priority", "-")), j["state"],
              str(j["epoch"]), str(j["step"]), f"{len(j['members'])}/{j['max_workers']}",
-             str(j["failures"]), _placement(j.get("placement")) or j.get("waiting_for", "")]
+             _spares(j), str(j["failures"]),
+             _placement(j.get("placement")) or j.get("waiting_for", "")]
             for j in jobs]
-    print(_table(["JOB", "QUEUE", "PRIO", "STATE", "EPOCH", "STEP", "WORKERS", "FAILS",
-                  "NODES"], rows))
+    print(_table(["JOB", "QUEUE", "PRIO", "STATE", "EPOCH", "STEP", "WORKERS", "SPARES",
+                  "FAILS", "NODES"], rows))
     if nodes:
         print()
         print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PRICE/H", "PHI",
@@ -327,6 +328,12 @@ def _health(h: dict[str, Any] | None) -> str:
     if h is None:
         return "-"
     return f"{'ok' if h['ok'] else 'FAILED'} {h['age_s']:.0f}s ago"
+
+
+def _spares(job: dict[str, Any]) -> str:
+    """Warm spares started and waiting, of those the job keeps (``-``: it keeps none)."""
+    wanted = job.get("spares_wanted", 0)
+    return f"{len(job.get('spares', []))}/{wanted}" if wanted else "-"
 
 
 def _money(value: float | None) -> str:

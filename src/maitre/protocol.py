@@ -242,6 +242,9 @@ class WorkerSummary(_Reply):
     exit_code: int | None
     error: str | None
     trained_s: float
+    spare: bool = False
+    """A warm spare: started and waiting, held back from every epoch (no rank, no slot of the
+    job's allocation)."""
 
 
 class JobSummary(_Reply):
@@ -268,6 +271,10 @@ class JobSummary(_Reply):
     waiting_for: str = ""
     throughput: dict[str, float] = {}
     """Steps per second it measured at each world size (the speedup the scheduler grows it by)."""
+    spares: list[str] = []
+    """Its warm spares started and waiting (they are no part of ``placement``)."""
+    spares_wanted: int = 0
+    """How many it keeps (the manifest's ``spares``)."""
 
 
 class JobStatus(JobSummary):
@@ -353,6 +360,8 @@ class JobReport(_Reply):
     throughput: dict[str, float]
     spot_slot_s: float = 0.0
     """Of ``held_slot_s``, what its workers held on spot nodes."""
+    spare_slot_s: float = 0.0
+    """Of ``held_slot_s``, what its warm spares held while they waited."""
     cost: float | None = None
     """The slot-seconds it held, each at its node's price (per slot-hour): None when a node's
     capacity type has no price."""

@@ -92,7 +92,8 @@ def tick_usage(cluster: "ClusterState", memberships: dict[str, Membership], now:
     # A draining node's slots are no capacity: nothing may be placed there any more.
     capacity = sum(s.node.slots for s in cluster.nodes.values() if s.alive and not s.draining)
     held = sum(w.slots for m in cluster.managed.values() for ms in _memberships(m, memberships)
-               for w in ms.workers.values() if w.ended_at is None and w.state in LIVE)
+               for w in ms.workers.values() if w.ended_at is None and w.state in LIVE and
+               not w.spare)  # a warm spare's slot is free to the scheduler: not allocated
     contended = any(
         (m.job.state.waiting and not m.held) or
         (m.job.state.placed and m.job.elastic and m.job.replicas < m.job.max_replicas)
@@ -109,13 +110,15 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
     total = Cost()
     queues: dict[str, Cost] = {}
     for m in cluster.managed.values():
-        j_held = j_trained = 0.0
+        j_held = j_trained = j_spare = 0.0
         cost = Cost()
         for ms in _memberships(m, memberships):
             for w in ms.workers.values():
                 end = w.ended_at if w.ended_at is not None else now
                 slot_s = max(0.0, end - w.started_at) * w.slots
                 j_held += slot_s
+                if w.spare:  # (a spare promoted later counts as a worker whole)
+                    j_spare += slot_s
                 j_trained += w.trained_s * w.slots
                 state = cluster.nodes.get(w.node)
                 cost.add(slot_s, cluster.node_price(w.node), on_demand,
@@ -133,6 +136,7 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
             "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),
             "ettr": round(m.productive_s / ran, 4) if ran > 0 else None,
             "held_slot_s": round(j_held, 2), "trained_slot_s": round(j_trained, 2),
+            "spare_slot_s": round(j_spare, 2),
             "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())},
             "spot_slot_s": round(cost.spot_slot_s, 2), "cost": cost.rounded(cost.cost),
             "on_demand_cost": cost.rounded(cost.on_demand_cost)}

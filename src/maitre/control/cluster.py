@@ -22,6 +22,11 @@ Agents start a job's worker on a node only within its allocation there and only 
 is really free (a leaving worker holds its slot until its process exits), so a node is never
 over-committed, not even for the moment between a shrink and its preemptor's start.
 
+A job's warm spares (``spares: N``) are started on slots no allocation holds, so the policy
+counts them free: they are no training capacity, and a job placed there takes their slots (the
+spares stop first: they hold no state). When a spare takes a lost worker's place, the job's
+allocation moves to the spare's slot (:meth:`ClusterState.take_spares`).
+
 A node with a spot notice is drained, then reclaimed (:mod:`maitre.control.drain`): the pass
 stops seeing it, its workers leave at a step boundary (or their job checkpoints first), and
 its going is a reclaim, not a failure. A node whose health probe failed is drained the same way
@@ -45,6 +50,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -345,7 +351,9 @@ class ClusterState:
             self.log(now, "node_suspect", node=node, reason=reason, until=round(sus.until, 4),
                      job=job_id, worker=worker)
         where = self._free_for(m)  # (the node is suspect now: none of its slots is free)
-        if where is None and sum(m.job.placement.values()) - 1 < ms.spec.min_workers:
+        # A spare on the suspect node would be as slow: the others may take the place.
+        spares = [s for s in ms.live_spares() if s.node != node]
+        if where is None and not spares and sum(m.job.placement.values()) - 1 < ms.spec.min_workers:
             self.log(now, "evict_skipped", job=job_id, worker=worker, node=node,
                      reason=f"{reason}: no free slot for its replacement, and the job would be "
                      f"below its minimum of {ms.spec.min_workers}")
@@ -357,14 +365,20 @@ class ClusterState:
         else:
             m.job.placement.pop(node, None)
         self.log(now, "evict", job=job_id, worker=worker, node=node, reason=reason)
+        warmest = min(spares, default=None, key=lambda s: (s.state != WorkerState.READY,
+                                                           s.ready_at, s.started_at))
+        promoted = None if warmest is None else ms.promote_spare(worker, now, warmest.id)
+        if promoted is not None:  # a warm spare comes in at the step boundary the worker leaves at
+            self.take_spares(m, ms, now)
+            self.index_allocations()
+            return {promoted.node: 1}
         return self.replace(m, ms, now, f"replaces {worker} (evicted from {node})", where)
 
     def replace(self, m: ManagedJob, ms: Membership, now: float, reason: str,
                 where: dict[str, int] | None = None) -> dict[str, int] | None:
         """Grow the job by one replica at once, outside the scheduling pass (a repair: no resize
         cooldown): on a free slot of a node that takes work, its own nodes first (``where``:
-        found already). Where a warm spare stands by (issue 15's spares), this is the place to
-        hand it the slot instead. With no free slot the job runs one smaller (never below its
+        found already; :meth:`evict` hands the place to a warm spare first). With no free slot the job runs one smaller (never below its
         minimum: :meth:`evict` does not evict then)."""
         where = where if where is not None else self._free_for(m)
         if where is None:
@@ -424,6 +438,7 @@ class ClusterState:
         env.update(m.env)
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
                        max_workers=man.max_replicas, max_restarts=self.max_restarts, env=env,
+                       spares=man.spares,
                        nproc_per_replica=man.nproc_per_replica,
                        mesh=man.mesh_text if man.nproc_per_replica > 1 else "",
                        store_scope=scope)
@@ -455,6 +470,32 @@ class ClusterState:
                     by_node.setdefault(node, []).append(m.id)
         self._by_node = by_node
 
+    def take_spares(self, m: ManagedJob, ms: Membership, now: float) -> bool:
+        """The spares the run promoted hold slots of the job now: its allocation grows on each
+        one's node and gives up a slot it no longer fills (the lost worker's, preferably).
+        Returns whether the allocation changed."""
+        changed = False
+        place = m.job.placement
+        for wid, replacing in ms.take_promotions():
+            spare = ms.workers[wid]
+            if spare.spare or spare.state not in (WorkerState.STARTING, WorkerState.READY,
+                                                  WorkerState.ACTIVE):
+                continue  # lost meanwhile (it may be in its epoch already: that is no loss)
+            place[spare.node] = place.get(spare.node, 0) + 1
+            held = Counter(w.node for w in ms.live_workers() if w.state != WorkerState.LEAVING)
+            gone = ms.workers[replacing].node if replacing in ms.workers else None
+            unfilled = [n for n in place if place[n] > held[n]]
+            if unfilled:
+                node = gone if gone in unfilled else max(unfilled,
+                                                         key=lambda n: (place[n] - held[n], n))
+                place[node] -= 1
+                if not place[node]:
+                    del place[node]
+            changed = True
+            self.log(now, "spare_assigned", job=m.id, worker=wid, replacing=replacing,
+                     node=spare.node, placement=dict(place))
+        return changed
+
     def slots_per_worker(self, job_id: str) -> int:
         m = self.managed.get(job_id)
         return 1 if m is None else m.job.slots_per_replica
@@ -473,6 +514,7 @@ class ClusterState:
                 del job.placement[name]
             if ms is None:
                 continue
+            self.take_spares(m, ms, now)  # (before the lost nodes' replicas are counted)
             if lost and not ms.over:
                 ms.target = max(ms.spec.min_workers, min(ms.spec.max_workers, job.replicas))
             account(m, ms)
@@ -650,7 +692,8 @@ class ClusterState:
                              "gracePeriodSeconds": man.grace_period_s,
                              "topology": None if man.topology is None else
                              {"level": man.topology.level, "mode": man.topology.mode},
-                             "command": list(man.command), "checkpointDir": man.checkpoint_dir},
+                             "command": list(man.command), "checkpointDir": man.checkpoint_dir,
+                             "spares": man.spares},
                 "incarnation": m.incarnation, "workers_started": m.workers_started,
                 "generation": m.generation,
                 "suspended_run": m.suspended_run, "held": m.held, "admitted_at": m.admitted_at,

@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # (torch: the controller itself never imports it)
 log = logging.getLogger("maitre.coordinator")
 
 _NOT_STARTED = {"epoch": 0, "epoch_open": False, "members": [], "step": 0, "failures": 0, "failure": None,
-                "workers": [], "target": 0, "min_workers": 0, "max_workers": 0}
+                "workers": [], "target": 0, "min_workers": 0, "max_workers": 0, "spares": []}
 _VOUCH_SLACK_S = 0.5
 """How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
 loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
@@ -162,6 +162,8 @@ class Coordinator:
         self._worker_job: dict[str, Membership] = {}
         self._on_node: dict[str, set[str]] = {}
         """Per node, the workers that hold (or may still hold) its slots."""
+        self._spare_jobs: set[str] = set()
+        """Jobs whose runs keep warm spares (the only ones a node's orders look at for them)."""
         self._pending_kills: dict[str, set[str]] = {}
         self._emitted: dict[str, int] = {}
         self._keys: dict[str, tuple[Any, ...]] = {}
@@ -207,6 +209,10 @@ class Coordinator:
         self._tokens[membership.spec.token] = membership
         self.reports.setdefault(job_id, deque(maxlen=_REPORTS_KEPT))
         self._emitted[job_id] = 0
+        if membership.spec.spares:
+            self._spare_jobs.add(job_id)
+        else:
+            self._spare_jobs.discard(job_id)
         for w in membership.workers.values():
             self._index(membership, w)
 
@@ -246,6 +252,7 @@ class Coordinator:
         if m is None:
             return {}
         return {"job_id": m.id, "state": m.job.state.value, "queue": m.job.queue,
+                "spares_wanted": m.manifest.spares,
                 "priority": m.job.priority, "min_workers": m.job.min_replicas,
                 "max_workers": m.job.max_replicas, "placement": dict(m.job.placement),
                 "incarnation": m.incarnation, "held": m.held,
@@ -368,6 +375,7 @@ class Coordinator:
                 state.reclaim.deadline = now + notice.notice_s
                 self._next_pass = 0.0  # (the pass counts the reclaim)
             return
+        self._release_spares(node, f"node {node} has a spot notice", now)  # (no state to save)
         here = [(ms.spec.job_id, ms.workers[wid]) for wid in sorted(self._on_node.get(node, ()))
                 if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over]
         changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source,
@@ -390,6 +398,8 @@ class Coordinator:
         here = {ms.spec.job_id for wid in self._on_node.get(node, ())
                 if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over}
         before = (state.health.unhealthy, state.health.suspect)
+        if not health.ok:  # its spares hold no state: they go at once, the rest drains
+            self._release_spares(node, f"node {node} failed its health probe", now)
         probe = Probe(health.id, health.ok, health.detail, health.seconds, health.probe, now)
         changed = self.cluster.node_health(node, probe, here, self.jobs, now)
         for job_id in changed:
@@ -560,26 +570,106 @@ class Coordinator:
                 staying_here = sum(1 for wid in self._on_node.get(node, ())
                                    if self._worker_job[wid] is job and job.workers[wid].state
                                    in (WorkerState.STARTING, WorkerState.READY,
-                                       WorkerState.ACTIVE))
+                                       WorkerState.ACTIVE) and not job.workers[wid].spare)
                 want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
                 per = self.cluster.slots_per_worker(job.spec.job_id)
-            for _ in range(want):
+            for started in range(want):
                 slot = free_slot(used, slots, per)
-                if slot is None:
+                if slot is None:  # spares here give their slots back first (they hold no state)
+                    self._release_spares(node, f"its slot went to job {job.spec.job_id}", now,
+                                         need=(want - started) * per, job=job)
                     break
-                worker = job.add_worker(node, slot, now, slots=per)
-                used.update(range(slot, slot + per))
-                if job.spec.nproc_per_replica > 1 and self.stores is not None:
-                    # Its processes build their replica's own group on the run's store first.
-                    self.stores.open(job.spec.run_key, job.spec.token)
-                self._index(job, worker)
-                self._touch(job.spec.job_id)
-                start.append({"worker_id": worker.id, "job_id": job.spec.job_id,
-                              "command": job.spec.command, "env": dict(job.spec.env),
-                              "local_rank": slot, "slots": per, "store": self.store_address,
-                              "token": job.spec.token, "store_key": job.spec.run_key,
-                              "nproc": job.spec.nproc_per_replica, "mesh": job.spec.mesh})
+                start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per),
+                                               used))
+        return start + self._start_spares(node, slots, used, now)
+
+    def _start_order(self, job: Membership, worker: Worker, used: set[int]) -> dict[str, Any]:
+        slot, per = worker.slot, worker.slots
+        used.update(range(slot, slot + per))
+        if job.spec.nproc_per_replica > 1 and self.stores is not None:
+            # Its processes build their replica's own group on the run's store first.
+            self.stores.open(job.spec.run_key, job.spec.token)
+        self._index(job, worker)
+        self._touch(job.spec.job_id)
+        return {"worker_id": worker.id, "job_id": job.spec.job_id,
+                "command": job.spec.command, "env": dict(job.spec.env),
+                "local_rank": slot, "slots": per, "store": self.store_address,
+                "token": job.spec.token, "store_key": job.spec.run_key,
+                "nproc": job.spec.nproc_per_replica, "mesh": job.spec.mesh}
+
+    # -- warm spares (see maitre.control.membership) ---------------------------------------------
+    def _spares_here(self, node: str) -> list[Worker]:
+        return [w for wid in sorted(self._on_node.get(node, ()))
+                if (w := self._worker_job[wid].workers[wid]).spare and w.state in LIVE]
+
+    def _start_spares(self, node: str, slots: int, used: set[int],
+                      now: float) -> list[dict[str, Any]]:
+        """Spares of the jobs that want some, on this node's slots that no allocation holds (so
+        the scheduler, which counts them free, never waits for them)."""
+        wanting = [ms for job_id in sorted(self._spare_jobs)
+                   if (ms := self.jobs.get(job_id)) is not None and ms.spares_wanted()]
+        state = self.cluster.nodes.get(node)
+        if not wanting or state is None or not state.takes_work or state.health.suspect:
+            return []  # (a suspect node's spare would be as slow as the worker it replaced)
+        allocated = sum(self.cluster.managed[j].job.placement.get(node, 0) *
+                        self.cluster.slots_per_worker(j) for j in self.cluster.allocated_on(node))
+        room = slots - allocated - sum(w.slots for w in self._spares_here(node))
+        start = []
+        for ms in wanting:
+            per = self.cluster.slots_per_worker(ms.spec.job_id)
+            for _ in range(ms.spares_wanted()):
+                slot = free_slot(used, slots, per) if room >= per else None
+                if slot is None:
+                    return start
+                room -= per
+                start.append(self._start_order(ms, ms.add_spare(node, slot, now, slots=per),
+                                               used))
         return start
+
+    def _release_spares(self, node: str, reason: str, now: float,
+                        need: int | None = None, job: Membership | None = None) -> None:
+        """Spares here stop, enough of them for ``need`` slots (None: all): a job allocated here
+        finds no free slot, or the node goes. Their slots are free once their processes
+        exited, a beat later. A spare of ``job`` itself (the job that wants the slot) is
+        promoted in its place instead: it is the replica the job wants, and warm."""
+        spares = self._spares_here(node)
+        if job is not None:  # its own first
+            spares.sort(key=lambda w: self._worker_job[w.id] is not job)
+        for w in spares:
+            if need is not None and need <= 0:
+                return
+            need = None if need is None else need - w.slots
+            ms = self._worker_job[w.id]
+            if ms is job and ms.promote_spare(None, now, spare=w.id) is not None:
+                self._touch(ms.spec.job_id)
+                continue
+            ms.release_spare(w.id, reason, now)
+            self._pending_kills.setdefault(node, set()).add(w.id)
+            self._touch(ms.spec.job_id)
+            self._bump(node)
+
+    def promote_spare(self, job_id: str, replacing: str | None) -> str | None:
+        """A warm spare of the job joins its next epoch in place of ``replacing`` (a worker the
+        health policy evicts; a lost member's spare is promoted without asking). Returns the
+        spare's id, or None when the job has none ready or starting."""
+        with self.lock:
+            ms = self.job(job_id)
+            spare = ms.promote_spare(replacing, self.clock())
+            self._changed(job_id, persist=True)
+            return None if spare is None else spare.id
+
+    def _moved_to_spares(self, job_id: str, ms: Membership) -> None:
+        """The job's allocation follows its promoted spares (:meth:`ClusterState.take_spares`)."""
+        m = self.cluster.managed.get(job_id)
+        if m is None or m.incarnation == 0:
+            ms.take_promotions()
+            return
+        before = set(m.job.placement)
+        if self.cluster.take_spares(m, ms, self.clock()):
+            self.cluster.index_allocations()
+            for node in before | set(m.job.placement):
+                self._bump(node)
+            self._persist({job_id})
 
     @acknowledged
     def worker_exit(self, wid: str, req: p.ExitRequest) -> dict[str, Any]:
@@ -890,6 +980,8 @@ class Coordinator:
             if ms is None:
                 save.add(job_id)  # a managed job not admitted yet
                 continue
+            if ms.promotions:
+                self._moved_to_spares(job_id, ms)
             assigned = ms.assignment_key()
             if self._assigned.get(job_id) != assigned:  # its rendezvous waiters ask again
                 self._assigned[job_id] = assigned

@@ -31,6 +31,18 @@ heartbeats (as its agent reports them with :meth:`~Membership.progress`).
 Workers are counted by state as they change (:meth:`_set_state`), so what a node beat asks of a
 job of thousands of workers (does it want more, is a change pending) costs O(1).
 
+Warm spares (``spares`` in the job's spec): workers started beyond the job's size, on slots no
+allocation holds (:meth:`add_spare`). A spare runs the script up to its first rendezvous (imports
+done, model built) and waits there: READY, but held back from every epoch, and counted apart
+(``_spares``), so none of the counts above sees it. When a worker the job counts on is lost (a
+member dead, hung, evicted or on a dead node: :meth:`_mark_dead`), or when the health policy asks
+(:meth:`promote_spare`), a spare becomes a plain joiner at once, and the next epoch, which the
+loss opened anyway, has it: no cold start. Its state comes from a live peer like any joiner's,
+so every sample is still seen once and the parameters are a fixed-size run's. The cluster then
+moves the job's allocation to the spare's slot (:meth:`take_promotions`) and starts a new spare
+in the background. A spare has no state: giving its slot to another job (:meth:`release_spare`)
+costs nothing, and a lost spare is no failure of the job.
+
 Pure logic: no I/O, no threads, time passed in. The server wraps it in a lock and a condition.
 """
 
@@ -79,6 +91,9 @@ class JobSpec:
     """Processes of one worker (a replica that spans them, started together by its agent)."""
     mesh: str = ""
     """The replica's mesh (``MAITRE_MESH``), when it spans processes."""
+    spares: int = 0
+    """Warm spare workers kept started and waiting beyond the job's size (see the module
+    docstring)."""
     store_scope: str = ""
     """Names this run of the job in the c10d store's keys: a job that runs again (resumed after
     a suspension, or submitted again under its name) counts epochs from 1 again, and must not
@@ -102,6 +117,9 @@ class JobSpec:
             raise ValueError(f"max workers {self.max_workers} < min workers {self.min_workers}")
         if self.max_restarts < 0:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
+        if not 0 <= self.spares <= self.max_workers:
+            raise ValueError(f"spares must be in [0, {self.max_workers}] (max workers), "
+                             f"got {self.spares}")
 
 
 @dataclass(slots=True)
@@ -136,6 +154,9 @@ class Worker:
     """When it was first heard at ``step``: the time of the worker heartbeat (to its agent)
     that carried the step, whatever the age of the node beat that brought it. The scheduler's
     throughput is timed by it (:func:`maitre.control.accounting.measure`)."""
+    spare: bool = False
+    """A warm spare: started beyond the job's size and held back from every epoch until it is
+    promoted (then False: a joiner like any other)."""
 
     def reached(self, step: int, at: float) -> None:
         if step > self.step:
@@ -204,6 +225,15 @@ class Membership:
         self._count: Counter[WorkerState] = Counter()
         """Workers by state, so that what a heartbeat asks (is a change pending, does the job
         want workers) costs the same for 2 workers and for 2,000."""
+        self._spares: Counter[WorkerState] = Counter()
+        """Spares by state (no count above includes them)."""
+        self.spare_failures = 0
+        """Spares lost on their own (not given back): past ``max_restarts`` no more are started
+        (a script that cannot start would otherwise be started again and again)."""
+        self._promoted: dict[str, tuple[str | None, float]] = {}
+        """Spares promoted and not yet in an epoch: what they replace, and since when."""
+        self.promotions: list[tuple[str, str | None]] = []
+        """(spare, the worker it replaces) promoted since the cluster last took them."""
         self._leaving_members = 0
         self._arrivals = 0
         self._stalled = 0
@@ -246,8 +276,9 @@ class Membership:
 
     def _set_state(self, w: Worker, state: WorkerState) -> None:
         """Every worker state change goes through here (it keeps the counts true)."""
-        self._count[w.state] -= 1
-        self._count[state] += 1
+        count = self._spares if w.spare else self._count
+        count[w.state] -= 1
+        count[state] += 1
         if self._is_member(w):
             self._leaving_members += (state == WorkerState.LEAVING) - (w.state == WorkerState.LEAVING)
         w.state = state
@@ -259,7 +290,8 @@ class Membership:
     def _recount(self) -> None:
         self._stalled = sum(1 for w in self.workers.values() if w.stalled and self._is_member(w))
         self._arrivals = sum(1 for w in self.workers.values() if w.arrived_from is not None)
-        self._count = Counter(w.state for w in self.workers.values())
+        self._count = Counter(w.state for w in self.workers.values() if not w.spare)
+        self._spares = Counter(w.state for w in self.workers.values() if w.spare)
         self._leaving_members = sum(1 for w in self.workers.values()
                                     if w.state == WorkerState.LEAVING and self._is_member(w))
 
@@ -269,7 +301,71 @@ class Membership:
         return self._next_worker
 
     def live_workers(self) -> list[Worker]:
-        return [w for w in self.workers.values() if w.state in LIVE]
+        """Live workers the job counts on (spares are not: :meth:`live_spares`)."""
+        return [w for w in self.workers.values() if w.state in LIVE and not w.spare]
+
+    def live_spares(self) -> list[Worker]:
+        return [w for w in self.workers.values() if w.spare and w.state in LIVE]
+
+    # -- warm spares -----------------------------------------------------------------------------
+    def add_spare(self, node: str, slot: int, now: float, slots: int = 1) -> Worker:
+        """A spare started on a slot outside the job's allocation (see the module docstring)."""
+        self._node_order.setdefault(node, len(self._node_order))
+        self._next_worker += 1
+        worker = Worker(id=f"{self.spec.job_id}-w{self._next_worker}", node=node, slot=slot,
+                        last_heartbeat=now, slots=slots, started_at=now, spare=True)
+        self.workers[worker.id] = worker
+        self._spares[worker.state] += 1
+        self._log(now, "spare_started", worker=worker.id, node=node)
+        return worker
+
+    def spares_wanted(self) -> int:
+        """How many more spares the job would start now."""
+        if self.over or self.suspending or self._count[WorkerState.DONE] or \
+                self.spare_failures > self.spec.max_restarts:
+            return 0
+        live = self._spares[WorkerState.STARTING] + self._spares[WorkerState.READY]
+        return max(0, self.spec.spares - live)
+
+    def promote_spare(self, replacing: str | None, now: float,
+                      spare: str | None = None) -> Worker | None:
+        """Make a spare a joiner of the next epoch in place of ``replacing`` (a lost or evicted
+        worker, or None for a larger size): ``spare``, else the warmest one (ready the longest),
+        else one still starting. Returns it, or None without a spare. The epoch it joins is the next one: a
+        loss closed the current one; for an eviction, ask the evicted member to leave (it then
+        goes at the next step boundary, and the spare comes in at the same one)."""
+        live = [w for w in self.live_spares() if spare is None or w.id == spare]
+        if not live or self.over or self.suspending:
+            return None
+        w = min(live, key=lambda s: (s.state != WorkerState.READY, s.ready_at, s.started_at))
+        self._spares[w.state] -= 1
+        self._count[w.state] += 1
+        w.spare = False
+        self._promoted[w.id] = (replacing, now)
+        self.promotions.append((w.id, replacing))
+        return w
+
+    def take_promotions(self) -> list[tuple[str, str | None]]:
+        """The spares promoted since the last call, with whom they replace (the cluster moves
+        the job's allocation onto their slots)."""
+        out, self.promotions = self.promotions, []
+        return out
+
+    def release_spare(self, wid: str, reason: str, now: float) -> None:
+        """Give a spare's slot up (another job needs it): it stops (its agent kills it), and
+        that is no failure."""
+        w = self._worker(wid)
+        if not w.spare or w.state not in LIVE:
+            raise ValueError(f"worker {wid} is no live spare")
+        self._set_state(w, WorkerState.DEAD)
+        self._set_arrived(w, None)
+        w.error = reason
+        self._log(now, "spare_released", worker=wid, node=w.node, reason=reason)
+
+    def _refill(self, replacing: str | None, now: float) -> None:
+        """Spares take the places of workers the job lost, while it has fewer than its size."""
+        while self.staying() < self.target and self.promote_spare(replacing, now) is not None:
+            pass
 
     def wants_workers(self) -> int:
         """How many more worker processes the job would start now."""
@@ -281,7 +377,7 @@ class Membership:
         return max(0, self.target - self.staying())
 
     def staying(self) -> int:
-        """Live workers not asked to leave."""
+        """Live workers not asked to leave (spares aside)."""
         c = self._count
         return c[WorkerState.STARTING] + c[WorkerState.READY] + c[WorkerState.ACTIVE]
 
@@ -293,12 +389,13 @@ class Membership:
         return (self.state, self.open, self.epoch, self.target, self.change_pending(),
                 self.suspending,
                 self.failures, c[WorkerState.LEAVING], c[WorkerState.DEAD], c[WorkerState.LEFT],
-                c[WorkerState.DONE])
+                c[WorkerState.DONE], self._spares[WorkerState.DEAD])
 
     def assignment_key(self) -> tuple[Any, ...]:
         """Changes whenever a waiting worker's :meth:`assignment` may have changed."""
         c = self._count
-        return (self.state, self.open, self.epoch, c[WorkerState.LEAVING], c[WorkerState.DEAD])
+        return (self.state, self.open, self.epoch, c[WorkerState.LEAVING], c[WorkerState.DEAD],
+                self._spares[WorkerState.DEAD])
 
     def ready(self, wid: str, now: float) -> None:
         """The worker finished its start-up and wants to join the next epoch."""
@@ -307,6 +404,8 @@ class Membership:
             self._set_state(w, WorkerState.READY)
             w.ready_at = now
             w.last_heartbeat = now
+            if w.spare:
+                self._log(now, "spare_ready", worker=wid, seconds=round(now - w.started_at, 3))
         w.seen(now)
 
     def progress(self, wid: str, seen_at: float, step: int, stalled: bool,
@@ -378,6 +477,12 @@ class Membership:
         was_member = self._is_member(w)
         self._set_state(w, WorkerState.DEAD)
         self._set_arrived(w, None)
+        self._promoted.pop(w.id, None)
+        if w.spare:  # it held no state and trained nothing: no failure of the job
+            if w.exit_code is not None and w.exit_code > 0:  # its script failed (not a kill)
+                self.spare_failures += 1
+            self._log(now, "worker_dead", worker=w.id, reason=reason, spare=True)
+            return
         if was_member and self._check_completed(now):
             return  # a member finished the last step: the others' exits are no failure
         # One failure event per lost epoch (a node's workers often die together, and survivors
@@ -394,6 +499,8 @@ class Membership:
         if self.failures > self.spec.max_restarts and not self.over:
             self._fail(f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; "
                        f"last: {reason}", now)
+        if not self.over:  # a warm spare takes its place in the next epoch
+            self._refill(w.id, now)
 
     def _check_user_error(self, now: float) -> None:
         """The same exception on every member (or every worker, before the first epoch) is a bug
@@ -493,10 +600,11 @@ class Membership:
         leaving = [m for m in staying if m in order[:excess]]
         for wid in leaving:
             self._set_state(self.workers[wid], WorkerState.LEAVING)
-        for w in self.workers.values():  # joiners that are no longer wanted
-            if w.state in (WorkerState.STARTING, WorkerState.READY) and \
+        for w in self.workers.values():  # joiners that are no longer wanted (spares stay)
+            if w.state in (WorkerState.STARTING, WorkerState.READY) and not w.spare and \
                     len(staying) - len(leaving) >= target:
                 self._set_state(w, WorkerState.LEAVING)
+        self._refill(None, now)  # a larger size is filled by spares first
         self._log(now, "scale", target=target, leaving=leaving)
         return leaving
 
@@ -575,7 +683,8 @@ class Membership:
             return False
         stay = [self.workers[m] for m in self.members
                 if self.workers[m].state == WorkerState.ACTIVE]
-        joiners = sorted((w for w in self.workers.values() if w.state == WorkerState.READY),
+        joiners = sorted((w for w in self.workers.values()
+                          if w.state == WorkerState.READY and not w.spare),
                          key=lambda w: w.ready_at)
         joiners = joiners[:max(0, self.target - len(stay))]
         # A member may still be asking to leave an older epoch: it missed one that opened and
@@ -586,7 +695,7 @@ class Membership:
         if self.epoch == 0:  # the first round
             if len(arrived) < self.spec.min_workers:
                 return False
-            starting = any(w.state == WorkerState.STARTING for w in self.workers.values())
+            starting = self._count[WorkerState.STARTING] > 0
             waited = now - sorted(w.ready_at for w in arrived)[self.spec.min_workers - 1]
             if len(arrived) < self.target and starting and waited < self.cfg.first_round_grace_s:
                 return False
@@ -616,6 +725,11 @@ class Membership:
         self._log(now, "epoch", epoch=self.epoch, members=list(self.members),
                   reason=self.close_reason or "start",
                   closed_for_s=None if self.closed_at is None else round(now - self.closed_at, 4))
+        for w in expected:
+            if w.id in self._promoted:
+                replacing, since = self._promoted.pop(w.id)
+                self._log(now, "spare_promoted", worker=w.id, replacing=replacing, node=w.node,
+                          epoch=self.epoch, seconds=round(now - since, 4))
         self.closed_at = None
         self.close_reason = ""
         return True
@@ -688,7 +802,8 @@ class Membership:
                 "created_at": self.created_at, "suspending": self.suspending,
                 "failed_epoch": self._failed_epoch, "node_order": dict(self._node_order),
                 "state_lost_epoch": self._state_lost_epoch,
-                "next_worker": self._next_worker,
+                "next_worker": self._next_worker, "spare_failures": self.spare_failures,
+                "promoted": {k: list(v) for k, v in self._promoted.items()},
                 "workers": [{**{f: getattr(w, f) for f in _WORKER_FIELDS}, "state": w.state.value}
                             for w in self.workers.values()]}
 
@@ -707,6 +822,8 @@ class Membership:
         m.closed_at, m.close_reason = data["closed_at"], data["close_reason"]
         m.suspending, m._failed_epoch = data["suspending"], data["failed_epoch"]
         m._state_lost_epoch = data.get("state_lost_epoch", -1)
+        m.spare_failures = data.get("spare_failures", 0)
+        m._promoted = {k: (v[0], v[1]) for k, v in data.get("promoted", {}).items()}
         m._node_order = dict(data["node_order"])
         names = {f.name for f in fields(Worker)}
         for raw in data["workers"]:
@@ -727,7 +844,9 @@ class Membership:
             "min_workers": self.spec.min_workers, "max_workers": self.spec.max_workers,
             "step": max((self.workers[m].step for m in self.members), default=0),
             "failures": self.failures, "failure": self.failure,
+            "spares": [w.id for w in self.live_spares()], "spares_wanted": self.spec.spares,
             "workers": [{"id": w.id, "node": w.node, "slot": w.slot, "state": w.state.value,
+                         "spare": w.spare,
                          "rank": w.rank, "epoch": w.epoch, "step": w.step,
                          "exit_code": w.exit_code, "error": w.error,
                          "trained_s": round(w.trained_s, 3)} for w in self.workers.values()],

@@ -129,6 +129,12 @@ class Metrics:
         self.evictions = Counter("maitre_evictions", "Stragglers' replicas moved off their node "
                                  "(policy evict: evict events), by job.", ["job"],
                                  registry=r)
+        self.spare_promotions = Counter("maitre_spares_promoted", "Warm spares that joined "
+                                        "an epoch in place of a lost or evicted worker, by job.",
+                                        ["job"], registry=r)
+        self.spare_join = Histogram("maitre_spare_promotion_duration_seconds", "From a spare's "
+                                    "promotion (the loss found) to the epoch that has it.",
+                                    buckets=_RECOVERY_BUCKETS, registry=r)
         self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
                                 "A scheduling pass: the cluster brought up to date, the policy, "
                                 "its plan carried out.", buckets=_PASS_BUCKETS, registry=r)
@@ -150,7 +156,8 @@ class Metrics:
                            "node_reclaimed": self._spot_reclaim,
                            "node_drained": self._spot_drained,
                            "straggler": self._straggler, "node_health": self._node_health,
-                           "evict": self._eviction}
+                           "evict": self._eviction,
+                           "spare_promoted": self._spare_promoted}
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
@@ -171,7 +178,12 @@ class Metrics:
         self.resizes.labels(kind).inc()
 
     def _worker_dead(self, job: str, kind: str, event: dict[str, Any]) -> None:
-        self.worker_failures.inc()
+        if not event.get("spare"):  # a warm spare lost is no job's failure
+            self.worker_failures.inc()
+
+    def _spare_promoted(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        self.spare_promotions.labels(job).inc()
+        self.spare_join.observe(max(0.0, float(event.get("seconds", 0.0))))
 
     def _epoch(self, job: str, kind: str, event: dict[str, Any]) -> None:
         cause = cause_of(str(event.get("reason", "")))
@@ -247,7 +259,9 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         co = self.co
         held = GaugeMetricFamily("maitre_job_slots_held", "Slots held by the job's live "
-                                 "workers.", labels=["job"])
+                                 "workers (its warm spares apart).", labels=["job"])
+        spare = GaugeMetricFamily("maitre_job_spare_slots", "Slots held by the job's warm "
+                                  "spares, waiting (no training capacity).", labels=["job"])
         busy = GaugeMetricFamily("maitre_job_slots_busy", "Slots of the job's members "
                                  "training in its open epoch (not stalled).", labels=["job"])
         step = GaugeMetricFamily("maitre_job_step", "The job's committed steps (its latest "
@@ -276,7 +290,8 @@ class _StateCollector(Collector):
         nodes = GaugeMetricFamily("maitre_nodes", "Nodes by state.", labels=["state"])
         capacity = GaugeMetricFamily("maitre_cluster_slots", "Slots of the live nodes.")
         cluster_held = GaugeMetricFamily("maitre_cluster_slots_held",
-                                         "Slots held by live workers.")
+                                         "Slots held by live workers (warm spares "
+                                         "apart).")
         cluster_busy = GaugeMetricFamily("maitre_cluster_slots_busy",
                                          "Slots of members training in an open epoch.")
         allocation = GaugeMetricFamily("maitre_cluster_allocation_ratio", "Slot-seconds held "
@@ -297,16 +312,20 @@ class _StateCollector(Collector):
                 if state.ended:
                     continue
                 ms = co.jobs.get(job_id)
-                h = b = 0
+                h = b = sp = 0
                 if ms is not None and not ms.over:
                     members = set(ms.members) if ms.open else set()
                     for w in ms.workers.values():
-                        if w.ended_at is None and w.state in LIVE:
+                        if w.ended_at is None and w.state in LIVE and w.spare:
+                            sp += w.slots
+                        elif w.ended_at is None and w.state in LIVE:
                             h += w.slots
                             if w.id in members and not w.stalled and w.state in (
                                     WorkerState.ACTIVE, WorkerState.LEAVING):
                                 b += w.slots
                 held.add_metric([job_id], h)
+                if ms is not None and ms.spec.spares:
+                    spare.add_metric([job_id], sp)
                 busy.add_metric([job_id], b)
                 total_held += h
                 total_busy += b
@@ -342,6 +361,6 @@ class _StateCollector(Collector):
             allocation.add_metric([], report_all["allocation"])
         if report_all["utilization"] is not None:
             utilization.add_metric([], report_all["utilization"])
-        yield from (held, busy, step, rate, samples, loss, world, seen, every_s, every_steps,
+        yield from (held, spare, busy, step, rate, samples, loss, world, seen, every_s, every_steps,
                     jobs, waiting, nodes, capacity, cluster_held, cluster_busy, allocation,
                     utilization)

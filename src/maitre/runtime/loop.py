@@ -680,17 +680,14 @@ class ElasticLoop:
         self.rank, self.world_size = self._order.index(self.group.rank), self.group.world_size
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self.scaling.on_resize(self.world_size, self.state.step)
-        if lst is not None and self._client is not None and not self.env.proc:
-            report = {"kind": "caught_up", "epoch": self.epoch, "rank": self.rank,
-                      "world_size": self.world_size, "step": self.state.step,
-                      "listened_s": time.monotonic() - lst.started,
-                      "state_bytes": lst.state_bytes, "replayed": lst.replayed,
-                      "transfer_s": lst.receiver.seconds}
-            try:
-                self._client.post(protocol.WORKER_REPORT.format(worker=self.env.worker_id),
-                                  report, timeout_s=2.0)
-            except (CoordinatorUnreachable, ApiError):
-                pass
+        if lst is not None and self._reporter is not None and not self.env.proc:
+            # Sent in the background: its peers wait in the next step for this rank (a post
+            # here cost a round trip to the coordinator on every member's path).
+            self._reporter.send({"kind": "caught_up", "epoch": self.epoch, "rank": self.rank,
+                                 "world_size": self.world_size, "step": self.state.step,
+                                 "listened_s": time.monotonic() - lst.started,
+                                 "state_bytes": lst.state_bytes, "replayed": lst.replayed,
+                                 "transfer_s": lst.receiver.seconds})
 
     def _await_snapshots(self) -> None:
         """Wait until every snapshot being streamed from here no longer reads the live state."""
@@ -1078,7 +1075,7 @@ class ElasticLoop:
 
     def _report_recovery(self) -> None:
         rec, self._recovery = self._recovery, None
-        if rec is None or self._client is None or self.env.proc:  # the first process speaks
+        if rec is None or self._reporter is None or self.env.proc:  # the first process speaks
             return
         now = time.time()
         report = {"kind": "recovery", "epoch": self.epoch, "rank": self.rank, "reason": rec.reason,
@@ -1088,10 +1085,7 @@ class ElasticLoop:
                   "state_s": rec.synced_at - rec.group_at, "state_bytes": rec.state_bytes,
                   "to_next_step_s": now - rec.detected_at, "step": self.state.step,
                   "state_source": rec.state_source}
-        try:
-            self._client.post(protocol.WORKER_REPORT.format(worker=self.env.worker_id), report, timeout_s=2.0)
-        except (CoordinatorUnreachable, ApiError):
-            pass
+        self._reporter.send(report)  # in the background: not on the first step's path
 
     def _done(self) -> None:
         if self.checkpointer is not None:  # the final checkpoint is durable before "done"

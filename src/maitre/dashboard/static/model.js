@@ -45,6 +45,7 @@ class Model {
       j = { id, queue: "", priority: null, state: "PENDING", states: [], placement: {},
             replicas: [], epochs: [], recoveries: [], checkpoints: [], restores: [],
             progress: [], events: [], caughtUp: [], stragglers: [], submitted: null, cost: 0,
+            spares: new Map(), promotions: [], // warm spares waiting (worker -> {node, t, ready}); promoted ones
             odCost: 0,
             lastCostT: null };
       this.jobs.set(id, j);
@@ -284,6 +285,17 @@ class Model {
         j.restores.push({ t, step: e.step, source: e.source || "disk", seconds: e.seconds, bytes: e.bytes });
         break;
       case "progress": j.progress.push(e); break;
+      // Warm spares (issue 15): started on slots no allocation holds, so apart from the
+      // placement; one that takes a lost worker's place moves the placement (spare_assigned).
+      case "spare_started": j.spares.set(e.worker, { node: e.node, t, ready: null }); break;
+      case "spare_ready": { const s = j.spares.get(e.worker); if (s) s.ready = t; break; }
+      case "spare_assigned":
+        j.spares.delete(e.worker);
+        if (e.placement) this.place(j, e.placement, t);
+        break;
+      case "spare_promoted": j.promotions.push(e); break;
+      case "spare_released": j.spares.delete(e.worker); break;
+      case "worker_dead": if (e.spare) j.spares.delete(e.worker); break;
       case "straggler": { // a slow rank, as its job's rank 0 found it (issue 15: report)
         j.stragglers.push(e);
         if (e.node) this.node(e.node).slow.push(e);
@@ -291,13 +303,13 @@ class Model {
         break;
       }
       case "job_suspended":
-        this.place(j, {}, t); this.move(j, "SUSPENDED", t, "checkpointed and stopped"); break;
+        this.place(j, {}, t); j.spares.clear(); this.move(j, "SUSPENDED", t, "checkpointed and stopped"); break;
       case "job_completed": case "completed":
-        this.place(j, {}, t); this.move(j, "COMPLETED", t, e.reason || ""); break;
+        this.place(j, {}, t); j.spares.clear(); this.move(j, "COMPLETED", t, e.reason || ""); break;
       case "job_failed": case "failed":
-        this.place(j, {}, t); this.move(j, "FAILED", t, e.reason || e.failure || ""); break;
+        this.place(j, {}, t); j.spares.clear(); this.move(j, "FAILED", t, e.reason || e.failure || ""); break;
       case "job_cancelled": case "cancelled":
-        this.place(j, {}, t); this.move(j, "CANCELLED", t, "cancelled"); break;
+        this.place(j, {}, t); j.spares.clear(); this.move(j, "CANCELLED", t, "cancelled"); break;
       default: break;
     }
   }

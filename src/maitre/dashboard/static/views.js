@@ -344,7 +344,8 @@ function viewJob(m, end) {
     h("h2", {}, jobLink(j.id), " ", h("span", { class: `pill st-${j.state.toLowerCase()}` }, j.state.toLowerCase())),
     h("p", {}, `queue ${j.queue || "–"} · priority ${j.priority ?? "–"} · replicas ${j.min ?? "?"}..${j.max ?? "?"} · ` +
       `${j.epochs.length} epoch(s) · ${j.recoveries.length} recovery(ies) · ${j.checkpoints.length} checkpoint(s)` +
-      (j.cost ? ` · cost ${fmtMoney(j.cost)}` : "")),
+      (j.cost ? ` · cost ${fmtMoney(j.cost)}` : "") +
+      (j.spares.size ? ` · ${j.spares.size} warm spare(s), not in the slots held` : "")),
     stateMachine(j));
   const losses = j.progress.filter((p) => p.loss != null && isFinite(p.loss));
   const row = h("div", { class: "row" });
@@ -366,6 +367,7 @@ function viewJob(m, end) {
   sec.append(chart({ width: 880, height: 140, x0: t0, x1: end, title: "slots held",
     series: [{ points: j.replicas.map((r) => [r.t, r.n]), colour: colour(j.id), step: true, fill: true }] }));
   if (j.stragglers.length) sec.append(h("h3", {}, `Slow ranks (${j.stragglers.length})`), slowTable(j.stragglers, t0));
+  if (j.spares.size || j.promotions.length) sec.append(h("h3", {}, `Warm spares (${j.spares.size} waiting)`), sparesTable(j, t0));
   sec.append(h("h3", {}, "Epochs"), epochsTable(j, 30));
   if (j.checkpoints.length || j.restores.length) sec.append(h("h3", {}, "Checkpoints"), checkpointTimeline(j, t0, end, 880));
   sec.append(h("h3", {}, "Events"), eventList(j.events, t0));
@@ -380,6 +382,19 @@ function slowTable(rows, t0) {
       h("td", {}, e.rank ?? "–"), h("td", {}, e.node ? h("a", { href: `#/node/${encodeURIComponent(e.node)}` }, e.node) : "–"),
       h("td", {}, e.ratio != null ? `${e.ratio.toFixed(2)}x` : "–"), h("td", {}, e.since_step ?? "–"),
       h("td", {}, e.policy || "report"))));
+}
+
+function sparesTable(j, t0) { // apart from the slots held: a spare is no training capacity
+  const waiting = [...j.spares.entries()].map(([w, s]) => h("tr", { class: "waiting" },
+    h("td", {}, fmtS(s.t - t0)), h("td", {}, w), h("td", {}, s.node || "–"),
+    h("td", {}, s.ready !== null ? `warm (ready in ${fmtS(s.ready - s.t)})` : "starting"), h("td", {}, "–"), h("td", {}, "–")));
+  const promoted = j.promotions.slice(-30).reverse().map((e) => h("tr", { class: "promoted" },
+    h("td", {}, fmtS(e.t - t0)), h("td", {}, e.worker), h("td", {}, e.node || "–"),
+    h("td", {}, `in epoch ${e.epoch}`), h("td", {}, e.replacing || "–"),
+    h("td", {}, e.seconds != null ? `${e.seconds.toFixed(2)} s` : "–")));
+  return h("table", { class: "table", id: "spares" },
+    h("tr", {}, h("th", {}, "since"), h("th", {}, "worker"), h("th", {}, "node"), h("th", {}, "state"),
+      h("th", {}, "replacing"), h("th", {}, "loss to epoch")), waiting, promoted);
 }
 
 function eventList(events, t0) {
