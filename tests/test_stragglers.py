@@ -28,33 +28,46 @@ RUNS = 1000
 
 
 def simulate(seed: int, slow: tuple[int, float, int] | None = None, ranks: int = RANKS,
-             steps: int = STEPS, t: Thresholds | None = None) -> list:
-    """One run: the verdicts, each with the step that brought it. ``slow``: (rank, factor,
-    onset step)."""
+             steps: int = STEPS, t: Thresholds | None = None) -> tuple[list, list]:
+    """One run: its verdicts, and the neighbours' visits ``(rank, first step, last step)``.
+    ``slow``: (rank, factor, onset step).
+
+    The noise is what real runs on an oversubscribed machine showed (their per-rank traces):
+    a step costs a fixed part (a third of a 4-sample step: per step and micro-batch) plus its
+    samples, so the ranks of the smaller share (global batch 14 over 4 ranks: 4, 4, 3, 3) look
+    slower per sample; ~10% jitter everywhere; on every rank, at a third of the steps, the OS
+    serves it late (an exponential delay, a third of a step on average); and a neighbour, now
+    and then, takes a random rank's core for up to 10 steps (2x to 3x as long)."""
     rng = random.Random(seed)
     t = t or Thresholds()
     det = Detector(t)
-    windows = [Window() for _ in range(ranks)]
-    spiky = rng.randrange(ranks)
-    found = []
+    windows = [Window(t.window * t.windows) for _ in range(ranks)]
+    shares = [14 // ranks + (r < 14 % ranks) for r in range(ranks)]
+    neighbour = (-1, 0, 1.0)  # (rank, until step, factor)
+    found, visits = [], []
     for step in range(1, steps + 1):
+        if neighbour[1] + 5 < step and rng.random() < 0.05:  # (5 steps apart, at least)
+            neighbour = (rng.randrange(ranks), step + rng.randrange(8), rng.uniform(1.5, 3.0))
+            visits.append((neighbour[0], step, neighbour[1]))
         for r in range(ranks):
-            share = 4 + (r + step) % 2  # uneven, and changing from step to step
-            seconds = 0.01 * share * rng.lognormvariate(0.0, 0.1)  # ~10% jitter everywhere
-            if r == spiky and rng.random() < 0.03:
-                seconds *= 4.0  # an isolated hiccup (a page fault storm, a GC pause)
+            seconds = 0.01 * (1 + shares[r]) * rng.lognormvariate(0.0, 0.1)
+            if rng.random() < 1 / 4:
+                seconds += rng.expovariate(1 / 0.005)  # descheduled, woken up late
+            if r == neighbour[0] and step <= neighbour[1]:
+                seconds *= neighbour[2]
             if slow is not None and r == slow[0] and step >= slow[2]:
                 seconds *= slow[1]
-            windows[r].add(seconds, share)
+            windows[r].add(seconds, shares[r])
         if step % t.window == 0:
-            found += det.observe(step - t.window + 1, step, [w.take() for w in windows],
-                                 [f"w{r}" for r in range(ranks)])
-    return found
+            values, held, works = zip(*(w.take() for w in windows))
+            found += det.observe(step - t.window + 1, step, list(values),
+                                 [f"w{r}" for r in range(ranks)], list(works), list(held))
+    return found, visits
 
 
 @pytest.mark.timeout(60)
 def test_noise_only_flags_nothing_in_a_thousand_runs() -> None:
-    flagged = sum(1 for seed in range(RUNS) if simulate(seed))
+    flagged = sum(1 for seed in range(RUNS) if simulate(seed)[0])
     assert flagged / RUNS <= 0.01, f"{flagged} of {RUNS} noise-only runs flagged a rank"
 
 
@@ -64,23 +77,28 @@ def test_a_slow_rank_is_found_within_twenty_steps_with_its_onset(factor: float) 
     onset, late, wrong = 43, [], []
     for seed in range(RUNS):
         slow_rank = seed % RANKS
-        verdicts = simulate(seed, (slow_rank, factor, onset))
+        verdicts, visits = simulate(seed, (slow_rank, factor, onset))
         mine = [v for v in verdicts if v.key == f"w{slow_rank}"]
         if not mine or mine[0].step > onset + 20:
             late.append(seed)
             continue
         v = mine[0]
-        # The onset is told to a window (5 steps): the one it fell in, or the next.
-        if not (onset - 5 < v.since_step <= onset + 5) or v.rank != slow_rank:
+        # The onset is told to a window (5 steps): the one it fell in, or one of the next two
+        # or the one before (noise below or above ``drift``); or that of a neighbour's visit
+        # that ran into it (it was slow since).
+        began = min([first for r, first, last in visits
+                     if r == slow_rank and first <= onset <= last + 10] + [onset])
+        if not (began - 10 < v.since_step <= onset + 10) or v.rank != slow_rank:
             wrong.append((seed, v))
-        assert v.ratio >= 1.3 and v.windows >= 2 and v.evidence[-1]["step"] == v.step
-        assert [e["ratio"] for e in v.evidence[-2:]] == [pytest.approx(e["value"] / e["median"],
-                                                                       rel=1e-3)
-                                                         for e in v.evidence[-2:]]
+        assert v.ratio >= 1.3 and v.windows == 3 and v.evidence[-1]["step"] == v.step
+        assert v.evidence[-1]["held"] == v.ratio and v.evidence[-1]["z"] >= 3
+        assert [e["ratio"] for e in v.evidence[-3:]] == [
+            pytest.approx(e["value"] / e["share"] / e["median"], rel=1e-3)
+            for e in v.evidence[-3:]]
     assert len(late) <= RUNS // 100, f"{len(late)} of {RUNS} runs late or missed: {late[:10]}"
     assert len(wrong) <= RUNS // 100, wrong[:5]
     # Others are no stragglers: any verdict names the slow rank only.
-    assert all(v.key == f"w{1}" for v in simulate(1, (1, factor, onset)))
+    assert all(v.key == f"w{1}" for v in simulate(1, (1, factor, onset))[0])
 
 
 @pytest.mark.timeout(30)
@@ -91,7 +109,7 @@ def test_a_rank_is_reported_once_per_slowdown_and_again_after_it_recovered() -> 
     series = [fast] * 4 + [slow] * 10 + [fast] * 10 + [slow] * 4
     found = [(i, v) for i, values in enumerate(series)
              for v in det.observe(i * 5 + 1, i * 5 + 5, values)]
-    assert [(i, v.key, v.since_step) for i, v in found] == [(5, "1", 21), (25, "1", 121)]
+    assert [(i, v.key, v.since_step) for i, v in found] == [(6, "1", 21), (26, "1", 121)]
 
 
 @pytest.mark.timeout(30)
@@ -131,7 +149,7 @@ def test_thresholds_from_the_environment() -> None:
 
 def straggler_report(worker: str, **changes: object) -> dict:
     det, found = Detector(), []
-    for i in range(2):
+    for i in range(3):
         found += det.observe(i * 5 + 1, i * 5 + 5, [1.0, 2.0, 1.0], ["a", worker, "c"])
     [verdict] = found
     return {**verdict.report(det.t), "epoch": 1, "world_size": 3, **changes}
@@ -159,8 +177,9 @@ def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world)
     ok(client.post(report, json=straggler_report(w2)))
     [event] = [e for e in co.db.events(job="a") if e["kind"] == "straggler"]
     assert (event["worker"], event["node"], event["reporter"], event["rank"]) == (w2, "n0", w1, 1)
-    assert event["ratio"] == 2.0 and event["since_step"] == 1 and event["step"] == 10
-    assert [w["step"] for w in event["evidence"]] == [5, 10] and event["policy"] == "report"
+    assert event["ratio"] == 2.0 and event["since_step"] == 1 and event["step"] == 15
+    assert [w["step"] for w in event["evidence"]] == [5, 10, 15] and event["policy"] == "report"
+    assert event["evidence"][-1]["held"] == 2.0
     text = co.metrics.render().decode()
     assert sample(text, "maitre_stragglers_total", job="a") == 1
 

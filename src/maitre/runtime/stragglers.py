@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -68,7 +69,7 @@ class Thresholds:
     (``MAITRE_STRAGGLER_RATIO``, 1.01..100)."""
     z: float = 3.0
     """Mean robust z score over them that flags it (``MAITRE_STRAGGLER_Z``, 0..1000)."""
-    windows: int = 2
+    windows: int = 3
     """Consecutive windows it must be slow in (``MAITRE_STRAGGLER_WINDOWS``, 1..64)."""
     mad_floor: float = 0.05
     """The MAD's floor, as a fraction of the median (``MAITRE_STRAGGLER_MAD_FLOOR``, 0.001..1)."""
@@ -125,21 +126,48 @@ _RANGES: dict[str, tuple[str, type, float, float]] = {
     name: (_VARIABLES[name], kind, low, high) for name, (kind, low, high) in STRAGGLER_LIMITS.items()}
 
 
-class Window:
-    """One rank's compute per unit of work over the steps of a window (its median: a step or
-    two of a hiccup do not move it)."""
+def lower_quartile(values: list[float]) -> float:
+    """The lower quartile (of 5 values the second lowest, of 15 the fourth)."""
+    return sorted(values)[(len(values) - 1) // 4]
 
-    def __init__(self) -> None:
+
+class Window:
+    """One rank's compute per unit of work, step after step: at a window's last step, the
+    window's value and the held value over the last ``span`` steps (``window * windows``).
+
+    Both are lower quartiles. The OS descheduling a rank, a wake-up served late, a page-fault
+    storm only ever add time, so the low end of a rank's steps is its own pace: its lower
+    quartile over 15 steps moves only when 12 of them are slow, which a slow rank (a throttled
+    device, a neighbour on its cores) is at every step; the quartile rather than the fastest
+    step, so that the jitter of the compute itself does not make one rank's luckiest step the
+    measure."""
+
+    def __init__(self, span: int = 1) -> None:
         self.values: list[float] = []
+        self.works: list[float] = []
+        self.recent: deque[float] = deque(maxlen=max(1, span))
 
     def add(self, compute_s: float, work: float) -> None:
         if work > 0 and compute_s >= 0 and math.isfinite(compute_s):
             self.values.append(compute_s / work)
+            self.works.append(work)
+            self.recent.append(compute_s / work)
 
-    def take(self) -> float:
-        """The window's value (0.0: no work in it, e.g. a listener), and a new window."""
-        values, self.values = self.values, []
-        return statistics.median(values) if values else 0.0
+    def take(self) -> tuple[float, float, float]:
+        """The window's value, the held value (over the last ``span`` steps, 0.0 while fewer)
+        and the window's median work per step (all 0.0: no work in it, e.g. a listener); a new
+        window."""
+        values, works, self.values, self.works = self.values, self.works, [], []
+        if not values:
+            return 0.0, 0.0, 0.0
+        full = len(self.recent) == self.recent.maxlen
+        return (lower_quartile(values), lower_quartile(list(self.recent)) if full else 0.0,
+                statistics.median(works))
+
+    def restart(self) -> None:
+        """A new group: the steps so far ran among other ranks."""
+        self.values, self.works = [], []
+        self.recent.clear()
 
 
 @dataclass(slots=True)
@@ -177,7 +205,35 @@ class _Rank:
     cusum: float = 0.0
     onset: int = 0
     flagged: bool = False
+    fair: list[float] = field(default_factory=list)
+    """Its values of the last ``windows`` windows."""
     evidence: list[dict[str, float]] = field(default_factory=list)
+
+
+def share_factors(values: Mapping[int, float], works: Mapping[int, float]) -> dict[int, float]:
+    """What a slot's value is divided by for the size of its share: a step's fixed cost (the
+    script's and the framework's, per step or per micro-batch) spread over fewer samples makes
+    a rank of a smaller share look slower per sample, by up to ``(n + 1) / n`` for shares of
+    ``n`` and ``n + 1``. Per level of work (ranks of the same share), the level's lower median
+    (of two ranks, the lower: one slow rank does not move it) against that of the level of most
+    ranks (ties: the most work), bounded by that worst case. A level of one rank is not
+    corrected (it has nothing to be told from): 1.0."""
+    levels: dict[float, list[int]] = {}
+    for r in values:
+        if works.get(r, 0.0) > 0:
+            levels.setdefault(round(works[r], 3), []).append(r)
+    factors = {r: 1.0 for r in values}
+    shared = {w: ranks for w, ranks in levels.items() if len(ranks) >= 2}
+    if len(shared) < 2:
+        return factors
+    ref = max(shared, key=lambda w: (len(shared[w]), w))
+    low = {w: statistics.median_low(values[r] for r in ranks) for w, ranks in shared.items()}
+    for w, ranks in shared.items():
+        bound = ref / w  # a step of fixed cost only: its per-sample value scales as 1 / work
+        f = min(max(low[w] / low[ref], min(1.0, bound)), max(1.0, bound))
+        for r in ranks:
+            factors[r] = f
+    return factors
 
 
 class Detector:
@@ -189,39 +245,66 @@ class Detector:
         self._ranks: dict[str, _Rank] = {}
 
     def observe(self, first_step: int, last_step: int, values: list[float],
-                keys: list[str] | None = None) -> list[Verdict]:
+                keys: list[str] | None = None, works: list[float] | None = None,
+                held: list[float] | None = None) -> list[Verdict]:
         """One window (steps ``first_step..last_step``): ``values[r]`` is slot ``r``'s compute
-        per unit of work (0 or less: no work in it, left out). The verdicts it brings."""
+        per unit of work over it (0 or less: no work in it, left out), ``works[r]`` its work
+        per step (None: shares not corrected for), ``held[r]`` its held value, over the last
+        ``window * windows`` steps (0: fewer steps yet; None: the lower quartile of its last
+        ``windows`` window values). The verdicts it brings."""
         keys = keys if keys is not None else [str(r) for r in range(len(values))]
-        seen = [(r, v) for r, v in enumerate(values) if v > 0 and math.isfinite(v)]
+        seen = {r: v for r, v in enumerate(values) if v > 0 and math.isfinite(v)}
         if len(seen) < self.t.min_ranks:
             return []
-        med = statistics.median(v for _, v in seen)
-        mad = statistics.median(abs(v - med) for _, v in seen)
-        scale = max(_MAD_SCALE * mad, self.t.mad_floor * med)
         log_drift, n = math.log(self.t.drift), self.t.windows
+        states = {r: self._ranks.setdefault(keys[r], _Rank()) for r in seen}
+        for r, v in seen.items():
+            states[r].fair = (states[r].fair + [v])[-n:]
+        if held is None:
+            kept = {r: lower_quartile(states[r].fair) for r in seen if len(states[r].fair) == n}
+        else:
+            kept = {r: held[r] for r in seen if held[r] > 0 and math.isfinite(held[r])}
+        by_work = dict(enumerate(works)) if works is not None else {}
+        share = share_factors(kept if len(kept) >= self.t.min_ranks else seen, by_work)
+        share = {r: share.get(r, 1.0) for r in seen}
+        med = statistics.median(v / share[r] for r, v in seen.items())
+        for r, v in seen.items():
+            st = states[r]
+            ratio = v / share[r] / med
+            st.cusum = max(0.0, st.cusum + math.log(ratio) - log_drift)
+            if ratio < (1.0 + self.t.drift) / 2:
+                st.onset = 0  # its run of slow windows, if any, ended
+            elif not st.onset and ratio >= self.t.drift:
+                st.onset = first_step  # the change point: a run of slow windows begins
+            st.evidence = (st.evidence + [{
+                "step": last_step, "value": v, "share": round(share[r], 4), "median": med,
+                "ratio": round(ratio, 4), "held": 0.0, "z": 0.0,
+                "cusum": round(st.cusum, 4)}])[-max(n, _EVIDENCE):]
+        # Held: each rank's pace over its last window * windows steps against the median of
+        # the ranks' held paces: a rank is slow when it is slower than the others by ``ratio``
+        # at three quarters of those steps.
+        fair = {r: h / share[r] for r, h in kept.items()}
+        if len(fair) < self.t.min_ranks:
+            return []
+        held_med = statistics.median(fair.values())
+        floor = self.t.mad_floor * held_med
         verdicts = []
-        for r, v in seen:
-            st = self._ranks.setdefault(keys[r], _Rank())
-            ratio, z = v / med, (v - med) / scale
-            grown = st.cusum + math.log(ratio) - log_drift
-            if st.cusum <= 0 < grown:
-                st.onset = first_step
-            st.cusum = max(0.0, grown)
-            st.evidence = (st.evidence + [{"step": last_step, "value": v, "median": med,
-                                           "ratio": round(ratio, 4), "z": round(z, 3),
-                                           "cusum": round(st.cusum, 4)}])[-max(n, _EVIDENCE):]
-            recent = st.evidence[-n:]
-            mean_ratio = statistics.fmean(e["ratio"] for e in recent)
-            slow = (len(recent) == n and mean_ratio >= self.t.ratio
-                    and statistics.fmean(e["z"] for e in recent) >= self.t.z
-                    and min(e["ratio"] for e in recent) >= self.t.drift)
-            if slow and not st.flagged:
+        for r, h in fair.items():
+            st = states[r]
+            # The others' spread: a rank's own slowness does not widen the scale it is judged
+            # by (among a few ranks it would be much of the MAD).
+            others = [u for q, u in fair.items() if q != r]
+            centre = statistics.median(others)
+            scale = max(_MAD_SCALE * statistics.median(abs(u - centre) for u in others), floor)
+            h_ratio, z = h / held_med, (h - held_med) / scale
+            st.evidence[-1].update(held=round(h_ratio, 4), z=round(z, 3))
+            if h_ratio >= self.t.ratio and z >= self.t.z and not st.flagged:
                 st.flagged = True
-                verdicts.append(Verdict(rank=r, key=keys[r], ratio=round(mean_ratio, 4),
-                                        since_step=st.onset, step=last_step, windows=n,
+                verdicts.append(Verdict(rank=r, key=keys[r], ratio=round(h_ratio, 4),
+                                        since_step=st.onset or first_step, step=last_step,
+                                        windows=n,
                                         evidence=list(st.evidence)))
-            elif st.flagged and len(recent) == n and mean_ratio < self.t.drift:
+            elif st.flagged and h_ratio < self.t.drift:
                 st.flagged = False  # recovered: a new slowdown is a new verdict, with its own
                 st.cusum = 0.0  # onset
         return verdicts

@@ -102,7 +102,7 @@ class StragglerSpec(_Fields):
     ratio: float = _limit("ratio", 1.3, "A rank's mean compute per sample over the median, over "
                           "`windows` consecutive windows, that flags it.")
     z: float = _limit("z", 3.0, "The mean robust z score (median and MAD across ranks) over them.")
-    windows: int = _limit("windows", 2, "Consecutive windows a rank must be slow in.")
+    windows: int = _limit("windows", 3, "Windows its held pace spans (window * windows steps).")
     mad_floor: float = _limit("mad_floor", 0.05, "The MAD's floor, a fraction of the median.")
     drift: float = _limit("drift", 1.15, "The ratio each of those windows must exceed, above "
                           "which the onset's change-point sum grows; at most `ratio`.")
