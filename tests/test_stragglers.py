@@ -74,8 +74,8 @@ def test_noise_only_flags_nothing_in_a_thousand_runs() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("factor", [1.5, 3.0])
 def test_a_slow_rank_is_found_within_twenty_steps_with_its_onset(factor: float) -> None:
-    onset, late, wrong = 43, [], []
-    for seed in range(RUNS):
+    onset, late, wrong, runs = 43, [], [], RUNS // 2
+    for seed in range(runs):
         slow_rank = seed % RANKS
         verdicts, visits = simulate(seed, (slow_rank, factor, onset))
         mine = [v for v in verdicts if v.key == f"w{slow_rank}"]
@@ -95,8 +95,8 @@ def test_a_slow_rank_is_found_within_twenty_steps_with_its_onset(factor: float) 
         assert [e["ratio"] for e in v.evidence[-3:]] == [
             pytest.approx(e["value"] / e["share"] / e["median"], rel=1e-3)
             for e in v.evidence[-3:]]
-    assert len(late) <= RUNS // 100, f"{len(late)} of {RUNS} runs late or missed: {late[:10]}"
-    assert len(wrong) <= RUNS // 100, wrong[:5]
+    assert len(late) <= runs // 100, f"{len(late)} of {runs} runs late or missed: {late[:10]}"
+    assert len(wrong) <= runs // 100, wrong[:5]
     # Others are no stragglers: any verdict names the slow rank only.
     assert all(v.key == f"w{1}" for v in simulate(1, (1, factor, onset))[0])
 
@@ -184,31 +184,35 @@ def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world)
     assert sample(text, "maitre_stragglers_total", job="a") == 1
 
 
-REAL_STEPS = 100
-DEVICE = ("--device-ms-per-sample", "2")
-"""A step of 4 samples a rank holds a device-like 8 ms (a sleep: no CPU), so that on a loaded
-machine the ranks' compute stays comparable."""
+REAL_STEPS = 60
+REAL = ("--global-batch", "14")
+"""Uneven shares: 5, 5 and 4 samples."""
+DEVICE = ("--device-ms-per-sample", "8")
+"""A step of 5 samples holds a device-like 40 ms (a sleep: no CPU), so that its held pace spans
+~0.6 s, longer than the OS's own imbalance between processes on a loaded machine (with steps
+of ~12 ms, 15 of them are within it: one rank kept off its core for 0.2 s looks slow)."""
 
 
-@pytest.mark.slow  # Not yet in the default suite: the noise-only run flagged two ranks in 1 of
-# 4 runs on this machine when other tests had just loaded it (a false positive of the detector
-# under oversubscription, issue 15's open point), and the slow run failed with it.
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("slow", ["1:0.5", ""], ids=["rank1-1.5x", "noise-only"])
 def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkeypatch,
                                                           reference, slow: str) -> None:
-    """Three workers under ``maitre run``; with MAITRE_SLOW_RANK=1:0.5 rank 1 computes 1.5x as
-    long: a ``straggler`` event names its worker and node, the metric counts it, and the run
-    is exact (every sample once, the parameters of a fixed-size run). Without: nothing."""
+    """Three workers under ``maitre run``, uneven shares, every rank sleeping a random part
+    (up to 30%) of its compute each step (MAITRE_STEP_JITTER); with MAITRE_SLOW_RANK=1:0.5
+    rank 1 computes 1.5x as long: a ``straggler`` event names its worker and node within 20
+    steps, the metric counts it, and the run is exact (every sample once, the parameters of
+    a fixed-size run). Without: nothing."""
+    monkeypatch.setenv(protocol.STEP_JITTER, "0.3")
     if slow:
         monkeypatch.setenv(protocol.SLOW_RANK, slow)
-    code, lines, run = play(tmp_path, example_command(REAL_STEPS, tmp_path / "final.pt", DEVICE),
+    code, lines, run = play(tmp_path, example_command(REAL_STEPS, tmp_path / "final.pt",
+                                                      REAL + DEVICE),
                             "", min_nodes=3, max_nodes=3, local_nodes=3, max_restarts=0)
     assert code == 0, "\n".join(lines)
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == REAL_STEPS, result.describe()
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    assert relative_error(final, reference(REAL_STEPS)) <= 1e-5
+    assert relative_error(final, reference(REAL_STEPS, *REAL)) <= 1e-5
 
     job = run.job()
     found = [r for r in job["reports"] if r["kind"] == "straggler"]  # (as their events)
@@ -223,6 +227,6 @@ def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkey
     verdict = found[0]
     assert verdict["worker"] == members[1] and verdict["node"] == node_of[members[1]], verdict
     assert verdict["rank"] == 1 and verdict["reporter"] == members[0]
-    assert verdict["ratio"] >= 1.3 and verdict["windows"] == 2
-    assert verdict["since_step"] <= 10 and verdict["step"] <= 30, verdict  # slow from the start
-    assert all(w["ratio"] >= 1.15 for w in verdict["evidence"][-2:]), verdict["evidence"]
+    assert verdict["ratio"] >= 1.3 and verdict["windows"] == 3
+    assert verdict["since_step"] <= 10 and verdict["step"] <= 20, verdict  # slow from the start
+    assert verdict["evidence"][-1]["held"] == verdict["ratio"], verdict["evidence"]

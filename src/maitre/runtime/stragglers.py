@@ -3,28 +3,49 @@
 In synchronous training the slowest rank sets everyone's pace, so a rank that computes slower
 than its peers costs the whole job. Each rank times its compute per step (from the start of the
 step to its arrival at the step's gradient allreduce: the wait for its peers excluded) divided
-by its work (the samples of its share, or the tokens the script logged), and keeps a window of
-``window`` steps (:class:`Window`). At the window's last step every rank puts the window's
-median into its own slot of the step's reduction (:mod:`maitre.runtime.loop`): no collective
-of its own, and rank 0 reads every rank's number from the reduced slots.
+by its work (the samples of its share, or the tokens the script logged), in a :class:`Window`.
+At a window's last step (every ``window`` steps) every rank puts three numbers into its own
+slots of the step's reduction (:mod:`maitre.runtime.loop`): the window's lower quartile, its
+*held pace* (the lower quartile over its last ``window * windows`` steps) and its work per step.
+No collective of its own: rank 0 reads every rank's numbers from the reduced slots.
+
+Why lower quartiles, not medians or means: on a loaded machine (real runs of 4 workers on 2
+oversubscribed cores, their per-step traces: ``MAITRE_STRAGGLER_TRACE``) a step's time is the
+rank's pace plus what the OS adds, a wake-up served late, a time slice given to another
+process, 2 to 4 times the step now and then, on every rank, independently. That only ever adds
+time, so the low end of a rank's steps is its own pace; a window's median moved when three of
+its five steps were hit, and two such windows made a straggler (the false positives). The held
+pace moves only when 12 of 15 steps are slow, which a slow rank (a throttled device, a
+neighbour on its cores) is at every step, and which no transient slowdown shorter than about
+12 steps can be; the quartile rather than the fastest step, so that the jitter of the compute
+itself does not make one rank's luckiest step its measure.
 
 Rank 0 runs the :class:`Detector` on them, window after window:
 
-- per window, each rank's value against the median across ranks: ``ratio = value / median``
-  and a robust z score, ``z = (value - median) / (1.4826 * MAD)``, where the MAD has a floor
-  of ``mad_floor * median`` (ranks that agree closely would make a tiny MAD explode);
-- smoothed over windows: a rank is flagged when, over its last ``windows`` consecutive
-  windows, its mean ratio is at least ``ratio``, its mean z at least ``z``, and every one of
-  them is above ``drift`` (one slow window, a spike, a hiccup of the machine, is no straggler;
-  a rank a little slower than ``drift`` never is);
-- its onset comes from a CUSUM of ``log(ratio / drift)`` per rank (a change-point test): the
-  first step of the window where the sum last rose from zero, i.e. where the rank began to be
-  slower than ``drift`` times the median.
+- uneven shares: a step's fixed cost (per step, per micro-batch) spread over fewer samples
+  makes the ranks of the smaller share look slower per sample, by up to ``(n + 1) / n``
+  (shares of ``n`` and ``n + 1``; 8% in the traces with shares of 3 and 4). Each level of work
+  that two ranks or more share is corrected by its lower median against that of the level of
+  most ranks (:func:`share_factors`; one slow rank does not move it);
+- a rank is flagged when its held pace over the median of the ranks' held paces is at least
+  ``ratio`` and its robust z score, ``(held - median) / (1.4826 * MAD)`` with the MAD of the
+  *other* ranks (a slow rank does not widen the scale it is judged by) floored at
+  ``mad_floor * median``, is at least ``z``;
+- its onset, the change point: the first step of the run of windows, up to the verdict, whose
+  ratio to the window's median reached ``drift`` (and did not fall under half way back to 1).
+  A CUSUM of ``log(ratio / drift)`` per rank goes with the evidence.
 
-A verdict (:class:`Verdict`) names the rank and worker, by how much (the mean ratio of those
-windows), since which step, and the windows' numbers as evidence. A rank that is flagged is
-reported once, and again only after it recovered (its mean ratio back under ``drift``: a rank
-that hovers about ``ratio`` is one straggler, not many).
+A verdict (:class:`Verdict`) names the rank and worker, by how much (its held ratio), since
+which step, and the windows' numbers as evidence. A rank that is flagged is reported once, and
+again only after it recovered (its held ratio back under ``drift``).
+
+The defaults (``window`` 5, ``windows`` 3, ``ratio`` 1.3, ``z`` 3, ``mad_floor`` 0.05, ``drift``
+1.15) flag a rank 1.5x slower within 20 steps of its onset (12 to 20: the held span, and where
+the onset falls in a window), and nothing in noise whose transients are shorter; measured by
+``benchmarks/stragglers.py`` (real runs, and their traces replayed). The held span must also
+outlast the OS's own imbalance between processes: on an oversubscribed machine one process can
+be kept off its core for a few tenths of a second, so with steps of ~10 ms 15 steps are not
+enough (the traces of such runs false-flag a few per cent of them): raise ``window`` there.
 
 Every threshold comes from the job's environment (:meth:`Thresholds.from_environ`; the
 ``MAITRE_STRAGGLER_*`` variables of :mod:`maitre.protocol`); a value out of range is an error
@@ -36,9 +57,10 @@ With two ranks there is no majority to compare against: the detector needs ``min
 What it cannot see: on a GPU the clock is the host's, so kernels queued but not finished when
 the rank reaches the allreduce are not counted (a script that reads its loss, ``float(loss)``,
 syncs its forward passes; the last backward stays asynchronous): CUDA events, a step behind, are
-to come. And a rank's fixed per-step overhead over a share smaller by one sample looks
-like slowness per sample (by at most ``(n + 1) / n`` for shares of ``n`` and ``n + 1``): keep
-``ratio`` above that, or shares large.
+to come. A level of work that one rank alone has (three ranks with shares 5, 5, 4; tokens of
+every length) is not corrected for its share: keep ``ratio`` above ``(n + 1) / n`` there, or
+shares large. And a rank slow at one step of four (a loader that stalls periodically) is not
+slow to the lower quartile.
 """
 
 from __future__ import annotations
@@ -65,17 +87,18 @@ class Thresholds:
     window: int = 5
     """Steps per window (``MAITRE_STRAGGLER_WINDOW``, 1..10000)."""
     ratio: float = 1.3
-    """Mean ratio to the median over ``windows`` windows that flags a rank
+    """A rank's held pace over the median of the ranks' that flags it
     (``MAITRE_STRAGGLER_RATIO``, 1.01..100)."""
     z: float = 3.0
-    """Mean robust z score over them that flags it (``MAITRE_STRAGGLER_Z``, 0..1000)."""
+    """The robust z score of its held pace that flags it (``MAITRE_STRAGGLER_Z``, 0..1000)."""
     windows: int = 3
-    """Consecutive windows it must be slow in (``MAITRE_STRAGGLER_WINDOWS``, 1..64)."""
+    """Windows the held pace spans, ``window * windows`` steps (``MAITRE_STRAGGLER_WINDOWS``,
+    1..64)."""
     mad_floor: float = 0.05
     """The MAD's floor, as a fraction of the median (``MAITRE_STRAGGLER_MAD_FLOOR``, 0.001..1)."""
     drift: float = 1.15
-    """Ratio above which the onset's CUSUM accumulates, and which each of the flagging windows
-    must exceed (``MAITRE_STRAGGLER_DRIFT``, 1..ratio)."""
+    """A window's ratio from which the rank's onset counts (the CUSUM's drift), and the held
+    ratio under which a flagged rank has recovered (``MAITRE_STRAGGLER_DRIFT``, 1..ratio)."""
     policy: str = "report"
     """``report`` (event and metric), ``evict`` (the coordinator also moves the rank's replica
     off its node) or ``off`` (``MAITRE_STRAGGLER_POLICY``)."""
@@ -180,16 +203,15 @@ class Verdict:
     key: str
     """The worker, as the caller named the slot (its id)."""
     ratio: float
-    """Its compute per unit of work over the median across ranks, the mean of the windows
-    that flagged it."""
+    """Its held pace over the median of the ranks' held paces, when it was flagged."""
     since_step: int
     """The onset: the first step of the window where it began to be slow."""
     step: int
     """The last step of the window that flagged it."""
     windows: int
-    """Consecutive windows it was found slow in."""
+    """Windows its held pace spanned."""
     evidence: list[dict[str, float]]
-    """The newest windows' numbers: ``{step, value, median, ratio, z, cusum}``."""
+    """The newest windows' numbers: ``{step, value, share, median, ratio, held, z, cusum}``."""
 
     def report(self, thresholds: Thresholds) -> dict[str, Any]:
         return {"kind": "straggler", "rank": self.rank, "straggler": self.key,
@@ -205,7 +227,7 @@ class _Rank:
     cusum: float = 0.0
     onset: int = 0
     flagged: bool = False
-    fair: list[float] = field(default_factory=list)
+    recent: list[float] = field(default_factory=list)
     """Its values of the last ``windows`` windows."""
     evidence: list[dict[str, float]] = field(default_factory=list)
 
@@ -259,9 +281,10 @@ class Detector:
         log_drift, n = math.log(self.t.drift), self.t.windows
         states = {r: self._ranks.setdefault(keys[r], _Rank()) for r in seen}
         for r, v in seen.items():
-            states[r].fair = (states[r].fair + [v])[-n:]
+            states[r].recent = (states[r].recent + [v])[-n:]
         if held is None:
-            kept = {r: lower_quartile(states[r].fair) for r in seen if len(states[r].fair) == n}
+            kept = {r: lower_quartile(states[r].recent) for r in seen
+                    if len(states[r].recent) == n}
         else:
             kept = {r: held[r] for r in seen if held[r] > 0 and math.isfinite(held[r])}
         by_work = dict(enumerate(works)) if works is not None else {}
