@@ -10,6 +10,7 @@ run without it.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from conftest import example_command, play, relative_error
 from maitre import protocol
 from maitre.runtime.ledger import audit
-from maitre.runtime.stragglers import Detector, Thresholds, Window
+from maitre.runtime.stragglers import Detector, Injected, Thresholds, Window, share_factors
 from test_metrics import ok, sample, world  # noqa: F401 -- (world: a fixture)
 
 RANKS = 4
@@ -99,6 +100,103 @@ def test_a_slow_rank_is_found_within_twenty_steps_with_its_onset(factor: float) 
     assert len(wrong) <= runs // 100, wrong[:5]
     # Others are no stragglers: any verdict names the slow rank only.
     assert all(v.key == f"w{1}" for v in simulate(1, (1, factor, onset))[0])
+
+
+REAL_NOISE = Path(__file__).parent / "data" / "straggler_noise.json"
+"""Every rank's compute per step in 4 real noise-only runs on a loaded machine (its "about")."""
+
+
+def replay(compute_ms: list[list[float]], work: list[int], slow: tuple[int, float, int] | None
+           = None, shift: int = 0) -> list:
+    """The loop's window and detector on recorded timings (rotated by ``shift`` steps; ``slow``:
+    that rank's compute times the factor from the onset on)."""
+    t = Thresholds()
+    det, windows, found = Detector(t), [Window(t.window * t.windows) for _ in work], []
+    series = [s[3:][shift:] + s[3:][:shift] for s in compute_ms]  # (not the warm-up)
+    for i in range(len(series[0])):
+        step = i + 1
+        for r, s in enumerate(series):
+            factor = slow[1] if slow is not None and r == slow[0] and step >= slow[2] else 1.0
+            windows[r].add(s[i] / 1000 * factor, work[r])
+        if step % t.window == 0:
+            values, held, works = zip(*(w.take() for w in windows))
+            found += det.observe(step - t.window + 1, step, list(values), None, list(works),
+                                 list(held))
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_real_noise_flags_nothing_and_a_slow_rank_in_it_is_found() -> None:
+    """The recorded runs, each rotated 10 ways: no verdict; each rank in turn 1.5x slower from
+    a step (three onsets a rank, across the window): found within 20 steps, and only it."""
+    runs = json.loads(REAL_NOISE.read_text())["runs"]
+    for run in runs:
+        for shift in range(0, 90, 9):
+            assert replay(run["compute_ms"], run["work"], shift=shift) == []
+        for rank in range(len(run["work"])):
+            for onset in (31, 43, 57):
+                found = replay(run["compute_ms"], run["work"], (rank, 1.5, onset))
+                assert found and found[0].step - onset <= 20, (rank, onset, found)
+                assert {v.rank for v in found} == {rank}
+
+
+@pytest.mark.timeout(30)
+def test_the_window_keeps_lower_quartiles_and_a_held_pace() -> None:
+    w = Window(span=10)
+    for seconds in [1.0, 9.0, 2.0, 8.0, 3.0]:  # per 2 samples; descheduled twice
+        w.add(seconds, 2)
+    assert w.take() == (1.0, 0.0, 2)  # the second lowest of 5; no held pace before 10 steps
+    for seconds in [8.0, 8.0, 8.0, 8.0, 80.0]:
+        w.add(seconds, 4)
+    assert w.take() == (2.0, 1.5, 4)  # of the last 10 per-sample values, the third lowest
+    w.add(1.0, 0)  # no work (a listener's step): nothing
+    assert w.take() == (0.0, 0.0, 0.0)
+    w.restart()
+    w.add(1.0, 1)
+    assert w.take() == (1.0, 0.0, 1)
+
+
+@pytest.mark.timeout(30)
+def test_uneven_shares_are_corrected_by_levels_one_slow_rank_does_not_move() -> None:
+    # A step costs 1 + its samples: the ranks of 3 samples look (4/3) / (5/4) slower per sample.
+    fair = {0: 5 / 4, 1: 5 / 4, 2: 4 / 3, 3: 4 / 3}
+    works = {0: 4, 1: 4, 2: 3, 3: 3}
+    f = share_factors(fair, works)
+    assert f[0] == f[1] == 1.0 and f[2] == f[3] == pytest.approx((4 / 3) / (5 / 4))
+    assert share_factors({**fair, 3: 2.0}, works) == f  # rank 3 slow: its level's lower median
+    assert share_factors({**fair, 0: 2.0}, works) == f
+    # Bounded by a step of fixed cost only (4/3 here), never below 1 for the smaller share.
+    assert share_factors({**fair, 2: 3.0, 3: 3.0}, works)[2] == pytest.approx(4 / 3)
+    assert share_factors({**fair, 2: 1.0, 3: 1.0}, works)[2] == 1.0
+    # A level of one rank (5, 5, 4), or no works (tokens): not corrected.
+    assert share_factors({0: 1.0, 1: 1.0, 2: 1.2}, {0: 5, 1: 5, 2: 4}) == {0: 1.0, 1: 1.0, 2: 1.0}
+    assert share_factors(fair, {}) == {r: 1.0 for r in fair}
+    # In the detector: ranks of the smaller share, 8% slower per sample, are no stragglers.
+    det = Detector()
+    for i in range(10):
+        assert det.observe(i * 5 + 1, i * 5 + 5, [1.0, 1.0, 1.35, 1.35], None,
+                           [4, 4, 3, 3]) == []
+    assert Detector().observe(1, 5, [1.0, 1.0, 1.0], None, [4, 4, 3], [1.0, 1.0, 1.0]) == []
+
+
+@pytest.mark.timeout(30)
+def test_injected_slowness_and_jitter_from_the_environment() -> None:
+    faults = Injected.from_environ({protocol.SLOW_RANK: "1:0.5:40", protocol.STEP_JITTER: "0.3"})
+    assert faults.slow == (1, 0.5, 40) and faults.jitter == 0.3 and faults
+    assert not Injected.from_environ({})
+    plain = Injected.from_environ({protocol.SLOW_RANK: "2:2"})
+    assert plain.slow == (2, 2.0, 1) and plain.pause(2, 1, 0.1) == pytest.approx(0.2)
+    assert plain.pause(1, 5, 0.1) == 0.0
+    late = Injected(slow=(1, 0.5, 40))
+    assert late.pause(1, 39, 0.1) == 0.0 and late.pause(1, 40, 0.1) == pytest.approx(0.05)
+    pauses = [Injected(jitter=0.3).pause(0, 1, 1.0) for _ in range(200)]
+    assert 0.0 <= min(pauses) < 0.05 and 0.25 < max(pauses) < 0.3
+    for var, text in [(protocol.SLOW_RANK, "1"), (protocol.SLOW_RANK, "-1:0.5"),
+                      (protocol.SLOW_RANK, "1:nan"), (protocol.SLOW_RANK, "1:0.5:0"),
+                      (protocol.SLOW_RANK, "1:0.5:x"), (protocol.STEP_JITTER, "-0.1"),
+                      (protocol.STEP_JITTER, "nan"), (protocol.STEP_JITTER, "lots")]:
+        with pytest.raises(ValueError, match=var):
+            Injected.from_environ({var: text})
 
 
 @pytest.mark.timeout(30)

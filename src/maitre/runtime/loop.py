@@ -44,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import secrets
 import signal
 import statistics
@@ -246,8 +245,7 @@ class ElasticLoop:
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
         try:
             thresholds = stragglers.Thresholds.from_environ(os.environ)
-            self._slow = _slow_rank(os.environ.get(protocol.SLOW_RANK, ""))
-            self._jitter = _jitter(os.environ.get(protocol.STEP_JITTER, ""))
+            self._faults = stragglers.Injected.from_environ(os.environ)
         except ValueError as exc:
             raise SystemExit(f"maitre: {exc}") from None
         self._detector = stragglers.Detector(thresholds) if thresholds.policy != "off" else None
@@ -551,13 +549,9 @@ class ElasticLoop:
         """This rank's compute this step (from the step's start to here, its arrival at the
         step's first collective) per unit of its work, into its window; at the window's last
         step, the window's value into this rank's slot (every other slot is zero here)."""
-        if self._listening is None:  # fault injection (MAITRE_SLOW_RANK, MAITRE_STEP_JITTER)
-            took = time.monotonic() - self._step_began
-            slow = self._slow
-            if slow is not None and slow[0] == self.rank and batch.step >= slow[2]:
-                time.sleep(slow[1] * took)
-            if self._jitter:
-                time.sleep(random.random() * self._jitter * took)
+        if self._listening is None and self._faults:  # MAITRE_SLOW_RANK, MAITRE_STEP_JITTER
+            time.sleep(self._faults.pause(self.rank, batch.step,
+                                          time.monotonic() - self._step_began))
         work = (batch._tokens or len(batch.indices)) if counts else 0
         compute_s = time.monotonic() - self._step_began
         if self._trace is not None:
@@ -1204,38 +1198,6 @@ class _GradBuffers:
                 p.grad = view
 
 
-def _slow_rank(text: str) -> tuple[int, float, int] | None:
-    """``MAITRE_SLOW_RANK`` (fault injection): ``RANK:FACTOR[:STEP]`` (None when unset)."""
-    if not text.strip():
-        return None
-    rank, sep, rest = text.partition(":")
-    factor, _, step = rest.partition(":")
-    try:
-        parsed = int(rank), float(factor), int(step) if step else 1
-    except ValueError:
-        parsed = None
-    if not sep or parsed is None or parsed[0] < 0 or not 0 <= parsed[1] <= 1000 \
-            or parsed[2] < 1:
-        raise ValueError(f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR[:STEP] (a rank "
-                         f">= 0, a factor in [0, 1000], a step >= 1), e.g. 1:0.5 or 1:0.5:40")
-    return parsed
-
-
-def _jitter(text: str) -> float:
-    """``MAITRE_STEP_JITTER`` (fault injection): the most of its compute a rank sleeps (0.0
-    when unset)."""
-    if not text.strip():
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 100:
-        raise ValueError(f"{protocol.STEP_JITTER}={text!r}: expected a fraction in [0, 100], "
-                         f"e.g. 0.3")
-    return value
-
-
 def _trace_file(directory: str, env: WorkerEnv) -> "IO[str] | None":
     """``MAITRE_STRAGGLER_TRACE`` (diagnostics): this process's trace, line-buffered (None when
     unset)."""
@@ -1243,8 +1205,11 @@ def _trace_file(directory: str, env: WorkerEnv) -> "IO[str] | None":
         return None
     name = env.worker_id if env.nproc == 1 else f"{env.worker_id}.p{env.proc}"
     path = Path(directory) / f"{name}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("a", buffering=1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", buffering=1)
+    except OSError as exc:
+        raise SystemExit(f"maitre: {protocol.STRAGGLER_TRACE}={directory!r}: {exc}") from None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

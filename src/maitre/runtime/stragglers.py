@@ -66,6 +66,7 @@ slow to the lower quartile.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -139,6 +140,64 @@ class Thresholds:
         if policy:
             given["policy"] = policy
         return cls(**given)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Injected:
+    """Fault injection (tests, drills, benchmarks): ``MAITRE_SLOW_RANK`` (one rank computes
+    longer, from a step on) and ``MAITRE_STEP_JITTER`` (every rank, a random part longer)."""
+
+    slow: tuple[int, float, int] | None = None
+    """(data rank, factor, first step): that rank sleeps ``factor`` times its step's compute."""
+    jitter: float = 0.0
+    """Every rank sleeps a part of its step's compute, uniform in [0, ``jitter``)."""
+
+    def __bool__(self) -> bool:
+        return self.slow is not None or self.jitter > 0
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str]) -> "Injected":
+        """ValueError naming the variable for a value that does not parse or is out of range."""
+        return cls(slow=_slow_rank(env.get(protocol.SLOW_RANK, "")),
+                   jitter=_jitter(env.get(protocol.STEP_JITTER, "")))
+
+    def pause(self, rank: int, step: int, took_s: float) -> float:
+        """Seconds rank ``rank`` sleeps at step ``step`` whose compute took ``took_s``."""
+        pause = random.random() * self.jitter * took_s if self.jitter else 0.0
+        if self.slow is not None and self.slow[0] == rank and step >= self.slow[2]:
+            pause += self.slow[1] * took_s
+        return pause
+
+
+def _slow_rank(text: str) -> tuple[int, float, int] | None:
+    """``MAITRE_SLOW_RANK``: ``RANK:FACTOR[:STEP]`` (None when unset)."""
+    if not text.strip():
+        return None
+    rank, sep, rest = text.partition(":")
+    factor, _, step = rest.partition(":")
+    try:
+        parsed = int(rank), float(factor), int(step) if step else 1
+    except ValueError:
+        parsed = None
+    if not sep or parsed is None or parsed[0] < 0 or not 0 <= parsed[1] <= 1000 \
+            or parsed[2] < 1:
+        raise ValueError(f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR[:STEP] (a rank "
+                         f">= 0, a factor in [0, 1000], a step >= 1), e.g. 1:0.5 or 1:0.5:40")
+    return parsed
+
+
+def _jitter(text: str) -> float:
+    """``MAITRE_STEP_JITTER``: the most of its compute a rank sleeps (0.0 when unset)."""
+    if not text.strip():
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 100:  # (nan fails too)
+        raise ValueError(f"{protocol.STEP_JITTER}={text!r}: expected a fraction in [0, 100], "
+                         f"e.g. 0.3")
+    return value
 
 
 _VARIABLES = {"window": protocol.STRAGGLER_WINDOW, "ratio": protocol.STRAGGLER_RATIO,
