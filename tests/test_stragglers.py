@@ -1,11 +1,12 @@
-"""Slow ranks: the detector on synthetic timings, its settings, and a real run with one slow rank.
+"""Slow ranks: the detector on synthetic and on recorded timings, its settings, and real runs.
 
-The synthetic runs give each rank a compute time per step proportional to its share (uneven
-shares: 4 or 5 samples), times a jitter on every rank, plus isolated spikes on one rank; a slow
-rank computes ``factor`` times longer from its onset on. Each rank keeps its window as the loop
-does (:class:`Window`), and the detector sees one value per rank per window. Then three real
-workers under ``maitre run``, one slowed by fault injection (``MAITRE_SLOW_RANK``), and the same
-run without it.
+The synthetic runs model what the per-step traces of real runs on an oversubscribed machine
+showed (:func:`simulate`): uneven shares with a fixed cost per step, jitter on every rank, late
+wake-ups, a neighbour now and then; a slow rank computes ``factor`` times longer from its onset
+on. Each rank keeps its window as the loop does (:class:`Window`), and the detector sees its
+numbers once per window. Recorded timings of real noise-only runs are replayed the same way.
+Then three real workers under ``maitre run``, one slowed by fault injection
+(``MAITRE_SLOW_RANK``), and the same run without it, both with jitter on every rank.
 """
 
 from __future__ import annotations

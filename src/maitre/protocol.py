@@ -94,17 +94,18 @@ STRAGGLER_WINDOW = "MAITRE_STRAGGLER_WINDOW"
 """Steps per window of the per-rank timing (default 5): the ranks share their numbers at each
 window's last step, in slots of that step's reduction."""
 STRAGGLER_RATIO = "MAITRE_STRAGGLER_RATIO"
-"""A rank's mean compute per unit of work over the median, over ``MAITRE_STRAGGLER_WINDOWS``
-consecutive windows, that makes it a straggler (default 1.3)."""
+"""A rank's held pace (the lower quartile of its compute per unit of work over its last
+``MAITRE_STRAGGLER_WINDOW`` * ``MAITRE_STRAGGLER_WINDOWS`` steps) over the median of the ranks'
+that makes it a straggler (default 1.3)."""
 STRAGGLER_Z = "MAITRE_STRAGGLER_Z"
-"""The mean robust z score (median and MAD across ranks) over those windows (default 3)."""
+"""The robust z score of its held pace (median and MAD across the other ranks; default 3)."""
 STRAGGLER_WINDOWS = "MAITRE_STRAGGLER_WINDOWS"
-"""Consecutive windows a rank must be slow in (default 2)."""
+"""Windows the held pace spans (default 3: 15 steps)."""
 STRAGGLER_MAD_FLOOR = "MAITRE_STRAGGLER_MAD_FLOOR"
 """The MAD's floor as a fraction of the median (default 0.05)."""
 STRAGGLER_DRIFT = "MAITRE_STRAGGLER_DRIFT"
-"""The ratio above which the onset's CUSUM accumulates, and which each of those windows must
-exceed (default 1.15)."""
+"""A window's ratio from which a rank's onset counts, and the held ratio under which a flagged
+rank has recovered (default 1.15)."""
 STRAGGLER_POLICY = "MAITRE_STRAGGLER_POLICY"
 """What a straggler found does: ``report`` (the default: a ``straggler`` event and metric),
 ``evict`` (reported, and the coordinator moves its replica off its node) or ``off`` (no timing
