@@ -547,8 +547,9 @@ class ElasticLoop:
 
     def _time_step(self, batch: Batch, control: torch.Tensor, counts: bool) -> None:
         """This rank's compute this step (from the step's start to here, its arrival at the
-        step's first collective) per unit of its work, into its window; at the window's last
-        step, the window's value into this rank's slot (every other slot is zero here)."""
+        step's first collective) per unit of its work, into its window (and its trace, if
+        asked); at the window's last step, the window's value, its held pace and its work per
+        step into this rank's three slots (every other slot is zero here)."""
         if self._listening is None and self._faults:  # MAITRE_SLOW_RANK, MAITRE_STEP_JITTER
             time.sleep(self._faults.pause(self.rank, batch.step,
                                           time.monotonic() - self._step_began))
