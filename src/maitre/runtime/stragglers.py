@@ -45,10 +45,12 @@ the onset falls in a window), and nothing in noise whose transients are shorter;
 ``benchmarks/stragglers.py`` (real runs, and their traces replayed: steps of ~40 ms, of which
 ~3 ms on the CPU, the rest a device-like wait). Where a step is short and mostly CPU, on cores
 shared with other busy processes, the OS keeps some ranks behind the others for longer than
-any held span of 20 steps: replayed traces of 4 ranks with ~12 ms steps on 2 cores loaded by
-other test runs flag a rank in 45% of noise-only trials (12% with ``window`` 10). That is a
-neighbour taking a rank's CPU, which is a straggler, only not one that lasts; timing alone does
-not tell the two apart, so there raise ``window`` (and accept later verdicts) or ``ratio``.
+any held span of 20 steps: in traces of 4 ranks with ~12 ms steps on 2 cores loaded by other
+test runs, one rank's held pace stayed 15% to 90% above its peer's of the same share for tens
+of steps or the whole run, and replayed, they flag a rank in 45% of noise-only trials (12% with
+``window`` 10). That is a neighbour taking a rank's CPU, a straggler by the issue's own list,
+which timing alone does not tell from load that will pass: there raise ``window`` (and accept
+later verdicts) or ``ratio``.
 
 Every threshold comes from the job's environment (:meth:`Thresholds.from_environ`; the
 ``MAITRE_STRAGGLER_*`` variables of :mod:`maitre.protocol`); a value out of range is an error
