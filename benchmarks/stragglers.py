@@ -1,12 +1,12 @@
 """Straggler benchmark: how well slow ranks are found, and what acting on them gains.
 
-    python benchmarks/stragglers.py [--runs 5] [--steps 120] [--trials 1000]
+    python benchmarks/stragglers.py [--runs 5] [--steps 120] [--trials 1000] [--ms-per-sample 8]
                                     [--skip-eviction] [--skip-spares] [--out ...]
 
 Real runs, side by side in one run of this script: ``maitre run`` (embedded) with 4 workers of
 the example (tiny, float64), global batch 14 (uneven shares: 4, 4, 3, 3), a device-like 8 ms
-per sample (a sleep), and on every rank a random part, up to 30%, of its compute slept each
-step (``MAITRE_STEP_JITTER=0.3``). Three cases, ``--runs`` runs each: noise only; one random
+per sample (a sleep; ``--ms-per-sample``), and on every rank a random part, up to 30%, of its
+compute slept each step (``MAITRE_STEP_JITTER=0.3``). Three cases, ``--runs`` runs each: noise only; one random
 rank 1.5x slower from a random onset step (``MAITRE_SLOW_RANK=RANK:0.5:ONSET``); the same at 3x.
 
 * ``detect_rate``: runs whose slow rank was flagged within 20 steps of its onset;
@@ -51,8 +51,7 @@ from maitre.runtime.stragglers import Detector, Thresholds, Window  # noqa: E402
 
 EXAMPLE = HERE.parent / "src" / "maitre" / "examples" / "train.py"
 TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
-        "--global-batch", "14", "--micro-batch", "4", "--log-every", "1000",
-        "--device-ms-per-sample", "8"]
+        "--global-batch", "14", "--micro-batch", "4", "--log-every", "1000"]
 RANKS = 4
 JITTER = "0.3"
 BUDGET = 20
@@ -62,7 +61,8 @@ WARMUP = 3
 
 
 # -- real runs ----------------------------------------------------------------------------------
-def real_run(steps: int, slow: tuple[int, float, int] | None, work: Path) -> dict[str, Any]:
+def real_run(steps: int, slow: tuple[int, float, int] | None, work: Path,
+             ms_per_sample: float) -> dict[str, Any]:
     """One run of 4 workers: its verdicts, and every rank's timing per step."""
     trace = work / "trace"
     env = {protocol.STEP_JITTER: JITTER, protocol.STRAGGLER_TRACE: str(trace)}
@@ -71,7 +71,8 @@ def real_run(steps: int, slow: tuple[int, float, int] | None, work: Path) -> dic
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        run = Run(RunConfig(command=[sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY],
+        run = Run(RunConfig(command=[sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY,
+                                     "--device-ms-per-sample", str(ms_per_sample)],
                             min_nodes=RANKS, max_nodes=RANKS, local_nodes=RANKS, max_restarts=0,
                             run_dir=work / "run", ledger=False, quiet_workers=True),
                   out=lambda s: None)
@@ -201,12 +202,16 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120, help="steps per real run (default 120)")
     p.add_argument("--trials", type=int, default=1000, help="offline trials per case")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ms-per-sample", type=float, default=8.0,
+                   help="device-like wait per sample (default 8: steps of ~40 ms; with 2, "
+                   "~12 ms steps mostly CPU, on a loaded machine the OS's imbalance shows)")
     p.add_argument("--skip-eviction", action="store_true")
     p.add_argument("--skip-spares", action="store_true")
     p.add_argument("--out", type=Path, default=HERE / "results" / "stragglers.json")
     args = p.parse_args()
-    if args.runs < 1 or args.steps < 60 or args.trials < 1:
-        p.error("--runs and --trials must be at least 1, --steps at least 60")
+    if args.runs < 1 or args.steps < 60 or args.trials < 1 or not args.ms_per_sample >= 0:
+        p.error("--runs and --trials must be at least 1, --steps at least 60, "
+                "--ms-per-sample at least 0")
 
     rng = random.Random(args.seed)
     t = Thresholds()
@@ -218,7 +223,7 @@ def main() -> None:
             for case, factor in [("noise", None), *FACTORS.items()]:
                 slow = None if factor is None else (
                     rng.randrange(RANKS), factor, rng.randrange(21, args.steps - BUDGET - 10))
-                result = real_run(args.steps, slow, Path(tmp) / f"{case}-{i}")
+                result = real_run(args.steps, slow, Path(tmp) / f"{case}-{i}", args.ms_per_sample)
                 outcome = judge(result["verdicts"], slow)
                 real[case].append(outcome)
                 if case == "noise":
@@ -246,7 +251,8 @@ def main() -> None:
         "offline": offline_rates,
         "setup": {"ranks": RANKS, "steps": args.steps, "runs": args.runs,
                   "trials": args.trials, "global_batch": 14, "shares": [4, 4, 3, 3],
-                  "device_ms_per_sample": 8, "jitter": float(JITTER), "budget_steps": BUDGET,
+                  "device_ms_per_sample": args.ms_per_sample, "jitter": float(JITTER),
+                  "budget_steps": BUDGET,
                   "thresholds": {"window": t.window, "windows": t.windows, "ratio": t.ratio,
                                  "z": t.z, "mad_floor": t.mad_floor, "drift": t.drift}},
         "raw": {"real_runs": raw_runs, "eviction": eviction_raw, "spares": spares_raw,
