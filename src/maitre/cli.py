@@ -103,9 +103,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--mesh: {exc}") from None
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    from maitre.runtime.stragglers import Thresholds
+    from maitre.runtime.stragglers import Injected, Thresholds
     try:  # the workers inherit them: an error here, before anything starts
         Thresholds.from_environ(os.environ)
+        Injected.from_environ(os.environ)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     if args.local_nodes is not None and not lo <= args.local_nodes <= hi:

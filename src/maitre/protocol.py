@@ -79,9 +79,18 @@ TRANSFER_DELAY_S = "MAITRE_TRANSFER_DELAY_S"
 """Fault injection (tests, drills): a streamed snapshot lands this many seconds late on the
 listener, as over a slow network, so that it has many steps to replay."""
 SLOW_RANK = "MAITRE_SLOW_RANK"
-"""Fault injection (tests, drills): ``RANK:FACTOR``, e.g. ``1:0.5``: the worker of data rank
-``RANK`` sleeps ``FACTOR`` times its step's compute each step before the step's allreduce, as a
-throttled GPU would (a straggler for :mod:`maitre.runtime.stragglers` to find)."""
+"""Fault injection (tests, drills): ``RANK:FACTOR[:STEP]``, e.g. ``1:0.5``: the worker of data
+rank ``RANK`` sleeps ``FACTOR`` times its step's compute each step (from step ``STEP`` on, 1 if
+not given) before the step's allreduce, as a throttled GPU would (a straggler for
+:mod:`maitre.runtime.stragglers` to find)."""
+STEP_JITTER = "MAITRE_STEP_JITTER"
+"""Fault injection (tests, benchmarks): ``FRACTION``, e.g. ``0.3``: every rank sleeps a random
+part, uniform in [0, ``FRACTION``), of its step's compute each step: noise on every rank, which
+the straggler detector must not take for a slow rank."""
+STRAGGLER_TRACE = "MAITRE_STRAGGLER_TRACE"
+"""Diagnostics (benchmarks): a directory where every rank appends one JSON line per step of
+its timing, ``{step, epoch, rank, world_size, work, compute_s, cpu_s}`` (``cpu_s``: its main
+thread's CPU time over the same span), to ``<worker>.jsonl``."""
 SLOW_FACTOR = "MAITRE_SLOW_FACTOR"
 """Fault injection (tests, drills), node-scoped: set in an agent's environment, every worker it
 starts sleeps ``FACTOR`` times its step's compute each step before the step's allreduce, as on a
@@ -91,17 +100,18 @@ STRAGGLER_WINDOW = "MAITRE_STRAGGLER_WINDOW"
 """Steps per window of the per-rank timing (default 5): the ranks share their numbers at each
 window's last step, in slots of that step's reduction."""
 STRAGGLER_RATIO = "MAITRE_STRAGGLER_RATIO"
-"""A rank's mean compute per unit of work over the median, over ``MAITRE_STRAGGLER_WINDOWS``
-consecutive windows, that makes it a straggler (default 1.3)."""
+"""A rank's held pace (the lower quartile of its compute per unit of work over its last
+``MAITRE_STRAGGLER_WINDOW`` * ``MAITRE_STRAGGLER_WINDOWS`` steps) over the median of the ranks'
+that makes it a straggler (default 1.3)."""
 STRAGGLER_Z = "MAITRE_STRAGGLER_Z"
-"""The mean robust z score (median and MAD across ranks) over those windows (default 3)."""
+"""The robust z score of its held pace (median and MAD across the other ranks; default 3)."""
 STRAGGLER_WINDOWS = "MAITRE_STRAGGLER_WINDOWS"
-"""Consecutive windows a rank must be slow in (default 2)."""
+"""Windows the held pace spans (default 3: 15 steps)."""
 STRAGGLER_MAD_FLOOR = "MAITRE_STRAGGLER_MAD_FLOOR"
 """The MAD's floor as a fraction of the median (default 0.05)."""
 STRAGGLER_DRIFT = "MAITRE_STRAGGLER_DRIFT"
-"""The ratio above which the onset's CUSUM accumulates, and which each of those windows must
-exceed (default 1.15)."""
+"""A window's ratio from which a rank's onset counts, and the held ratio under which a flagged
+rank has recovered (default 1.15)."""
 STRAGGLER_POLICY = "MAITRE_STRAGGLER_POLICY"
 """What a straggler found does: ``report`` (the default: a ``straggler`` event and metric),
 ``evict`` (reported, and the coordinator moves its replica off its node) or ``off`` (no timing
@@ -662,13 +672,20 @@ class StragglerWindow(_Request):
     step: int = Field(ge=0)
     """The window's last step."""
     value: float = Field(ge=0, allow_inf_nan=False)
-    """The rank's median compute per unit of work over the window (seconds per sample or
-    token)."""
+    """The rank's compute per unit of work at its fastest step of the window (seconds per
+    sample or token)."""
+    share: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """What its value was divided by for the size of its share (1: not corrected)."""
     median: float = Field(ge=0, allow_inf_nan=False)
-    """The median of every rank's value in that window."""
+    """The median of every rank's value in that window (each divided by its ``share``)."""
     ratio: float = Field(ge=0, allow_inf_nan=False)
+    """Its value (over its ``share``) over that median."""
+    held: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Its lowest value over its last ``windows`` windows over the median of the ranks' lowest
+    values (0: fewer windows yet): what flags it."""
     z: float = Field(allow_inf_nan=False)
-    """The robust z score: (value - median) / (1.4826 MAD, floored)."""
+    """The robust z score of its held value: (held - their median) / (1.4826 MAD of the
+    others', floored)."""
     cusum: float = Field(ge=0, allow_inf_nan=False)
     """The onset's CUSUM of log(ratio / drift) up to this window."""
 
@@ -685,8 +702,8 @@ class StragglerReport(_Request):
     epoch: int = Field(ge=0)
     world_size: int = Field(ge=1)
     ratio: float = Field(gt=0, allow_inf_nan=False)
-    """Its compute per unit of work over the median across ranks (the mean of the windows that
-    flagged it)."""
+    """Its compute per unit of work over the median across ranks, held over the windows that
+    flagged it (its lowest value in them against the ranks' median lowest)."""
     since_step: int = Field(ge=0)
     """The onset: the first step of the window where it began to be slow."""
     step: int = Field(ge=0)

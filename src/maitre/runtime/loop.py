@@ -42,6 +42,7 @@ Under plain ``torchrun`` the same loop runs on a fixed group; alone, on one proc
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -52,7 +53,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from pathlib import Path
+from typing import IO, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -79,7 +81,8 @@ from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, pa
 # loss sum, sample count, resize flag; save request, stop request, save token, writer busy;
 # in a replica of several processes: gradients not finite, the epoch lost; a listener caught up;
 # then one slot per member of the epoch's group: its compute per unit of work over the window
-# that ends at this step (zero on other steps: :mod:`maitre.runtime.stragglers`)
+# that ends at this step, then one per member: its held value over the last steps, then one per
+# member: its work per step (zero on other steps: :mod:`maitre.runtime.stragglers`)
 _CONTROL = 10
 _SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY = 3, 4, 5, 6, 7, 8, 9
 _STALL_FLOOR_S = 0.5
@@ -242,15 +245,16 @@ class ElasticLoop:
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
         try:
             thresholds = stragglers.Thresholds.from_environ(os.environ)
-            self._slow = _slow_rank(os.environ.get(protocol.SLOW_RANK, ""))
-            self._slow_node = _slow_factor(os.environ.get(protocol.SLOW_FACTOR, ""))
+            self._faults = stragglers.Injected.from_environ(os.environ)
         except ValueError as exc:
             raise SystemExit(f"maitre: {exc}") from None
         self._detector = stragglers.Detector(thresholds) if thresholds.policy != "off" else None
         """Rank 0's verdicts on the ranks' timings (None: policy ``off``, nothing shared)."""
-        self._window = stragglers.Window()
-        """This rank's compute per unit of work over the window so far."""
-        self._step_began = 0.0
+        self._window = stragglers.Window(thresholds.window * thresholds.windows)
+        """This rank's compute per unit of work over the window so far, and its last steps."""
+        self._step_began = self._cpu_began = 0.0
+        self._trace = _trace_file(os.environ.get(protocol.STRAGGLER_TRACE, ""), self.env)
+        """Diagnostics: where this rank appends its timing per step (None: not asked)."""
         self._members: list[str] = []
         """The epoch's members (worker ids) by group rank, when the coordinator named them."""
         self.device = self.params[0].device
@@ -316,6 +320,7 @@ class ElasticLoop:
                 batch = self._next_batch()
                 self._buffers.zero()
                 step_start = self._step_began = time.monotonic()
+                self._cpu_began = time.thread_time()
                 yield batch
                 if not self._tp_checked:  # each tp rank's own gradients, before any reduction
                     self._tp_checked = replicas.check_tp_grads(self.model, self._spanning)
@@ -340,6 +345,8 @@ class ElasticLoop:
                 self._heartbeat.stop()
             if self._ledger is not None:
                 self._ledger.close()
+            if self._trace is not None:
+                self._trace.close()
 
     @property
     def _spanning(self) -> "replicas.Replica | None":
@@ -533,26 +540,34 @@ class ElasticLoop:
         """One timing slot per member of the new epoch's group (none with policy ``off``); the
         window starts afresh (its steps ran in another group)."""
         assert self.group is not None
-        slots = self.group.world_size if self._detector is not None else 0
+        slots = 3 * self.group.world_size if self._detector is not None else 0
         if slots != self._buffers.slots:
             self._buffers = _GradBuffers(self.params, slots)
-        self._window = stragglers.Window()
+        self._window.restart()
 
     def _time_step(self, batch: Batch, control: torch.Tensor, counts: bool) -> None:
         """This rank's compute this step (from the step's start to here, its arrival at the
-        step's first collective) per unit of its work, into its window; at the window's last
-        step, the window's value into this rank's slot (every other slot is zero here)."""
-        factor = self._slow_node + (self._slow[1] if self._slow is not None and
-                                    self._slow[0] == self.rank else 0.0)
-        if factor and self._listening is None:
-            time.sleep(factor * (time.monotonic() - self._step_began))
+        step's first collective) per unit of its work, into its window (and its trace, if
+        asked); at the window's last step, the window's value, its held pace and its work per
+        step into this rank's three slots (every other slot is zero here)."""
+        if self._listening is None and self._faults:  # MAITRE_SLOW_RANK, _FACTOR, _STEP_JITTER
+            time.sleep(self._faults.pause(self.rank, batch.step,
+                                          time.monotonic() - self._step_began))
+        work = (batch._tokens or len(batch.indices)) if counts else 0
+        compute_s = time.monotonic() - self._step_began
+        if self._trace is not None:
+            self._trace.write(json.dumps({
+                "step": batch.step, "epoch": self.epoch, "rank": self.rank,
+                "world_size": self.world_size, "work": work, "compute_s": round(compute_s, 7),
+                "cpu_s": round(time.thread_time() - self._cpu_began, 7)}) + "\n")
         if self._detector is None or self.group is None:
             return
-        work = (batch._tokens or len(batch.indices)) if counts else 0
-        self._window.add(time.monotonic() - self._step_began, work)
+        self._window.add(compute_s, work)
         control[_CONTROL:] = 0.0
         if batch.step % self._detector.t.window == 0:
-            control[_CONTROL + self.group.rank] = self._window.take()
+            world, rank = self.group.world_size, self.group.rank
+            control[_CONTROL + rank], control[_CONTROL + world + rank], \
+                control[_CONTROL + 2 * world + rank] = self._window.take()
 
     def _judge(self, batch: Batch, control: torch.Tensor) -> None:
         """At a window's last step, rank 0 (the first process of its replica) runs the detector
@@ -560,10 +575,12 @@ class ElasticLoop:
         det = self._detector
         if det is None or batch.step % det.t.window or self.rank != 0 or self.env.proc:
             return
-        values = [float(v) for v in control[_CONTROL:].tolist()]
+        shared = [float(v) for v in control[_CONTROL:].tolist()]
+        world = len(shared) // 3
+        values, held, works = shared[:world], shared[world:2 * world], shared[2 * world:]
         keys = self._members if len(self._members) == len(values) else None
         for verdict in det.observe(max(1, batch.step - det.t.window + 1), batch.step, values,
-                                   keys):
+                                   keys, works, held):
             report = {**verdict.report(det.t), "epoch": self.epoch,
                       "world_size": self.world_size}
             print(f"maitre: straggler: {verdict.key} (rank {verdict.rank}) computes "
@@ -1122,7 +1139,8 @@ class _GradBuffers:
 
     def __init__(self, params: list[torch.nn.Parameter], slots: int) -> None:
         self.slots = slots
-        """Timing slots after the control slots, one per member of the epoch's group."""
+        """Timing slots after the control slots, three per member of the epoch's group (its
+        window's value, its held value, its work per step: :mod:`maitre.runtime.stragglers`)."""
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for p in params:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -1175,33 +1193,18 @@ class _GradBuffers:
                 p.grad = view
 
 
-def _slow_rank(text: str) -> tuple[int, float] | None:
-    """``MAITRE_SLOW_RANK`` (fault injection): ``RANK:FACTOR`` (None when unset)."""
-    if not text.strip():
+def _trace_file(directory: str, env: WorkerEnv) -> "IO[str] | None":
+    """``MAITRE_STRAGGLER_TRACE`` (diagnostics): this process's trace, line-buffered (None when
+    unset)."""
+    if not directory.strip():
         return None
-    rank, sep, factor = text.partition(":")
+    name = env.worker_id if env.nproc == 1 else f"{env.worker_id}.p{env.proc}"
+    path = Path(directory) / f"{name}.jsonl"
     try:
-        parsed = int(rank), float(factor)
-    except ValueError:
-        parsed = None
-    if not sep or parsed is None or parsed[0] < 0 or not 0 <= parsed[1] <= 1000:
-        raise ValueError(f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR (a rank >= 0, "
-                         f"a factor in [0, 1000]), e.g. 1:0.5")
-    return parsed
-
-
-def _slow_factor(text: str) -> float:
-    """``MAITRE_SLOW_FACTOR`` (fault injection, the node's): ``FACTOR`` (0 when unset)."""
-    if not text.strip():
-        return 0.0
-    try:
-        factor = float(text)
-    except ValueError:
-        factor = -1.0
-    if not 0 <= factor <= 1000:
-        raise ValueError(f"{protocol.SLOW_FACTOR}={text!r}: expected a factor in [0, 1000], "
-                         "e.g. 1.0 (each step's compute takes twice as long)")
-    return factor
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", buffering=1)
+    except OSError as exc:
+        raise SystemExit(f"maitre: {protocol.STRAGGLER_TRACE}={directory!r}: {exc}") from None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -99,13 +99,14 @@ class StragglerSpec(_Fields):
     timing shared."""
     window: int = _limit("window", 5, "Steps per window: the ranks share their numbers at its "
                          "last step.")
-    ratio: float = _limit("ratio", 1.3, "A rank's mean compute per sample over the median, over "
-                          "`windows` consecutive windows, that flags it.")
-    z: float = _limit("z", 3.0, "The mean robust z score (median and MAD across ranks) over them.")
-    windows: int = _limit("windows", 2, "Consecutive windows a rank must be slow in.")
+    ratio: float = _limit("ratio", 1.3, "A rank's held pace (the lower quartile of its compute "
+                          "per sample over window * windows steps) over the ranks' median that "
+                          "flags it.")
+    z: float = _limit("z", 3.0, "The robust z score of its held pace (the other ranks' MAD).")
+    windows: int = _limit("windows", 3, "Windows its held pace spans (window * windows steps).")
     mad_floor: float = _limit("mad_floor", 0.05, "The MAD's floor, a fraction of the median.")
-    drift: float = _limit("drift", 1.15, "The ratio each of those windows must exceed, above "
-                          "which the onset's change-point sum grows; at most `ratio`.")
+    drift: float = _limit("drift", 1.15, "A window's ratio from which the onset counts, and the "
+                          "held ratio under which a flagged rank has recovered; at most `ratio`.")
     cooldown_s: float = Field(600.0, ge=0, le=7 * 86400, alias="cooldownSeconds")
     """evict: how long the slow rank's node is avoided unless its health check passes first."""
 
