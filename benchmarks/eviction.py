@@ -5,7 +5,9 @@ replacement's first step, and after, against the same world size on nodes never 
     python benchmarks/eviction.py [--steps 400] [--factor 2.0] [--ms-per-sample 4] [--ratio R]
                                   [--out benchmarks/results/eviction.json]
 
-One run each (a local cluster, ``maitre up``'s, of single-slot nodes on this machine):
+Pairs of runs, ``--reps`` (3), each a slow run then its reference (a local cluster, ``maitre
+up``'s, of single-slot nodes on this machine); the medians over the pairs, each pair's numbers
+in ``pairs``:
 
 * **slow**: nodes node-0..2 (node-0's agent gives its workers ``MAITRE_SLOW_FACTOR``: each step's
   compute there takes ``1 + factor`` times as long, a node whose CPUs a neighbour steals), the
@@ -143,18 +145,37 @@ def phases(slow: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure(steps: int = 400, factor: float = 2.0, ms_per_sample: float = 4.0,
-            work: Path | None = None, stragglers: dict[str, Any] | None = None
+            work: Path | None = None, stragglers: dict[str, Any] | None = None, reps: int = 3
             ) -> dict[str, Any]:
-    """Both runs and the numbers (see the module docstring). ``stragglers``: the detector's
-    settings (the manifest's ``stragglers`` keys: ``ratio``, ``z``, ``windows``...)."""
+    """``reps`` pairs of runs, a slow one then its reference, one after the other (the load of
+    a shared machine drifts: a pair's two runs see about the same), and the medians of their
+    numbers, each pair's in ``pairs`` (see the module docstring). ``stragglers``: the
+    detector's settings (the manifest's ``stragglers`` keys: ``ratio``, ``z``, ``windows``...)."""
     with tempfile.TemporaryDirectory(prefix="maitre-eviction-") as tmp:
         root = Path(work or tmp)
-        slow = run(root / "slow", slow=True, steps=steps, factor=factor,
-                   ms_per_sample=ms_per_sample, stragglers=stragglers)
-        ref = run(root / "reference", slow=False, steps=steps, factor=factor,
-                  ms_per_sample=ms_per_sample, stragglers=stragglers)
-    out: dict[str, Any] = {"steps": steps, "slow_factor": 1 + factor,
+        pairs = [_pair(root / f"pair{k}", steps, factor, ms_per_sample, stragglers)
+                 for k in range(reps)]
+    out: dict[str, Any] = {"steps": steps, "slow_factor": 1 + factor, "reps": reps,
                            "ms_per_sample": ms_per_sample, "stragglers": dict(stragglers or {})}
+    for key in ("detect_steps", "throughput_before", "throughput_during", "throughput_after",
+                "throughput_reference", "throughput_recovered_pct", "evict_to_join_s"):
+        values = [p[key] for p in pairs if p.get(key) is not None]
+        out[key] = round(statistics.median(values), 3) if values else None
+    out["evicted"] = all(p["evicted"] for p in pairs)
+    for key in ("evictions", "reference_evictions", "failures"):
+        out[key] = sum(p[key] for p in pairs)
+    out["pairs"] = pairs
+    return out
+
+
+def _pair(root: Path, steps: int, factor: float, ms_per_sample: float,
+          stragglers: dict[str, Any] | None) -> dict[str, Any]:
+    """A slow run and its reference, and their numbers."""
+    slow = run(root / "slow", slow=True, steps=steps, factor=factor,
+               ms_per_sample=ms_per_sample, stragglers=stragglers)
+    ref = run(root / "reference", slow=False, steps=steps, factor=factor,
+              ms_per_sample=ms_per_sample, stragglers=stragglers)
+    out: dict[str, Any] = {}
     p = phases(slow)
     out.update({k: v for k, v in p.items() if k not in ("verdict", "t_found", "t_join")})
     out["evicted"] = any(e["kind"] == "node_suspect" for e in slow["events"])
@@ -196,13 +217,15 @@ def main() -> int:
     parser.add_argument("--ms-per-sample", type=float, default=4.0)
     parser.add_argument("--ratio", type=float, help="the detector's ratio (stragglers.ratio; "
                         "default the manifest's, 1.3)")
+    parser.add_argument("--reps", type=int, default=3, help="pairs of runs (default 3)")
     parser.add_argument("--out", type=Path, help="write the numbers as JSON here")
     args = parser.parse_args()
     result = measure(steps=args.steps, factor=args.factor, ms_per_sample=args.ms_per_sample,
-                     stragglers={"ratio": args.ratio} if args.ratio else None)
+                     stragglers={"ratio": args.ratio} if args.ratio else None, reps=args.reps)
     width = max(len(k) for k in result)
     for k, v in result.items():
-        print(f"{k:<{width}}  {v}")
+        if k != "pairs":  # (in the JSON)
+            print(f"{k:<{width}}  {v}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
