@@ -95,3 +95,49 @@ def test_a_process_left_behind_in_an_older_epoch_abandons_it() -> None:
     assert loop._epoch_closed() is None  # its own epoch, open
     loop = loop_at_epoch(0, CoordinatorView(member_epoch=1, job_state="RUNNING"))
     assert loop._epoch_closed() is None  # a joiner, before its first epoch
+
+
+class _Writer:
+    """A checkpointer whose writer is always busy with an earlier save (what it is asked)."""
+
+    def __init__(self) -> None:
+        self.cfg = SimpleNamespace(save_final=True)
+        self.busy, self.saved, self.prepared = True, [], 0
+
+    def save(self, state, *, step: int, rank: int, world_size: int, token: int) -> float:
+        self.saved.append(step)
+        return 0.0
+
+    def prepare(self, state, *, rank: int, world_size: int) -> None:
+        self.prepared += 1
+
+
+def loop_saving(step: int, max_steps: int) -> tuple[ElasticLoop, _Writer]:
+    loop = ElasticLoop.__new__(ElasticLoop)
+    loop._listening = loop._ledger = loop._recovery = loop._reporter = loop.replica = None
+    loop.rank, loop.world_size, loop._max_steps = 0, 1, max_steps  # (it writes part 0 of 1)
+    loop.checkpointer = writer = _Writer()
+    loop.state = SimpleNamespace(step=step, state_dict=dict)
+    return loop, writer
+
+
+def test_a_busy_writer_vetoes_a_save_but_not_the_last_steps() -> None:
+    """A save asked while a rank still writes the previous one waits for the next step; the
+    last step has none, so its save waits for the writer instead of being lost."""
+    import torch
+
+    from maitre.runtime.loop import _BUSY, _CONTROL, _SAVE
+
+    control = torch.zeros(_CONTROL)
+    control[_SAVE], control[_BUSY] = 2.0, 1.0  # due on two ranks, one of them still writing
+    loop, writer = loop_saving(step=5, max_steps=6)
+    loop._commit(SimpleNamespace(step=5), control, stop=False)
+    assert writer.saved == [] and writer.prepared == 1
+    loop, writer = loop_saving(step=6, max_steps=6)
+    loop._commit(SimpleNamespace(step=6), control, stop=False)
+    assert writer.saved == [6]
+    control[_SAVE] = 0.0  # not due (no save_final): nothing, busy or not
+    loop, writer = loop_saving(step=6, max_steps=6)
+    writer.cfg.save_final = False
+    loop._commit(SimpleNamespace(step=6), control, stop=False)
+    assert writer.saved == []

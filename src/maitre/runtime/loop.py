@@ -522,7 +522,11 @@ class ElasticLoop:
         if self._recovery is not None:
             self._report_recovery()
         ckpt = self.checkpointer
-        save = float(control[_SAVE]) > 0 and float(control[_BUSY]) == 0
+        # A rank still writing vetoes a save (it is asked again next step), but the last step's
+        # has no next step: it waits for the writer, as a stop's does (every rank sees the same
+        # step and the same reduced slots, so every rank decides alike).
+        final = ckpt is not None and ckpt.cfg.save_final and batch.step == self._max_steps
+        save = float(control[_SAVE]) > 0 and (float(control[_BUSY]) == 0 or final)
         part = self._checkpoint_part if ckpt is not None else None
         if part is not None and (save or stop):  # a stop saves even if it must wait
             ckpt.save(self.state.state_dict, step=self.state.step, rank=part[0],
