@@ -44,7 +44,8 @@ def _cookie(scope: dict[str, Any]) -> str:
     return morsel.value if morsel else ""
 
 
-def _same(given: str, token: str) -> bool:
+def same_token(given: str, token: str) -> bool:
+    """``given`` is the token (compared in constant time; an empty one never is)."""
     return bool(given) and hmac.compare_digest(given.encode(), token.encode())
 
 
@@ -55,17 +56,17 @@ def authorize(scope: dict[str, Any], token: str) -> tuple[bool, Response | None]
     path, method = scope.get("path", ""), scope.get("method", "GET")
     if path == LOGIN or path.startswith(ASSETS + "/"):  # the assets hold no secret
         return True, None
-    if _same(_header(scope, b"authorization").decode("latin-1"), f"Bearer {token}"):
+    if same_token(_header(scope, b"authorization").decode("latin-1"), f"Bearer {token}"):
         return True, None
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
     on_page = path == PREFIX or path.startswith(PREFIX + "/")
     if on_page and method in _READ and "token" in query:
-        if _same(query["token"][-1], token):
+        if same_token(query["token"][-1], token):
             response = RedirectResponse(path if path != PREFIX else PREFIX + "/", 303)
             set_cookie(response, token, scope)
             return False, response
         return False, login_page("That token is not this coordinator's.", 401)
-    if method in _READ and _same(_cookie(scope), token):
+    if method in _READ and same_token(_cookie(scope), token):
         return True, None
     if on_page and method in _READ:
         return False, RedirectResponse(f"{LOGIN}?next={quote(path)}", 303)

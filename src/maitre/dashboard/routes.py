@@ -183,7 +183,7 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
         given, nxt = auth.parse_login(await request.body())
         if token is None:
             return RedirectResponse(nxt, 303)
-        if not auth._same(given, token):
+        if not auth.same_token(given, token):
             return auth.login_page("That token is not this coordinator's.", 401, nxt)
         response = RedirectResponse(nxt, 303)
         auth.set_cookie(response, token, request.scope)
