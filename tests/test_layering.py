@@ -5,6 +5,7 @@
     scheduling (the policy: pure, no torch) is imported by the coordinator and the simulator
     sim (the simulator: no torch, no processes) imports only scheduling
     dashboard (the web page and its routes, live or replay) reads an event log, nothing else
+    serving (uvicorn on a thread: the API's server and the replay's) imports nothing of maitre
 
 The training process never imports the coordinator or the agent; the coordinator never imports
 torch-side training code; the checkpoint package uses only the runtime's state encoding.
@@ -62,6 +63,12 @@ def test_wire_imports_nothing_of_maitre_but_its_errors() -> None:
     """The CLI's and the worker's client stays stdlib (``maitre status`` starts fast)."""
     assert not [n for n in imports(SRC / "wire.py")
                 if n.startswith("maitre") and not n.startswith("maitre.errors")]
+
+
+@pytest.mark.timeout(30)
+def test_serving_imports_nothing_of_maitre() -> None:
+    """The web server under the coordinator's API and a replay's dashboard: neutral ground."""
+    assert not [n for n in imports(SRC / "serving.py") if n.startswith("maitre")]
 
 
 @pytest.mark.timeout(30)

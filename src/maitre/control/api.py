@@ -30,13 +30,10 @@ import re
 import json
 import logging
 import pathlib
-import socket
 import tempfile
 import threading
-import time
 from typing import Annotated, Any, Callable
 
-import uvicorn
 from fastapi import Body, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -45,6 +42,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
+from maitre import serving
 from maitre import protocol as p
 from maitre.control.cluster import ClusterState
 from maitre.control.coordinator import Coordinator
@@ -459,31 +457,27 @@ class CoordinatorServer:
                  on_event: Callable[[str, dict[str, Any]], None] | None = None,
                  tick_s: float = 0.05, token: str | None = None, db: Store | None = None,
                  tls_cert: str | None = None, tls_key: str | None = None) -> None:
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))  # raises OSError: the caller says where and why
-        self._sock.listen(4096)  # connections queue from now on, before uvicorn runs
+        # raises OSError: the caller says where and why; connections queue from now on
+        sock = serving.bound(host, port, backlog=4096)
         self.stores = Stores()
-        self.door = StoreDoor(self.stores, host, store_port)  # raises OSError, as above
+        try:
+            self.door = StoreDoor(self.stores, host, store_port)  # raises OSError, as above
+        except OSError:
+            sock.close()
+            raise
         self.coordinator = Coordinator(f"{host}:{self.door.port}", cfg, on_event=on_event,
                                        cluster=cluster, store=db, stores=self.stores)
         self.token = token
         self.app = build_app(self.coordinator, token)
-        self.port = self._sock.getsockname()[1]
+        self.http = serving.Serving(self.app, sock, "maitre-http", timeout_keep_alive=120,
+                                    proxy_headers=False, ssl_certfile=tls_cert,
+                                    ssl_keyfile=tls_key, backlog=4096)
+        self.port = self.http.port
         self.address = f"{host}:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=120, timeout_graceful_shutdown=1,
-                                proxy_headers=False,
-                                ssl_certfile=tls_cert, ssl_keyfile=tls_key, backlog=4096)
-        self.httpd = uvicorn.Server(config)
         self._tick_s = tick_s
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._serve, name="maitre-http", daemon=True),
-                         threading.Thread(target=self._detector, name="maitre-detector",
-                                          daemon=True)]
-
-    def _serve(self) -> None:
-        self.httpd.run(sockets=[self._sock])
+        self._ticker = threading.Thread(target=self._detector, name="maitre-detector",
+                                        daemon=True)
 
     def start(self) -> "CoordinatorServer":
         # What is alive now (torch, FastAPI, the restored state: some 200,000 objects) lives as
@@ -495,14 +489,8 @@ class CoordinatorServer:
         # few hundred objects, nearly all freed by reference counting at once.
         gc.set_threshold(50_000, 20, 20)
         self.door.start()
-        for t in self._threads:
-            t.start()
-        deadline = time.monotonic() + 30
-        while not self.httpd.started and self._threads[0].is_alive() and \
-                time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not self.httpd.started:
-            raise RuntimeError("the coordinator's HTTP server did not start")
+        self._ticker.start()
+        self.http.start("the coordinator's HTTP server")
         return self
 
     def _detector(self) -> None:
@@ -521,10 +509,9 @@ class CoordinatorServer:
         self.app.state.waiters.close()
         for wake in self.coordinator.events.listeners:  # the dashboard's streams end now
             wake(self.coordinator.events.last)
-        self.httpd.should_exit = True
-        for t in self._threads:
-            t.join(timeout=5)
-        self._sock.close()
+        self.http.stop()
+        if self._ticker.is_alive():
+            self._ticker.join(timeout=5)
         self.door.stop()
         self.stores.retain(set())
 

@@ -3,17 +3,14 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from maitre import serving
 from maitre.dashboard import auth, routes
 from maitre.dashboard.replay import ReplayLog
 from maitre.errors import RequestError
@@ -67,32 +64,18 @@ class ReplayServer:
     def __init__(self, path: Path, token: str, host: str = "127.0.0.1", port: int = 0) -> None:
         self.log = ReplayLog(path)  # raises ReplayError: nothing is served
         self.token = token
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(128)
-        self.port = self._sock.getsockname()[1]
+        sock = serving.bound(host, port)  # raises OSError: the caller says where and why
+        self.http = serving.Serving(replay_app(self.log, token), sock, "maitre-dashboard")
+        self.port = self.http.port
         shown = f"[{host}]" if ":" in host else host
         self.url = f"http://{shown}:{self.port}{auth.PREFIX}/"
-        self.httpd = uvicorn.Server(uvicorn.Config(
-            replay_app(self.log, token), log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=lambda: self.httpd.run(sockets=[self._sock]),
-                                        name="maitre-dashboard", daemon=True)
 
     def start(self) -> "ReplayServer":
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.httpd.started and self._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        if not self.httpd.started:
-            raise RuntimeError("the dashboard's server did not start")
+        self.http.start("the dashboard's server")
         return self
 
     def stop(self) -> None:
-        self.httpd.should_exit = True
-        self._thread.join(timeout=5)
-        self._sock.close()
+        self.http.stop()
 
     def __enter__(self) -> "ReplayServer":
         return self.start()
