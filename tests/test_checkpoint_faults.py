@@ -55,7 +55,9 @@ def resume_and_compare(directory: Path, tmp_path: Path, reference: dict[str, tor
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", PHASES)
+@pytest.mark.parametrize("phase", [  # (two phases like the others' kept for -m slow: time)
+    pytest.param(p, marks=pytest.mark.slow) if p in ("between_files", "before_manifest") else p
+    for p in PHASES])
 def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
                                       reference) -> None:
     directory = tmp_path / "ckpt"
@@ -174,6 +176,7 @@ def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference) -> None:
     resume_and_compare(directory, tmp_path, reference(STEPS), steps[0])
 
 
+@pytest.mark.slow  # (a different world size at resume: test_job_checkpoints.py, by default)
 @pytest.mark.timeout(420)
 def test_saved_by_three_ranks_resumed_by_two_under_torchrun(
         tmp_path: Path, reference) -> None:

@@ -61,7 +61,7 @@ def test_sigstop_worker_is_detected_and_removed(tmp_path: Path,
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["stream", "pause"])
+@pytest.mark.parametrize("mode", ["stream", pytest.param("pause", marks=pytest.mark.slow)])
 def test_worker_joins(tmp_path: Path, reference, monkeypatch, mode: str) -> None:
     """Streamed (the joiner listens while the job trains on) or broadcast while the job waits."""
     monkeypatch.setenv("MAITRE_JOIN", mode)

@@ -33,8 +33,10 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("nproc,dp_shard", [
-    (4, 2), pytest.param(2, 2, marks=pytest.mark.slow), pytest.param(2, 1, marks=pytest.mark.slow)],
-    ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"])  # (the default suite's time)
+    pytest.param(4, 2, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow),
+    pytest.param(2, 1, marks=pytest.mark.slow)],  # (the default suite's time: FSDP2 replicas
+    ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"])  # under maitre run below, and
+# under torchrun in test_replica_checkpoints.py's saved checkpoint)
 def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, nproc: int,
                                                         dp_shard: int) -> None:
     out = tmp_path / "final.pt"
@@ -45,6 +47,7 @@ def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, n
     assert error <= 1e-12, error
 
 
+@pytest.mark.slow  # (the default suite: fp16 over FSDP2 replicas under maitre run, below)
 def test_fp16_overflows_are_decided_alike_by_every_process_of_every_replica(
         tmp_path: Path) -> None:
     """The loss scaler over sharded gradients: each process checks its own shards, the replica

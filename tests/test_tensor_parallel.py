@@ -53,10 +53,11 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mesh", [
     pytest.param(["--dp-shard", "1", "--tp", "2", "--no-fsdp"], marks=pytest.mark.slow),
-    ["--dp-shard", "2", "--tp", "2"],
-    pytest.param(["--dp-shard", "1", "--tp", "2"], marks=pytest.mark.slow)],  # (the maitre
-    ids=["2 replicas of tp=2 alone", "1 replica of dp_shard=2 x tp=2",  # story's mesh below)
-         "2 replicas of dp_shard=1 x tp=2 under FSDP2"])
+    pytest.param(["--dp-shard", "2", "--tp", "2"], marks=pytest.mark.slow),
+    pytest.param(["--dp-shard", "1", "--tp", "2"], marks=pytest.mark.slow)],
+    ids=["2 replicas of tp=2 alone", "1 replica of dp_shard=2 x tp=2",
+         "2 replicas of dp_shard=1 x tp=2 under FSDP2"])  # (the default suite: TP under maitre
+# run, the story below, on the mesh of the last one)
 def test_tp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, mesh) -> None:
     out = tmp_path / "final.pt"
     stdout = run_ok(torchrun(4, SCRIPT, *mesh, "--check-grads", "--out", str(out)))
