@@ -127,8 +127,7 @@ def test_a_spare_that_dies_is_no_failure_and_one_over_the_max_is_refused(tmp_pat
     assert len(job["spares"]) == 1 and job["spares"] != [spare]
 
 
-@pytest.mark.slow  # (about 20 s, most of it the first workers' start; the control plane's
-@pytest.mark.timeout(240)  # part of it runs above in a second)
+@pytest.mark.timeout(240)  # (10-20 s, most of it the first workers' start)
 def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exact(
         tmp_path: Path, reference) -> None:
     """Real agents and workers: ``a`` (2 workers, 1 spare) on 3 slots. A member SIGKILLed: the
