@@ -94,3 +94,20 @@ def browser_if_any() -> Iterator[Any]:
 
 def new_page(b: Any, width: int = 1300, height: int = 900) -> Page:
     return Page(b.new_page(viewport={"width": width, "height": height}))
+
+
+@contextmanager
+def replay_page(tmp_path: Any, events: list[dict[str, Any]], token: str) -> Iterator[Page]:
+    """A page signed in to a replay (``maitre dashboard``) of ``events``, numbered in order
+    (``seq`` from 1, ``t`` the index in seconds, ``job`` null unless given)."""
+    import json
+
+    from maitre.dashboard.server import ReplayServer
+
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
+                            for k, e in enumerate(events)))
+    with ReplayServer(path, token) as srv, browser() as b:
+        page = new_page(b)
+        page.open(f"{srv.url}?token={token}")
+        yield page

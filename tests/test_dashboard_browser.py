@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from browser import Page, browser, browser_if_any, new_page
+from browser import Page, browser, browser_if_any, new_page, replay_page
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.dashboard.server import ReplayServer
@@ -251,8 +251,6 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
 
 @pytest.mark.timeout(120)
 def test_a_slow_rank_is_marked_on_its_job_and_node(tmp_path: Path) -> None:
-    import json
-
     events = [
         {"kind": "node_registered", "node": "n0", "slots": 2, "labels": {}, "price": None},
         {"kind": "node_registered", "node": "n1", "slots": 2, "labels": {}, "price": None},
@@ -263,12 +261,7 @@ def test_a_slow_rank_is_marked_on_its_job_and_node(tmp_path: Path) -> None:
         {"kind": "straggler", "job": "lm", "worker": "w3", "rank": 2, "node": "n1",
          "ratio": 1.62, "since_step": 1, "step": 10, "policy": "report"},
     ]
-    path = tmp_path / "events.jsonl"
-    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
-                            for k, e in enumerate(events)))
-    with ReplayServer(path, TOKEN) as srv, browser() as b:
-        page = new_page(b)
-        page.open(f"{srv.url}?token={TOKEN}")
+    with replay_page(tmp_path, events, TOKEN) as page:
         assert "1 slow rank" in page.page.inner_text("#stat-stragglers")
         page.view("job/lm")
         row = page.page.locator("#job #stragglers tr").nth(1).inner_text()
@@ -280,8 +273,6 @@ def test_a_slow_rank_is_marked_on_its_job_and_node(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_an_unhealthy_and_a_suspect_node_are_marked_with_why(tmp_path: Path) -> None:
-    import json
-
     events = [
         {"kind": "node_registered", "node": "n0", "slots": 1, "labels": {}, "price": None},
         {"kind": "node_registered", "node": "n1", "slots": 1, "labels": {}, "price": None},
@@ -292,12 +283,7 @@ def test_an_unhealthy_and_a_suspect_node_are_marked_with_why(tmp_path: Path) -> 
         {"kind": "node_suspect", "node": "n0", "reason": "straggler: w2 at 2.00x the median",
          "until": 600.0, "job": "lm", "worker": "w2"},
     ]
-    path = tmp_path / "events.jsonl"
-    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
-                            for k, e in enumerate(events)))
-    with ReplayServer(path, TOKEN) as srv, browser() as b:
-        page = new_page(b)
-        page.open(f"{srv.url}?token={TOKEN}")
+    with replay_page(tmp_path, events, TOKEN) as page:
         page.view("scaling")
         marked = page.page.inner_text("#scaling .marked")
         assert "n1 unhealthy" in marked and "n0 suspect" in marked, marked

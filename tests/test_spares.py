@@ -183,10 +183,7 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
 
 @pytest.mark.timeout(120)
 def test_the_jobs_page_shows_its_spares_apart_from_its_slots(tmp_path: Path) -> None:
-    import json
-
-    from browser import browser, new_page
-    from maitre.dashboard.server import ReplayServer
+    from browser import replay_page
     from test_dashboard import TOKEN
 
     events = [
@@ -204,12 +201,7 @@ def test_the_jobs_page_shows_its_spares_apart_from_its_slots(tmp_path: Path) -> 
         {"kind": "spare_promoted", "job": "a", "worker": "a-w3", "replacing": "a-w1",
          "node": "n1", "epoch": 2, "seconds": 0.31},
     ]
-    path = tmp_path / "events.jsonl"
-    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
-                            for k, e in enumerate(events)))
-    with ReplayServer(path, TOKEN) as srv, browser() as b:
-        page = new_page(b)
-        page.open(f"{srv.url}?token={TOKEN}")
+    with replay_page(tmp_path, events, TOKEN) as page:
         page.view("job/a")
         assert "1 warm spare(s), not in the slots held" in page.page.inner_text("#job")
         rows = [page.page.locator("#job #spares tr").nth(k).inner_text() for k in (1, 2)]
