@@ -198,29 +198,25 @@ def _slow_rank(text: str) -> tuple[int, float, int] | None:
 
 def _slow_factor(text: str) -> float:
     """``MAITRE_SLOW_FACTOR``: ``FACTOR`` (0.0 when unset)."""
-    if not text.strip():
-        return 0.0
-    try:
-        factor = float(text)
-    except ValueError:
-        factor = -1.0
-    if not 0 <= factor <= 1000:  # (nan fails too)
-        raise ValueError(f"{protocol.SLOW_FACTOR}={text!r}: expected a factor in [0, 1000], "
-                         "e.g. 1.0 (each step's compute takes twice as long)")
-    return factor
+    return _number(protocol.SLOW_FACTOR, text, 1000,
+                   "a factor in [0, 1000], e.g. 1.0 (each step's compute takes twice as long)")
 
 
 def _jitter(text: str) -> float:
     """``MAITRE_STEP_JITTER``: the most of its compute a rank sleeps (0.0 when unset)."""
+    return _number(protocol.STEP_JITTER, text, 100, "a fraction in [0, 100], e.g. 0.3")
+
+
+def _number(var: str, text: str, high: float, expected: str) -> float:
+    """``var``'s value ``text``: a number in [0, ``high``] (0.0 when unset), else ValueError."""
     if not text.strip():
         return 0.0
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not 0 <= value <= 100:  # (nan fails too)
-        raise ValueError(f"{protocol.STEP_JITTER}={text!r}: expected a fraction in [0, 100], "
-                         f"e.g. 0.3")
+    if not 0 <= value <= high:  # (nan fails too)
+        raise ValueError(f"{var}={text!r}: expected {expected}")
     return value
 
 
