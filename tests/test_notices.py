@@ -67,6 +67,61 @@ def test_aws_instance_action_404_is_no_notice_and_200_gives_its_time(metadata) -
     assert w.poll() is notice and seen == [notice]
 
 
+class _MetadataV2(_Metadata):
+    """IMDSv2 only: a GET without a live session token is 401; ``PUT /latest/api/token`` gives
+    one (``self.server.tokens``: those given; ``revoked``: those that no longer work)."""
+
+    def do_PUT(self) -> None:  # noqa: N802
+        server = self.server
+        assert self.path == "/latest/api/token", self.path
+        assert int(self.headers["X-aws-ec2-metadata-token-ttl-seconds"]) <= 21600
+        token = f"t{len(server.tokens)}"  # type: ignore[attr-defined]
+        server.tokens.append(token)  # type: ignore[attr-defined]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(token)))
+        self.end_headers()
+        self.wfile.write(token.encode())
+
+    def do_GET(self) -> None:  # noqa: N802
+        token = self.headers.get("X-aws-ec2-metadata-token")
+        if token not in self.server.tokens or token in self.server.revoked:  # type: ignore
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        super().do_GET()
+
+
+def test_aws_imdsv2_gets_a_session_token_and_a_new_one_when_it_stops_working() -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _MetadataV2)
+    server.answer = (404, "")  # type: ignore[attr-defined]
+    server.headers_seen, server.tokens, server.revoked = [], [], set()  # type: ignore
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/latest/meta-data/spot/instance-action"
+        now = [parse_time("2026-12-01T20:59:00Z")]
+        w = _watcher(HttpSource(url), now)
+        assert w.poll() is None and w.status.endswith("no notice"), w.status
+        assert w.poll() is None and server.tokens == ["t0"], "one token, kept"
+        server.revoked.add("t0")  # type: ignore[attr-defined]
+        server.answer = (200, json.dumps(  # type: ignore[attr-defined]
+            {"action": "stop", "time": "2026-12-01T21:00:00Z"}))
+        notice = w.poll()
+        assert notice is not None and notice.action == "stop" and server.tokens == ["t0", "t1"]
+        assert notice.remaining_s(now[0]) == pytest.approx(60.0)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_aws_imdsv1_answers_without_a_token(metadata) -> None:
+    """A metadata service with no tokens (the PUT is not served: 501): asked without one."""
+    url = f"http://127.0.0.1:{metadata.server_port}/latest/meta-data/spot/instance-action"
+    w = _watcher(HttpSource(url), [parse_time("2026-12-01T20:59:30Z")])
+    assert w.poll() is None and w.status.endswith("no notice"), w.status
+    assert all("X-aws-ec2-metadata-token" not in h for h in metadata.headers_seen)
+
+
 def test_gce_preempted_true_gives_the_default_notice_from_when_it_was_first_seen(metadata) -> None:
     url = f"http://127.0.0.1:{metadata.server_port}/computeMetadata/v1/instance/preempted"
     now = [1000.0]

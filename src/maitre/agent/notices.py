@@ -7,8 +7,9 @@ understands three shapes:
 =============  ===========================================================================
 AWS            ``/latest/meta-data/spot/instance-action``: 404 while there is no notice; 200
                with ``{"action": "terminate"|"stop", "time": "2026-12-01T21:00:00Z"}``: the
-               node goes at ``time``. (IMDSv2's session token is not fetched: point the URL at
-               a proxy, or a file, where IMDSv1 is off.)
+               node goes at ``time``. IMDSv2: the watcher asks for a session token (``PUT
+               /latest/api/token``) and sends it; where the service has no tokens (IMDSv1
+               only) it asks without one.
 GCE            ``/computeMetadata/v1/instance/preempted`` (sent with ``Metadata-Flavor:
                Google``): ``FALSE``, or ``TRUE``: the node goes ``default_notice_s`` (30 s, as
                on GCE) after the watcher first saw it.
@@ -34,6 +35,7 @@ import os
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from datetime import datetime
@@ -140,6 +142,10 @@ class FileSource:
         return parse_file(text, mtime)
 
 
+AWS_TOKEN_TTL_S = 21600
+"""The IMDSv2 session token's lifetime asked for (AWS's most: 6 hours); renewed before it ends."""
+
+
 class HttpSource:
     def __init__(self, url: str, timeout_s: float = 2.0) -> None:
         self.url = url
@@ -147,18 +153,17 @@ class HttpSource:
         self.timeout_s = timeout_s
         self._seen_true: float | None = None
         """When GCE's ``preempted`` first said TRUE (its deadline counts from then)."""
+        split = urllib.parse.urlsplit(url)
+        self._token_url = f"{split.scheme}://{split.netloc}/latest/api/token" \
+            if split.path.startswith("/latest/meta-data/") else None
+        """AWS's instance metadata: where its IMDSv2 session tokens come from."""
+        self._token: tuple[str, float] | None = None
+        """(token, monotonic time to renew it by); ("", t): the service has no tokens."""
 
     def read(self, now: float, default_notice_s: float) -> tuple[str, float] | None:
-        request = urllib.request.Request(self.url, headers={"Metadata-Flavor": "Google"})
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
-                body = reply.read(_MAX_BODY).decode("utf-8", "replace")
-        except urllib.error.HTTPError as exc:
-            if exc.code == 404:  # AWS: no instance action scheduled
-                return None
-            raise NoticeError(f"HTTP {exc.code} {exc.reason}") from None
-        except http.client.HTTPException as exc:  # not HTTP at all
-            raise NoticeError(f"not an HTTP answer ({type(exc).__name__})") from None
+        body = self._get(retry=True)
+        if body is None:
+            return None
         gce = parse_gce(body)
         if gce is not None:
             if not gce:
@@ -167,6 +172,51 @@ class HttpSource:
                 self._seen_true = now
             return "preempt", self._seen_true + default_notice_s
         return parse_aws(body)
+
+    def _get(self, retry: bool) -> str | None:
+        """The body (None: 404, AWS's "no instance action"); NoticeError for anything else."""
+        headers = {"Metadata-Flavor": "Google"}
+        token = self._aws_token()
+        if token:
+            headers["X-aws-ec2-metadata-token"] = token
+        request = urllib.request.Request(self.url, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                return reply.read(_MAX_BODY).decode("utf-8", "replace")
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:  # AWS: no instance action scheduled
+                return None
+            if exc.code == 401 and self._token_url and retry:  # a token expired or revoked
+                self._token = None
+                return self._get(retry=False)
+            raise NoticeError(f"HTTP {exc.code} {exc.reason}") from None
+        except http.client.HTTPException as exc:  # not HTTP at all
+            raise NoticeError(f"not an HTTP answer ({type(exc).__name__})") from None
+
+    def _aws_token(self) -> str:
+        """IMDSv2's session token ("" where the URL is not AWS's metadata, or where the service
+        gives none: IMDSv1, which answers the token's PUT with 403, 404, 405 or 501)."""
+        if self._token_url is None:
+            return ""
+        if self._token is not None and time.monotonic() < self._token[1]:
+            return self._token[0]
+        request = urllib.request.Request(
+            self._token_url, method="PUT",
+            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                token = reply.read(4096).decode("ascii", "replace").strip()
+        except urllib.error.HTTPError as exc:
+            if exc.code in (403, 404, 405, 501):  # no tokens here: ask without (for an hour)
+                self._token = ("", time.monotonic() + 3600)
+                return ""
+            raise NoticeError(f"IMDSv2 token: HTTP {exc.code} {exc.reason}") from None
+        except http.client.HTTPException as exc:
+            raise NoticeError(f"IMDSv2 token: not an HTTP answer ({type(exc).__name__})") from None
+        if not token or any(c.isspace() for c in token):
+            raise NoticeError(f"IMDSv2 token: not a token ({token[:40]!r})")
+        self._token = (token, time.monotonic() + AWS_TOKEN_TTL_S - 60)
+        return token
 
 
 def source(spec: str) -> FileSource | HttpSource:
