@@ -204,6 +204,26 @@ def test_a_node_that_fails_its_probe_lets_its_spare_go_and_gets_no_new_one(
     assert not sim.job("a")["spares"] and not sim.running[node], "no new spare there"
 
 
+def test_a_suspect_node_stays_suspect_across_a_coordinator_restart(tmp_path: Path) -> None:
+    sim = _evict_sim(tmp_path, cooldown_s=30.0)
+    ms = sim.co.jobs["a"]
+    slow = ms.members[-1]
+    node = ms.workers[slow].node
+    _straggle(sim, slow)
+    sim.advance(2)
+    sim.restart()  # a new coordinator on the same store
+    sim.advance(2)
+    view = {n["node"]: n for n in sim.co.nodes_view()}[node]
+    assert view["suspect"] is not None and "straggler" in view["suspect"]["reason"]
+    assert sim.probe_asked[node], "the new coordinator asks for the probe that may clear it"
+    sim.submit("b", "q", 1, 1)
+    sim.advance(2)
+    assert node not in sim.job("b")["placement"] and not sim.running[node]
+    sim.health[node] = _health(2, True)  # a probe after the suspicion passes: cleared
+    sim.advance(1)
+    assert {n["node"]: n for n in sim.co.nodes_view()}[node]["suspect"] is None
+
+
 def test_a_suspect_node_is_avoided_until_its_cooldown_ends(tmp_path: Path) -> None:
     sim = _evict_sim(tmp_path, cooldown_s=5.0, resize_cooldown_s=1.0)
     ms = sim.co.jobs["a"]

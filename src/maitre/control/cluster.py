@@ -349,7 +349,7 @@ class ClusterState:
         if state is not None:
             sus = state.health.suspected(reason, now, spec.cooldown_s, job_id, worker)
             self.log(now, "node_suspect", node=node, reason=reason, until=round(sus.until, 4),
-                     job=job_id, worker=worker)
+                     job=job_id, worker=worker, probe=sus.after)
         where = self._free_for(m)  # (the node is suspect now: none of its slots is free)
         # A spare on the suspect node would be as slow: the others may take the place.
         spares = [s for s in ms.live_spares() if s.node != node]

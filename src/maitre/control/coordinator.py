@@ -43,7 +43,7 @@ from maitre.control import accounting
 from maitre.control.cluster import ClusterState, ManagedJob
 from maitre.control.detectors import DetectorConfig
 from maitre.control.eventlog import EventLog
-from maitre.control.health import Probe
+from maitre.control.health import Probe, Suspect
 from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
@@ -1060,12 +1060,31 @@ class Coordinator:
                 ms = Membership.from_json(extra["membership"], self.cfg, now, job)
                 managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
                 self._install(ms)
+        self._restore_suspects(now)
         usage = self.db.meta("usage")
         if usage:
             cluster.usage.restore(usage)
         if cluster.managed or cluster.nodes:
             cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
                         nodes=len(cluster.nodes))
+
+    def _restore_suspects(self, now: float) -> None:
+        """Suspect nodes stay suspect across a restart: the event log's last ``node_suspect``
+        of each node that no ``node_cleared`` followed, while its cool-down lasts (a node's
+        probes ride its beats, so its health comes back with its next one)."""
+        assert self.db is not None
+        standing: dict[str, dict[str, Any]] = {}
+        for e in self.db.events(kinds=("node_suspect", "node_cleared")):
+            if e["kind"] == "node_suspect":
+                standing[e["node"]] = e
+            else:
+                standing.pop(e["node"], None)
+        for node, e in standing.items():
+            state = self.cluster.nodes.get(node)
+            if state is not None and e["until"] > now:
+                state.health.suspect = Suspect(e["reason"], e["t"], e["until"],
+                                               int(e.get("probe", 0)), e.get("job", ""),
+                                               e.get("worker", ""))
 
     # -- helpers ---------------------------------------------------------------------------------
     def _job_of(self, wid: str) -> Membership:

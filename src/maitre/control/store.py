@@ -254,12 +254,17 @@ class Store:
             out.append((job, json.loads(extra)))
         return out
 
-    def events(self, since: int = 0, job: str | None = None) -> Iterator[dict[str, Any]]:
+    def events(self, since: int = 0, job: str | None = None,
+               kinds: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+        """The events after ``since``, oldest first (only ``job``'s, only of ``kinds``)."""
         query = "SELECT seq, t, job, kind, body FROM events WHERE seq > ?"
         args: tuple[Any, ...] = (since,)
         if job is not None:
             query += " AND job = ?"
             args += (job,)
+        if kinds is not None:
+            query += f" AND kind IN ({', '.join('?' * len(kinds))})"
+            args += tuple(kinds)
         self.flush()
         with self._lock:
             rows = list(self._db.execute(query + " ORDER BY seq", args))
