@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -63,6 +64,29 @@ def test_a_spare_is_started_and_held_back_and_its_slot_counts_as_free(tmp_path: 
     assert free == 1, "the scheduler sees the spare's slot free"
     sim.advance(3)
     assert sim.job("a")["epoch"] == 1, "a waiting spare closes no epoch"
+
+
+def test_maitre_status_marks_spares_in_the_nodes_lists(tmp_path: Path, monkeypatch,
+                                                     capsys) -> None:
+    """The jobs' and nodes' tables of ``maitre status`` as the coordinator's routes give them:
+    a spare counts in SPARES, not WORKERS, and is marked where its node lists it."""
+    import argparse
+
+    from maitre import cli, protocol
+
+    sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
+    _submit(sim, "a", 2, 2, spares=1)
+    sim.advance(5)
+    routes = {protocol.JOBS: {"jobs": sim.co.job_list()}, protocol.NODES: {
+        "nodes": sim.co.nodes_view()}, protocol.QUEUES: {"queues": []},
+        protocol.REPORT: sim.co.report()}
+    monkeypatch.setattr(cli, "_coordinator", lambda args: type(
+        "Client", (), {"get": staticmethod(lambda path: routes[path])})())
+    assert cli.cmd_status(argparse.Namespace(job=None, json=False)) == 0
+    out = capsys.readouterr().out
+    [spare] = sim.job("a")["spares"]
+    assert re.search(r"a\s+q\s+\d+\s+RUNNING\s+1\s+\d+\s+2/2\s+1/1", out), out
+    assert f"{spare}(spare)" in out and out.count("(spare)") == 1, out
 
 
 def test_a_killed_member_is_replaced_by_the_spare_and_a_new_spare_starts(tmp_path: Path) -> None:

@@ -284,6 +284,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(_table(["JOB", "QUEUE", "PRIO", "STATE", "EPOCH", "STEP", "WORKERS", "SPARES",
                   "FAILS", "NODES"], rows))
     if nodes:
+        spares = {w for j in jobs for w in j.get("spares", [])}  # marked in a node's list
         print()
         print(_table(["NODE", "STATE", "SLOTS", "USED", "RACK", "TYPE", "PRICE/H", "PHI",
                       "HEALTH", "WORKERS"],
@@ -294,7 +295,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                        n["labels"].get("capacity_type", "on-demand"),
                        "-" if n.get("price") is None else f"{n['price']:g}",
                        "-" if n["phi"] is None else f"{n['phi']:.1f}", _health(n.get("health")),
-                       " ".join(n["workers"])]
+                       " ".join(f"{w}(spare)" if w in spares else w for w in n["workers"])]
                       for n in nodes]))
         for n in nodes:  # why a node is avoided
             h, sus = n.get("health"), n.get("suspect")
