@@ -157,8 +157,9 @@ def test_the_crd_spec_has_every_manifest_field_but_the_name() -> None:
     assert set(spec["properties"]) == fields - {"name"}
     assert spec["required"] == ["queue", "command"]
     assert spec["properties"]["command"] == {
-        "type": "array", "description": JobManifest.model_fields["command"].description,
-        "items": {"type": "string"}}
+        "type": "array", "items": {"type": "string"},
+        "description": f"{JobManifest.model_fields['command'].description} In a MaitreJob: "
+                       "a list."}
 
 
 _STRUCTURAL = {"type", "description", "default", "enum", "pattern", "minLength", "maxLength",

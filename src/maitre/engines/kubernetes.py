@@ -42,6 +42,8 @@ _KEPT = ("type", "description", "default", "enum", "pattern", "minLength", "maxL
 field's name again; ``additionalProperties: false`` is refused by the API server)."""
 _PREFERRED = ("array", "object", "string", "number", "integer", "boolean")
 """Where the model takes several types, the one the CRD keeps: the first of these."""
+_WORDS = {"array": "a list", "object": "a mapping", "string": "a string", "number": "a number",
+          "integer": "an integer", "boolean": "true or false"}
 
 
 class SchemaError(ValueError):
@@ -61,6 +63,8 @@ def _structural(node: dict[str, Any], defs: dict[str, Any], at: str) -> dict[str
         chosen = min(typed, key=lambda o: _PREFERRED.index(o["type"]))
         rest = {k: v for k, v in node.items() if k != "anyOf"}
         node = {**chosen, **{k: v for k, v in rest.items() if k in _KEPT}}
+        if len(typed) > 1 and "description" in node:  # say which form a MaitreJob takes
+            node["description"] += f" In a MaitreJob: {_WORDS[chosen['type']]}."
     if node.get("default", 0) is None:
         node = {k: v for k, v in node.items() if k != "default"}
     if "type" not in node:
