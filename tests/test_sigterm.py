@@ -102,7 +102,7 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
 
     from maitre.runtime.ledger import audit
 
-    steps, out = 300, tmp_path / "a.pt"
+    steps, out = 200, tmp_path / "a.pt"
     lines: list[str] = []
     cluster = _cluster(tmp_path, lines)
     co = cluster.coordinator
@@ -113,7 +113,7 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
         wait_for(lambda: len([n for n in co.nodes_view() if n["alive"]]) == 2, 60,
                  "both nodes", lines)
         co.submit({"name": "a", "queue": "q", "minReplicas": 1, "maxReplicas": 2,
-                   "command": example_command(steps, out) + ["--device-ms-per-sample", "8"]})
+                   "command": example_command(steps, out) + ["--device-ms-per-sample", "4"]})
 
         def on_both() -> bool:
             a = co.job_status("a")
