@@ -51,6 +51,14 @@ def _kv():
     return kubernetes_validate
 
 
+def _jsonschema():
+    """jsonschema, which kubernetes-validate brings."""
+    _kv()
+    import jsonschema
+
+    return jsonschema
+
+
 def _docs(path: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
 
@@ -70,8 +78,7 @@ def _named(kind: str, name: str | None = None) -> dict[str, Any]:
 def _validate(doc: dict[str, Any]) -> None:
     """One document against the pinned version's schema; a MaitreJob against the CRD's."""
     if doc.get("kind") == k8s.KIND:
-        import jsonschema
-
+        jsonschema = _jsonschema()
         schema = _docs(CRD)[0]["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
         jsonschema.Draft4Validator(schema).validate(doc)
         return
@@ -171,7 +178,7 @@ def _structural_problems(node: dict[str, Any], at: str) -> list[str]:
     """What the API server would refuse in a CRD's schema (apiextensions' structural rules, as
     far as this schema goes): a node without a type, a reference, a union of types, a null,
     ``additionalProperties: false``, a default or enum its node's type does not hold."""
-    import jsonschema
+    jsonschema = _jsonschema()
 
     problems = [f"{at}: {key}" for key in sorted(set(node) - _STRUCTURAL)]
     if node.get("type") not in _TYPES:
@@ -276,9 +283,7 @@ BROKEN = [
 @pytest.mark.parametrize(("kind", "name", "path", "value"), BROKEN,
                          ids=[f"{k}:{p}" for k, _, p, _ in BROKEN])
 def test_a_manifest_with_a_missing_or_wrong_field_is_rejected(kind, name, path, value) -> None:
-    import jsonschema
-
-    kv = _kv()
+    jsonschema, kv = _jsonschema(), _kv()
     good = _named(kind, name)
     _validate(good)
     with pytest.raises((kv.ValidationError, kv.SchemaNotFoundError, jsonschema.ValidationError)):
