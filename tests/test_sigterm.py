@@ -112,6 +112,8 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
     assert proc.returncode == 0 and took < 20, (took, agent_out)
     drained = next(e for e in events if e["kind"] == "node_drained" and e["node"] == "pod-0")
     assert sorted(drained["workers"]) == sorted(on_pod), (drained, on_pod)  # left gracefully
+    print(f"SIGTERM to the agent's exit {took:.2f} s; the node drained in "
+          f"{drained['seconds']:.2f} s")
     assert any(e["kind"] == "node_reclaimed" and e["node"] == "pod-0" for e in events), log
     assert any(e["kind"] == "shrink" and e.get("job") == "a" for e in events), log
     assert not [e for e in events if e["kind"] == "node_dead"], log
