@@ -72,17 +72,23 @@ def _coordinator(args: argparse.Namespace) -> Client:
     token = os.environ.get(_TOKEN) or None
     token_file = args.token_file or os.environ.get(_TOKEN_FILE)
     if token_file:
-        try:
-            token = Path(token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"cannot read --token-file: {exc}") from None
-        if not token:
-            raise UsageError(f"--token-file {token_file} is empty")
+        token = _read_token(token_file)
     tls_ca = args.tls_ca or os.environ.get(_TLS_CA) or None
     try:
         return Client(address, timeout_s=5.0, token=token, tls_ca=tls_ca)
     except (OSError, ssl.SSLError) as exc:
         raise UsageError(f"--tls-ca {tls_ca}: not a PEM certificate bundle ({exc})") from None
+
+
+def _read_token(path: str) -> str:
+    """A token file's token (a Kubernetes Secret's key, the coordinator's ``<state-dir>/token``)."""
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"cannot read --token-file: {exc}") from None
+    if not token:
+        raise UsageError(f"--token-file {path} is empty")
+    return token
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -190,6 +196,16 @@ def _notices(args: argparse.Namespace):
                         ("--spot-notice-default", args.spot_notice_default)):
         if value is not None and not (value > 0 and value < math.inf):
             raise UsageError(f"{flag} must be a positive number of seconds, got {value:g}")
+    if args.sigterm_notice is not None:
+        from maitre.agent.notices import SigtermSource
+
+        if args.spot_notice is not None:
+            raise UsageError("--sigterm-notice and --spot-notice: one notice source per agent")
+        try:
+            src = SigtermSource(args.sigterm_notice)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        return NoticeWatcher(src, interval_s=0.2)
     if args.spot_notice is None:
         for flag, value in (("--spot-notice-interval", args.spot_notice_interval),
                             ("--spot-notice-default", args.spot_notice_default)):
@@ -244,6 +260,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     if advertised:
         print("maitre: workers advertise " + " ".join(f"{k}={v}" for k, v in advertised.items()),
               flush=True)
+    if notices is not None and hasattr(notices.src, "arm"):
+        notices.src.arm()
+        threading.Thread(target=_leave_when_drained, args=(agent, notices), daemon=True).start()
     try:
         agent.serve()
     except KeyboardInterrupt:
@@ -251,6 +270,24 @@ def cmd_agent(args: argparse.Namespace) -> int:
     finally:
         agent.stop()
     return 0
+
+
+def _leave_when_drained(agent: Any, notices: Any) -> None:
+    """``--sigterm-notice``: after SIGTERM, once the coordinator has heard the notice and the
+    node's workers are gone (they leave at a step boundary), or at the notice's deadline, the
+    agent stops (its last beat says the node goes now)."""
+    src = notices.src
+    while src.fired_at is None:
+        time.sleep(0.1)
+    fired = time.monotonic()
+    deadline = fired + src.notice_s
+    while time.monotonic() < deadline:
+        heard = notices.current is not None and agent.heard_at is not None and \
+            agent.heard_at > fired
+        if heard and not agent.running():
+            break
+        time.sleep(0.1)
+    agent.leave()
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -448,6 +485,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not 0 <= args.spot_nodes <= args.nodes:
         raise UsageError(f"--spot-nodes must be between 0 and --nodes {args.nodes}, got "
                          f"{args.spot_nodes}")
+    if args.store_port:
+        _check_port(args.host, args.store_port, "--store-port")
+    token = _read_token(args.token_file) if args.token_file else None
     _check_port(args.host, args.port)
     tls = _tls(args)
     from maitre.control.store import StoreError  # torch (maitre.local): once the flags are good
@@ -455,6 +495,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     cfg = UpConfig(state_dir=Path(args.state_dir), queues=queues, nodes=args.nodes,
                    slots_per_node=slots, racks=racks, host=args.host, port=args.port,
+                   store_port=args.store_port, token=token,
                    policy=policy, quiet_workers=not args.worker_output, prices=prices,
                    spot_nodes=args.spot_nodes, **tls)
     try:
@@ -568,9 +609,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_port(host: str, port: int) -> None:
+def _check_port(host: str, port: int, flag: str = "--port") -> None:
     if not 0 <= port <= 65535:
-        raise UsageError(f"--port must be in 0..65535, got {port}")
+        raise UsageError(f"{flag} must be in 0..65535, got {port}")
     try:  # can this machine listen there at all? (else TCPStore retries for 30 s)
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -646,6 +687,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how often the source is polled (default 5, AWS's guidance)")
     agent.add_argument("--spot-notice-default", type=float, metavar="SECONDS",
                        help="the warning a notice without a time gives (GCE's TRUE; default 30)")
+    agent.add_argument("--sigterm-notice", type=float, metavar="SECONDS",
+                       help="treat SIGTERM as a notice that the node goes in SECONDS (Slurm's "
+                       "GraceTime, a pod's grace period): the node is drained, its workers "
+                       "leave at a step boundary, then the agent exits")
     agent.add_argument("--health-interval", type=float, default=300.0, metavar="SECONDS",
                        help="probe the node's health this often (default 300; 0: only at "
                        "start and when the coordinator asks); a failing probe drains the node")
@@ -684,6 +729,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(repeatable; default: one queue 'default')")
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=int, default=0, help="HTTP port (0: the stored one or any)")
+    up.add_argument("--store-port", type=int, default=0, help="the runs' c10d store port, which "
+                    "workers connect to (0: the stored one or any; fix it behind a Service)")
+    up.add_argument("--token-file", help="the API token to use (e.g. a Kubernetes Secret's key) "
+                    "instead of <state-dir>/token's or a new one; it is written there too")
     up.add_argument("--resize-cooldown", type=float, metavar="SECONDS",
                     help="seconds after a running job's admission or last resize before the "
                     "scheduler grows or rebalances it again (damping: no back and forth); an "

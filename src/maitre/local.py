@@ -40,6 +40,10 @@ class UpConfig:
     """Local nodes are spread over this many racks (labels ``rack-0``...)."""
     host: str = "127.0.0.1"
     port: int = 0
+    store_port: int = 0
+    """The runs' c10d store (0: the stored one, else any free port)."""
+    token: str | None = None
+    """The API token (a Kubernetes Secret's); None: ``<state-dir>/token``'s, else a new one."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     max_restarts: int = 3
     quiet_workers: bool = True
@@ -68,13 +72,14 @@ class LocalCluster:
         self.db = Store(cfg.state_dir / "state.db")  # may raise StoreError
         self.token_file = cfg.state_dir / "token"
         token = self.token_file.read_text().strip() if self.token_file.exists() else ""
-        self.token = token or secrets.token_urlsafe(32)
+        self.token = cfg.token or token or secrets.token_urlsafe(32)
         ports = self.db.meta("ports") or {}
         port = cfg.port or ports.get("http", 0)
         cluster = ClusterState(cfg.queues or [Queue("default")], run_dir=cfg.state_dir,
                                policy=cfg.policy, phi=PhiConfig(), detector=DetectorConfig(),
                                max_restarts=cfg.max_restarts, prices=cfg.prices)
-        self.server = CoordinatorServer(cluster, cfg.host, port, ports.get("store", 0),
+        store_port = cfg.store_port or ports.get("store", 0)
+        self.server = CoordinatorServer(cluster, cfg.host, port, store_port,
                                         on_event=on_event or self._print_event,
                                         token=self.token, db=self.db,
                                         tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
