@@ -336,6 +336,12 @@ class Agent:
                 pass
         shutil.rmtree(self._dir, ignore_errors=True)
 
+    def leave(self) -> None:
+        """Make :meth:`serve` return (its caller then calls :meth:`stop`): the node is done,
+        as when a notice's drain is over."""
+        self._stop.set()
+        self._poke.set()
+
     def running(self) -> list[str]:
         with self._lock:
             return [wid for wid, w in self.workers.items() if w.alive()]

@@ -2,7 +2,7 @@
 
 A source is named ``file:PATH`` or an ``http(s)://`` URL (``maitre agent --spot-notice``). The
 watcher polls it every ``interval_s`` (AWS's guidance for its instance metadata is 5 s) and
-understands three shapes:
+understands three shapes (and SIGTERM itself, :class:`SigtermSource`, polled often):
 
 =============  ===========================================================================
 AWS            ``/latest/meta-data/spot/instance-action``: 404 while there is no notice; 200
@@ -31,6 +31,7 @@ import http.client
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import urllib.error
@@ -169,6 +170,32 @@ class HttpSource:
         return parse_aws(body)
 
 
+class SigtermSource:
+    """SIGTERM as a notice of ``notice_s`` seconds (``maitre agent --sigterm-notice S``): what a
+    cluster engine sends before it takes the node back (Slurm's preemption, then ``GraceTime``;
+    ``scancel``; a pod's deletion, then its grace period). :meth:`arm` installs the handler
+    (main thread only); :meth:`fire` is what it does."""
+
+    description = "SIGTERM"
+
+    def __init__(self, notice_s: float, clock: Callable[[], float] = time.time) -> None:
+        if not notice_s > 0:
+            raise ValueError(f"--sigterm-notice must be a positive number of seconds, got {notice_s}")
+        self.notice_s = notice_s
+        self.clock = clock
+        self.fired_at: float | None = None
+
+    def arm(self) -> None:
+        signal.signal(signal.SIGTERM, lambda signum, frame: self.fire())
+
+    def fire(self) -> None:
+        if self.fired_at is None:
+            self.fired_at = self.clock()
+
+    def read(self, now: float, default_notice_s: float) -> tuple[str, float] | None:
+        return None if self.fired_at is None else ("terminate", self.fired_at + self.notice_s)
+
+
 def source(spec: str) -> FileSource | HttpSource:
     """``file:PATH`` or an ``http(s)://`` URL (ValueError otherwise)."""
     if spec.startswith("file:"):
@@ -186,7 +213,7 @@ class NoticeWatcher:
     """Polls a source every ``interval_s`` on a thread of its own; ``current`` is the notice
     once one was seen, and ``on_notice`` is called once, then."""
 
-    def __init__(self, src: FileSource | HttpSource, *, interval_s: float = DEFAULT_INTERVAL_S,
+    def __init__(self, src: FileSource | HttpSource | SigtermSource, *, interval_s: float = DEFAULT_INTERVAL_S,
                  default_notice_s: float = DEFAULT_NOTICE_S,
                  on_notice: Callable[[Notice], None] = lambda notice: None,
                  clock: Callable[[], float] = time.time) -> None:

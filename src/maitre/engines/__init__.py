@@ -1,0 +1,1 @@
+"""The cluster engines people already run, and what maitre asks of them (:mod:`.slurm`)."""
