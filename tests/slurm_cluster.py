@@ -115,17 +115,46 @@ class SlurmCluster:
         path = self.root / "log" / f"{name}.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def stop(self) -> None:
-        """Cancel every job, then stop the daemons by pid (slurmd first, munged last)."""
-        if "slurmctld" in self.pids:
-            self.run("scancel", "--full", "-u", "root", check=False)
-        order = [n for n in self.pids if n.startswith("slurmd")] + ["slurmctld", "munged"]
-        for name in order:
-            pid = self.pids.get(name)
-            if pid is None:
+    def ours(self) -> list[int]:
+        """Every live process started with this cluster's ``SLURM_CONF`` in its environment
+        (the daemons' children: slurmstepd, the jobs, their agents and workers)."""
+        needle = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
                 continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and _alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                pass
+        return found
+
+    def stop(self) -> None:
+        """Cancel every job and wait for them to end, then stop the daemons by pid (slurmd,
+        slurmctld, any slurmstepd left, munged last)."""
+        if "slurmctld" in self.pids:
+            self.run("scancel", "-u", "root", check=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if not self.jobs():
+                        break
+                except (RuntimeError, subprocess.TimeoutExpired):
+                    break
+                time.sleep(0.5)
+        order = [n for n in self.pids if n.startswith("slurmd")] + ["slurmctld"]
+        for name in order:
+            pid = self.pids.pop(name, None)
+            if pid is not None:
+                _kill_and_wait(pid)
+        for pid in self.ours():  # a step whose slurmd went first
+            if pid != self.pids.get("munged"):
+                _kill_and_wait(pid, grace_s=5)
+        pid = self.pids.pop("munged", None)
+        if pid is not None:
             _kill_and_wait(pid)
-        self.pids.clear()
 
 
 def _kill_and_wait(pid: int, grace_s: float = 10.0) -> None:
@@ -254,5 +283,5 @@ def start(root: Path) -> SlurmCluster:
     return cluster
 
 
-def leftovers(cluster: SlurmCluster, pids: list[int]) -> list[int]:
+def leftovers(pids: list[int]) -> list[int]:
     return [p for p in pids if _alive(p)]

@@ -1,0 +1,188 @@
+"""maitre on a real Slurm (tests/slurm_cluster.py: munged, slurmctld, four slurmd on this host).
+
+The fast tests read the inventory, plan replica jobs, and check the bad input (a Slurm that
+does not answer, a partition that does not exist, sbatch refusing a replica job). The story,
+marked ``slurm`` (``pytest -m slurm``, a separate command in .ci/run), trains a job that grows
+into idle nodes, is partly preempted by a Slurm job that is not maitre's, and grows back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slurm_cluster
+from conftest import ROOT, TAG_VAR, wait_for
+from maitre.engines.slurm import inventory
+from maitre.engines.slurm.commands import Slurm, SlurmError
+from maitre.engines.slurm.engine import Plan, SlurmConfig, SlurmEngine, Submit, plan
+from maitre.engines.slurm.replicas import ReplicaJob, parse_name
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    slurm_cluster.require()
+    c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield c
+    finally:
+        pids = list(c.pids.values())
+        c.stop()
+        assert not slurm_cluster.leftovers(pids), "Slurm daemons left running"
+        assert not c.ours(), f"processes of the test Slurm left: {c.ours()}"
+
+
+# -- Slurm's text, parsed (no Slurm needed) ----------------------------------------------------
+NODE_LINE = ("NodeName=gpu07 Arch=x86_64 CoresPerSocket=16 CPUAlloc=0 CPUTot=64 "
+             "AvailableFeatures=ib,rack-b2 ActiveFeatures=ib,rack-b2 Gres=gpu:a100:8(S:0-1) "
+             "NodeAddr=10.0.0.7 State=MIXED+DRAIN Partitions=gpu,scavenger BootTime=None")
+
+
+@pytest.mark.timeout(10)
+def test_slurm_text_parses_into_nodes_gpus_labels_and_partitions() -> None:
+    assert inventory.expand("gpu[01-03,7],login") == ["gpu01", "gpu02", "gpu03", "gpu7", "login"]
+    assert inventory.gpus("gpu:a100:4(S:0-1),gpu:v100:2,shard:8") == 6
+    assert inventory.gpus("(null)") == 0
+    [node] = inventory.parse_nodes(NODE_LINE)
+    assert (node.name, node.cpus, node.gpus, node.state) == ("gpu07", 64, 8, "mixed+drain")
+    assert node.partitions == ("gpu", "scavenger")
+    assert node.labels == {"rack": "rack-b2", "accelerator": "a100"}  # no switches: features
+    topo = inventory.parse_topology(
+        "SwitchName=leaf1 Level=0 LinkSpeed=1 Nodes=gpu[06-07]\n"
+        "SwitchName=spine Level=1 LinkSpeed=1 Nodes=gpu[06-07] Switches=leaf[1-2]\n")
+    [node] = inventory.parse_nodes(NODE_LINE, topo)
+    assert node.labels == {"rack": "leaf1", "block": "spine", "accelerator": "a100"}
+    parts = inventory.parse_partitions(
+        "PartitionName=scav AllowGroups=ALL PriorityTier=1 GraceTime=00:01:30 "
+        "PreemptMode=REQUEUE State=UP Nodes=gpu[06-07]\n")
+    assert parts["scav"].grace_s == 90 and parts["scav"].nodes == ("gpu06", "gpu07")
+    assert parse_name("maitre-bert-large-3") == ("bert-large", 3)
+    assert parse_name("someone-elses-job") is None
+
+
+def _job(name: str, lo: int, hi: int, state: str = "RUNNING", workers=()) -> dict:
+    return {"job_id": name, "state": state, "min_workers": lo, "max_workers": hi,
+            "workers": [{"id": w} for w in workers]}
+
+
+def _rep(sid: str, job: str, index: int, state: str = "RUNNING", node: str = "") -> ReplicaJob:
+    return ReplicaJob(sid, job, index, "x", state, node, "")
+
+
+@pytest.mark.timeout(10)
+def test_plan_puts_the_minimum_in_the_partition_and_grows_only_into_idle_nodes() -> None:
+    assert plan([_job("a", 2, 4, "PENDING")], {}, [], idle_scavenger=1) == Plan(
+        submit=[Submit("a", 0, False), Submit("a", 1, False), Submit("a", 2, True)])
+    have = [_rep("1", "a", 0), _rep("2", "a", 1), _rep("3", "a", 2, "PENDING")]
+    assert plan([_job("a", 2, 4)], {}, have, idle_scavenger=3) == Plan()  # Slurm has no room
+    assert plan([_job("a", 2, 4)], {}, have[:2], idle_scavenger=0) == Plan()
+    assert plan([_job("a", 2, 4)], {}, have[:2], idle_scavenger=9, scavenger=False) == Plan()
+
+
+@pytest.mark.timeout(10)
+def test_plan_cancels_a_replica_job_only_once_the_coordinator_has_left_its_node() -> None:
+    have = [_rep("1", "a", 0, node="n1"), _rep("2", "a", 1, node="n2"),
+            _rep("3", "a", 2, node="n3")]
+    nodes = {"n1": ["w1"], "n2": ["w2"], "n3": ["w3"]}
+    job = _job("a", 1, 2, workers=["w1", "w2", "w3"])  # scaled to 2, not shrunk yet
+    assert plan([job], nodes, have, idle_scavenger=1) == Plan()
+    nodes["n2"] = []  # the coordinator shrank away from n2
+    assert plan([_job("a", 1, 2, workers=["w1", "w3"])], nodes, have, 1) == Plan(cancel=["2"])
+    # a finished job's, and a job the coordinator does not know (cancelled while we were away)
+    assert plan([_job("a", 1, 2, "COMPLETED")], nodes, have, 1) == Plan(cancel=["1", "2", "3"])
+    assert plan([], nodes, have[:1], 1) == Plan(cancel=["1"])
+
+
+# -- against the test Slurm ---------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_the_inventory_is_read_from_slurm(cluster) -> None:
+    inv = inventory.read(Slurm(env=cluster.env))
+    assert [n.name for n in inv.nodes] == list(slurm_cluster.NODES)
+    assert all(n.gpus == 1 and n.cpus == 1 and n.state == "idle" for n in inv.nodes)
+    assert {n.name: n.labels["rack"] for n in inv.nodes} == {
+        "node1": "sw1", "node2": "sw1", "node3": "sw2", "node4": "sw2"}
+    assert {n.labels["block"] for n in inv.nodes} == {"top"}
+    assert inv.partition("scavenger").grace_s == slurm_cluster.GRACE_S
+    assert inv.partition("scavenger").preempt_mode == "REQUEUE"
+    assert inv.partition("normal").priority_tier > inv.partition("scavenger").priority_tier
+
+
+def _up(tmp: Path, env: dict[str, str], *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in env.items() if not k.startswith("MAITRE_")}
+    return subprocess.run([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
+                           str(tmp / "state"), *flags], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(90)
+def test_a_slurm_that_does_not_answer_is_one_line_naming_the_command(cluster, tmp_path) -> None:
+    conf = tmp_path / "slurm.conf"  # the same cluster, but its controller on a dead port
+    [dead] = slurm_cluster._free_ports(1)
+    text = cluster.conf.read_text()
+    text = "\n".join(f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln
+                     for ln in text.splitlines()) + "\nMessageTimeout=2\n"
+    conf.write_text(text)
+    for name in ("gres.conf", "topology.conf"):
+        (tmp_path / name).write_text((cluster.conf.parent / name).read_text())
+    started = time.monotonic()
+    done = _up(tmp_path, {**cluster.env, "SLURM_CONF": str(conf)}, "--slurm-scavenger",
+               "scavenger")
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("maitre: error: Slurm: scontrol show "), done.stderr
+    assert "Unable to contact slurm controller" in lines[0] or "connect" in lines[0].lower()
+    assert not (tmp_path / "state" / "state.db").exists()  # nothing started, nothing stored
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.timeout(60)
+def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(cluster, tmp_path) -> None:
+    done = _up(tmp_path, cluster.env, "--slurm-scavenger", "nosuch")
+    assert done.returncode != 0
+    assert done.stderr.strip() == ("maitre: error: Slurm: scontrol show partition nosuch: Partition "
+                                   "'nosuch' does not exist (Slurm has: normal, scavenger)")
+    assert not (tmp_path / "state" / "state.db").exists()
+    done = _up(tmp_path, cluster.env, "--slurm-partition", "normal", "--slurm-scavenger", "normal")
+    assert done.returncode != 0 and "is the job partition itself" in done.stderr
+    assert not (tmp_path / "state" / "state.db").exists()
+
+
+@pytest.mark.timeout(90)
+def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(cluster, tmp_path) -> None:
+    """Three GPUs per replica on nodes of one: sbatch says no; that line is the engine's error,
+    the job stays PENDING in maitre, and no replica job is left in Slurm."""
+    from maitre.engines.slurm.replicas import AgentCommand
+    from maitre.local import LocalCluster, UpConfig
+    from maitre.scheduling.model import Queue
+    from maitre.wire import Client
+
+    up = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=0, queues=[Queue("q")]),
+                      out=lambda line: None).start()
+    try:
+        client = Client(up.address, token=up.token)
+        client.post("/jobs", {"manifest": {"name": "big", "queue": "q", "minReplicas": 1,
+                                           "maxReplicas": 2, "command": ["true"]}})
+        cfg = SlurmConfig(partition="normal", scavenger="scavenger", gpus_per_replica=3,
+                          log_dir=str(tmp_path))
+        engine = SlurmEngine(client, cfg, AgentCommand(up.address, str(up.token_file)),
+                             Slurm(env=cluster.env))
+        with pytest.raises(SlurmError) as caught:
+            engine.once()
+        assert str(caught.value).startswith("sbatch --parsable --requeue")
+        assert caught.value.message.startswith("sbatch: error: ")
+        assert "Requested node configuration is not available" in caught.value.message
+        assert client.get("/jobs/big")["state"] == "PENDING"
+        assert [j for j in cluster.jobs() if j["name"].startswith("maitre-")] == []
+        engine.start()  # the loop logs it once and keeps trying; the job stays pending
+        wait_for(lambda: len(engine.errors) >= 2, 20, "the engine's second try")
+        engine.stop()
+        assert len(set(engine.errors)) == 1
+        assert client.get("/jobs/big")["state"] == "PENDING"
+    finally:
+        up.stop()
