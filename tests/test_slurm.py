@@ -186,3 +186,98 @@ def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(c
         assert client.get("/jobs/big")["state"] == "PENDING"
     finally:
         up.stop()
+
+
+# -- the story ------------------------------------------------------------------------------------
+@pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_back(
+        cluster, tmp_path, reference) -> None:
+    """``maitre up --slurm``: a job of 2..4 replicas takes its minimum in ``normal`` and grows
+    into the idle nodes through the scavenger partition; a high-priority Slurm job that is not
+    maitre's takes two nodes: Slurm preempts two replica jobs (SIGTERM, GraceTime), the job
+    shrinks in place at a step boundary with no failure counted; the replica jobs are requeued
+    and, when the intruder is done, join again and the job grows back to 4. Every sample once;
+    the final parameters are a fixed-size run's."""
+    import torch
+
+    from conftest import _tagged_pids, example_command, relative_error
+    from maitre.wire import Client
+
+    steps, out = 1200, tmp_path / "final.pt"
+    tag = os.urandom(8).hex()
+    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
+    state, log = tmp_path / "state", tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
+                           str(state), "--queue", "q", "--resize-cooldown", "0",
+                           "--slots-per-node", "1", "--slurm-partition", "normal",
+                           "--slurm-scavenger", "scavenger"], cwd=ROOT, env=env,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+    intruder = None
+    try:
+        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
+                                         for ln in log.read_text().splitlines()
+                                         if "coordinator at " in ln), None), 60,
+                           "the coordinator", log)
+        client = Client(address, timeout_s=5.0, token=(state / "token").read_text().strip())
+        command = example_command(steps, out) + ["--device-ms-per-sample", "20"]
+        client.post("/jobs", {"manifest": {"name": "story", "queue": "q", "minReplicas": 2,
+                                           "maxReplicas": 4, "command": command,
+                                           "checkpointDir": str(tmp_path / "ckpt")}})
+
+        def job() -> dict:
+            return client.get("/jobs/story")
+
+        def members(n: int):
+            return lambda: (j := job())["state"] == "RUNNING" and len(j["members"]) == n and j
+
+        grown = wait_for(members(4), 150, "the job to grow into the four nodes", log)
+        reps = {j["name"]: j for j in cluster.jobs() if j["name"].startswith("maitre-story-")}
+        assert {r["partition"] for n, r in reps.items() if n[-1] in "01"} == {"normal"}
+        assert {r["partition"] for n, r in reps.items() if n[-1] in "23"} == {"scavenger"}
+        intruder = cluster.run("sbatch", "--parsable", "-p", "normal", "-N", "2", "-J",
+                               "not-maitre", "--wrap", "sleep 25").strip()
+        shrunk = wait_for(members(2), 60, "the job to shrink in place to 2", log)
+        assert shrunk["failures"] == 0 and shrunk["step"] > grown["step"]
+        wait_for(lambda: any(j["id"] == intruder and j["state"] == "RUNNING"
+                             for j in cluster.jobs()), 60, "the intruder to run", log)
+        requeued = [j for j in cluster.jobs() if j["name"].startswith("maitre-story-")
+                    and j["partition"] == "scavenger"]
+        assert len(requeued) == 2 and all(j["state"] == "PENDING" for j in requeued), requeued
+        back = wait_for(members(4), 150, "the job to grow back to 4", log)
+        assert back["step"] > shrunk["step"]
+        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240,
+                         "the job to finish", log)
+        wait_for(lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
+                 60, "the replica jobs to be cancelled", log)
+        events, since = [], 0
+        while page := client.get(f"/events?since={since}")["events"]:
+            events += page
+            since = page[-1]["seq"]
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        if intruder is not None:
+            cluster.run("scancel", intruder, check=False)
+        time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
+        left = _tagged_pids(tag)
+        for pid in left:  # never leak one; the assertion below says if any was
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not left, f"processes left behind: {left}"
+    assert final["state"] == "COMPLETED" and final["failures"] == 0, final
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("node_reclaimed") >= 2 and "node_dead" not in kinds, kinds
+    from maitre.runtime.ledger import audit
+
+    result = audit(state / "ledger" / "story")
+    assert result.ok, result.describe()
+    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-5
