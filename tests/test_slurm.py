@@ -188,6 +188,46 @@ def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(c
         up.stop()
 
 
+@pytest.mark.timeout(90)
+def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
+        cluster, tmp_path) -> None:
+    """A replica job's agent is the Slurm node it got (name, switch labels, spot in the
+    scavenger partition); scancel's SIGTERM is a notice: the node is reclaimed, not dead."""
+    from maitre.engines.slurm import replicas
+    from maitre.engines.slurm.replicas import AgentCommand
+    from maitre.local import LocalCluster, UpConfig
+    from maitre.scheduling.model import Queue
+    from maitre.wire import Client
+
+    up = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=0, queues=[Queue("q")]),
+                      out=lambda line: None).start()
+    slurm = Slurm(env={**cluster.env, "PYTHONPATH": str(ROOT / "src")})
+    try:
+        client = Client(up.address, token=up.token)
+        agent = AgentCommand(up.address, str(up.token_file.resolve()))
+        sid = replicas.submit(slurm, "lone", 2, partition="scavenger", agent=agent, grace_s=10,
+                              scavenger=True, log_dir=str(tmp_path))
+        [rep] = replicas.listed(slurm)
+        assert (rep.slurm_id, rep.job, rep.index, rep.partition) == (sid, "lone", 2, "scavenger")
+        node = wait_for(lambda: next((n for n in client.get("/nodes")["nodes"] if n["alive"]),
+                                     None), 60, "the replica job's agent to join",
+                        tmp_path / f"maitre-lone-2-{sid}.log")
+        running = next(j for j in cluster.jobs() if j["id"] == sid)
+        assert node["node"] == running["nodes"]
+        rack = "sw1" if node["node"] in ("node1", "node2") else "sw2"
+        assert node["labels"] == {"rack": rack, "block": "top", "capacity_type": "spot"}
+        replicas.cancel(slurm, sid)
+        gone = wait_for(lambda: (n := next(x for x in client.get("/nodes")["nodes"]
+                                           if x["node"] == node["node"]))["reclaimed"] and n,
+                        30, "the node to be reclaimed", tmp_path / f"maitre-lone-2-{sid}.log")
+        assert not gone["alive"]
+        wait_for(lambda: not cluster.jobs(), 30, "the replica job to end")
+        kinds = [e["kind"] for e in client.get("/events")["events"]]
+        assert "spot_notice" in kinds and "node_reclaimed" in kinds and "node_dead" not in kinds
+    finally:
+        up.stop()
+
+
 # -- the story ------------------------------------------------------------------------------------
 @pytest.mark.slurm
 @pytest.mark.timeout(420)

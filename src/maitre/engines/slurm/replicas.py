@@ -2,12 +2,12 @@
 
 A replica job is named ``maitre-<job>-<index>``: the first ``minReplicas`` indices run in the
 job's own partition (and QOS, if given), the rest in the scavenger partition, where Slurm may
-preempt them. Each is ``sbatch --requeue --exclusive -N1 --wrap "srun maitre agent --slurm ...;
-sleep infinity"``: the agent takes the node as a maitre node named after Slurm's, and on Slurm's
+preempt them. Each is ``sbatch --requeue --exclusive -N1 --wrap "srun maitre agent --slurm ...
+&& exec sleep infinity"``: the agent takes the node as a maitre node named after Slurm's, and on Slurm's
 SIGTERM drains it (its workers leave at a step boundary) within the partition's ``GraceTime``.
 The ``sleep`` that follows keeps the job until Slurm ends it: a preempted job is then requeued
 (``PreemptMode=REQUEUE``) rather than completed, and its agent joins again when Slurm starts it
-again; a cancelled one is gone. Slurm's accounting (``sacct``) sees each replica job under the
+again; a cancelled one is gone. An agent that fails (a wrong token, say) ends its job at once. Slurm's accounting (``sacct``) sees each replica job under the
 job's name, partition, QOS and account.
 """
 
@@ -59,8 +59,8 @@ class AgentCommand:
     python: str = sys.executable
 
     def line(self, grace_s: float, scavenger: bool) -> str:
-        cmd = [self.python, "-m", "maitre", "agent", "--slurm", "--coordinator", self.coordinator,
-               "--token-file", self.token_file, "--nproc-per-node", str(self.nproc_per_node),
+        cmd = [self.python, "-m", "maitre.cli", "agent", "--slurm",
+               "--coordinator", self.coordinator, "--token-file", self.token_file, "--nproc-per-node", str(self.nproc_per_node),
                "--sigterm-notice", f"{max(grace_s, 1.0):g}"]
         if self.tls_ca:
             cmd += ["--tls-ca", self.tls_ca]
@@ -73,7 +73,7 @@ def submit(slurm: Slurm, job: str, index: int, *, partition: str, agent: AgentCo
            grace_s: float, scavenger: bool, log_dir: str, qos: str | None = None,
            account: str | None = None, gpus: int = 0) -> str:
     """``sbatch`` one replica job; its Slurm job id (:class:`SlurmError` if sbatch refuses)."""
-    wrap = f"srun --kill-on-bad-exit=0 {agent.line(grace_s, scavenger)}; exec sleep infinity"
+    wrap = f"srun --kill-on-bad-exit=0 {agent.line(grace_s, scavenger)} && exec sleep infinity"
     cmd = ["sbatch", "--parsable", "--requeue", "--exclusive", "-N", "1", "-J", name(job, index),
            "-p", partition, "-o", f"{log_dir}/%x-%j.log", "--open-mode=append"]
     if qos:
