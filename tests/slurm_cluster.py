@@ -243,8 +243,8 @@ KillWait=5
 SlurmdTimeout=30
 InactiveLimit=0
 {nodes}
-PartitionName=normal Nodes=ALL Default=YES PriorityTier=10 PreemptMode=OFF MaxTime=INFINITE State=UP
-PartitionName=scavenger Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} MaxTime=INFINITE State=UP
+PartitionName=normal Nodes=ALL Default=YES PriorityTier=10 PreemptMode=OFF State=UP
+PartitionName=scavenger Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} State=UP
 """)
     (root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
         f"NodeName={n} Name=gpu Count=1 File=/dev/null\n" for n in NODES))
@@ -260,7 +260,8 @@ def start(root: Path) -> SlurmCluster:
     cluster = SlurmCluster(root=root, conf=conf)
     m = root / "munge"
     try:
-        subprocess.run(["munged", "--force", f"--key-file={m}/munge.key", f"--socket={m}/munge.socket",
+        subprocess.run(["munged", "--force", f"--key-file={m}/munge.key",
+                        f"--socket={m}/munge.socket",
                         f"--pid-file={m}/munged.pid", f"--log-file={root}/log/munged.log",
                         f"--seed-file={m}/munged.seed"], check=True, capture_output=True,
                        timeout=20, env=cluster.env)

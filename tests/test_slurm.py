@@ -113,7 +113,8 @@ def test_the_inventory_is_read_from_slurm(cluster) -> None:
     assert inv.partition("normal").priority_tier > inv.partition("scavenger").priority_tier
 
 
-def _up(tmp: Path, env: dict[str, str], *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
+def _up(tmp: Path, env: dict[str, str], *flags: str,
+        timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in env.items() if not k.startswith("MAITRE_")}
     return subprocess.run([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
                            str(tmp / "state"), *flags], cwd=ROOT, env=env, capture_output=True,
@@ -135,17 +136,20 @@ def test_a_slurm_that_does_not_answer_is_one_line_naming_the_command(cluster, tm
                "scavenger")
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("maitre: error: Slurm: scontrol show "), done.stderr
-    assert "Unable to contact slurm controller" in lines[0] or "connect" in lines[0].lower()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("maitre: error: Slurm: scontrol show "), done.stderr
+    assert "Unable to contact slurm controller" in lines[0], lines[0]
     assert not (tmp_path / "state" / "state.db").exists()  # nothing started, nothing stored
     assert time.monotonic() - started < 60
 
 
 @pytest.mark.timeout(60)
-def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(cluster, tmp_path) -> None:
+def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(
+        cluster, tmp_path) -> None:
     done = _up(tmp_path, cluster.env, "--slurm-scavenger", "nosuch")
     assert done.returncode != 0
-    assert done.stderr.strip() == ("maitre: error: Slurm: scontrol show partition nosuch: Partition "
+    assert done.stderr.strip() == ("maitre: error: Slurm: scontrol show partition nosuch: "
+                                   "Partition "
                                    "'nosuch' does not exist (Slurm has: normal, scavenger)")
     assert not (tmp_path / "state" / "state.db").exists()
     done = _up(tmp_path, cluster.env, "--slurm-partition", "normal", "--slurm-scavenger", "normal")
@@ -154,7 +158,8 @@ def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(clust
 
 
 @pytest.mark.timeout(90)
-def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(cluster, tmp_path) -> None:
+def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(
+        cluster, tmp_path) -> None:
     """Three GPUs per replica on nodes of one: sbatch says no; that line is the engine's error,
     the job stays PENDING in maitre, and no replica job is left in Slurm."""
     from maitre.engines.slurm.replicas import AgentCommand

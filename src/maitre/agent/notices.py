@@ -180,7 +180,8 @@ class SigtermSource:
 
     def __init__(self, notice_s: float, clock: Callable[[], float] = time.time) -> None:
         if not notice_s > 0:
-            raise ValueError(f"--sigterm-notice must be a positive number of seconds, got {notice_s}")
+            raise ValueError("--sigterm-notice must be a positive number of seconds, got "
+                             f"{notice_s}")
         self.notice_s = notice_s
         self.clock = clock
         self.fired_at: float | None = None
@@ -213,7 +214,8 @@ class NoticeWatcher:
     """Polls a source every ``interval_s`` on a thread of its own; ``current`` is the notice
     once one was seen, and ``on_notice`` is called once, then."""
 
-    def __init__(self, src: FileSource | HttpSource | SigtermSource, *, interval_s: float = DEFAULT_INTERVAL_S,
+    def __init__(self, src: FileSource | HttpSource | SigtermSource, *,
+                 interval_s: float = DEFAULT_INTERVAL_S,
                  default_notice_s: float = DEFAULT_NOTICE_S,
                  on_notice: Callable[[Notice], None] = lambda notice: None,
                  clock: Callable[[], float] = time.time) -> None:

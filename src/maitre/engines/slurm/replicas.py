@@ -2,13 +2,14 @@
 
 A replica job is named ``maitre-<job>-<index>``: the first ``minReplicas`` indices run in the
 job's own partition (and QOS, if given), the rest in the scavenger partition, where Slurm may
-preempt them. Each is ``sbatch --requeue --exclusive -N1 --wrap "srun maitre agent --slurm ...
-&& exec sleep infinity"``: the agent takes the node as a maitre node named after Slurm's, and on Slurm's
-SIGTERM drains it (its workers leave at a step boundary) within the partition's ``GraceTime``.
-The ``sleep`` that follows keeps the job until Slurm ends it: a preempted job is then requeued
-(``PreemptMode=REQUEUE``) rather than completed, and its agent joins again when Slurm starts it
-again; a cancelled one is gone. An agent that fails (a wrong token, say) ends its job at once. Slurm's accounting (``sacct``) sees each replica job under the
-job's name, partition, QOS and account.
+preempt them. Each is ``sbatch --requeue --exclusive -N1 --wrap "srun maitre agent --slurm
+... && exec sleep infinity"``: the agent takes the node as a maitre node named after Slurm's,
+and on Slurm's SIGTERM drains it (its workers leave at a step boundary) within the partition's
+``GraceTime``. The ``sleep`` that follows keeps the job until Slurm ends it: a preempted job is
+then requeued (``PreemptMode=REQUEUE``) rather than completed, and its agent joins again when
+Slurm starts it again; a cancelled one is gone. An agent that fails (a wrong token, say) ends
+its job at once. Slurm's accounting (``sacct``) sees each replica job under the job's name,
+partition, QOS and account.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class AgentCommand:
 
     def line(self, grace_s: float, scavenger: bool) -> str:
         cmd = [self.python, "-m", "maitre.cli", "agent", "--slurm",
-               "--coordinator", self.coordinator, "--token-file", self.token_file, "--nproc-per-node", str(self.nproc_per_node),
+               "--coordinator", self.coordinator, "--token-file", self.token_file,
+               "--nproc-per-node", str(self.nproc_per_node),
                "--sigterm-notice", f"{max(grace_s, 1.0):g}"]
         if self.tls_ca:
             cmd += ["--tls-ca", self.tls_ca]
