@@ -83,6 +83,8 @@ def test_plan_puts_the_minimum_in_the_partition_and_grows_only_into_idle_nodes()
     assert plan([_job("a", 2, 4)], {}, have, idle_scavenger=3) == Plan()  # Slurm has no room
     assert plan([_job("a", 2, 4)], {}, have[:2], idle_scavenger=0) == Plan()
     assert plan([_job("a", 2, 4)], {}, have[:2], idle_scavenger=9, scavenger=False) == Plan()
+    requeued = [*have[:2], ReplicaJob("4", "a", 3, "x", "PENDING", "", "BeginTime")]
+    assert plan([_job("a", 2, 4)], {}, requeued, idle_scavenger=1) == Plan(release=["4"])
 
 
 @pytest.mark.timeout(10)

@@ -13,8 +13,10 @@ replica jobs (``squeue``) and idle scavenger nodes (``sinfo``), then :func:`plan
   step boundary; only then is the replica job cancelled;
 - a finished job's replica jobs are cancelled.
 
-A preempted replica job needs nothing from here: its agent drains on SIGTERM, Slurm requeues
-the job and starts it again when it can, and its agent joins again. A job left with no replica
+A preempted replica job needs little from here: its agent drains on SIGTERM, Slurm requeues
+the job and starts it again when it can, and its agent joins again. Slurm holds a requeued
+batch job for two minutes (pending, reason ``BeginTime``); the engine releases it
+(``scontrol update JobId=N StartTime=now``) so that it runs as soon as Slurm has a node. A job left with no replica
 is suspended by the coordinator (with a checkpoint) and resumes from it when its minimum is back.
 
 Errors: a Slurm command that fails is one line (:class:`SlurmError`: the command and Slurm's
@@ -72,6 +74,8 @@ class Submit:
 class Plan:
     submit: list[Submit] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)
+    release: list[str] = field(default_factory=list)
+    """Requeued replica jobs Slurm holds back (``BeginTime``): to run as soon as there is room."""
 
 
 def plan(jobs: list[dict[str, Any]], nodes: dict[str, list[str]], have: list[ReplicaJob],
@@ -90,6 +94,8 @@ def plan(jobs: list[dict[str, Any]], nodes: dict[str, list[str]], have: list[Rep
     for job_id, job in sorted(live.items()):
         mine = by_job.get(job_id, [])
         indices = {r.index for r in mine}
+        out.release.extend(r.slurm_id for r in mine
+                           if r.state == "PENDING" and r.reason == "BeginTime")
         lo, hi = job["min_workers"], job["max_workers"]
         out.submit.extend(Submit(job_id, i, False) for i in range(lo) if i not in indices)
         extra = len(mine) - hi
@@ -157,6 +163,8 @@ class SlurmEngine:
         for slurm_id in todo.cancel:
             log.info("scancel %s", slurm_id)
             replicas.cancel(self.slurm, slurm_id)
+        for slurm_id in todo.release:
+            self.slurm("scontrol", "update", f"JobId={slurm_id}", "StartTime=now")
         for s in todo.submit:
             part = self.cfg.scavenger if s.scavenger else self.cfg.partition
             assert part is not None
