@@ -101,6 +101,24 @@ def test_plan_cancels_a_replica_job_only_once_the_coordinator_has_left_its_node(
     assert plan([], nodes, have[:1], 1) == Plan(cancel=["1"])
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("args,words", [
+    (("up", "--slurm-scavenger", "scav"), "--slurm-scavenger needs --slurm"),
+    (("up", "--slurm", "--nodes", "2"), "--nodes and --slurm"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--slurm"), "not inside a Slurm job"),
+])
+def test_bad_slurm_flags_are_one_line_and_exit_2(args, words, capsys, monkeypatch,
+                                                 tmp_path: Path) -> None:
+    from maitre.cli import main
+
+    for var in ("SLURMD_NODENAME", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert main([*args] + (["--state-dir", str(tmp_path / "s")] if args[0] == "up" else [])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "s").exists()
+
+
 # -- against the test Slurm ---------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_the_inventory_is_read_from_slurm(cluster) -> None:
