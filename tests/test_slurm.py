@@ -299,20 +299,26 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         def members(n: int):
             return lambda: (j := job())["state"] == "RUNNING" and len(j["members"]) == n and j
 
+        t0 = time.monotonic()
         grown = wait_for(members(4), 150, "the job to grow into the four nodes", log)
+        t_grown = time.monotonic()
         reps = {j["name"]: j for j in cluster.jobs() if j["name"].startswith("maitre-story-")}
         assert {r["partition"] for n, r in reps.items() if n[-1] in "01"} == {"normal"}
         assert {r["partition"] for n, r in reps.items() if n[-1] in "23"} == {"scavenger"}
         intruder = cluster.run("sbatch", "--parsable", "-p", "normal", "-N", "2", "-J",
                                "not-maitre", "--wrap", "sleep 25").strip()
+        t_intruder = time.monotonic()
         shrunk = wait_for(members(2), 60, "the job to shrink in place to 2", log)
+        t_shrunk = time.monotonic()
         assert shrunk["failures"] == 0 and shrunk["step"] > grown["step"]
         wait_for(lambda: any(j["id"] == intruder and j["state"] == "RUNNING"
                              for j in cluster.jobs()), 60, "the intruder to run", log)
         requeued = [j for j in cluster.jobs() if j["name"].startswith("maitre-story-")
                     and j["partition"] == "scavenger"]
         assert len(requeued) == 2 and all(j["state"] == "PENDING" for j in requeued), requeued
+        t_running = time.monotonic()
         back = wait_for(members(4), 150, "the job to grow back to 4", log)
+        t_back = time.monotonic()
         assert back["step"] > shrunk["step"]
         final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240,
                          "the job to finish", log)
@@ -345,4 +351,9 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
 
     result = audit(state / "ledger" / "story")
     assert result.ok, result.describe()
-    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-5
+    err = relative_error(torch.load(out, weights_only=True), reference(steps))
+    print(f"\nslurm story: grown to 4 in {t_grown - t0:.1f} s; shrunk to 2 "
+          f"{t_shrunk - t_intruder:.1f} s after the intruder's sbatch (steps {grown['step']} -> "
+          f"{shrunk['step']}); back to 4 {t_back - t_running:.1f} s after the intruder ran "
+          f"(step {back['step']}); {final['epoch']} epochs; relative error {err:.2e}")
+    assert err < 1e-5
