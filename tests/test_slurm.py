@@ -62,6 +62,7 @@ def test_slurm_text_parses_into_nodes_gpus_labels_and_partitions() -> None:
         "PartitionName=scav AllowGroups=ALL PriorityTier=1 GraceTime=00:01:30 "
         "PreemptMode=REQUEUE State=UP Nodes=gpu[06-07]\n")
     assert parts["scav"].grace_s == 90 and parts["scav"].nodes == ("gpu06", "gpu07")
+    assert inventory.parse_kill_wait("KillWait                = 30 sec\nX = 1\n") == 30
     assert parse_name("maitre-bert-large-3") == ("bert-large", 3)
     assert parse_name("someone-elses-job") is None
 
@@ -131,6 +132,7 @@ def test_the_inventory_is_read_from_slurm(cluster) -> None:
     assert inv.partition("scavenger").grace_s == slurm_cluster.GRACE_S
     assert inv.partition("scavenger").preempt_mode == "REQUEUE"
     assert inv.partition("normal").priority_tier > inv.partition("scavenger").priority_tier
+    assert inv.kill_wait_s == 5
 
 
 def _up(tmp: Path, env: dict[str, str], *flags: str,

@@ -145,8 +145,12 @@ class SlurmEngine:
         self.inventory = inv or check(self.slurm, cfg)
 
     def _grace_s(self, partition: str) -> float:
+        """The notice a replica job's agent gets on SIGTERM: the partition's ``GraceTime``
+        where it has one (preemption), else ``KillWait`` (``scancel``), else 30 s."""
         p = self.inventory.partitions.get(partition)
-        return p.grace_s if p is not None and p.grace_s > 0 else 30.0
+        if p is not None and p.grace_s > 0:
+            return p.grace_s
+        return self.inventory.kill_wait_s or 30.0
 
     def _idle(self, partition: str) -> int:
         out = self.slurm("sinfo", "-h", "-N", "-p", partition, "-t", "idle", "-o", "%N")

@@ -141,10 +141,19 @@ def parse_partitions(text: str) -> dict[str, Partition]:
     return parts
 
 
+def parse_kill_wait(text: str) -> float | None:
+    """``KillWait`` of ``scontrol show config`` (``KillWait = 5 sec``): how long ``scancel``'s
+    SIGTERM is given before SIGKILL."""
+    m = re.search(r"^KillWait\s*=\s*(\d+)", text, re.M)
+    return float(m.group(1)) if m else None
+
+
 @dataclass(frozen=True, slots=True)
 class Inventory:
     nodes: list[SlurmNode]
     partitions: dict[str, Partition]
+    kill_wait_s: float | None = None
+    """Slurm's ``KillWait``: the notice a cancelled (not preempted) job gets."""
 
     def partition(self, name: str) -> Partition:
         """The partition, or a :class:`SlurmError` that names the ones there are."""
@@ -159,11 +168,11 @@ class Inventory:
 
 
 def read(slurm: Slurm) -> Inventory:
-    """Ask Slurm (three ``scontrol`` calls); :class:`SlurmError` when it does not answer."""
+    """Ask Slurm (four ``scontrol`` calls); :class:`SlurmError` when it does not answer."""
     try:
         topology = parse_topology(slurm("scontrol", "show", "topology"))
     except SlurmError:  # topology/none (or an old scontrol): no switches, features may say
         topology = {}
     nodes = parse_nodes(slurm("scontrol", "show", "nodes", "--oneliner"), topology)
     parts = parse_partitions(slurm("scontrol", "show", "partition", "--oneliner"))
-    return Inventory(nodes, parts)
+    return Inventory(nodes, parts, parse_kill_wait(slurm("scontrol", "show", "config")))
