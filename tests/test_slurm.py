@@ -3,7 +3,8 @@
 The fast tests read the inventory, plan replica jobs, and check the bad input (a Slurm that
 does not answer, a partition that does not exist, sbatch refusing a replica job). The story,
 marked ``slurm`` (``pytest -m slurm``, a separate command in .ci/run), trains a job that grows
-into idle nodes, is partly preempted by a Slurm job that is not maitre's, and grows back.
+into idle nodes, is partly preempted by a Slurm job that is not maitre's, and grows back; and
+a job whose last replica job is cancelled resumes from its checkpoint.
 """
 
 from __future__ import annotations
@@ -359,3 +360,77 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
           f"{shrunk['step']}); back to 4 {t_back - t_running:.1f} s after the intruder ran "
           f"(step {back['step']}); {final['epoch']} epochs; relative error {err:.2e}")
     assert err < 1e-5
+
+
+@pytest.mark.slurm
+@pytest.mark.timeout(300)
+def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
+        cluster, tmp_path, reference) -> None:
+    """Its only replica job ``scancel``led (by the site): SIGTERM is a notice of ``KillWait``;
+    the job checkpoints within it and is suspended, the engine submits the replica job again,
+    and the job resumes from its checkpoint on the new node, ending as a fixed-size run."""
+    import torch
+
+    from conftest import _tagged_pids, example_command, relative_error
+    from maitre.wire import Client
+
+    steps, out = 400, tmp_path / "final.pt"
+    tag = os.urandom(8).hex()
+    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
+    state, log = tmp_path / "state", tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
+                           str(state), "--queue", "q", "--slots-per-node", "1"], cwd=ROOT,
+                          env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True)
+    try:
+        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
+                                         for ln in log.read_text().splitlines()
+                                         if "coordinator at " in ln), None), 60,
+                           "the coordinator", log)
+        client = Client(address, timeout_s=5.0, token=(state / "token").read_text().strip())
+        command = example_command(steps, out) + ["--device-ms-per-sample", "5"]
+        client.post("/jobs", {"manifest": {"name": "alone", "queue": "q", "minReplicas": 1,
+                                           "maxReplicas": 1, "command": command,
+                                           "checkpointDir": str(tmp_path / "ckpt")}})
+
+        def job() -> dict:
+            return client.get("/jobs/alone")
+
+        before = wait_for(lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 40 and j,
+                          120, "the job to train", log)
+        [rep] = [j for j in cluster.jobs() if j["name"] == "maitre-alone-0"]
+        cluster.run("scancel", rep["id"])
+        wait_for(lambda: job()["state"] in ("SUSPENDING", "SUSPENDED"), 30,
+                 "the job to be suspended", log)
+        again = wait_for(lambda: (j := job())["state"] == "RUNNING" and
+                         j["incarnation"] > before["incarnation"] and j, 90,
+                         "the job to resume on a new replica job", log)
+        assert any(j["name"] == "maitre-alone-0" and j["id"] != rep["id"]
+                   for j in cluster.jobs())
+        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 150,
+                         "the job to finish", log)
+        wait_for(lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
+                 60, "the replica job to be cancelled", log)
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        time.sleep(1.0)
+        left = _tagged_pids(tag)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert not left, f"processes left behind: {left}"
+    assert final["state"] == "COMPLETED" and final["failures"] == 0, final
+    assert again["step"] >= before["step"] - 1  # resumed from the checkpoint, not from zero
+    from maitre.runtime.ledger import audit
+
+    result = audit(state / "ledger" / "alone")
+    assert result.ok, result.describe()
+    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-5
