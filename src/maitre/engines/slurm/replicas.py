@@ -89,8 +89,8 @@ def submit(slurm: Slurm, job: str, index: int, *, partition: str, agent: AgentCo
 
 
 def listed(slurm: Slurm) -> list[ReplicaJob]:
-    """Every replica job Slurm still has (``squeue``), whoever's job it is."""
-    out = slurm("squeue", "-h", "-o", "%i|%j|%P|%T|%N|%r")
+    """Every replica job of this user that Slurm still has (``squeue --me``)."""
+    out = slurm("squeue", "--me", "-h", "-o", "%i|%j|%P|%T|%N|%r")
     found = []
     for line in out.splitlines():
         parts = line.split("|")
