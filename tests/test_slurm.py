@@ -404,7 +404,7 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
         cluster.run("scancel", rep["id"])
         wait_for(lambda: job()["state"] in ("SUSPENDING", "SUSPENDED"), 30,
                  "the job to be suspended", log)
-        again = wait_for(lambda: (j := job())["state"] == "RUNNING" and
+        again = wait_for(lambda: (j := job())["state"] == "RUNNING" and j["step"] > 0 and
                          j["incarnation"] > before["incarnation"] and j, 90,
                          "the job to resume on a new replica job", log)
         assert any(j["name"] == "maitre-alone-0" and j["id"] != rep["id"]
