@@ -4,6 +4,8 @@
     runtime (the training process)  ->  checkpoint  ->  runtime.statetree (the state encoding)
     scheduling (the policy: pure, no torch) is imported by the coordinator and the simulator
     sim (the simulator: no torch, no processes) imports only scheduling
+    engines (Slurm, Kubernetes: the cluster's own commands) speak to the coordinator over wire only
+      (and read the job manifest's model)
     dashboard (the web page and its routes, live or replay) reads an event log, nothing else
     serving (uvicorn on a thread: the API's server and the replay's) imports nothing of maitre
 
@@ -31,6 +33,11 @@ FORBIDDEN = {
                    *_TOP, "torch"),
     "sim": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP,
             "torch"),
+    "engines": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
+                # of the scheduling package only the job manifest (a MaitreJob's fields)
+                "maitre.scheduling.policy", "maitre.scheduling.assign",
+                "maitre.scheduling.model", "maitre.scheduling.lifecycle",
+                "maitre.sim", "maitre.dashboard", *_TOP, "torch"),
     "dashboard": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
                   "maitre.scheduling", "maitre.sim", *_TOP, "torch"),
 }
@@ -51,7 +58,7 @@ def imports(path: Path) -> set[str]:
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_import_direction(package: str) -> None:
     bad = []
-    for path in sorted((SRC / package).glob("*.py")):
+    for path in sorted((SRC / package).rglob("*.py")):
         for name in imports(path):
             if any(name == f or name.startswith(f + ".") for f in FORBIDDEN[package]):
                 bad.append(f"{path.relative_to(SRC)} imports {name}")

@@ -266,3 +266,62 @@ def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(
     assert len(beats) >= 5 and not any("notice" in b for _, b in beats)
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "unreachable" in warned[0], warned  # once, not once a poll
+
+
+@pytest.mark.timeout(10)
+def test_sigterm_is_a_notice_of_the_given_seconds_once_fired() -> None:
+    from maitre.agent.notices import SigtermSource
+
+    src = SigtermSource(15, clock=lambda: 1000.0)
+    assert src.read(1000.0, 30) is None
+    src.fire()
+    src.fire()  # a second SIGTERM does not move the deadline
+    assert src.read(1003.0, 30) == ("terminate", 1015.0)
+    with pytest.raises(ValueError, match="--sigterm-notice"):
+        SigtermSource(0)
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_with_sigterm_notice_drains_and_leaves_as_a_reclaim(tmp_path: Path) -> None:
+    """``maitre agent --sigterm-notice S``: SIGTERM (Slurm's preemption, scancel) makes the
+    node a noticed one; the agent exits once the coordinator heard it, and the node's going is
+    a reclaim, not a dead node. Bad flags are refused."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT, wait_for
+    from maitre.local import LocalCluster, UpConfig
+    from maitre.wire import Client
+
+    up = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=0), out=lambda line: None)
+    up.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAITRE_")}
+    base = [sys.executable, "-m", "maitre.cli", "agent", "--coordinator", up.address,
+            "--token-file", str(up.token_file), "--node-id", "held", "--health-interval", "0"]
+    try:
+        for bad, says in ((["--sigterm-notice", "0"], "--sigterm-notice must be a positive"),
+                          (["--sigterm-notice", "5", "--spot-notice", "file:/x"], "one notice")):
+            done = subprocess.run(base + bad, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=30)
+            assert done.returncode != 0 and says in done.stderr, done.stderr
+        client = Client(up.address, token=up.token)
+        proc = subprocess.Popen(base + ["--sigterm-notice", "20"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            wait_for(lambda: any(n["node"] == "held" and n["alive"]
+                                 for n in client.get("/nodes")["nodes"]), 30, "the agent")
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0, proc.stdout.read() if proc.stdout else ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        node = wait_for(lambda: next((n for n in client.get("/nodes")["nodes"]
+                                      if n["node"] == "held" and n["reclaimed"]), None), 10,
+                        "the reclaim")
+        assert not node["alive"]
+        kinds = [e["kind"] for e in client.get("/events")["events"]]
+        assert "spot_notice" in kinds and "node_reclaimed" in kinds and "node_dead" not in kinds
+    finally:
+        up.stop()

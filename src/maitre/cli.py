@@ -245,12 +245,22 @@ def cmd_agent(args: argparse.Namespace) -> int:
     client = _coordinator(args)
     nproc = _positive("--nproc-per-node", args.nproc_per_node)
     labels = _labels(args.label or [])
+    node = args.node_id
+    if args.slurm:  # a replica job's agent: the node is Slurm's, and so are its labels
+        from maitre.engines.slurm.agentside import identity
+        from maitre.engines.slurm.commands import Slurm
+
+        try:
+            node, slurm_labels = identity(os.environ, Slurm())
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        labels = {**slurm_labels, **labels}
     if args.iface and args.iface not in {name for _, name in socket.if_nameindex()}:
         raise UsageError(f"--iface {args.iface}: no such network interface on this machine")
     notices = _notices(args)
     health = _health_monitor(args)
     client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
-    node = args.node_id or f"{socket.gethostname()}-{os.getpid()}"
+    node = node or f"{socket.gethostname()}-{os.getpid()}"
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
                   iface=args.iface, tls_ca=client.tls_ca, notices=notices, health=health)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}"
@@ -468,6 +478,10 @@ def _tls(args: argparse.Namespace) -> dict[str, str | None]:
 def cmd_up(args: argparse.Namespace) -> int:
     from maitre.scheduling.policy import PolicyConfig
 
+    if args.slurm and args.nodes not in (None, 0):
+        raise UsageError("--nodes and --slurm: on Slurm the nodes are Slurm's replica jobs")
+    if args.nodes is None:
+        args.nodes = 0 if args.slurm else 2
     if args.nodes < 0:
         raise UsageError(f"--nodes must be >= 0, got {args.nodes}")
     slots = _positive("--slots-per-node", args.slots_per_node)
@@ -490,6 +504,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     token = _read_token(args.token_file) if args.token_file else None
     _check_port(args.host, args.port)
     tls = _tls(args)
+    slurm = _slurm(args)
     from maitre.control.store import StoreError  # torch (maitre.local): once the flags are good
     from maitre.local import LocalCluster, UpConfig
 
@@ -511,14 +526,63 @@ def cmd_up(args: argparse.Namespace) -> int:
           f"{_TOKEN_FILE}={cluster.token_file.resolve()}{ca}", flush=True)
     print(f"maitre: dashboard at {cluster.dashboard_url}", flush=True)
     cluster.start()
+    engine = None
+    if slurm is not None:
+        from maitre.engines.slurm.engine import SlurmEngine
+        from maitre.engines.slurm.replicas import AgentCommand
+
+        slurm_cfg, runner, inv = slurm
+        token_file = str(cluster.token_file.resolve())
+        agent = AgentCommand(cluster.address, token_file, slurm_cfg.nproc_per_node,
+                             str(Path(cfg.tls_ca).resolve()) if cfg.tls_ca else None)
+        engine = SlurmEngine(Client(cluster.address, token=cluster.token, tls_ca=cfg.tls_ca),
+                             slurm_cfg, agent, runner, inv).start()
+        print(f"maitre: on Slurm: {len(inv.nodes)} node(s); minimum in partition "
+              f"{slurm_cfg.partition}, surplus in {slurm_cfg.scavenger or '(none)'}; replica "
+              f"jobs' logs in {slurm_cfg.log_dir}", flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
         stop.wait()
     finally:
+        if engine is not None:
+            engine.stop()
         cluster.stop()
     return 0
+
+
+def _slurm(args: argparse.Namespace):
+    """``--slurm`` and its flags, checked against the Slurm there is (None without --slurm):
+    a Slurm that does not answer or lacks a partition is one line naming the command."""
+    given = [f for f, v in (("--slurm-partition", args.slurm_partition),
+                            ("--slurm-scavenger", args.slurm_scavenger),
+                            ("--slurm-qos", args.slurm_qos),
+                            ("--slurm-account", args.slurm_account)) if v is not None]
+    if not args.slurm:
+        if given:
+            raise UsageError(f"{given[0]} needs --slurm")
+        return None
+    from maitre.engines.slurm.commands import Slurm, SlurmError
+    from maitre.engines.slurm.engine import SlurmConfig, check
+
+    log_dir = Path(args.state_dir) / "slurm"
+    try:
+        cfg = SlurmConfig(partition=args.slurm_partition or "normal",
+                          scavenger=args.slurm_scavenger, qos=args.slurm_qos,
+                          account=args.slurm_account,
+                          gpus_per_replica=max(0, args.slurm_gpus_per_replica),
+                          nproc_per_node=_positive("--slots-per-node", args.slots_per_node),
+                          log_dir=str(log_dir.resolve()))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    runner = Slurm()
+    try:
+        inv = check(runner, cfg)
+    except SlurmError as exc:
+        raise UsageError(f"Slurm: {exc}") from None
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return cfg, runner, inv
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -691,6 +755,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="treat SIGTERM as a notice that the node goes in SECONDS (Slurm's "
                        "GraceTime, a pod's grace period): the node is drained, its workers "
                        "leave at a step boundary, then the agent exits")
+    agent.add_argument("--slurm", action="store_true", help="run as a Slurm replica job's "
+                       "agent (maitre up --slurm submits these): the node is named and "
+                       "labelled (switches as rack/block, GPU type) as Slurm knows it")
     agent.add_argument("--health-interval", type=float, default=300.0, metavar="SECONDS",
                        help="probe the node's health this often (default 300; 0: only at "
                        "start and when the coordinator asks); a failing probe drains the node")
@@ -722,7 +789,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "local agents; restart it on the same --state-dir to carry on.")
     up.add_argument("--state-dir", default="maitre-state",
                     help="coordinator state, token and ledgers (default ./maitre-state)")
-    up.add_argument("--nodes", type=int, default=2, help="local nodes (0: coordinator only)")
+    up.add_argument("--nodes", type=int, help="local nodes (default 2; 0: coordinator only)")
     up.add_argument("--slots-per-node", type=int, default=2, help="worker slots per node")
     up.add_argument("--racks", type=int, default=1, help="spread local nodes over N racks")
     up.add_argument("--queue", action="append", help="NAME[:GUARANTEED[:BORROW[:WEIGHT]]] "
@@ -744,6 +811,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--spot-nodes", type=int, default=0, help="the last N local nodes are "
                     "spot; each watches <state-dir>/notices/<node>.json for a notice "
                     '(write {"notice_s": 30} there to reclaim it)')
+    up.add_argument("--slurm", action="store_true", help="run on the Slurm cluster that "
+                    "Slurm's commands reach ($SLURM_CONF): each job's replicas are Slurm jobs, "
+                    "each one node's agent (see README, Slurm)")
+    up.add_argument("--slurm-partition", metavar="P", help="where each job's minimum runs "
+                    "(default normal)")
+    up.add_argument("--slurm-scavenger", metavar="S", help="preemptible partition for the "
+                    "elastic surplus (default: none, jobs run at their minimum)")
+    up.add_argument("--slurm-qos", metavar="Q", help="QOS of the replica jobs")
+    up.add_argument("--slurm-account", metavar="A", help="account of the replica jobs (sacct)")
+    up.add_argument("--slurm-gpus-per-replica", type=int, default=0, metavar="N",
+                    help="--gres=gpu:N on each replica job (default: none asked)")
     up.add_argument("--worker-output", action="store_true", help="print workers' output")
     up.add_argument("--tls-cert", metavar="PEM", help="serve the API over HTTPS with this "
                     "certificate (its names must include the address agents use)")

@@ -1,0 +1,288 @@
+"""A real Slurm on this machine for the tests: munged, one slurmctld and four ``slurmd -N nodeX``.
+
+Everything lives in a temporary directory: the generated ``slurm.conf`` (distinct ports,
+``NodeAddr=127.0.0.1``, ``SlurmdParameters=config_overrides`` so four one-CPU nodes with a fake
+GPU each fit on any host), ``gres.conf``, ``topology.conf`` (two switches of two nodes), munge's
+key, socket, log and seed, the daemons' state and logs. Two partitions: ``normal`` (PriorityTier
+10, never preempted) and ``scavenger`` (PriorityTier 1, ``PreemptMode=REQUEUE`` with a
+``GraceTime``), under ``PreemptType=preempt/partition_prio``: a job in ``normal`` that needs a
+node preempts a scavenger job there (SIGTERM, the grace time, then the job is requeued).
+
+``ProctrackType=proctrack/pgid``: Slurm signals the process group of each step, so the workers
+a ``maitre agent`` starts in their own sessions hear nothing from Slurm; the agent drains them.
+
+The daemons run as root (Debian's packages; ``apt-get install slurm-wlm munge``). Where that is
+not possible the tests skip, naming why; under CI (``CI=true``) they fail instead. Every daemon
+is stopped by its pid afterwards, and the test checks that none is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+NODES = ("node1", "node2", "node3", "node4")
+SWITCHES = {"sw1": ("node1", "node2"), "sw2": ("node3", "node4")}
+GRACE_S = 15
+"""The scavenger partition's GraceTime: SIGTERM, then this long to leave, then SIGKILL."""
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
+
+
+def missing() -> str | None:
+    """Why a Slurm cluster cannot be started here, or None."""
+    absent = [d for d in DAEMONS if shutil.which(d) is None]
+    if absent:
+        return (f"Slurm is not installed ({', '.join(absent)} missing): "
+                "apt-get install slurm-wlm munge, as root")
+    if os.geteuid() != 0:
+        return "the test Slurm cluster's daemons run as root; this is not root"
+    return None
+
+
+def require() -> None:
+    """Skip (or, under CI, fail) when no Slurm cluster can be started here."""
+    why = missing()
+    if why is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the Slurm tests: {why}")
+    pytest.skip(why)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class SlurmCluster:
+    """A running test cluster; ``env`` points Slurm's commands at it (``SLURM_CONF``)."""
+
+    root: Path
+    conf: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": str(self.conf)}
+
+    def run(self, *cmd: str, check: bool = True) -> str:
+        done = subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=30)
+        if check and done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip() or done.stdout.strip()}")
+        return done.stdout
+
+    def states(self) -> dict[str, str]:
+        out = self.run("sinfo", "-h", "-N", "-o", "%N %t", "-p", "normal")
+        return dict(line.split() for line in out.splitlines() if line.strip())
+
+    def jobs(self) -> list[dict[str, str]]:
+        """Every job Slurm still knows, as {id, name, partition, state, reason}."""
+        out = self.run("squeue", "-h", "-o", "%i|%j|%P|%T|%r|%N")
+        keys = ("id", "name", "partition", "state", "reason", "nodes")
+        return [dict(zip(keys, line.split("|"))) for line in out.splitlines() if line.strip()]
+
+    def wait_idle(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        last: dict[str, str] = {}
+        while time.monotonic() < deadline:
+            try:
+                last = self.states()
+            except (RuntimeError, subprocess.TimeoutExpired):
+                last = {}
+            if sorted(last) == list(NODES) and all(s == "idle" for s in last.values()):
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the test Slurm's nodes are not idle after {timeout_s:.0f} s: {last}; "
+                           f"logs in {self.root}")
+
+    def log(self, name: str) -> str:
+        path = self.root / "log" / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def ours(self) -> list[int]:
+        """Every live process started with this cluster's ``SLURM_CONF`` in its environment
+        (the daemons' children: slurmstepd, the jobs, their agents and workers)."""
+        needle = f"SLURM_CONF={self.conf}".encode()
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0") and _alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                pass
+        return found
+
+    def stop(self) -> None:
+        """Cancel every job and wait for them to end, then stop the daemons by pid (slurmd,
+        slurmctld, any slurmstepd left, munged last)."""
+        if "slurmctld" in self.pids:
+            self.run("scancel", "-u", "root", check=False)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if not self.jobs():
+                        break
+                except (RuntimeError, subprocess.TimeoutExpired):
+                    break
+                time.sleep(0.5)
+        order = [n for n in self.pids if n.startswith("slurmd")] + ["slurmctld"]
+        for name in order:
+            pid = self.pids.pop(name, None)
+            if pid is not None:
+                _kill_and_wait(pid)
+        for pid in self.ours():  # a step whose slurmd went first
+            if pid != self.pids.get("munged"):
+                _kill_and_wait(pid, grace_s=5)
+        pid = self.pids.pop("munged", None)
+        if pid is not None:
+            _kill_and_wait(pid)
+
+
+def _kill_and_wait(pid: int, grace_s: float = 10.0) -> None:
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return
+        time.sleep(0.1)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _read_pid(path: Path, timeout_s: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            text = path.read_text().strip()
+            if text:
+                return int(text)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"no pid file {path} after {timeout_s:.0f} s")
+
+
+def write_config(root: Path) -> Path:
+    """The cluster's configuration files in ``root``; returns the path of ``slurm.conf``."""
+    ctld_port, *node_ports = _free_ports(1 + len(NODES))
+    for d in ("munge", "log", "state", "spool"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    (root / "munge").chmod(0o700)
+    key = root / "munge" / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    nodes = "\n".join(
+        f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={p} CPUs=1 "
+        f"RealMemory=500 Gres=gpu:1 Feature=rack{1 + i // 2}"
+        for i, (n, p) in enumerate(zip(NODES, node_ports)))
+    (root / "slurm.conf").write_text(f"""\
+ClusterName=maitretest
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.socket
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool/%n
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd-%n.pid
+SlurmctldLogFile={root}/log/slurmctld.log
+SlurmdLogFile={root}/log/slurmd-%n.log
+SlurmdParameters=config_overrides
+ProctrackType=proctrack/pgid
+TaskPlugin=task/none
+MpiDefault=none
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+GresTypes=gpu
+TopologyPlugin=topology/tree
+ReturnToService=2
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+JobAcctGatherType=jobacct_gather/none
+MinJobAge=300
+KillWait=5
+SlurmdTimeout=30
+InactiveLimit=0
+{nodes}
+PartitionName=normal Nodes=ALL Default=YES PriorityTier=10 PreemptMode=OFF State=UP
+PartitionName=scavenger Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} State=UP
+""")
+    (root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
+        f"NodeName={n} Name=gpu Count=1 File=/dev/null\n" for n in NODES))
+    (root / "topology.conf").write_text("".join(
+        f"SwitchName={s} Nodes={','.join(ns)}\n" for s, ns in SWITCHES.items())
+        + f"SwitchName=top Switches={','.join(SWITCHES)}\n")
+    return root / "slurm.conf"
+
+
+def start(root: Path) -> SlurmCluster:
+    """Start munged, slurmctld and the four slurmd in ``root``; wait until all are idle."""
+    conf = write_config(root)
+    cluster = SlurmCluster(root=root, conf=conf)
+    m = root / "munge"
+    try:
+        subprocess.run(["munged", "--force", f"--key-file={m}/munge.key",
+                        f"--socket={m}/munge.socket",
+                        f"--pid-file={m}/munged.pid", f"--log-file={root}/log/munged.log",
+                        f"--seed-file={m}/munged.seed"], check=True, capture_output=True,
+                       timeout=20, env=cluster.env)
+        cluster.pids["munged"] = _read_pid(m / "munged.pid")
+        subprocess.run(["slurmctld", "-c", "-i"], check=True, capture_output=True, timeout=30,
+                       env=cluster.env)  # -c: a clean start, no state from another run
+        cluster.pids["slurmctld"] = _read_pid(root / "slurmctld.pid")
+        for n in NODES:
+            (root / "spool" / n).mkdir(parents=True, exist_ok=True)
+            subprocess.run(["slurmd", "-N", n], check=True, capture_output=True, timeout=30,
+                           env=cluster.env)
+            cluster.pids[f"slurmd-{n}"] = _read_pid(root / f"slurmd-{n}.pid")
+        cluster.wait_idle()
+    except BaseException as exc:
+        cluster.stop()
+        if isinstance(exc, subprocess.CalledProcessError):
+            raise RuntimeError(f"{exc.cmd[0]} did not start: {exc.stderr or exc.stdout}; "
+                               f"logs in {root / 'log'}") from exc
+        raise
+    return cluster
+
+
+def leftovers(pids: list[int]) -> list[int]:
+    return [p for p in pids if _alive(p)]
