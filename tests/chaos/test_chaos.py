@@ -177,6 +177,10 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
+def _over(job: dict) -> bool:
+    return job["state"] in ("COMPLETED", "FAILED")
+
+
 def _step_of(path: Path | None) -> int:
     return -1 if path is None else int(path.name.split("-")[-1])
 
@@ -297,7 +301,7 @@ def inject(chaos: Chaos, kind: str, rng: random.Random) -> dict:
 
 def settle(chaos: Chaos, rec: dict, timeout: float = 180) -> None:
     """Wait until the job trains again with at least two workers (the next fault waits)."""
-    _wait(lambda: chaos.training(2) or chaos.cluster.status("chaos")["state"] != "RUNNING",
+    _wait(lambda: chaos.training(2) or _over(chaos.cluster.status("chaos")),
           timeout, f"the job to train again after {rec['kind']}", chaos.cluster, interval=0.5)
 
 
@@ -355,7 +359,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
         busy = {n: chaos.workers(n) for n in sorted(cluster.agents)}
         assert sum(map(len, busy.values())) == 3, busy  # what the faults aim at is found
         for n, kind in enumerate(schedule):
-            if cluster.status("chaos")["state"] != "RUNNING":
+            if _over(cluster.status("chaos")):
                 break
             if kind == "corrupt_checkpoint":  # an older one to fall back on, too
                 _wait(lambda: _step_of(newest_complete(ckpt)) >= 2 * CKPT_EVERY, 120,
