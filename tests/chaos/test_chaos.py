@@ -307,6 +307,12 @@ def settle(chaos: Chaos, rec: dict, timeout: float = 180) -> None:
 
 def measure(rec: dict, events: list[dict], commits: list[dict], logs_after: str) -> None:
     t0 = rec["t"]
+    if rec["kind"] == "full_disk":  # seen by the saves' reports: failed, then one that works
+        failed = next((e for e in events if e["t"] >= t0 and e["kind"] == "checkpoint"
+                       and not e.get("ok")), None)
+        if failed is not None:
+            rec["detected_at"], rec["detected_by"] = failed["t"], "checkpoint (failed)"
+            rec["error"] = (failed.get("error") or "")[:200]
     if "detected_at" not in rec:
         first = next((e for e in events if e["t"] >= t0 and e["kind"] in _DETECTING), None)
         if first is not None:
@@ -386,6 +392,10 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
             measure(rec, events, commits, logs)
         resumed = [m.group(1) for m in _RESUMED.finditer(logs)]
         corrupt_loaded = sum(1 for p in resumed if p in chaos.corrupted)
+        # the coordinator's word too: no restore of a corrupted checkpoint's step
+        bad_steps = {_step_of(Path(p)) for p in chaos.corrupted}
+        restores = [e for e in events if e["kind"] == "restore" and e.get("source") == "disk"]
+        corrupt_loaded = max(corrupt_loaded, sum(e.get("step") in bad_steps for e in restores))
         refused = {m.group(1) for m in _SKIPPED.finditer(logs)}
     finally:
         cluster_procs = list(cluster.agents.values()) + [getattr(cluster, "coordinator", None)]
