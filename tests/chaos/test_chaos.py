@@ -239,9 +239,12 @@ def inject(chaos: Chaos, kind: str, rng: random.Random) -> dict:
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True)
         before = newest_complete(chaos.ckpt)
         mark = len(chaos.logs())
-        time.sleep(max(6.0, rng.uniform(4.0, 10.0)))
-        failed = _SAVE_FAILED.search(chaos.logs()[mark:])
-        rec["save_failed_seen"] = failed is not None
+        end = time.time() + rng.uniform(6.0, 10.0)
+        while time.time() < end:  # detected: a worker's save fails and says so
+            if "detected_at" not in rec and _SAVE_FAILED.search(chaos.logs()[mark:]):
+                rec["detected_at"], rec["detected_by"] = time.time(), "save failed (log)"
+            time.sleep(0.5)
+        rec["save_failed_seen"] = "detected_at" in rec
         filler.unlink()
         rec["healed_at"] = time.time()
         # recovered: a newer complete checkpoint than the one before the disk was freed
@@ -284,12 +287,11 @@ def inject(chaos: Chaos, kind: str, rng: random.Random) -> dict:
         notice = chaos.tmp / f"notice-{node}.json"
         rec["t"] = time.time()
         notice.write_text(json.dumps({"notice_s": 5}))
-        proc = c.agents[node]
-        try:  # the node drains and its agent leaves; a new machine comes in its place
-            proc.wait(timeout=40)
-            rec["agent_left"] = True
-        except subprocess.TimeoutExpired:
-            rec["agent_left"] = False
+        try:  # the node drains (its workers leave); a new machine comes in its place
+            _wait(lambda: not chaos.workers(node), 40, f"{node} drained", c, interval=0.5)
+            rec["drained"] = True
+        except AssertionError:
+            rec["drained"] = False
         notice.unlink()
         chaos.kill_agent(node)
         chaos.start_agent(node)
@@ -305,8 +307,11 @@ def settle(chaos: Chaos, rec: dict, timeout: float = 180) -> None:
           timeout, f"the job to train again after {rec['kind']}", chaos.cluster, interval=0.5)
 
 
-def measure(rec: dict, events: list[dict], commits: list[dict], logs_after: str) -> None:
+def measure(rec: dict, events: list[dict], commits: list[dict], until: float) -> None:
+    """Its detection and recovery times; ``until``: the next fault's injection (what comes
+    after it is that one's)."""
     t0 = rec["t"]
+    events = [e for e in events if e["t"] < until]
     if rec["kind"] == "full_disk":  # seen by the saves' reports: failed, then one that works
         failed = next((e for e in events if e["t"] >= t0 and e["kind"] == "checkpoint"
                        and not e.get("ok")), None)
@@ -319,7 +324,10 @@ def measure(rec: dict, events: list[dict], commits: list[dict], logs_after: str)
             rec["detected_at"], rec["detected_by"] = first["t"], first["kind"]
     if "recovered_at" not in rec:
         after = max(rec["healed_at"], rec.get("detected_at", t0))
-        step = next((r for r in sorted(commits, key=lambda r: r["t"]) if r["t"] > after), None)
+        # a fault that closed the epoch is over once a later epoch trains
+        e0 = max((r["e"] for r in commits if r["t"] <= t0), default=0)
+        later = any(r["e"] > e0 and r["t"] < until for r in commits)
+        step = next((r for r in commits if r["t"] > after and (not later or r["e"] > e0)), None)
         if step is not None:
             rec["recovered_at"] = step["t"]
     for key in ("detected", "recovered", "healed"):
@@ -386,10 +394,10 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
             events = list(db.events())
         finally:
             db.close()
-        commits = chaos.commits()
+        commits = sorted(chaos.commits(), key=lambda r: r["t"])
         logs = chaos.logs()
-        for rec in records:
-            measure(rec, events, commits, logs)
+        for rec, nxt in zip(records, records[1:] + [{"t": float("inf")}]):
+            measure(rec, events, commits, nxt["t"])
         resumed = [m.group(1) for m in _RESUMED.finditer(logs)]
         corrupt_loaded = sum(1 for p in resumed if p in chaos.corrupted)
         # the coordinator's word too: no restore of a corrupted checkpoint's step
