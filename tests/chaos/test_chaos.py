@@ -13,7 +13,8 @@ Times: a fault's ``detected_s`` is from its injection to the first coordinator e
 it (``worker_dead``, ``epoch_closed``, ``straggler``, ...; from the store's event log), or to the
 worker's own log line for the faults only a worker sees (a failed save, a refused checkpoint);
 ``recovered_s`` is from the injection to the first step committed (the ledger) after the fault
-was healed and seen, i.e. until the job trains again.
+was healed and seen (in a later epoch, when the fault closed one), i.e. until the job trains
+again.
 """
 
 from __future__ import annotations
