@@ -26,14 +26,13 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT, TAG_VAR, _tagged_pids, example_command, relative_error
+from conftest import ROOT, _tagged_pids, example_command, relative_error
 from hosts import _can_make_namespaces, hosts  # noqa: F401
 from test_multihost import CLI, Cluster, _wait
 from maitre.checkpoint.loader import newest_complete
@@ -344,7 +343,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
         if os.environ.get("CI") == "true":
             pytest.fail(f"the chaos run needs network namespaces: {why}")
         pytest.skip(f"the chaos run needs network namespaces: {why}")
-    hosts = request.getfixturevalue("hosts")
+    make_hosts = request.getfixturevalue("hosts")
     rng = random.Random(SEED)
     schedule = _schedule(rng, FAULTS)
     expected = reference(STEPS)
@@ -354,7 +353,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     if "full_disk" in KINDS:  # a small filesystem of its own, to fill up
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(ckpt)],
                        check=True)
-    coordinator, *agents = hosts(1 + AGENTS)
+    coordinator, *agents = make_hosts(1 + AGENTS)
     cluster = Cluster(tmp_path, coordinator, agents)
     cluster.up_args = ("--resize-cooldown", "3", "--max-restarts", "100000")
     records: list[dict] = []
