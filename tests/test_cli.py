@@ -416,6 +416,7 @@ def test_submit_names_every_problem_of_a_manifest(cli: Cli, tmp_path: Path) -> N
     (("up", "--slots-per-node", "0"), "--slots-per-node"),
     (("up", "--resize-cooldown", "-5"), "--resize-cooldown must be a number of seconds >= 0"),
     (("up", "--resize-cooldown", "nan"), "--resize-cooldown must be a number of seconds >= 0"),
+    (("up", "--max-restarts", "-1"), "--max-restarts must be >= 0, got -1"),
     (("agent", "--coordinator", "127.0.0.1:1", "--label", "color=red"), "--label 'color=red'"),
     (("agent", "--coordinator", "127.0.0.1:1", "--label", "capacity_type=cheap"), "on-demand or spot"),
     (("submit", "/nonexistent/job.yaml"), "cannot read /nonexistent/job.yaml"),

@@ -499,6 +499,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     if not 0 <= args.spot_nodes <= args.nodes:
         raise UsageError(f"--spot-nodes must be between 0 and --nodes {args.nodes}, got "
                          f"{args.spot_nodes}")
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
     if args.store_port:
         _check_port(args.host, args.store_port, "--store-port")
     token = _read_token(args.token_file) if args.token_file else None
@@ -512,7 +514,7 @@ def cmd_up(args: argparse.Namespace) -> int:
                    slots_per_node=slots, racks=racks, host=args.host, port=args.port,
                    store_port=args.store_port, token=token,
                    policy=policy, quiet_workers=not args.worker_output, prices=prices,
-                   spot_nodes=args.spot_nodes, **tls)
+                   spot_nodes=args.spot_nodes, max_restarts=args.max_restarts, **tls)
     try:
         cluster = LocalCluster(cfg)
     except StoreError as exc:
@@ -805,6 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "scheduler grows or rebalances it again (damping: no back and forth); an "
                     "elastic job that lost a node grows back onto it only then (default: the "
                     "policy's, 180)")
+    up.add_argument("--max-restarts", type=int, default=3,
+                    help="failure events a job survives before it fails (each job's)")
     up.add_argument("--price", action="append", metavar="TYPE=PRICE",
                     help="price per slot (GPU) hour of a capacity type, for the cost report "
                     "(repeatable; default on-demand=2.5 spot=0.75, the simulator's)")
