@@ -22,6 +22,10 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 COOKIE = "maitre_token"
 PREFIX = "/dashboard"
 LOGIN = PREFIX + "/login"
+ICON = PREFIX + "/assets/favicon.svg"
+"""Named by every page the dashboard serves, signed in or not: a page without an icon makes the
+browser ask for ``/favicon.ico``, which, outside the dashboard, the API refuses (a 401 on the
+login page's console)."""
 LOGOUT = PREFIX + "/logout"
 ASSETS = PREFIX + "/assets"
 _READ = ("GET", "HEAD")
@@ -92,7 +96,8 @@ def login_page(message: str = "", status: int = 200, nxt: str = PREFIX + "/") ->
     return HTMLResponse(f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>maitre: sign in</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="stylesheet" href="{PREFIX}/assets/app.css"></head>
+<link rel="stylesheet" href="{PREFIX}/assets/app.css">
+<link rel="icon" href="{ICON}" type="image/svg+xml"></head>
 <body class="login"><main><h1>maitre</h1>
 <p>The dashboard needs the coordinator's token: the file <code>maitre up</code> wrote
 (<code>--token-file</code>), or the URL it printed.</p>{note}

@@ -204,6 +204,7 @@ def not_found(path: str) -> HTMLResponse:
     from html import escape
     return HTMLResponse(
         f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>maitre: not found
-</title><link rel="stylesheet" href="{auth.ASSETS}/app.css"></head><body class="login"><main>
+</title><link rel="stylesheet" href="{auth.ASSETS}/app.css">
+<link rel="icon" href="{auth.ICON}" type="image/svg+xml"></head><body class="login"><main>
 <h1>404</h1><p>There is no page <code>{escape(path)}</code>. The dashboard is at
 <a href="{auth.PREFIX}/">{auth.PREFIX}/</a>.</p></main></body></html>""", status_code=404)
