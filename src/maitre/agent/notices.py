@@ -247,33 +247,6 @@ class SigtermSource:
         return None if self.fired_at is None else ("terminate", self.fired_at + self.notice_s)
 
 
-class SigtermSource:
-    """SIGTERM as a notice of ``notice_s`` seconds (``maitre agent --sigterm-notice S``): what a
-    cluster engine sends before it takes the node back (Slurm's preemption, then ``GraceTime``;
-    ``scancel``; a pod's deletion, then its grace period). :meth:`arm` installs the handler
-    (main thread only); :meth:`fire` is what it does."""
-
-    description = "SIGTERM"
-
-    def __init__(self, notice_s: float, clock: Callable[[], float] = time.time) -> None:
-        if not notice_s > 0:
-            raise ValueError("--sigterm-notice must be a positive number of seconds, got "
-                             f"{notice_s}")
-        self.notice_s = notice_s
-        self.clock = clock
-        self.fired_at: float | None = None
-
-    def arm(self) -> None:
-        signal.signal(signal.SIGTERM, lambda signum, frame: self.fire())
-
-    def fire(self) -> None:
-        if self.fired_at is None:
-            self.fired_at = self.clock()
-
-    def read(self, now: float, default_notice_s: float) -> tuple[str, float] | None:
-        return None if self.fired_at is None else ("terminate", self.fired_at + self.notice_s)
-
-
 def source(spec: str) -> FileSource | HttpSource:
     """``file:PATH`` or an ``http(s)://`` URL (ValueError otherwise)."""
     if spec.startswith("file:"):
