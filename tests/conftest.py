@@ -69,6 +69,17 @@ def _tagged_pids(tag: str) -> list[int]:
     return pids
 
 
+def kill_tagged(tag: str) -> list[int]:
+    """SIGKILL every live process tagged ``tag``; returns those there were (none: clean)."""
+    left = _tagged_pids(tag)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
 def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
     """Run ``cmd``; on a timeout, or if anything it started outlives it, kill those by pid."""
     tag = uuid.uuid4().hex
@@ -79,19 +90,11 @@ def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.C
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in _tagged_pids(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tagged(tag)
         out, err = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
     finally:
-        for pid in _tagged_pids(tag):  # nothing should be left; never leak it if it is
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tagged(tag)  # nothing should be left; never leak it if it is
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

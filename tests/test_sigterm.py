@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TAG_VAR, _tagged_pids, example_command, relative_error, wait_for
+from conftest import ROOT, TAG_VAR, example_command, kill_tagged, relative_error, wait_for
 from maitre.scheduling.model import Queue
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,16 +36,6 @@ def _agent(address: str, token_file: Path, node: str, tag: str) -> subprocess.Po
          "--no-health-builtin", "--health-check", "true", "--health-interval", "0"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)
-
-
-def _kill_tagged(tag: str) -> list[int]:
-    left = _tagged_pids(tag)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return left
 
 
 def _events(cluster, kind: str, node: str | None = None) -> list[dict]:
@@ -106,7 +96,7 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-        left = _kill_tagged(tag)
+        left = kill_tagged(tag)
         cluster.stop(drain_s=10)
     log = "\n".join(lines)
     assert proc.returncode == 0 and took < 20, (took, agent_out)

@@ -269,7 +269,7 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
     the final parameters are a fixed-size run's."""
     import torch
 
-    from conftest import _tagged_pids, example_command, relative_error
+    from conftest import example_command, kill_tagged, relative_error
     from maitre.wire import Client
 
     steps, out = 1200, tmp_path / "final.pt"
@@ -340,12 +340,7 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         if intruder is not None:
             cluster.run("scancel", intruder, check=False)
         time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
-        left = _tagged_pids(tag)
-        for pid in left:  # never leak one; the assertion below says if any was
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        left = kill_tagged(tag)  # never leak one; the assertion below says if any was
     assert not left, f"processes left behind: {left}"
     assert final["state"] == "COMPLETED" and final["failures"] == 0, final
     kinds = [e["kind"] for e in events]
@@ -371,7 +366,7 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
     and the job resumes from its checkpoint on the new node, ending as a fixed-size run."""
     import torch
 
-    from conftest import _tagged_pids, example_command, relative_error
+    from conftest import example_command, kill_tagged, relative_error
     from maitre.wire import Client
 
     steps, out = 400, tmp_path / "final.pt"
@@ -420,12 +415,7 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
         except subprocess.TimeoutExpired:
             up.kill()
         time.sleep(1.0)
-        left = _tagged_pids(tag)
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        left = kill_tagged(tag)
     assert not left, f"processes left behind: {left}"
     assert final["state"] == "COMPLETED" and final["failures"] == 0, final
     assert again["step"] >= before["step"] - 1  # resumed from the checkpoint, not from zero
