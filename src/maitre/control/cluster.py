@@ -365,9 +365,7 @@ class ClusterState:
         else:
             m.job.placement.pop(node, None)
         self.log(now, "evict", job=job_id, worker=worker, node=node, reason=reason)
-        warmest = min(spares, default=None, key=lambda s: (s.state != WorkerState.READY,
-                                                           s.ready_at, s.started_at))
-        promoted = None if warmest is None else ms.promote_spare(worker, now, warmest.id)
+        promoted = ms.promote_spare(worker, now, avoid_node=node)
         if promoted is not None:  # a warm spare comes in at the step boundary the worker leaves at
             self.take_spares(m, ms, now)
             self.index_allocations()

@@ -327,14 +327,16 @@ class Membership:
         live = self._spares[WorkerState.STARTING] + self._spares[WorkerState.READY]
         return max(0, self.spec.spares - live)
 
-    def promote_spare(self, replacing: str | None, now: float,
-                      spare: str | None = None) -> Worker | None:
+    def promote_spare(self, replacing: str | None, now: float, spare: str | None = None,
+                      avoid_node: str | None = None) -> Worker | None:
         """Make a spare a joiner of the next epoch in place of ``replacing`` (a lost or evicted
         worker, or None for a larger size): ``spare``, else the warmest one (ready the longest),
         else one still starting. Returns it, or None without a spare. The epoch it joins is the next one: a
         loss closed the current one; for an eviction, ask the evicted member to leave (it then
-        goes at the next step boundary, and the spare comes in at the same one)."""
-        live = [w for w in self.live_spares() if spare is None or w.id == spare]
+        goes at the next step boundary, and the spare comes in at the same one). None on
+        ``avoid_node`` (a suspect node's spare would be as slow as the worker it replaces)."""
+        live = [w for w in self.live_spares() if (spare is None or w.id == spare)
+                and w.node != avoid_node]
         if not live or self.over or self.suspending:
             return None
         w = min(live, key=lambda s: (s.state != WorkerState.READY, s.ready_at, s.started_at))
