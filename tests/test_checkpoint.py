@@ -276,6 +276,33 @@ def test_never_overwrites_a_checkpoint(tmp_path: Path) -> None:
     assert errors and "training goes on" in errors[0]
 
 
+def test_a_save_of_a_step_whose_checkpoint_is_corrupt_sets_that_one_aside(tmp_path: Path) -> None:
+    """A run that resumed from step 2 because step 4 did not verify saves step 4 again: the
+    corrupt one is renamed out of the way (kept for a look), the new one takes its name."""
+    older, newer = two_checkpoints(tmp_path)
+    flip_byte(newer / fmt.shard_name(0))
+    state = make_state(seed=9, steps=4)
+    lines: list[str] = []
+    ck = Checkpointer(config(tmp_path), log=lines.append)
+    save(state, ck)
+    result = ck.wait()[0]
+    ck.close()
+    assert result.path == newer and result.error is None, result
+    fmt.verify(newer)
+    aside = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".corrupt-")]
+    assert len(aside) == 1 and aside[0].startswith(".corrupt-step-000000004-"), aside
+    assert any("did not verify" in line and aside[0] in line for line in lines), lines
+    loaded, fresh = load_latest(tmp_path / "ckpt"), make_state(seed=1, steps=0)
+    assert loaded is not None and loaded.path == newer
+    fresh.load_state_dict(loaded.tree)
+    assert_same_state(fresh, state)
+    state.step = 9  # once its step is older than every checkpoint kept, it goes too
+    ck = Checkpointer(config(tmp_path, keep=1))
+    save(state, ck, token=9)
+    ck.close()
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000009"]
+
+
 def test_keeps_the_newest_k(tmp_path: Path) -> None:
     state = make_state(steps=0)
     ck = Checkpointer(config(tmp_path, keep=2))

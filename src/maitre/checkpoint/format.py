@@ -45,6 +45,8 @@ STATE = "state.json"
 STEP_DIR = re.compile(r"step-(\d{9})")
 TMP_DIR = re.compile(r"\.tmp-step-(\d{9})-(\d+)")
 TRASH_PREFIX = ".deleting-"
+CORRUPT_PREFIX = ".corrupt-"
+"""A step directory that did not verify, set aside when a save of that step replaces it."""
 CHUNK = 16 << 20  # bytes per write() and hash update
 
 # safetensors dtype names
@@ -260,6 +262,15 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if body.get("format") not in FORMATS:
         raise CorruptCheckpoint(f"unknown format {body.get('format')!r} (expected "
                                 f"{' or '.join(FORMATS)})")
+    return body
+
+
+def verify(directory: Path) -> dict[str, Any]:
+    """The manifest of ``directory`` once it and every file it lists check out (every byte is
+    read); :class:`CorruptCheckpoint` otherwise."""
+    body = read_manifest(directory)
+    for name, info in body.get("files", {}).items():
+        read_verified(directory / name, int(info.get("size", -1)), str(info.get("xxh3_64")))
     return body
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -46,6 +47,7 @@ from maitre.protocol import CHECKPOINT_FAULT as FAULT_ENV
 PHASES = ("snapshot", "mid_file", "between_files", "before_manifest", "before_rename",
           "after_rename")
 _POLL_S = 0.02
+_SET_ASIDE = re.compile(re.escape(fmt.CORRUPT_PREFIX) + r"step-(\d+)-\d+")
 
 
 def fault_point(phase: str, save_number: int) -> None:
@@ -230,8 +232,8 @@ class Writer:
             fmt.fsync_dir(tmp)
             fault_point("before_rename", n)
             final = self.root / fmt.step_dir_name(snap.step)
-            if final.exists():  # never reuse or overwrite a checkpoint directory
-                raise FileExistsError(f"{final} already exists")
+            if final.exists():  # never reuse or overwrite a checkpoint that verifies
+                self._set_aside(final)
             os.rename(tmp, final)
             fmt.fsync_dir(self.root)
             self._durable_at = time.monotonic()
@@ -244,6 +246,22 @@ class Writer:
         self._retire(snap.step)
         return final
 
+    def _set_aside(self, final: Path) -> None:
+        """A step directory of the step being saved is there: a run that resumed from an older
+        checkpoint, because this one did not verify, is saving the same step again. One that
+        verifies stays (FileExistsError: this save fails, training goes on); one that does not
+        is renamed out of the ``step-*`` namespace, kept for a look until it is retired."""
+        try:
+            fmt.verify(final)
+        except fmt.CorruptCheckpoint as why:
+            aside = final.with_name(f"{fmt.CORRUPT_PREFIX}{final.name}-{time.time_ns()}")
+            os.rename(final, aside)
+            fmt.fsync_dir(self.root)
+            self.log(f"maitre: checkpoint {final.name} did not verify ({why}): set aside as "
+                     f"{aside.name}, replaced by this save")
+            return
+        raise FileExistsError(f"{final} already exists")
+
     def _retire(self, newest: int) -> None:
         """Keep the newest ``keep`` checkpoints; drop temporary directories of older saves.
         A checkpoint is renamed out of the ``step-*`` namespace before it is deleted, so a kill
@@ -255,9 +273,13 @@ class Writer:
             except OSError:
                 continue
             shutil.rmtree(trash, ignore_errors=True)
+        kept = [step for step, _ in fmt.list_steps(self.root)]
+        oldest = min(kept, default=newest)
         for path in self.root.iterdir():
             m = fmt.TMP_DIR.fullmatch(path.name)
             if (m and int(m.group(1)) <= newest) or path.name.startswith(fmt.TRASH_PREFIX):
+                shutil.rmtree(path, ignore_errors=True)
+            elif (c := _SET_ASIDE.fullmatch(path.name)) and int(c.group(1)) < oldest:
                 shutil.rmtree(path, ignore_errors=True)
 
 
