@@ -76,3 +76,25 @@ def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once() -> 
         agent.stop(grace_s=0.5)
         server.shutdown()
         server.server_close()
+
+
+def test_a_start_order_that_comes_again_is_carried_out_once(monkeypatch) -> None:
+    """The coordinator repeats a start order until a beat lists the worker (an answer can be
+    lost on its way); the agent starts the worker once however often the order comes."""
+    agent = Agent("127.0.0.1:1", "n0", 1)
+    spawned: list[str] = []
+    monkeypatch.setattr(agent, "_spawn", lambda order: spawned.append(order["worker_id"]))
+    try:
+        order = {"worker_id": "j-w1", "job_id": "j"}
+        for _ in range(3):  # a beat's answer and a watch's may both carry it
+            agent._apply({"version": 0, "views": None, "start": [order], "kill": []},
+                         time.monotonic())
+        agent._apply({"version": 1, "views": None, "start": [{**order, "worker_id": "j-w2"}],
+                      "kill": []}, time.monotonic())
+        deadline = time.monotonic() + 5
+        while len(spawned) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert sorted(spawned) == ["j-w1", "j-w2"], spawned
+    finally:
+        agent.stop(grace_s=0.5)

@@ -53,6 +53,9 @@ class Sim:
         """Health probe results the agents carry in their beats (tests/test_health.py)."""
         self.probe_asked: dict[str, bool] = {}
         """Whether the node's latest orders asked for a health probe."""
+        self.lose_starts: set[str] = set()
+        """Nodes whose next answer that carries start orders is lost on its way (its agent
+        died with a watch pending, a link dropped it): the agent never sees it."""
 
     def _coordinator(self) -> Coordinator:
         cluster = ClusterState(list(self.queues), run_dir=self.tmp,
@@ -95,6 +98,9 @@ class Sim:
                     p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0)
                     for w in sorted(self.running[node])])
                 reply = self.co.node_heartbeat(node, beat)
+                if reply["start"] and node in self.lose_starts:
+                    self.lose_starts.discard(node)
+                    continue
                 self.version[node] = reply["version"]
                 self.probe_asked[node] = reply.get("probe", False)
                 if reply["views"] is not None:
@@ -192,6 +198,25 @@ def test_a_gang_waits_whole_and_takes_no_slot_while_it_does_not_fit(tmp_path: Pa
     sim.finish("fixed")
     sim.advance(3)
     assert sim.members("big") == 3
+
+
+def test_a_start_order_lost_on_its_way_is_sent_again(tmp_path: Path) -> None:
+    """A node's answer with a start order never reaches its agent: the next beat that does not
+    list the worker, a few seconds on, brings the same order again; the worker starts, the
+    job trains with no failure and no replacement worker."""
+    sim = Sim(tmp_path, {"n0": 1, "n1": 1}, [Queue("q")])
+    sim.lose_starts = {"n0"}
+    sim.submit("a", "q", 2, 2)
+    sim.advance(2)
+    assert sim.lose_starts == set(), "no answer with a start order was lost"
+    assert not sim.running["n0"] and sim.job("a")["state"] != "RUNNING"
+    sim.advance(4)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and len(job["members"]) == 2, job
+    assert sorted(w["id"] for w in job["workers"]) == ["a-w1", "a-w2"], job["workers"]
+    assert job["failures"] == 0
+    sim.advance(10)  # acknowledged by the beats that list it: not sent a third time
+    assert sim.job("a")["epoch"] == 1
 
 
 def test_a_dead_node_is_detected_and_its_replicas_placed_elsewhere(tmp_path: Path) -> None:

@@ -224,6 +224,9 @@ class Agent:
         self.extra_env = dict(extra_env or {})
         self.output = output
         self.workers: dict[str, _Worker] = {}
+        self._ordered: set[str] = set()
+        """Every worker this agent was told to start: the coordinator repeats a start order
+        until a beat lists the worker (an answer can be lost), the agent carries out one."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -375,8 +378,8 @@ class Agent:
 
     def _apply(self, orders: dict[str, Any], sent: float) -> None:
         """Carry out the node's orders (from a beat or a watch, in whichever order they come:
-        views older than the ones applied are dropped; each start order comes once), the answer
-        to a request sent at ``sent``."""
+        views older than the ones applied are dropped), the answer to a request sent at
+        ``sent``. A start order is carried out once, however often it comes."""
         with self._lock:
             views = orders.get("views")
             if views is not None and orders["version"] >= self.version:
@@ -386,7 +389,9 @@ class Agent:
             self.version = max(self.version, orders["version"])
             # With the views it brought (or none: nothing changed since ``since``), never before.
             self.heard_at = sent if self.heard_at is None else max(self.heard_at, sent)
-        for order in orders.get("start", []):  # off this thread: a start must not delay a beat
+            start = [o for o in orders.get("start", []) if o["worker_id"] not in self._ordered]
+            self._ordered.update(o["worker_id"] for o in start)
+        for order in start:  # off this thread: a start must not delay a beat
             threading.Thread(target=self._spawn, args=(order,), name="maitre-spawn",
                              daemon=True).start()
         for wid in orders.get("kill", []):

@@ -62,6 +62,9 @@ log = logging.getLogger("maitre.coordinator")
 _NOT_STARTED = {"epoch": 0, "epoch_open": False, "members": [], "step": 0, "failures": 0, "failure": None,
                 "workers": [], "target": 0, "min_workers": 0, "max_workers": 0, "spares": []}
 _VOUCH_SLACK_S = 0.5
+_RESEND_AFTER_S = 3.0
+"""A start order is sent again once a beat that came this long after it does not list the
+worker (the agent starts a worker within milliseconds, and carries out an order once)."""
 """How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
 loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
 _LOST_CHECK_S = 0.5
@@ -165,6 +168,10 @@ class Coordinator:
         self._spare_jobs: set[str] = set()
         """Jobs whose runs keep warm spares (the only ones a node's orders look at for them)."""
         self._pending_kills: dict[str, set[str]] = {}
+        self._unacked: dict[str, dict[str, tuple[dict[str, Any], float]]] = {}
+        """Per node, the start orders (and when each was last sent) that no beat of its agent
+        has listed the worker of yet: an answer can be lost (its agent died with a watch
+        pending, a link dropped it), so each is sent again until the agent runs the worker."""
         self._emitted: dict[str, int] = {}
         self._keys: dict[str, tuple[Any, ...]] = {}
         """Each membership's :meth:`~Membership.view_key` when its nodes were last told."""
@@ -360,7 +367,7 @@ class Coordinator:
                     wb.silent_s is not None and wb.silent_s < p.SILENT_S else 0.0
                 ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s,
                             wb.gap_std_s, vouched)
-            info["running"] = running
+            info.update(running=running, beat_at=now)
             return self._orders(node, beat.since, now)
 
     def _noticed(self, node: str, notice: p.SpotNotice, now: float) -> None:
@@ -545,7 +552,12 @@ class Coordinator:
         for wid in running:
             if wid not in self._worker_job and wid not in kill:
                 kill.append(wid)  # no job of this coordinator knows it
-        start = self._start_orders(node, info["slots"], used, now)
+        start = self._resent(node, running, info.get("beat_at", 0.0), now)
+        fresh = self._start_orders(node, info["slots"], used, now)
+        unacked = self._unacked.setdefault(node, {})
+        for order in fresh:
+            unacked[order["worker_id"]] = (order, now)
+        start += fresh
         self._flush()  # (may bump this node: the views below are as of the version returned)
         version = self._node_version.setdefault(node, 0)
         views = None
@@ -555,6 +567,26 @@ class Coordinator:
                      if self._worker_job[wid].workers[wid].state in LIVE}
         return {"version": version, "start": start, "kill": kill, "views": views,
                 "probe": self.cluster.wants_probe(node)}
+
+    def _resent(self, node: str, running: set[str], beat_at: float,
+                now: float) -> list[dict[str, Any]]:
+        """The start orders of ``node`` to send again: those whose worker is still starting and
+        that a beat which came :data:`_RESEND_AFTER_S` after them did not list."""
+        unacked = self._unacked.get(node)
+        if not unacked:
+            return []
+        again = []
+        for wid, (order, sent_at) in list(unacked.items()):
+            ms = self._worker_job.get(wid)
+            w = None if ms is None else ms.workers.get(wid)
+            if wid in running or w is None or w.state != WorkerState.STARTING or w.node != node:
+                del unacked[wid]  # running (acknowledged), or past starting either way
+            elif beat_at >= sent_at + _RESEND_AFTER_S:
+                log.info("node %s: its agent does not run %s, started %.1f s ago: the start "
+                         "order again", node, wid, now - sent_at)
+                unacked[wid] = (order, now)
+                again.append(order)
+        return again
 
     def _start_orders(self, node: str, slots: int, used: set[int],
                       now: float) -> list[dict[str, Any]]:
@@ -591,9 +623,13 @@ class Coordinator:
             self.stores.open(job.spec.run_key, job.spec.token)
         self._index(job, worker)
         self._touch(job.spec.job_id)
+        return self._order(job, worker)
+
+    def _order(self, job: Membership, worker: Worker) -> dict[str, Any]:
+        """What the agent needs to start ``worker``."""
         return {"worker_id": worker.id, "job_id": job.spec.job_id,
                 "command": job.spec.command, "env": dict(job.spec.env),
-                "local_rank": slot, "slots": per, "store": self.store_address,
+                "local_rank": worker.slot, "slots": worker.slots, "store": self.store_address,
                 "token": job.spec.token, "store_key": job.spec.run_key,
                 "nproc": job.spec.nproc_per_replica, "mesh": job.spec.mesh}
 
@@ -1060,6 +1096,9 @@ class Coordinator:
                 ms = Membership.from_json(extra["membership"], self.cfg, now, job)
                 managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
                 self._install(ms)
+                for w in ms.workers.values():  # their orders may never have reached an agent
+                    if w.state == WorkerState.STARTING:
+                        self._unacked.setdefault(w.node, {})[w.id] = (self._order(ms, w), now)
         self._restore_suspects(now)
         usage = self.db.meta("usage")
         if usage:
