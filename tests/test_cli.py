@@ -419,6 +419,7 @@ def test_submit_names_every_problem_of_a_manifest(cli: Cli, tmp_path: Path) -> N
     (("up", "--max-restarts", "-1"), "--max-restarts must be >= 0, got -1"),
     (("agent", "--coordinator", "127.0.0.1:1", "--label", "color=red"), "--label 'color=red'"),
     (("agent", "--coordinator", "127.0.0.1:1", "--label", "capacity_type=cheap"), "on-demand or spot"),
+    (("agent", "--coordinator", "127.0.0.1:1", "--label", "reserved_for=a job"), "names a job"),
     (("submit", "/nonexistent/job.yaml"), "cannot read /nonexistent/job.yaml"),
 ])
 def test_cluster_commands_reject_bad_flags(cli: Cli, args: tuple[str, ...], words: str) -> None:

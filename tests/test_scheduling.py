@@ -47,6 +47,9 @@ def check(cluster: Cluster, jobs: list[Job]) -> None:
             assert j.min_replicas <= j.replicas <= j.max_replicas, j
     for n, u in used.items():
         assert u <= cluster.nodes[n].slots, (n, u)
+    for j in jobs:  # a node reserved for one job holds no other job's replicas
+        for n in j.placement:
+            assert cluster.nodes[n].reserved_for in ("", j.id), (j.id, cluster.nodes[n])
 
 
 def kinds(plan: Plan) -> list[tuple[str, str]]:
@@ -219,6 +222,28 @@ def test_growth_prefers_the_jobs_own_nodes() -> None:
     assert place(job("g", 1, 4), 1, free, prefer={"r1n1": 1}) == {"r1n1": 1}
 
 
+def test_a_node_reserved_for_a_job_takes_its_replicas_only() -> None:
+    """A Slurm replica job's node (``reserved_for``) is that job's: no other job is placed, grown
+    or preempted onto it, even when it stands idle; the job itself may also use open nodes."""
+    cluster = Cluster.of([Node("a0", 2, reserved_for="a"), Node("a1", 2, reserved_for="a"),
+                          Node("open", 2), Node("b0", 2, reserved_for="b")], [Queue("q")])
+    a, c = job("a", 1, 6), job("c", 1, 6, at=1.0)
+    urgent = job("urgent", 4, 4, priority=9, at=2.0)
+    jobs = [a, c]
+    apply(schedule(cluster, jobs, 0.0), jobs, 0.0)
+    check(cluster, jobs)
+    assert set(a.placement) <= {"a0", "a1", "open"} and a.replicas >= 4, a.placement
+    assert set(c.placement) == {"open"}, c.placement
+    assert "b0" not in a.placement and "b0" not in c.placement  # idle, and b's
+    jobs.append(urgent)  # the b0 node and a's nodes are no room for it: it waits
+    plan = schedule(cluster, jobs, 100.0)
+    apply(plan, jobs, 100.0)
+    check(cluster, jobs)
+    assert urgent.state == JobState.PENDING and not urgent.placement, kinds(plan)
+    assert FreeSlots(cluster, {}).reserved == {"a0": "a", "a1": "a", "b0": "b"}
+    assert place(job("b"), 2, FreeSlots(cluster, {"open": 2})) == {"b0": 2}
+
+
 def test_bad_input_is_rejected() -> None:
     cluster = make_cluster()
     with pytest.raises(ValueError, match="no queue"):
@@ -237,7 +262,8 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
     rng = random.Random(seed)
     queues = [Queue(f"q{i}", guaranteed=rng.choice([0, 4, 8]),
                     borrowing_limit=rng.choice([None, 0, 8])) for i in range(3)]
-    cluster = Cluster.of([Node(f"r{r}n{n}", rng.choice([4, 8]), rack=f"r{r}")
+    cluster = Cluster.of([Node(f"r{r}n{n}", rng.choice([4, 8]), rack=f"r{r}",
+                               reserved_for=rng.choice(["", "", "", "j0", "j1"]))
                           for r in range(rng.randint(1, 3)) for n in range(rng.randint(1, 4))],
                          queues)
     jobs: list[Job] = []

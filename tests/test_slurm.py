@@ -220,7 +220,8 @@ def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(
 def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
         cluster, tmp_path) -> None:
     """A replica job's agent is the Slurm node it got (name, switch labels, spot in the
-    scavenger partition); scancel's SIGTERM is a notice: the node is reclaimed, not dead."""
+    scavenger partition), reserved for its job; scancel's SIGTERM is a notice: the node is
+    reclaimed, not dead."""
     from maitre.engines.slurm import replicas
     from maitre.engines.slurm.replicas import AgentCommand
     from maitre.local import LocalCluster, UpConfig
@@ -243,7 +244,8 @@ def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
         running = next(j for j in cluster.jobs() if j["id"] == sid)
         assert node["node"] == running["nodes"]
         rack = "sw1" if node["node"] in ("node1", "node2") else "sw2"
-        assert node["labels"] == {"rack": rack, "block": "top", "capacity_type": "spot"}
+        assert node["labels"] == {"rack": rack, "block": "top", "capacity_type": "spot",
+                                  "reserved_for": "lone"}  # that job's workers only
         replicas.cancel(slurm, sid)
         gone = wait_for(lambda: (n := next(x for x in client.get("/nodes")["nodes"]
                                            if x["node"] == node["node"]))["reclaimed"] and n,

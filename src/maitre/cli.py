@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -403,11 +404,14 @@ def _labels(items: list[str]) -> dict[str, str]:
     labels = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or key not in ("rack", "block", "capacity_type", "accelerator") or not value:
-            raise UsageError(f"--label {item!r}: expected rack=, block=, capacity_type= or "
-                             "accelerator= with a value")
+        if not sep or key not in protocol.LABELS or not value:
+            raise UsageError(f"--label {item!r}: expected rack=, block=, capacity_type=, "
+                             "accelerator= or reserved_for= with a value")
         if key == "capacity_type" and value not in ("on-demand", "spot"):
             raise UsageError(f"--label {item!r}: capacity_type is on-demand or spot")
+        if key == "reserved_for" and not re.fullmatch(protocol.NAME_PATTERN, value):
+            raise UsageError(f"--label {item!r}: reserved_for names a job (letters, digits, "
+                             "'_', '.', '-')")
         labels[key] = value
     return labels
 
@@ -741,7 +745,8 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--nproc-per-node", type=int, default=1, help="worker slots on this node")
     agent.add_argument("--node-id", help="node name (default: host name and pid)")
     agent.add_argument("--label", action="append", help="rack=R, block=B, capacity_type="
-                       "on-demand|spot or accelerator=A (repeatable)")
+                       "on-demand|spot, accelerator=A or reserved_for=JOB (the node takes that "
+                       "job's workers only) (repeatable)")
     agent.add_argument("--iface", metavar="NAME", help="network interface the workers advertise "
                        "to their peers (default: the one that reaches the coordinator, none on "
                        "loopback; $GLOO_SOCKET_IFNAME and $NCCL_SOCKET_IFNAME, if set, win)")

@@ -177,7 +177,7 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$"
 MAX_BODY = 1 << 20
 """Largest request body the coordinator reads (a manifest is a few hundred bytes)."""
 
-LABELS = ("rack", "block", "capacity_type", "accelerator")
+LABELS = ("rack", "block", "capacity_type", "accelerator", "reserved_for")
 
 
 class _Request(BaseModel):
@@ -420,6 +420,8 @@ class Labels(_Request):
     block: str | None = Field(None, min_length=1, max_length=128)
     capacity_type: Literal["on-demand", "spot"] | None = None
     accelerator: str | None = Field(None, min_length=1, max_length=128)
+    reserved_for: str | None = Field(None, pattern=NAME_PATTERN)
+    """The one job whose workers the node takes (a Slurm replica job's node)."""
 
     def given(self) -> dict[str, str]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -647,6 +647,8 @@ class Coordinator:
         state = self.cluster.nodes.get(node)
         if not wanting or state is None or not state.takes_work or state.health.suspect:
             return []  # (a suspect node's spare would be as slow as the worker it replaced)
+        if state.node.reserved_for:  # one job's node: that job's spares only
+            wanting = [ms for ms in wanting if ms.spec.job_id == state.node.reserved_for]
         allocated = sum(self.cluster.managed[j].job.placement.get(node, 0) *
                         self.cluster.slots_per_worker(j) for j in self.cluster.allocated_on(node))
         room = slots - allocated - sum(w.slots for w in self._spares_here(node))

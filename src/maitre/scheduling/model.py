@@ -25,6 +25,9 @@ class Node:
     capacity_type: str = "on-demand"
     """``on-demand`` or ``spot``."""
     accelerator: str = ""
+    reserved_for: str = ""
+    """The one job whose workers this node takes ('' for any): a node an engine brought up for
+    that job (a Slurm replica job's node), so that the site's accounting of it is that job's."""
 
     def __post_init__(self) -> None:
         if self.slots < 1:

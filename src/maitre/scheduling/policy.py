@@ -104,6 +104,9 @@ class FreeSlots:
         self.nodes = cluster.nodes
         self.avail = {n: node.slots - used.get(n, 0) for n, node in cluster.nodes.items()}
         self.total = sum(self.avail.values())
+        self.reserved = {n: node.reserved_for for n, node in cluster.nodes.items()
+                         if node.reserved_for}
+        """Nodes that take one job's workers only (see ``Node.reserved_for``)."""
         self.members: dict[str, dict[str, list[str]]] = {lvl: {} for lvl in ("rack", "block")}
         self.sums: dict[str, dict[str, int]] = {lvl: {} for lvl in ("rack", "block")}
         for name, node in cluster.nodes.items():
@@ -128,7 +131,7 @@ class FreeSlots:
 
     def copy(self) -> "FreeSlots":
         clone = object.__new__(FreeSlots)
-        clone.nodes, clone.members = self.nodes, self.members
+        clone.nodes, clone.members, clone.reserved = self.nodes, self.members, self.reserved
         clone.avail, clone.total = dict(self.avail), self.total
         clone.sums = {lvl: dict(s) for lvl, s in self.sums.items()}
         return clone
@@ -153,7 +156,11 @@ def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | Non
     topo = job.topology or _DEFAULT_TOPOLOGY
     prefer = prefer or {}
 
+    reserved = free.reserved
+
     def fits(name: str) -> int:
+        if reserved and reserved.get(name, job.id) != job.id:
+            return 0  # another job's node
         return free.avail[name] // g
 
     if topo.level == "node":  # all replicas on one node

@@ -8,8 +8,9 @@ and on Slurm's SIGTERM drains it (its workers leave at a step boundary) within t
 ``GraceTime``. The ``sleep`` that follows keeps the job until Slurm ends it: a preempted job is
 then requeued (``PreemptMode=REQUEUE``) rather than completed, and its agent joins again when
 Slurm starts it again; a cancelled one is gone. An agent that fails (a wrong token, say) ends
-its job at once. Slurm's accounting (``sacct``) sees each replica job under the job's name,
-partition, QOS and account.
+its job at once. The agent's node takes the job's own workers only (``--label
+reserved_for=<job>``): Slurm's accounting (``sacct``) of each replica job, under the job's name,
+partition, QOS and account, is that job's usage and no other's.
 """
 
 from __future__ import annotations
@@ -59,11 +60,13 @@ class AgentCommand:
     tls_ca: str | None = None
     python: str = sys.executable
 
-    def line(self, grace_s: float, scavenger: bool) -> str:
+    def line(self, job: str, grace_s: float, scavenger: bool) -> str:
+        """The agent of one of ``job``'s replica jobs: its node takes that job's workers only
+        (``reserved_for``), so Slurm's record of the replica job is the job's own usage."""
         cmd = [self.python, "-m", "maitre.cli", "agent", "--slurm",
                "--coordinator", self.coordinator, "--token-file", self.token_file,
                "--nproc-per-node", str(self.nproc_per_node),
-               "--sigterm-notice", f"{max(grace_s, 1.0):g}"]
+               "--sigterm-notice", f"{max(grace_s, 1.0):g}", "--label", f"reserved_for={job}"]
         if self.tls_ca:
             cmd += ["--tls-ca", self.tls_ca]
         if scavenger:
@@ -75,7 +78,7 @@ def submit(slurm: Slurm, job: str, index: int, *, partition: str, agent: AgentCo
            grace_s: float, scavenger: bool, log_dir: str, qos: str | None = None,
            account: str | None = None, gpus: int = 0) -> str:
     """``sbatch`` one replica job; its Slurm job id (:class:`SlurmError` if sbatch refuses)."""
-    wrap = f"srun --kill-on-bad-exit=0 {agent.line(grace_s, scavenger)} && exec sleep infinity"
+    wrap = f"srun --kill-on-bad-exit=0 {agent.line(job, grace_s, scavenger)} && exec sleep infinity"
     cmd = ["sbatch", "--parsable", "--requeue", "--exclusive", "-N", "1", "-J", name(job, index),
            "-p", partition, "-o", f"{log_dir}/%x-%j.log", "--open-mode=append"]
     if qos:
