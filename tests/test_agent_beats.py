@@ -98,3 +98,28 @@ def test_a_start_order_that_comes_again_is_carried_out_once(monkeypatch) -> None
         assert sorted(spawned) == ["j-w1", "j-w2"], spawned
     finally:
         agent.stop(grace_s=0.5)
+
+
+def test_a_restarted_coordinators_views_are_taken_though_its_count_starts_again() -> None:
+    """A coordinator restarted from its store counts its orders' versions from 0 again: the
+    agent, at version 800 of the old one, sees another ``boot``, asks again since -1 and takes
+    the new one's views (it used to drop them as older, and its workers never heard the
+    epoch close: a job stuck in rendezvous after a coordinator kill, found by the chaos run)."""
+    agent = Agent("127.0.0.1:1", "n0", 1)
+    try:
+        view = {"member_epoch": 7, "closed": False, "stop": False}
+        agent._apply({"version": 800, "boot": "old", "views": {"j-w1": view}, "start": [],
+                      "kill": []}, time.monotonic())
+        assert agent.version == 800 and agent.views["j-w1"]["member_epoch"] == 7
+        agent._poke.clear()
+        agent._apply({"version": 3, "boot": "new", "views": None, "start": [], "kill": []},
+                     time.monotonic())  # "nothing changed since 800", in the new count
+        assert agent.version == -1 and agent._poke.is_set()  # the next request: since -1
+        agent._apply({"version": 4, "boot": "new", "views": {"j-w1": {**view, "closed": True}},
+                      "start": [], "kill": []}, time.monotonic())
+        assert agent.version == 4 and agent.views["j-w1"]["closed"] is True
+        agent._apply({"version": 2, "boot": "new", "views": {"j-w1": view}, "start": [],
+                      "kill": []}, time.monotonic())  # an older answer of the new one: dropped
+        assert agent.version == 4 and agent.views["j-w1"]["closed"] is True
+    finally:
+        agent.stop(grace_s=0.5)

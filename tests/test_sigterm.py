@@ -43,13 +43,52 @@ def _events(cluster, kind: str, node: str | None = None) -> list[dict]:
             if e["kind"] == kind and (node is None or e.get("node") == node)]
 
 
-def _cluster(tmp_path: Path, lines: list[str]):
+def _cluster(tmp_path: Path, lines: list[str], **kw):
     from maitre.local import LocalCluster, UpConfig
     from maitre.scheduling.policy import PolicyConfig
 
     return LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")],
-                                 policy=PolicyConfig(resize_cooldown_s=1.0)),
+                                 policy=PolicyConfig(resize_cooldown_s=1.0), **kw),
                         out=lines.append).start()
+
+
+def test_a_sigterm_that_reaches_the_workers_too_is_their_agents_notice(
+        tmp_path: Path, reference) -> None:
+    """Slurm's ``proctrack/cgroup`` signals every process of a job step, so the workers hear
+    the SIGTERM their agent takes as a notice. An agent with ``--sigterm-notice`` tells its
+    workers so (``MAITRE_SIGTERM_DRAINS``): a worker sent SIGTERM says it heard it and trains
+    on (its agent drains it when the notice is the agent's): no exit, no failure counted, every
+    sample once, the parameters of a fixed-size run."""
+    import torch
+
+    from maitre import protocol
+    from maitre.runtime.ledger import audit
+
+    steps, out = 120, tmp_path / "a.pt"
+    lines: list[str] = []
+    cluster = _cluster(tmp_path, lines, nodes=0, quiet_workers=False)
+    co = cluster.coordinator
+    try:
+        agent = cluster.add_node(slots=1, env={protocol.SIGTERM_DRAINS: "1"})
+        co.submit({"name": "a", "queue": "q", "minReplicas": 1, "maxReplicas": 1,
+                   "command": example_command(steps, out) + ["--device-ms-per-sample", "4"]})
+        wait_for(lambda: (a := co.job_status("a"))["state"] == "RUNNING" and a["step"] > 5,
+                 60, "a to train", lines)
+        [wid] = co.job_status("a")["members"]
+        os.kill(agent.pid(wid), signal.SIGTERM)
+        wait_for(lambda: co.job_status("a")["state"] in ("COMPLETED", "FAILED"), 60,
+                 "a to finish", lines)
+        status = co.job_status("a")
+        events = list(cluster.db.events())
+    finally:
+        cluster.stop()
+    log = "\n".join(lines)
+    assert status["state"] == "COMPLETED" and status["failures"] == 0, (status, log)
+    assert f"{wid} heard SIGTERM" in log, log
+    assert not [e for e in events if e["kind"] in ("worker_dead", "epoch_closed")], log
+    result = audit(tmp_path / "state" / "ledger" / "a")
+    assert result.ok and result.steps == steps, result.describe()
+    assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9
 
 
 @pytest.mark.slow

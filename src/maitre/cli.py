@@ -262,8 +262,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     health = _health_monitor(args)
     client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
     node = node or f"{socket.gethostname()}-{os.getpid()}"
+    # A SIGTERM that reaches the workers too (Slurm's proctrack/cgroup) is the agent's notice.
+    extra_env = {protocol.SIGTERM_DRAINS: "1"} if args.sigterm_notice is not None else {}
     agent = Agent(client.address, node, nproc, token=client.token, labels=labels,
-                  iface=args.iface, tls_ca=client.tls_ca, notices=notices, health=health)
+                  iface=args.iface, tls_ca=client.tls_ca, notices=notices, health=health,
+                  extra_env=extra_env)
     print(f"maitre: agent {node} with {nproc} slot(s) joined {client.address}"
           + (f", watching {notices.src.description} for spot notices every "
              f"{notices.interval_s:g}s" if notices is not None else ""), flush=True)

@@ -58,6 +58,10 @@ STORE = "MAITRE_STORE"
 """``HOST:PORT`` of the c10d store the job's process groups rendezvous on."""
 AGENT = "MAITRE_AGENT"
 """Path of the agent's unix socket: where a worker sends its heartbeats."""
+SIGTERM_DRAINS = "MAITRE_SIGTERM_DRAINS"
+"""Set by an agent whose own SIGTERM is a notice (``--sigterm-notice``): its workers let a
+SIGTERM of their own pass, since the agent drains them at a step boundary. Slurm's
+``proctrack/cgroup`` signals every process of the step, the workers too."""
 SLOTS = "MAITRE_SLOTS"
 """The node's slots (GPU indices) a worker process holds, comma-separated: its share of
 ``gpusPerReplica``."""
@@ -533,6 +537,9 @@ class WorkerView(_Reply):
 class NodeOrders(_Reply):
     version: int
     """The node's orders version: send it back as ``since``."""
+    boot: str = ""
+    """This coordinator process's own id: a restarted coordinator counts versions anew, so an
+    agent that sees another one sends ``since: -1`` once, for every view."""
     start: list[StartOrder] = []
     kill: list[str] = []
     views: dict[str, WorkerView] | None = None

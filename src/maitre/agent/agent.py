@@ -196,6 +196,8 @@ class Agent:
         self.urgent_s = urgent_s
         self.version = -1
         """The node's orders version the agent last applied (the coordinator's count)."""
+        self.boot: str | None = None
+        """The id of the coordinator process that count is of (a restarted one counts anew)."""
         self.heard_at: float | None = None
         """When (``time.monotonic()``) the agent sent the latest request that the coordinator
         answered: the views it holds are the coordinator's word as of then. Each worker's
@@ -382,13 +384,22 @@ class Agent:
         ``sent``. A start order is carried out once, however often it comes."""
         with self._lock:
             views = orders.get("views")
-            if views is not None and orders["version"] >= self.version:
-                for wid in set(self.views) - set(views):  # no longer live for the coordinator
-                    self.views[wid] = {**self.views[wid], "stop": True}
-                self.views.update(views)
-            self.version = max(self.version, orders["version"])
-            # With the views it brought (or none: nothing changed since ``since``), never before.
-            self.heard_at = sent if self.heard_at is None else max(self.heard_at, sent)
+            boot = orders.get("boot")
+            recount = bool(boot) and self.boot is not None and boot != self.boot
+            if boot:
+                self.boot = boot
+            if recount:  # a restarted coordinator, whose versions count anew from 0
+                self.version = -1
+            if recount and views is None:  # (views "unchanged since" a count not its own)
+                self._poke.set()  # ask again at once, since -1: every view comes
+            else:
+                if views is not None and orders["version"] >= self.version:
+                    for wid in set(self.views) - set(views):  # no longer live for it
+                        self.views[wid] = {**self.views[wid], "stop": True}
+                    self.views.update(views)
+                self.version = max(self.version, orders["version"])
+                # With the views it brought (or none: nothing changed since ``since``).
+                self.heard_at = sent if self.heard_at is None else max(self.heard_at, sent)
             start = [o for o in orders.get("start", []) if o["worker_id"] not in self._ordered]
             self._ordered.update(o["worker_id"] for o in start)
         for order in start:  # off this thread: a start must not delay a beat

@@ -179,6 +179,9 @@ class Coordinator:
         """... and its :meth:`~Membership.assignment_key` when its waiters last asked."""
         self._version = 0
         self._node_version: dict[str, int] = {}
+        self.boot = secrets.token_hex(8)
+        """This process's id in every node's orders: its versions count from 0, not on from a
+        previous coordinator's."""
         self._wake_nodes: set[str] = set()
         self._wake_jobs: set[str] = set()
         self.events = EventLog(store)
@@ -565,7 +568,8 @@ class Coordinator:
             here = self._on_node.get(node, set())  # with the workers just started
             views = {wid: self._worker_job[wid].view(wid, now) for wid in sorted(here)
                      if self._worker_job[wid].workers[wid].state in LIVE}
-        return {"version": version, "start": start, "kill": kill, "views": views,
+        return {"version": version, "boot": self.boot, "start": start, "kill": kill,
+                "views": views,
                 "probe": self.cluster.wants_probe(node)}
 
     def _resent(self, node: str, running: set[str], beat_at: float,

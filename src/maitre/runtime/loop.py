@@ -810,6 +810,8 @@ class ElasticLoop:
     def _start(self) -> None:
         if self.env.mode != Mode.ELASTIC and self.checkpointer is not None:
             self._catch_sigterm()
+        elif self.env.mode == Mode.ELASTIC and os.environ.get(protocol.SIGTERM_DRAINS):
+            self._let_sigterm_pass()
         if self.env.mode == Mode.SINGLE:
             self._resume_from_disk()
             return
@@ -982,6 +984,23 @@ class ElasticLoop:
 
         def on_sigterm(signum: int, frame: Any) -> None:
             self._signalled = "SIGTERM"
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _let_sigterm_pass(self) -> None:
+        """Under an agent whose SIGTERM is a notice, the one that reaches this process too
+        (Slurm's ``proctrack/cgroup`` signals the whole step) is the same notice: the agent
+        drains its node, this worker leaves at a step boundary when told."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        heard: list[bool] = []
+
+        def on_sigterm(signum: int, frame: Any) -> None:
+            if not heard:  # (said once; what the job does next is the agent's drain)
+                heard.append(True)
+                print(f"maitre: {self.env.worker_id} heard SIGTERM: its agent drains the node, "
+                      "it leaves at a step boundary when told", file=sys.stderr, flush=True)
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
 
