@@ -25,32 +25,13 @@ from typing import Callable
 import pytest
 import torch
 
-from conftest import EXAMPLE, ROOT
+from conftest import EXAMPLE, ROOT, TAG_VAR
+from conftest import _tagged_pids as tagged_pids
 
-TAG_VAR = "CLI_TEST_TAG"
 MAITRE = [sys.executable, "-m", "maitre.cli"]
 
 
 # -- processes -----------------------------------------------------------------------------------
-def _read(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:  # gone, a zombie, or not ours to read
-        return b""
-
-
-def tagged_pids(tag: str) -> list[int]:
-    """Live processes whose environment carries ``TAG_VAR=tag`` (the command and its children)."""
-    needle = f"{TAG_VAR}={tag}".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid() and \
-                needle in _read(f"/proc/{entry}/environ").split(b"\0"):
-            pids.append(int(entry))
-    return pids
-
-
 def settle(find: Callable[[], list[int]], grace_s: float = 5.0) -> list[int]:
     """What ``find`` still reports after up to ``grace_s`` (children may take a moment to go)."""
     deadline = time.monotonic() + grace_s

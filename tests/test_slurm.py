@@ -9,6 +9,7 @@ a job whose last replica job is cancelled resumes from its checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -259,6 +260,42 @@ def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
 
 
 # -- the story ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def maitre_up_slurm(cluster, tmp_path: Path, *flags: str):
+    """``maitre up --slurm FLAGS`` on the test Slurm, its state in ``tmp_path/state`` and its
+    output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards
+    it is stopped (SIGINT) and every process it or its replica jobs started is killed; one left
+    is a failure."""
+    from conftest import kill_tagged
+    from maitre.wire import Client
+
+    tag = os.urandom(8).hex()
+    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
+    state, log = tmp_path / "state", tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
+                           str(state), "--queue", "q", "--slots-per-node", "1", *flags],
+                          cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+    try:
+        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
+                                         for ln in log.read_text().splitlines()
+                                         if "coordinator at " in ln), None), 60,
+                           "the coordinator", log)
+        yield Client(address, timeout_s=5.0, token=(state / "token").read_text().strip()), \
+            state, log
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
+        left = kill_tagged(tag)  # never leak one; the assertion below says if any was
+    assert not left, f"processes left behind: {left}"
+
+
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_back(
@@ -271,28 +308,12 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
     the final parameters are a fixed-size run's."""
     import torch
 
-    from conftest import example_command, kill_tagged, relative_error
-    from maitre.wire import Client
+    from conftest import example_command, relative_error
 
     steps, out = 1200, tmp_path / "final.pt"
-    tag = os.urandom(8).hex()
-    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
-    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
-    state, log = tmp_path / "state", tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
-                           str(state), "--queue", "q", "--resize-cooldown", "0",
-                           "--slots-per-node", "1", "--slurm-partition", "normal",
-                           "--slurm-scavenger", "scavenger"], cwd=ROOT, env=env,
-                          stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-    intruder = None
-    try:
-        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
-                                         for ln in log.read_text().splitlines()
-                                         if "coordinator at " in ln), None), 60,
-                           "the coordinator", log)
-        client = Client(address, timeout_s=5.0, token=(state / "token").read_text().strip())
+    with maitre_up_slurm(cluster, tmp_path, "--resize-cooldown", "0", "--slurm-partition",
+                         "normal", "--slurm-scavenger", "scavenger") as (client, state, log), \
+            contextlib.ExitStack() as cleanup:
         command = example_command(steps, out) + ["--device-ms-per-sample", "20"]
         client.post("/jobs", {"manifest": {"name": "story", "queue": "q", "minReplicas": 2,
                                            "maxReplicas": 4, "command": command,
@@ -312,6 +333,7 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         assert {r["partition"] for n, r in reps.items() if n[-1] in "23"} == {"scavenger"}
         intruder = cluster.run("sbatch", "--parsable", "-p", "normal", "-N", "2", "-J",
                                "not-maitre", "--wrap", "sleep 25").strip()
+        cleanup.callback(cluster.run, "scancel", intruder, check=False)  # (before maitre stops)
         t_intruder = time.monotonic()
         shrunk = wait_for(members(2), 60, "the job to shrink in place to 2", log)
         t_shrunk = time.monotonic()
@@ -333,17 +355,6 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         while page := client.get(f"/events?since={since}")["events"]:
             events += page
             since = page[-1]["seq"]
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        if intruder is not None:
-            cluster.run("scancel", intruder, check=False)
-        time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
-        left = kill_tagged(tag)  # never leak one; the assertion below says if any was
-    assert not left, f"processes left behind: {left}"
     assert final["state"] == "COMPLETED" and final["failures"] == 0, final
     kinds = [e["kind"] for e in events]
     assert kinds.count("node_reclaimed") >= 2 and "node_dead" not in kinds, kinds
@@ -368,25 +379,10 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
     and the job resumes from its checkpoint on the new node, ending as a fixed-size run."""
     import torch
 
-    from conftest import example_command, kill_tagged, relative_error
-    from maitre.wire import Client
+    from conftest import example_command, relative_error
 
     steps, out = 400, tmp_path / "final.pt"
-    tag = os.urandom(8).hex()
-    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
-    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
-    state, log = tmp_path / "state", tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
-                           str(state), "--queue", "q", "--slots-per-node", "1"], cwd=ROOT,
-                          env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True,
-                          start_new_session=True)
-    try:
-        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
-                                         for ln in log.read_text().splitlines()
-                                         if "coordinator at " in ln), None), 60,
-                           "the coordinator", log)
-        client = Client(address, timeout_s=5.0, token=(state / "token").read_text().strip())
+    with maitre_up_slurm(cluster, tmp_path) as (client, state, log):
         command = example_command(steps, out) + ["--device-ms-per-sample", "5"]
         client.post("/jobs", {"manifest": {"name": "alone", "queue": "q", "minReplicas": 1,
                                            "maxReplicas": 1, "command": command,
@@ -410,15 +406,6 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
                          "the job to finish", log)
         wait_for(lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
                  60, "the replica job to be cancelled", log)
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        time.sleep(1.0)
-        left = kill_tagged(tag)
-    assert not left, f"processes left behind: {left}"
     assert final["state"] == "COMPLETED" and final["failures"] == 0, final
     assert again["step"] >= before["step"] - 1  # resumed from the checkpoint, not from zero
     from maitre.runtime.ledger import audit
