@@ -336,6 +336,31 @@ def measure(rec: dict, events: list[dict], commits: list[dict], until: float) ->
     rec["t"] = round(t0, 3)
 
 
+def table(report: dict) -> str:
+    """The report as the README shows it: a summary line, then a row per kind of fault."""
+    by: dict[str, list[dict]] = {}
+    for f in report["per_fault"]:
+        by.setdefault(f["kind"], []).append(f)
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} / {max(values):.2f}" if values else "-"
+
+    rows = [f"{report['faults']} faults of {len(report['kinds'])} kinds (seed {report['seed']}, "
+            f"{report['steps']} steps): {report['lost']} samples lost, {report['repeated']} "
+            f"repeated, parameters {report['param_rel_err']:.1e} from the fault-free run's, "
+            f"{report['corrupt_loaded']} corrupt checkpoints loaded ({len(report['refused'])} "
+            f"refused), {report['leftover_processes']} processes left; back to training in "
+            f"{report['recovery_s_p50']:.1f} s (median), {report['recovery_s_max']:.1f} s (max).",
+            "", "| fault | count | detected (s, median / max) | trains again (s, median / max) |",
+            "|---|---:|---:|---:|"]
+    for kind in sorted(by, key=lambda k: (-len(by[k]), k)):
+        faults = by[kind]
+        rows.append(f"| {kind} | {len(faults)} "
+                    f"| {spread([f['detected_s'] for f in faults if 'detected_s' in f])} "
+                    f"| {spread([f['recovered_s'] for f in faults if 'recovered_s' in f])} |")
+    return "\n".join(rows)
+
+
 @pytest.mark.timeout(1800)
 def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> None:
     why = _can_make_namespaces()
@@ -444,7 +469,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"chaos: report in {RESULT}", flush=True)
+    print(f"chaos: report in {RESULT}\n{table(report)}", flush=True)
     assert result.ok, result.describe()
     assert result.steps == STEPS, result.describe()
     assert error < 1e-5, f"final parameters {error:.3g} away from the fault-free run's"
