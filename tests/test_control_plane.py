@@ -53,6 +53,8 @@ class Sim:
         """Health probe results the agents carry in their beats (tests/test_health.py)."""
         self.probe_asked: dict[str, bool] = {}
         """Whether the node's latest orders asked for a health probe."""
+        self.agents: dict[str, str] = {}
+        """Each node's agent process id, as its beats carry it (none by default)."""
         self.lose_starts: set[str] = set()
         """Nodes whose next answer that carries start orders is lost on its way (its agent
         died with a watch pending, a link dropped it): the agent never sees it."""
@@ -94,7 +96,8 @@ class Sim:
                 beat = p.NodeBeat(slots=self.slots[node], since=self.version[node],
                                   labels=p.Labels(**self.labels.get(node, {})),
                                   notice=self.notices.get(node),
-                                  health=self.health.get(node), workers=[
+                                  health=self.health.get(node),
+                                  agent=self.agents.get(node, ""), workers=[
                     p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0)
                     for w in sorted(self.running[node])])
                 reply = self.co.node_heartbeat(node, beat)
@@ -217,6 +220,33 @@ def test_a_start_order_lost_on_its_way_is_sent_again(tmp_path: Path) -> None:
     assert job["failures"] == 0
     sim.advance(10)  # acknowledged by the beats that list it: not sent a third time
     assert sim.job("a")["epoch"] == 1
+
+
+def test_a_restarted_agents_first_beat_ends_the_workers_of_the_one_before(
+        tmp_path: Path) -> None:
+    """An agent SIGKILLed and started again within a beat or two: the node never went silent,
+    but its workers went with the old agent. The new agent's first beat (another agent id)
+    makes them dead at once, and the job recovers and grows back there within seconds rather
+    than after their heartbeats' silence (15 s)."""
+    sim = Sim(tmp_path, {"n0": 1, "n1": 1}, [Queue("q")], cooldown_s=0)
+    sim.agents = {"n0": "agent-a", "n1": "agent-b"}
+    sim.submit("a", "q", 1, 2)
+    sim.advance(3)
+    [old] = sim.running["n0"]
+    assert sim.members("a") == 2
+    sim.agents["n0"], sim.running["n0"] = "agent-a2", set()  # killed, restarted, no exit report
+    sim.advance(0.25)
+    w = sim.co._worker_job[old].workers[old]
+    assert w.state == WorkerState.DEAD, w
+    dead = [e for e in sim.db.events() if e["kind"] == "worker_dead"]
+    assert [e["worker"] for e in dead] == [old] and "agent restarted" in dead[0]["reason"], dead
+    sim.advance(3)
+    job = sim.job("a")
+    assert job["state"] == "RUNNING" and len(job["members"]) == 2, job
+    assert sim.running["n0"] and old not in sim.running["n0"]
+    sim.agents["n1"] = "agent-b"  # the same agent again: nothing happens
+    sim.advance(2)
+    assert sim.job("a")["epoch"] == job["epoch"]
 
 
 def test_a_dead_node_is_detected_and_its_replicas_placed_elsewhere(tmp_path: Path) -> None:

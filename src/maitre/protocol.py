@@ -490,6 +490,10 @@ class NodeBeat(_Request):
     """The worker processes the agent runs now, with their liveness and progress."""
     since: int = Field(-1, ge=-1)
     """The orders version the agent last saw (views come back only when newer)."""
+    agent: str = Field("", max_length=64)
+    """This agent process's own id (its first beat comes before any order): a node beating
+    with another one than before has a restarted agent, and its predecessor's workers are
+    gone with it."""
     interval_s: float | None = Field(None, gt=0, le=60)
     """The agent beats again within this long, or at once when a worker falls silent past
     :data:`SILENT_S` (None: no such promise; its workers' silence counts from their last beat)."""

@@ -41,6 +41,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import socketserver
@@ -196,6 +197,8 @@ class Agent:
         self.urgent_s = urgent_s
         self.version = -1
         """The node's orders version the agent last applied (the coordinator's count)."""
+        self.agent_id = secrets.token_hex(8)
+        """This process's id in its beats: the coordinator tells a restarted agent by it."""
         self.boot: str | None = None
         """The id of the coordinator process that count is of (a restarted one counts anew)."""
         self.heard_at: float | None = None
@@ -362,7 +365,8 @@ class Agent:
             workers = [_report(wid, self.beats[wid], now) if wid in self.beats else {"id": wid}
                        for wid in running]
         body: dict[str, Any] = {"slots": self.slots, "labels": self.labels, "workers": workers,
-                                "since": self.version, "interval_s": self.heartbeat_s}
+                                "since": self.version, "interval_s": self.heartbeat_s,
+                                "agent": self.agent_id}
         notice = self.notices.current if self.notices is not None else None
         if notice is not None:
             left = 0.0 if self._going else notice.remaining_s(self.notices.clock())

@@ -348,6 +348,7 @@ class Coordinator:
                 described = Node(node, beat.slots, **labels)
             except ValueError as exc:
                 raise BadRequest(str(exc), "body.labels") from None
+            self._agent_seen(node, info, beat.agent, now)
             change = self.cluster.node_beat(described, now, noticed=beat.notice is not None)
             if change and self.db is not None:
                 self.db.put_node(described, now)
@@ -372,6 +373,22 @@ class Coordinator:
                             wb.gap_std_s, vouched)
             info.update(running=running, beat_at=now)
             return self._orders(node, beat.since, now)
+
+    def _agent_seen(self, node: str, info: dict[str, Any], agent: str, now: float) -> None:
+        """A beat from another agent process than the node's last one: the agent restarted (it
+        was killed, its host rebooted), and the workers of the one before are gone with it
+        (any still running are orphans: killed if the new agent finds them). Their jobs
+        recover at once, as from a crash, instead of waiting out their heartbeats' silence."""
+        before, info["agent"] = info.get("agent"), agent
+        if not agent or not before or before == agent:  # (a restarted coordinator: None)
+            return
+        self._unacked.pop(node, None)  # orders for the agent before: its workers go too
+        gone = [wid for wid in self._on_node.get(node, ())
+                if self._worker_job[wid].workers[wid].state in LIVE]
+        if gone:
+            log.info("node %s: a new agent, without %s", node, ", ".join(sorted(gone)))
+            self._evict_node(node, f"node {node}'s agent restarted: its workers went with the "
+                             "agent before", now)
 
     def _noticed(self, node: str, notice: p.SpotNotice, now: float) -> None:
         """A spot notice in a node's beat: the first one drains the node (its jobs' workers
