@@ -261,15 +261,22 @@ def test_nothing_loadable(tmp_path: Path) -> None:
     assert len(warnings) == 2
 
 
-def test_never_overwrites_a_checkpoint(tmp_path: Path) -> None:
-    older, newer = two_checkpoints(tmp_path)
-    before = {p.name: p.read_bytes() for p in newer.iterdir()}
+def save_step_4_again(tmp_path: Path):
+    """Another state of step 4 saved over :func:`two_checkpoints`: (the state, the save's
+    result, the checkpointer's log lines)."""
     state = make_state(seed=9, steps=4)
-    errors: list[str] = []
-    ck = Checkpointer(config(tmp_path), log=errors.append)
+    lines: list[str] = []
+    ck = Checkpointer(config(tmp_path), log=lines.append)
     save(state, ck)
     result = ck.wait()[0]
     ck.close()
+    return state, result, lines
+
+
+def test_never_overwrites_a_checkpoint(tmp_path: Path) -> None:
+    older, newer = two_checkpoints(tmp_path)
+    before = {p.name: p.read_bytes() for p in newer.iterdir()}
+    state, result, errors = save_step_4_again(tmp_path)
     assert result.path is None and "already exists" in (result.error or "")
     assert {p.name: p.read_bytes() for p in newer.iterdir()} == before
     assert not list((tmp_path / "ckpt").glob(".tmp-*"))
@@ -281,12 +288,7 @@ def test_a_save_of_a_step_whose_checkpoint_is_corrupt_sets_that_one_aside(tmp_pa
     corrupt one is renamed out of the way (kept for a look), the new one takes its name."""
     older, newer = two_checkpoints(tmp_path)
     flip_byte(newer / fmt.shard_name(0))
-    state = make_state(seed=9, steps=4)
-    lines: list[str] = []
-    ck = Checkpointer(config(tmp_path), log=lines.append)
-    save(state, ck)
-    result = ck.wait()[0]
-    ck.close()
+    state, result, lines = save_step_4_again(tmp_path)
     assert result.path == newer and result.error is None, result
     fmt.verify(newer)
     aside = [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.startswith(".corrupt-")]
