@@ -18,11 +18,13 @@ is stopped by its pid afterwards, and the test checks that none is left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,22 +36,26 @@ SWITCHES = {"sw1": ("node1", "node2"), "sw2": ("node3", "node4")}
 GRACE_S = 15
 """The scavenger partition's GraceTime: SIGTERM, then this long to leave, then SIGKILL."""
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
+ACCOUNTING = ("mariadb-install-db", "mariadbd", "slurmdbd", "sacctmgr", "sacct")
+"""What a cluster with accounting needs beyond those (``apt-get install slurmdbd mariadb-server``)."""
+ACCOUNT, QOS = "research", "elastic"
+"""The account and QOS the accounting cluster has (root's association may use both)."""
 
 
-def missing() -> str | None:
-    """Why a Slurm cluster cannot be started here, or None."""
-    absent = [d for d in DAEMONS if shutil.which(d) is None]
+def missing(accounting: bool = False) -> str | None:
+    """Why a Slurm cluster (with accounting: slurmdbd on a MariaDB) cannot be started here."""
+    absent = [d for d in DAEMONS + (ACCOUNTING if accounting else ()) if shutil.which(d) is None]
     if absent:
-        return (f"Slurm is not installed ({', '.join(absent)} missing): "
-                "apt-get install slurm-wlm munge, as root")
+        return (f"Slurm is not installed ({', '.join(absent)} missing): apt-get install "
+                f"slurm-wlm munge{' slurmdbd mariadb-server' if accounting else ''}, as root")
     if os.geteuid() != 0:
         return "the test Slurm cluster's daemons run as root; this is not root"
     return None
 
 
-def require() -> None:
+def require(accounting: bool = False) -> None:
     """Skip (or, under CI, fail) when no Slurm cluster can be started here."""
-    why = missing()
+    why = missing(accounting)
     if why is None:
         return
     if os.environ.get("CI") == "true":
@@ -144,7 +150,8 @@ class SlurmCluster:
                 except (RuntimeError, subprocess.TimeoutExpired):
                     break
                 time.sleep(0.5)
-        order = [n for n in self.pids if n.startswith("slurmd")] + ["slurmctld"]
+        order = [n for n in self.pids if n.startswith("slurmd-")] + ["slurmctld", "slurmdbd",
+                                                                      "mariadbd"]
         for name in order:
             pid = self.pids.pop(name, None)
             if pid is not None:
@@ -194,9 +201,10 @@ def _read_pid(path: Path, timeout_s: float = 20.0) -> int:
     raise RuntimeError(f"no pid file {path} after {timeout_s:.0f} s")
 
 
-def write_config(root: Path) -> Path:
-    """The cluster's configuration files in ``root``; returns the path of ``slurm.conf``."""
-    ctld_port, *node_ports = _free_ports(1 + len(NODES))
+def write_config(root: Path, accounting: bool = False) -> Path:
+    """The cluster's configuration files in ``root``; returns the path of ``slurm.conf``. With
+    ``accounting``, ``slurmdbd.conf`` too (its MariaDB on a port of its own, in ``root/db``)."""
+    ctld_port, dbd_port, db_port, *node_ports = _free_ports(3 + len(NODES))
     for d in ("munge", "log", "state", "spool"):
         (root / d).mkdir(parents=True, exist_ok=True)
     (root / "munge").chmod(0o700)
@@ -207,6 +215,33 @@ def write_config(root: Path) -> Path:
         f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={p} CPUs=1 "
         f"RealMemory=500 Gres=gpu:1 Feature=rack{1 + i // 2}"
         for i, (n, p) in enumerate(zip(NODES, node_ports)))
+    if accounting:
+        accounting_lines = (f"AccountingStorageType=accounting_storage/slurmdbd\n"
+                            f"AccountingStorageHost=localhost\nAccountingStoragePort={dbd_port}\n"
+                            # (with munge, the socket slurmdbd's clients sign with)
+                            f"AccountingStoragePass={root}/munge/munge.socket\n"
+                            "AccountingStorageEnforce=associations,qos\n"
+                            "JobAcctGatherType=jobacct_gather/linux\nJobAcctGatherFrequency=5")
+        dbd = root / "slurmdbd.conf"
+        dbd.write_text(f"""\
+DbdHost=localhost
+DbdPort={dbd_port}
+SlurmUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge/munge.socket
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort={db_port}
+StorageUser=root
+StorageLoc=slurm_acct_db
+LogFile={root}/log/slurmdbd.log
+PidFile={root}/slurmdbd.pid
+""")
+        dbd.chmod(0o600)  # (slurmdbd refuses a config others may read)
+        (root / "db.port").write_text(str(db_port))
+    else:
+        accounting_lines = ("AccountingStorageType=accounting_storage/none\n"
+                            "JobAcctGatherType=jobacct_gather/none")
     (root / "slurm.conf").write_text(f"""\
 ClusterName=maitretest
 SlurmctldHost=localhost(127.0.0.1)
@@ -235,9 +270,8 @@ PreemptMode=REQUEUE
 GresTypes=gpu
 TopologyPlugin=topology/tree
 ReturnToService=2
-AccountingStorageType=accounting_storage/none
+{accounting_lines}
 JobCompType=jobcomp/none
-JobAcctGatherType=jobacct_gather/none
 MinJobAge=300
 KillWait=5
 SlurmdTimeout=30
@@ -254,9 +288,44 @@ PartitionName=scavenger Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime={
     return root / "slurm.conf"
 
 
-def start(root: Path) -> SlurmCluster:
-    """Start munged, slurmctld and the four slurmd in ``root``; wait until all are idle."""
-    conf = write_config(root)
+def _start_accounting(cluster: SlurmCluster) -> None:
+    """A MariaDB of its own (``root/db``, no grant tables: only this host's root reaches its
+    port), slurmdbd on it, and the cluster, account, QOS and root's association in it."""
+    root = cluster.root
+    db = root / "db"
+    subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={db}", "--user=root",
+                    "--auth-root-authentication-method=normal", "--skip-test-db"],
+                   check=True, capture_output=True, timeout=120)
+    port = (root / "db.port").read_text()
+    subprocess.Popen(["mariadbd", "--no-defaults", f"--datadir={db}", "--user=root",
+                      "--bind-address=127.0.0.1", f"--port={port}", f"--socket={root}/db.sock",
+                      f"--pid-file={root}/mariadb.pid", "--skip-grant-tables",
+                      "--innodb-buffer-pool-size=32M", f"--log-error={root}/log/mariadb.log"],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+    cluster.pids["mariadbd"] = _read_pid(root / "mariadb.pid", 60)
+    subprocess.run(["slurmdbd"], check=True, capture_output=True, timeout=30, env=cluster.env)
+    cluster.pids["slurmdbd"] = _read_pid(root / "slurmdbd.pid")
+    deadline = time.monotonic() + 60
+    while True:  # slurmdbd makes its tables first
+        done = subprocess.run(["sacctmgr", "-i", "add", "cluster", "maitretest"], env=cluster.env,
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode == 0 or "already exists" in done.stdout + done.stderr:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"slurmdbd does not answer: {done.stderr or done.stdout}")
+        time.sleep(0.5)
+    for cmd in (["add", "qos", QOS],
+                ["add", "account", ACCOUNT, "cluster=maitretest"],
+                ["add", "user", "root", f"account={ACCOUNT}", "cluster=maitretest"],
+                ["modify", "user", "root", "set", f"qos+={QOS}"]):
+        cluster.run("sacctmgr", "-i", *cmd)
+
+
+def start(root: Path, accounting: bool = False) -> SlurmCluster:
+    """Start munged, slurmctld and the four slurmd in ``root`` (with ``accounting``, a MariaDB
+    and slurmdbd first); wait until all are idle."""
+    conf = write_config(root, accounting)
     cluster = SlurmCluster(root=root, conf=conf)
     m = root / "munge"
     try:
@@ -266,6 +335,8 @@ def start(root: Path) -> SlurmCluster:
                         f"--seed-file={m}/munged.seed"], check=True, capture_output=True,
                        timeout=20, env=cluster.env)
         cluster.pids["munged"] = _read_pid(m / "munged.pid")
+        if accounting:
+            _start_accounting(cluster)
         subprocess.run(["slurmctld", "-c", "-i"], check=True, capture_output=True, timeout=30,
                        env=cluster.env)  # -c: a clean start, no state from another run
         cluster.pids["slurmctld"] = _read_pid(root / "slurmctld.pid")
@@ -282,6 +353,42 @@ def start(root: Path) -> SlurmCluster:
                                f"logs in {root / 'log'}") from exc
         raise
     return cluster
+
+
+@contextlib.contextmanager
+def maitre_up(cluster, tmp_path: Path, *flags: str):
+    """``maitre up --slurm FLAGS`` on the test Slurm, its state in ``tmp_path/state`` and its
+    output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards
+    it is stopped (SIGINT) and every process it or its replica jobs started is killed; one left
+    is a failure."""
+    from conftest import ROOT, TAG_VAR, kill_tagged, wait_for
+    from maitre.wire import Client
+
+    tag = os.urandom(8).hex()
+    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
+    state, log = tmp_path / "state", tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
+                           str(state), "--queue", "q", "--slots-per-node", "1", *flags],
+                          cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                          text=True, start_new_session=True)
+    try:
+        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
+                                         for ln in log.read_text().splitlines()
+                                         if "coordinator at " in ln), None), 60,
+                           "the coordinator", log)
+        yield Client(address, timeout_s=5.0, token=(state / "token").read_text().strip()), \
+            state, log
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
+        left = kill_tagged(tag)  # never leak one; the assertion below says if any was
+    assert not left, f"processes left behind: {left}"
 
 
 def leftovers(pids: list[int]) -> list[int]:

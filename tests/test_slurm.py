@@ -10,8 +10,6 @@ a job whose last replica job is cancelled resumes from its checkpoint.
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import slurm_cluster
-from conftest import ROOT, TAG_VAR, wait_for
+from conftest import ROOT, wait_for
 from maitre.engines.slurm import inventory
 from maitre.engines.slurm.commands import Slurm, SlurmError
 from maitre.engines.slurm.engine import Plan, SlurmConfig, SlurmEngine, Submit, plan
@@ -260,42 +258,6 @@ def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
 
 
 # -- the story ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def maitre_up_slurm(cluster, tmp_path: Path, *flags: str):
-    """``maitre up --slurm FLAGS`` on the test Slurm, its state in ``tmp_path/state`` and its
-    output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards
-    it is stopped (SIGINT) and every process it or its replica jobs started is killed; one left
-    is a failure."""
-    from conftest import kill_tagged
-    from maitre.wire import Client
-
-    tag = os.urandom(8).hex()
-    env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
-    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
-    state, log = tmp_path / "state", tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
-                           str(state), "--queue", "q", "--slots-per-node", "1", *flags],
-                          cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True)
-    try:
-        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
-                                         for ln in log.read_text().splitlines()
-                                         if "coordinator at " in ln), None), 60,
-                           "the coordinator", log)
-        yield Client(address, timeout_s=5.0, token=(state / "token").read_text().strip()), \
-            state, log
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            up.kill()
-        time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
-        left = kill_tagged(tag)  # never leak one; the assertion below says if any was
-    assert not left, f"processes left behind: {left}"
-
-
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_back(
@@ -311,7 +273,7 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
     from conftest import example_command, relative_error
 
     steps, out = 1200, tmp_path / "final.pt"
-    with maitre_up_slurm(cluster, tmp_path, "--resize-cooldown", "0", "--slurm-partition",
+    with slurm_cluster.maitre_up(cluster, tmp_path, "--resize-cooldown", "0", "--slurm-partition",
                          "normal", "--slurm-scavenger", "scavenger") as (client, state, log), \
             contextlib.ExitStack() as cleanup:
         command = example_command(steps, out) + ["--device-ms-per-sample", "20"]
@@ -382,7 +344,7 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
     from conftest import example_command, relative_error
 
     steps, out = 400, tmp_path / "final.pt"
-    with maitre_up_slurm(cluster, tmp_path) as (client, state, log):
+    with slurm_cluster.maitre_up(cluster, tmp_path) as (client, state, log):
         command = example_command(steps, out) + ["--device-ms-per-sample", "5"]
         client.post("/jobs", {"manifest": {"name": "alone", "queue": "q", "minReplicas": 1,
                                            "maxReplicas": 1, "command": command,
