@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -326,6 +327,26 @@ def test_a_rank_that_never_reports_fails_the_save_not_training(tmp_path: Path) -
     ck.close()
     assert result.path is None and "rank 1 did not finish" in (result.error or "")
     assert list((tmp_path / "ckpt").iterdir()) == []
+
+
+def test_a_rank_killed_mid_save_holds_the_commit_only_as_long_as_parts_take(
+        tmp_path: Path, monkeypatch) -> None:
+    """Ranks write their parts at once: one that takes far longer than the committer's own is
+    gone (killed mid-save, its part never comes). The commit gives up after max(floor, 20x its
+    own part's time), not ``commit_timeout_s``, which would skip every save meanwhile (a busy
+    writer vetoes them): the chaos run saw ten minutes of no checkpoint after such a kill."""
+    from maitre.checkpoint import writer
+
+    monkeypatch.setattr(writer, "COMMIT_WAIT_FLOOR_S", 0.5)
+    state = make_state(steps=2)
+    ck = Checkpointer(config(tmp_path, commit_timeout_s=600), log=lambda line: None)
+    started = time.monotonic()
+    ck.save(state.state_dict, step=2, rank=0, world_size=2, token=1)
+    result = ck.wait()[0]
+    waited = time.monotonic() - started
+    ck.close()
+    assert result.path is None and "rank 1 did not finish" in (result.error or "")
+    assert waited < 30, waited  # (0.5 s here; 600 s before)
 
 
 def test_a_rank_that_fails_aborts_the_commit_at_once(tmp_path: Path) -> None:

@@ -42,7 +42,8 @@ class CheckpointConfig:
     save_final: bool = True
     """Write a checkpoint at the last step, so a longer run can continue from it."""
     commit_timeout_s: float = 600.0
-    """How long the committing rank waits for the others' parts before giving the save up."""
+    """The longest the committing rank waits for the others' parts before giving the save up
+    (it waits less when its own part was quick: see ``writer.COMMIT_WAIT_FLOOR_S``)."""
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)

@@ -47,6 +47,12 @@ from maitre.protocol import CHECKPOINT_FAULT as FAULT_ENV
 PHASES = ("snapshot", "mid_file", "between_files", "before_manifest", "before_rename",
           "after_rename")
 _POLL_S = 0.02
+COMMIT_WAIT_FLOOR_S = 30.0
+COMMIT_WAIT_FACTOR = 20.0
+"""The committer waits for the other ranks' parts at most max(floor, factor x its own part's
+time) (and never past ``commit_timeout_s``): every rank writes its part of a save at once (a
+busy writer vetoes the save for all), so a part that takes far longer than this rank's is one
+whose rank is gone, killed mid-save, and waiting it out would hold every later save back."""
 _SET_ASIDE = re.compile(re.escape(fmt.CORRUPT_PREFIX) + r"step-(\d+)-\d+")
 
 
@@ -173,6 +179,7 @@ class Writer:
     # -- the phases ------------------------------------------------------------------------------
     def _persist(self, snap: Snapshot) -> Path | None:
         n = self.saves
+        began = time.monotonic()
         tmp = self.root / fmt.tmp_dir_name(snap.step, snap.token)
         tmp.mkdir(parents=True, exist_ok=True)
         try:
@@ -193,7 +200,7 @@ class Writer:
                          {"files": files, "layout": _layout(snap), "pieces": _pieces(snap)})
                 self._durable_at = time.monotonic()
                 return None
-            return self._commit(snap, tmp, files, n)
+            return self._commit(snap, tmp, files, n, time.monotonic() - began)
         except BaseException as exc:
             if snap.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -205,9 +212,10 @@ class Writer:
             raise
 
     def _commit(self, snap: Snapshot, tmp: Path, files: dict[str, dict[str, int | str]],
-                n: int) -> Path:
+                n: int, own_s: float) -> Path:
         try:
-            deadline = time.monotonic() + self.commit_timeout_s
+            deadline = time.monotonic() + min(
+                self.commit_timeout_s, max(COMMIT_WAIT_FLOOR_S, COMMIT_WAIT_FACTOR * own_s))
             layout, pieces = _layout(snap), {0: _pieces(snap)}
             for r in range(1, snap.world_size):
                 note = _await_rank(tmp, r, deadline)
