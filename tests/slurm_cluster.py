@@ -391,5 +391,20 @@ def maitre_up(cluster, tmp_path: Path, *flags: str):
     assert not left, f"processes left behind: {left}"
 
 
+@contextlib.contextmanager
+def running(root: Path, accounting: bool = False):
+    """A started cluster in ``root`` (skipped, or failed under CI, where none can be), stopped
+    afterwards: a daemon or a process of it left running is a failure."""
+    require(accounting)
+    cluster = start(root, accounting)
+    try:
+        yield cluster
+    finally:
+        pids = list(cluster.pids.values())
+        cluster.stop()
+        assert not leftovers(pids), "Slurm daemons left running"
+        assert not cluster.ours(), f"processes of the test Slurm left: {cluster.ours()}"
+
+
 def leftovers(pids: list[int]) -> list[int]:
     return [p for p in pids if _alive(p)]

@@ -27,15 +27,8 @@ from maitre.engines.slurm.replicas import ReplicaJob, parse_name
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    slurm_cluster.require()
-    c = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
-    try:
+    with slurm_cluster.running(tmp_path_factory.mktemp("slurm")) as c:
         yield c
-    finally:
-        pids = list(c.pids.values())
-        c.stop()
-        assert not slurm_cluster.leftovers(pids), "Slurm daemons left running"
-        assert not c.ours(), f"processes of the test Slurm left: {c.ours()}"
 
 
 # -- Slurm's text, parsed (no Slurm needed) ----------------------------------------------------

@@ -23,15 +23,8 @@ pytestmark = pytest.mark.slurm
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory):
-    slurm_cluster.require(accounting=True)
-    c = slurm_cluster.start(tmp_path_factory.mktemp("slurm-acct"), accounting=True)
-    try:
+    with slurm_cluster.running(tmp_path_factory.mktemp("slurm-acct"), accounting=True) as c:
         yield c
-    finally:
-        pids = list(c.pids.values())
-        c.stop()
-        assert not slurm_cluster.leftovers(pids), "Slurm daemons left running"
-        assert not c.ours(), f"processes of the test Slurm left: {c.ours()}"
 
 
 def sacct(cluster) -> list[dict[str, str]]:
