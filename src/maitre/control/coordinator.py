@@ -62,11 +62,11 @@ log = logging.getLogger("maitre.coordinator")
 _NOT_STARTED = {"epoch": 0, "epoch_open": False, "members": [], "step": 0, "failures": 0, "failure": None,
                 "workers": [], "target": 0, "min_workers": 0, "max_workers": 0, "spares": []}
 _VOUCH_SLACK_S = 0.5
+"""How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
+loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
 _RESEND_AFTER_S = 3.0
 """A start order is sent again once a beat that came this long after it does not list the
 worker (the agent starts a worker within milliseconds, and carries out an order once)."""
-"""How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
-loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
 _LOST_CHECK_S = 0.5
 """Workers silent past ``dead_after_s`` (15 s) are looked for this often; hangs, every tick."""
 _SAVE_EVERY_S = 5.0
@@ -586,8 +586,7 @@ class Coordinator:
             views = {wid: self._worker_job[wid].view(wid, now) for wid in sorted(here)
                      if self._worker_job[wid].workers[wid].state in LIVE}
         return {"version": version, "boot": self.boot, "start": start, "kill": kill,
-                "views": views,
-                "probe": self.cluster.wants_probe(node)}
+                "views": views, "probe": self.cluster.wants_probe(node)}
 
     def _resent(self, node: str, running: set[str], beat_at: float,
                 now: float) -> list[dict[str, Any]]:
