@@ -528,6 +528,8 @@ class Membership:
         self._set_state(w, WorkerState.LEFT)
         self._set_arrived(w, None)
         self._log(now, "worker_left", worker=wid)
+        if self._check_completed(now):  # (a listener that left as the job finished)
+            return
         if was_member and self.open:
             self._close(f"worker {wid} left", now)
 

@@ -646,6 +646,22 @@ class ElasticLoop:
         self._finish(batch)
         if self._listening is lst:
             lst.interval = time.monotonic() - heard
+            upto = (self.state.step if lst.loaded else lst.snapshot_step) + len(lst.queue)
+            if not lst.caught_up and upto >= self._max_steps:
+                self._leave_unfinished()
+
+    def _leave_unfinished(self) -> None:
+        """The training members committed the last step while this listener's state still
+        streamed in: the job is done and this worker holds none of it. It leaves (its script
+        never sees the end of a training it did not do), so that the job completes instead of
+        waiting for it, or training again from its checkpoint with it as the only member."""
+        if self._client is not None and not self.env.proc:  # the first process speaks
+            try:
+                self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
+            except (CoordinatorUnreachable, ApiError) as exc:
+                print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
+        self._exit(0, f"maitre: {self.env.worker_id}: the job finished at step "
+                      f"{self._max_steps} while this worker's state streamed in; it leaves")
 
     def _catch_up(self, lst: "_Listening") -> None:
         if not lst.loaded:
