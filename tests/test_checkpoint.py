@@ -349,6 +349,26 @@ def test_a_rank_killed_mid_save_holds_the_commit_only_as_long_as_parts_take(
     assert waited < 30, waited  # (0.5 s here; 600 s before)
 
 
+def test_a_save_whose_epoch_was_lost_is_given_up_at_once(tmp_path: Path) -> None:
+    """The loop lost its epoch under a save (a rank died mid-save): the committer stops waiting
+    for the parts at once, and the next save is not held back."""
+    state = make_state(steps=2)
+    ck = Checkpointer(config(tmp_path, commit_timeout_s=600), log=lambda line: None)
+    started = time.monotonic()
+    ck.save(state.state_dict, step=2, rank=0, world_size=2, token=1)
+    time.sleep(0.2)
+    ck.abandon("peer failed")
+    result = ck.wait()[0]
+    assert time.monotonic() - started < 10
+    assert result.path is None and "given up waiting for rank 1's part: peer failed" in (
+        result.error or ""), result
+    state.step = 3  # the writer is free for the next one, which waits for nothing old
+    ck.save(state.state_dict, step=3, rank=0, world_size=1, token=2)
+    again = ck.wait()[-1]
+    ck.close()
+    assert again.error is None and again.path is not None
+
+
 def test_a_rank_that_fails_aborts_the_commit_at_once(tmp_path: Path) -> None:
     state = make_state(steps=2)
     ck = Checkpointer(config(tmp_path, commit_timeout_s=30), log=lambda line: None)

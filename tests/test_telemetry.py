@@ -29,7 +29,10 @@ STEPS = 250
 
 
 def run_story(tmp_path: Path, steps: int, story: str, resume: bool = False):
-    return play(tmp_path, example_command(steps), story, min_nodes=1, max_nodes=2,
+    # (1 ms of "device" a sample: each epoch trains for more than a progress report's second
+    # even on a fast machine)
+    return play(tmp_path, example_command(steps, extra=("--device-ms-per-sample", "1")), story,
+                min_nodes=1, max_nodes=2,
                 local_nodes=2, max_restarts=3, checkpoint_dir=tmp_path / "ckpt",
                 checkpoint_every=25, resume=resume)
 

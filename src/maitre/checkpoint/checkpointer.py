@@ -133,6 +133,12 @@ class Checkpointer:
             self._writer_started().submit(lambda: self._buffers.reserve(need, pin))
         self._prepared_for = (rank, world_size)
 
+    def abandon(self, reason: str) -> None:
+        """The save in flight will not get every rank's part (a rank died under it): as its
+        committer, give it up now rather than wait (see :meth:`Writer.abandon`)."""
+        if self._writer is not None:
+            self._writer.abandon(reason)
+
     def wait(self) -> list[SaveResult]:
         """Block until the save in flight is durable (or failed); returns results not yet seen."""
         if self._writer is None:

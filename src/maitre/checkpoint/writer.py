@@ -106,6 +106,8 @@ class Writer:
         self._closed = False
         self._started = self._durable_at = 0.0
         self._total_bytes = 0
+        self._abandoned: str | None = None
+        """Why the save in flight is given up (its committer waits for no more parts)."""
         self._thread = threading.Thread(target=self._run, name="maitre-checkpoint-writer",
                                         daemon=True)
         self._thread.start()
@@ -121,9 +123,16 @@ class Writer:
         with self._cv:
             if self._job is not None:
                 raise RuntimeError("a checkpoint is still being written")
-            self._job = job
+            self._job, self._abandoned = job, None
             self.saves += isinstance(job, Snapshot)
             self._cv.notify_all()
+
+    def abandon(self, reason: str) -> None:
+        """The save in flight, if its commit still waits for other ranks' parts, fails now with
+        ``reason`` (its epoch was lost: a rank that died under it never sends its part)."""
+        with self._cv:
+            if self._job is not None:
+                self._abandoned = reason
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until no save is in flight; False on timeout."""
@@ -218,7 +227,7 @@ class Writer:
                 self.commit_timeout_s, max(COMMIT_WAIT_FLOOR_S, COMMIT_WAIT_FACTOR * own_s))
             layout, pieces = _layout(snap), {0: _pieces(snap)}
             for r in range(1, snap.world_size):
-                note = _await_rank(tmp, r, deadline)
+                note = _await_rank(tmp, r, deadline, lambda: self._abandoned)
                 if note.get("layout") != layout:
                     raise RuntimeError(f"rank {r} saved other tensors than rank 0 (another state)")
                 files.update(note["files"])
@@ -328,7 +337,8 @@ def _listed(snap: Snapshot, pieces: dict[int, dict[str, list[list[int]]]]
     return tensors, bool(sharded)
 
 
-def _await_rank(tmp: Path, rank: int, deadline: float) -> dict[str, Any]:
+def _await_rank(tmp: Path, rank: int, deadline: float,
+                abandoned: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
     done, failed = tmp / f"rank-{rank:05d}.done", tmp / f"rank-{rank:05d}.failed"
     while True:
         if done.exists():
@@ -336,6 +346,8 @@ def _await_rank(tmp: Path, rank: int, deadline: float) -> dict[str, Any]:
         if failed.exists():
             error = json.loads(failed.read_bytes()).get("error", "?")
             raise RuntimeError(f"rank {rank} could not write its part: {error}")
+        if (why := abandoned()) is not None:
+            raise RuntimeError(f"given up waiting for rank {rank}'s part: {why}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {rank} did not finish its part in time")
         time.sleep(_POLL_S)

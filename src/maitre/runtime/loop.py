@@ -885,6 +885,8 @@ class ElasticLoop:
         if self.env.mode != Mode.ELASTIC:
             raise RuntimeError(f"collective failed outside maitre: {lost.reason}") from lost
         self._recovery = Recovery(lost.reason, time.time() - (time.monotonic() - lost.detected_at))
+        if self.checkpointer is not None:  # a peer lost mid-save never sends its part
+            self.checkpointer.abandon(f"the epoch was lost under the save: {lost.reason}")
         self._rendezvous(lost.reason, unbuilt=lost)
 
     def _rendezvous(self, reason: str, from_epoch: int | None = None,
