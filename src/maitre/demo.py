@@ -141,13 +141,16 @@ class Demo:
                 elif stage == 1 and jobs.get("urgent", {}).get("state") == "COMPLETED":
                     self.out("maitre demo: >>> urgent is done; the elastic jobs may grow back")
                     stage, stage_at = 2, now
-                elif stage == 2 and (len(b["members"]) > capacity // 4 or now - stage_at > 30) and \
-                        b["state"] == "RUNNING" and _all_hold_state(b):
-                    self._kill_one(b)
+                elif stage == 2 and (victim := max(  # the one that grew back most (b on a tie)
+                        (j for j in (b, a) if j["state"] == "RUNNING" and _all_hold_state(j)),
+                        key=lambda j: len(j["members"]), default=None)) is not None and \
+                        (len(victim["members"]) > capacity // 4 or now - stage_at > 30):
+                    self._kill_one(victim)
                     stage, stage_at = 3, now
                 elif stage == 3 and now - stage_at > cfg.reclaim_after_s and \
-                        cluster.cfg.spot_nodes and all(
-                            j["state"] == "RUNNING" and _all_hold_state(j) for j in (a, b)):
+                        cluster.cfg.spot_nodes and (live := [
+                            j for j in (a, b) if j["state"] == "RUNNING"]) and all(
+                            _all_hold_state(j, 1) for j in live):  # (one may run alone)
                     self._notice(f"node-{cfg.nodes - 1}")
                     stage = 4
                 elif stage == 4 and self._drained(f"node-{cfg.nodes - 1}"):
@@ -326,8 +329,8 @@ class Demo:
         return what, t
 
 
-def _all_hold_state(job: dict[str, Any]) -> bool:
-    """Every member of the running epoch has the job's state (joiners received it), so a kill
-    costs the job one worker, not its progress."""
+def _all_hold_state(job: dict[str, Any], members: int = 2) -> bool:
+    """At least ``members`` members, and every one of the running epoch has the job's state
+    (joiners received it): a kill costs the job one worker, not its progress; a drain, nothing."""
     steps = [w["step"] for w in job["workers"] if w["id"] in job["members"]]
-    return len(steps) > 1 and min(steps) > 0 and min(steps) >= job["step"] - 2
+    return len(steps) >= members and min(steps) > 0 and min(steps) >= job["step"] - 2
