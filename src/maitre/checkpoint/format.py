@@ -47,6 +47,7 @@ TMP_DIR = re.compile(r"\.tmp-step-(\d{9})-(\d+)")
 TRASH_PREFIX = ".deleting-"
 CORRUPT_PREFIX = ".corrupt-"
 """A step directory that did not verify, set aside when a save of that step replaces it."""
+CORRUPT_DIR = re.compile(re.escape(CORRUPT_PREFIX) + r"step-(\d+)-\d+")
 CHUNK = 16 << 20  # bytes per write() and hash update
 
 # safetensors dtype names

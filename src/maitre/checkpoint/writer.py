@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import signal
 import threading
@@ -53,7 +52,6 @@ COMMIT_WAIT_FACTOR = 20.0
 time) (and never past ``commit_timeout_s``): every rank writes its part of a save at once (a
 busy writer vetoes the save for all), so a part that takes far longer than this rank's is one
 whose rank is gone, killed mid-save, and waiting it out would hold every later save back."""
-_SET_ASIDE = re.compile(re.escape(fmt.CORRUPT_PREFIX) + r"step-(\d+)-\d+")
 
 
 def fault_point(phase: str, save_number: int) -> None:
@@ -296,7 +294,7 @@ class Writer:
             m = fmt.TMP_DIR.fullmatch(path.name)
             if (m and int(m.group(1)) <= newest) or path.name.startswith(fmt.TRASH_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
-            elif (c := _SET_ASIDE.fullmatch(path.name)) and int(c.group(1)) < oldest:
+            elif (c := fmt.CORRUPT_DIR.fullmatch(path.name)) and int(c.group(1)) < oldest:
                 shutil.rmtree(path, ignore_errors=True)
 
 

@@ -574,10 +574,11 @@ class Coordinator:
                 kill.append(wid)  # no job of this coordinator knows it
         start = self._resent(node, running, info.get("beat_at", 0.0), now)
         fresh = self._start_orders(node, info["slots"], used, now)
-        unacked = self._unacked.setdefault(node, {})
-        for order in fresh:
-            unacked[order["worker_id"]] = (order, now)
-        start += fresh
+        if fresh:  # (most beats start nothing)
+            unacked = self._unacked.setdefault(node, {})
+            for order in fresh:
+                unacked[order["worker_id"]] = (order, now)
+            start += fresh
         self._flush()  # (may bump this node: the views below are as of the version returned)
         version = self._node_version.setdefault(node, 0)
         views = None
