@@ -86,7 +86,7 @@ def fsync_path(path: Path) -> None:
 def bench_size(size_mb: int, reps: int, scratch: Path) -> dict[str, float]:
     state = make_state(size_mb)
     tree = state.state_dict()
-    _, tensors, _ = split(tree, 1)
+    tensors = split(tree, rank=0, world_size=1).tensors
     floor_buffers = [torch.empty_like(t, device="cpu") for t in tensors]
 
     def copy_floor(_: int) -> float:
