@@ -1,7 +1,7 @@
 """Checkpoint benchmark: maitre against torch.save and torch.distributed.checkpoint, one run.
 
-    python benchmarks/checkpoint.py [--sizes 200,1000] [--reps 3] [--train-steps 600]
-                                    [--out benchmarks/results/checkpoint.json]
+    python benchmarks/checkpoint.py [--sizes 200,1000] [--reps 5] [--segment 60] [--rounds 12]
+                                    [--smoke] [--out benchmarks/results/checkpoint.json]
 
 For a model + AdamW state of each size (MB), each a median over ``--reps`` saves after one
 warm-up save (so reused buffers exist, as in a training run):
@@ -15,12 +15,12 @@ warm-up save (so reused buffers exist, as in a training run):
 * ``maitre_durable_s``: from the start of maitre's save until the checkpoint is renamed into
   place with every file and the directory fsynced.
 
-Then the training cost: ``examples/train.py``'s model trained in this process for
-``--train-steps`` steps without checkpoints, with the interval the policy picks (Young/Daly from
-the measured cost, MTBF of one hour, the 30 s lower bound lifted so a short run sees several
-saves), and every 10 steps; ``train_overhead_pct`` is the policy's: the best of ``--train-reps``
-runs against the best without (noise on a shared machine only adds time; the median of paired
-differences is reported beside it).
+Then the training cost: ``examples/train.py``'s model trained in this process, in alternating
+segments of ``--segment`` steps (``--rounds`` of each mode), without checkpoints, with the
+interval the policy picks (Young/Daly from the measured cost, MTBF of one hour, the 30 s lower
+bound lifted so a short run sees several saves), and every 10 steps; ``train_overhead_pct`` is
+the policy's: its segments' total time against those without (the median of paired differences
+is reported beside it).
 Measured (throughput of segments of each mode, interleaved in one run) and accounted (saves
 times their measured cost over the time trained) are both reported; on a shared 2-core machine
 the measured figure has a few percent of noise. All with ``torch.set_num_threads(1)``, as
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import shutil
 import statistics
@@ -50,6 +49,7 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import maitre  # noqa: E402
+from _results import parse, write_results  # noqa: E402
 from maitre.checkpoint import CheckpointConfig, Checkpointer, IntervalConfig  # noqa: E402
 from maitre.checkpoint.snapshot import split  # noqa: E402
 from maitre.runtime.state import TrainState  # noqa: E402
@@ -292,8 +292,8 @@ def main() -> None:
     p.add_argument("--segment", type=int, default=60, help="steps per training segment")
     p.add_argument("--rounds", type=int, default=12, help="segments per mode")
     p.add_argument("--scratch", type=Path, help="where to write (default: a temp dir)")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "checkpoint.json")
-    args = p.parse_args()
+    # (a state of one layer, 12.6 MB; a save every 10 steps and the policy's both happen)
+    args = parse(p, "checkpoint", smoke={"sizes": "1", "reps": 1, "segment": 10, "rounds": 1})
     torch.set_num_threads(1)
     for key in [k for k in os.environ if k.startswith("MAITRE_") or k in ("RANK", "WORLD_SIZE")]:
         del os.environ[key]  # the loop must run as one plain process
@@ -311,9 +311,7 @@ def main() -> None:
     results["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
                           "threads": torch.get_num_threads()}
     print(table(results))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, results, smoke=args.smoke)
 
 
 if __name__ == "__main__":

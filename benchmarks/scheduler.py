@@ -1,7 +1,7 @@
 """Scheduler benchmark: one scheduling pass over a large cluster, many times.
 
     python benchmarks/scheduler.py [--nodes 1024] [--slots 8] [--jobs 1000] [--passes 60]
-                                   [--out benchmarks/results/scheduler.json]
+                                   [--smoke] [--out benchmarks/results/scheduler.json]
 
 The cluster has ``--nodes`` nodes of ``--slots`` GPUs in racks of 32 and blocks of 8 racks, and
 four queues with guarantees. ``--jobs`` jobs of mixed shapes (1 to 8 GPUs per replica, fixed
@@ -15,7 +15,6 @@ the jobs' current placements. Prints p50 / p99 and writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from _results import parse, write_results  # noqa: E402
 from maitre.scheduling import Cluster, Job, JobState, Node, Queue, schedule  # noqa: E402
 
 
@@ -68,8 +68,7 @@ def main() -> None:
     p.add_argument("--slots", type=int, default=8)
     p.add_argument("--jobs", type=int, default=1000)
     p.add_argument("--passes", type=int, default=60)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "scheduler.json")
-    args = p.parse_args()
+    args = parse(p, "scheduler", smoke={"nodes": 16, "jobs": 40, "passes": 2})
 
     times, running, queued = [], [], []
     for seed in range(args.passes):
@@ -89,9 +88,7 @@ def main() -> None:
           f"| {args.nodes} x {args.slots} | {args.jobs} ({result['running_median']:.0f} / "
           f"{result['queued_median']:.0f}) | {result['pass_ms_p50']:.1f} ms | "
           f"{result['pass_ms_p99']:.1f} ms |")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

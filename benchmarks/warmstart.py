@@ -1,18 +1,18 @@
 """Worker start-up benchmark: a cold start (``exec`` of a fresh interpreter, as torchrun and
 ``subprocess`` do) against maitre's warm start (a fork of a fork server that imported torch once).
 
-    python benchmarks/warmstart.py [--repeats 3] [--out benchmarks/results/warmstart.json]
+    python benchmarks/warmstart.py [--repeats 3] [--workers 1,8] [--smoke]
+                                   [--out benchmarks/results/warmstart.json]
 
 Each start runs ``examples/train.py --steps 1`` alone (one process, no coordinator): imports,
 data, model, optimizer, one step, exit. That is what a joiner does before it can train, so the
-time is the time its slot is held and idle. Measured for 1 and for 8 workers started at once,
-cold and warm alternating, ``--repeats`` times; prints medians and writes them as JSON.
+time is the time its slot is held and idle. Measured for 1 and for 8 workers started at once
+(``--workers``), cold and warm alternating, ``--repeats`` times; prints medians and writes them as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,6 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from _results import parse, write_results  # noqa: E402
 from maitre.agent import warmstart  # noqa: E402
 
 COMMAND = [sys.executable, str(HERE.parent / "examples" / "train.py"), "--steps", "1"]
@@ -51,14 +52,14 @@ def warm(n: int, env: dict[str, str]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "warmstart.json")
-    args = p.parse_args()
+    p.add_argument("--workers", default="1,8", help="workers started at once, comma-separated")
+    args = parse(p, "warmstart", smoke={"repeats": 1, "workers": "1"})
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAITRE_")}
     env.update(OMP_NUM_THREADS="1")
     warmstart.prewarm()
     warm(1, env)  # the fork server's own start (its imports) is paid once per agent, not here
     rows = []
-    for n in (1, 8):
+    for n in (int(w) for w in args.workers.split(",")):
         times: dict[str, list[float]] = {"cold": [], "warm": []}
         for _ in range(args.repeats):
             times["cold"].append(cold(n, env))
@@ -73,9 +74,7 @@ def main() -> None:
               f"{r['speedup']:>6.1f}x")
     result = {"command": "examples/train.py --steps 1", "cpus": os.cpu_count(),
               "repeats": args.repeats, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result, smoke=args.smoke)
 
 
 if __name__ == "__main__":
