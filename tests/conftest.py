@@ -30,8 +30,10 @@ def clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # A tiny float64 configuration of the example: fast on 2 cores, exact enough for 1e-5 checks.
+# Buckets of 4 KiB: its gradients are reduced in several buckets, launched while backward runs.
 TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
-        "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000"]
+        "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000",
+        "--bucket-cap-mb", "0.004"]
 
 
 def example_command(steps: int, out: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:

@@ -27,7 +27,7 @@ import maitre
 ROOT = Path(__file__).resolve().parent.parent
 SRC = ROOT / "src" / "maitre"
 
-PUBLIC = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
+PUBLIC = ["Batch", "Buckets", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
           "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState",
           "replica_mesh"]
 

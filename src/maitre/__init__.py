@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from maitre.checkpoint import CheckpointConfig, IntervalConfig
     from maitre.runtime.hooks import LossScaler
     from maitre.runtime.loop import Batch, ElasticLoop
+    from maitre.runtime.reduction import Buckets
     from maitre.runtime.replica import replica_mesh
     from maitre.runtime.sampler import ElasticSampler
     from maitre.runtime.scaling import ConstantBatch, LinearScaling, SqrtScaling
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 _HOMES = {
     "Batch": "maitre.runtime.loop",
+    "Buckets": "maitre.runtime.reduction",
     "CheckpointConfig": "maitre.checkpoint.checkpointer",
     "ConstantBatch": "maitre.runtime.scaling",
     "ElasticLoop": "maitre.runtime.loop",
@@ -37,7 +39,7 @@ _HOMES = {
 }
 """Where each public name is defined."""
 
-__all__ = ["Batch", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
+__all__ = ["Batch", "Buckets", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
            "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState",
            "replica_mesh"]
 __version__ = "0.1.0"

@@ -79,6 +79,8 @@ def main() -> None:
                    "(fp16 with a dynamic loss scale)")
     p.add_argument("--loss-scale", type=float, default=2.0 ** 16,
                    help="fp16's initial loss scale (default 65536)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="MiB of gradients per reduction launched while backward runs (DDP's 25)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -114,7 +116,9 @@ def main() -> None:
     loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
                               micro_batch_size=args.micro_batch, checkpoint=checkpoint,
                               precision=args.precision, clip_grad_norm=args.clip,
-                              loss_scaler=scaler)
+                              loss_scaler=scaler, buckets=maitre.Buckets(
+                                  cap_mb=args.bucket_cap_mb,
+                                  first_cap_mb=min(1.0, args.bucket_cap_mb)))
 
     started, tokens = time.monotonic(), 0
     for batch in loop.run(max_steps=args.steps):

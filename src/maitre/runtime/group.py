@@ -119,16 +119,22 @@ class EpochGroup:
                 raise EpochLost(closed, time.monotonic())
         if "error" in built:
             error = str(built["error"])
-            raise EpochLost(f"group not built: {_first_line(built['error'])}",  # type: ignore[arg-type]
+            raise EpochLost(f"group not built: {first_line(built['error'])}",  # type: ignore[arg-type]
                             time.monotonic(), unbuilt=True,
                             unreachable=sorted(set(re.findall(r"remote=\[([^\]]{1,100})\]", error))))
         return cls(built["backend"], rank, world_size, device, epoch_closed)
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
+        self.wait(self.allreduce_async(tensor, op))
+
+    def allreduce_async(self, tensor: torch.Tensor,
+                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> dist.Work:
+        """Launch an allreduce of ``tensor`` in place; :meth:`wait` on the work it returns.
+        Every member must launch the same collectives in the same order."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self.wait(self.backend.allreduce([tensor], opts))
+        return self.backend.allreduce([tensor], opts)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = dist.BroadcastOptions()
@@ -155,7 +161,7 @@ class EpochGroup:
                 return
             except RuntimeError as exc:  # gloo raises RuntimeError for both timeouts and errors
                 if "timed out" not in str(exc):
-                    raise EpochLost(f"peer failed: {_first_line(exc)}", time.monotonic()) from exc
+                    raise EpochLost(f"peer failed: {first_line(exc)}", time.monotonic()) from exc
             closed = self._epoch_closed()
             if closed is not None:
                 raise EpochLost(closed, time.monotonic())
@@ -166,7 +172,7 @@ class EpochGroup:
         while not work.is_completed():
             exc = work.exception() if hasattr(work, "exception") else None
             if exc is not None:
-                raise EpochLost(f"peer failed: {_first_line(exc)}", time.monotonic())
+                raise EpochLost(f"peer failed: {first_line(exc)}", time.monotonic())
             closed = self._epoch_closed()
             if closed is not None:
                 raise EpochLost(closed, time.monotonic())
@@ -183,7 +189,7 @@ class EpochGroup:
         _GRAVEYARD.append(self.backend)
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     """The gist of a backend error: its first sentence, without gloo's ``[file:line]`` prefix."""
     lines = str(exc).strip().splitlines()
     if not lines:

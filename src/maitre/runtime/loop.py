@@ -9,9 +9,11 @@ A script builds its model, optimizer and data as usual, then iterates::
             loss.backward()
             batch.log_loss(loss)
 
-Between two iterations the loop finishes the step: it allreduces the summed gradients in one flat
-buffer that also carries control slots (the loss sum, the sample count, a resize flag and the
-checkpoint's flags), divides by the global sample count (so uneven shares are weighted exactly),
+While backward runs, the summed gradients are reduced in buckets as they become final, as DDP
+does (:mod:`maitre.runtime.reduction`). Between two iterations the loop finishes the step: the
+last bucket carries the control slots (the loss sum, the sample count, a resize flag and the
+checkpoint's flags); once every bucket is reduced, the loop divides by the global sample count
+(so uneven shares are weighted exactly),
 runs the recipe's step hooks on the reduced gradients (a loss scaler's overflow check, clipping by
 the global norm, a callback: :mod:`maitre.runtime.hooks`), applies the scaling rule's
 learning-rate factor, steps the optimizer and the LR schedule, advances the sampler and commits.
@@ -68,6 +70,7 @@ from maitre.runtime.heartbeat import Heartbeat
 from maitre.runtime.hooks import LossScaler, StepHooks, all_finite, clip
 from maitre.runtime import replica as replicas
 from maitre.runtime.ledger import Ledger
+from maitre.runtime.reduction import Buckets, Reducer, agree
 from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.state import Stateful, TrainState
@@ -203,6 +206,8 @@ class ElasticLoop:
         clip_grad_norm: clip the reduced gradients to this global norm.
         on_reduced_grads: called as ``fn(batch)`` on every rank between the reduced gradients
             and the optimizer's step (see :mod:`maitre.runtime.hooks`).
+        buckets: how the gradients are bucketed and reduced while backward runs (default
+            :class:`~maitre.runtime.reduction.Buckets`: DDP's 25 MiB, a 1 MiB first bucket).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -211,7 +216,7 @@ class ElasticLoop:
                  extras: dict[str, Stateful] | None = None, env: WorkerEnv | None = None,
                  checkpoint: CheckpointConfig | None = None, precision: str | None = None,
                  clip_grad_norm: float | None = None, on_reduced_grads: Any = None,
-                 loss_scaler: LossScaler | None = None) -> None:
+                 loss_scaler: LossScaler | None = None, buckets: Buckets | None = None) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.hooks = StepHooks(precision=precision, clip_grad_norm=clip_grad_norm,
@@ -264,7 +269,8 @@ class ElasticLoop:
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
         self.recoveries: list[Recovery] = []
-        self._buffers = _GradBuffers(self.params, 0)
+        self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL)
+        """The gradient buffers, laid out in buckets, and their reduction."""
         self._step_times: deque[float] = deque(maxlen=32)
         self._trained_s = 0.0
         self._committed_at = 0.0
@@ -318,7 +324,10 @@ class ElasticLoop:
                     self._listen()
                     continue
                 batch = self._next_batch()
-                self._buffers.zero()
+                # (A tp replica's first step checks each tp rank's own gradients after the body:
+                # none may be reduced before.)
+                self._reducer.begin(len(batch.micro_batches),
+                                    self.group if self._tp_checked else None)
                 step_start = self._step_began = time.monotonic()
                 self._cpu_began = time.thread_time()
                 yield batch
@@ -335,6 +344,7 @@ class ElasticLoop:
                             self.checkpointer.policy.observe_history(view.failures, view.age_s)
             self._done()
         finally:
+            self._reducer.close()
             if self.checkpointer is not None:  # a save in flight becomes durable (or fails)
                 self.checkpointer.close()
             if self._reporter is not None:  # (its last checkpoint's report included)
@@ -401,7 +411,7 @@ class ElasticLoop:
         lst = self._listening
         stop = float(control[_STOP]) > 0
         if lst is not None and not lst.caught_up:  # kept, to be replayed once the state lands
-            lst.queue.append(([g.clone() for g in self._buffers.grads()], control.clone()))
+            lst.queue.append(([g.clone() for g in self._reducer.grads()], control.clone()))
             committed = False
         else:
             committed = self._update(batch, control)
@@ -417,10 +427,10 @@ class ElasticLoop:
         return committed
 
     def _reduce(self, batch: Batch) -> torch.Tensor | None:
-        """Allreduce the step's gradients and control slots; returns the reduced control slots,
-        or None when the step was dropped (a membership change: recovered already)."""
-        flat = self._buffers.gather()
-        control = self._buffers.control
+        """Finish the reduction of the step's gradients (buckets launched while backward ran)
+        with the control slots; returns the reduced control slots, or None when the step was
+        dropped (a membership change: recovered already)."""
+        control = self._reducer.control
         rep = self._spanning
         lst = self._listening
         counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
@@ -448,8 +458,7 @@ class ElasticLoop:
         lost: EpochLost | None = None
         try:
             began = time.monotonic()
-            for buf in flat:
-                self._allreduce(buf)
+            self._reducer.finish(self.group)
             self._confirm_epoch(began)
         except EpochLost as exc:
             lost = exc
@@ -460,7 +469,7 @@ class ElasticLoop:
             totals = torch.zeros_like(control) if lost is not None else control.clone()
             totals[_LOST] = 1.0 if lost is not None else 0.0
             if self.scaler is not None and lost is None:  # each process checks its own shards
-                totals[_NONFINITE] = 0.0 if all_finite(self._buffers.grads()) else 1.0
+                totals[_NONFINITE] = 0.0 if all_finite(self._reducer.grads()) else 1.0
             dist.all_reduce(totals, group=rep.group)
             if float(totals[_LOST]) > 0 and lost is None:
                 lost = EpochLost("another process of this replica lost the epoch",
@@ -470,7 +479,7 @@ class ElasticLoop:
         if lost is not None:
             # The abandoned allreduce still holds these buffers and may yet finish (a peer that
             # was cut off comes back) and write into them: never hand them to the next epoch.
-            self._buffers = _GradBuffers(self.params, self._buffers.slots)
+            self._reducer.renew()
             self._recover(lost)
             return None
         return control
@@ -487,11 +496,11 @@ class ElasticLoop:
                                f"batch has {batch.global_batch_size}: shares are inconsistent")
         if self.scaler is not None and (float(control[_NONFINITE]) > 0
                                         if self._spanning is not None
-                                        else not all_finite(self._buffers.grads())):
+                                        else not all_finite(self._reducer.grads())):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
-            self._buffers.scale(1.0 / scale)
-        self._buffers.scatter(1.0 / count)  # the global mean
+            self._reducer.scale(1.0 / scale)
+        self._reducer.scatter(1.0 / count)  # the global mean
         if self.hooks.clip_grad_norm is not None:
             batch.grad_norm = self.last_grad_norm = clip(self.params, self.hooks.clip_grad_norm)
         if self.hooks.on_reduced_grads is not None:
@@ -542,11 +551,13 @@ class ElasticLoop:
     # -- per-rank timing: slow ranks (maitre.runtime.stragglers) --------------------------------
     def _size_slots(self) -> None:
         """One timing slot per member of the new epoch's group (none with policy ``off``); the
-        window starts afresh (its steps ran in another group)."""
+        window starts afresh (its steps ran in another group). Every member checks that all laid
+        out the same buckets (one tiny collective), before the first step can hang on them."""
         assert self.group is not None
         slots = 3 * self.group.world_size if self._detector is not None else 0
-        if slots != self._buffers.slots:
-            self._buffers = _GradBuffers(self.params, slots)
+        if slots != self._reducer.slots:
+            self._reducer.renew(slots)
+        agree(self.group, self._reducer.digest())
         self._window.restart()
 
     def _time_step(self, batch: Batch, control: torch.Tensor, counts: bool) -> None:
@@ -633,7 +644,7 @@ class ElasticLoop:
         applies each step as it comes and says so, and all are promoted together."""
         lst = self._listening
         assert lst is not None
-        self._buffers.zero()
+        self._reducer.begin(0, None)
         heard = time.monotonic()
         try:
             self._catch_up(lst)
@@ -685,7 +696,7 @@ class ElasticLoop:
         deadline = time.monotonic() + 0.5 * lst.interval
         while lst.queue:
             grads, control = lst.queue.popleft()
-            for buf, g in zip(self._buffers.grads(), grads):
+            for buf, g in zip(self._reducer.grads(), grads):
                 buf.copy_(g)
             self._update(self._listener_batch(), control)
             lst.replayed += 1
@@ -694,7 +705,7 @@ class ElasticLoop:
                 more = self._replica_agrees(more)
             if not more:
                 break
-        self._buffers.zero()
+        self._reducer.zero()
 
     def _listener_batch(self) -> Batch:
         """The next step as the training members take it (its global slice), with no share of
@@ -731,10 +742,6 @@ class ElasticLoop:
         for sender in self._senders:
             sender.copied.wait()
         self._senders = [s for s in self._senders if not s.done.is_set()]
-
-    def _allreduce(self, buf: torch.Tensor) -> None:
-        if self.group is not None:
-            self.group.allreduce(buf)
 
     def _confirm_epoch(self, began: float) -> None:
         """A step whose collectives kept this rank waiting past its stall threshold (they began
@@ -1117,11 +1124,11 @@ class ElasticLoop:
         """The storages that only the optimizer's step changes: the parameters (their local
         shards) and the optimizer's state. A snapshot copies them while the next step's forward
         and backward run (they read them only)."""
-        owned = {_local(p).data_ptr() for p in self.params}
+        owned = {replicas.local_tensor(p).data_ptr() for p in self.params}
         for per_param in self.optimizer.state.values():
             for v in per_param.values():
                 if isinstance(v, torch.Tensor):
-                    owned.add(_local(v).data_ptr())
+                    owned.add(replicas.local_tensor(v).data_ptr())
         return owned
 
     def _mesh_of(self) -> Any:
@@ -1169,71 +1176,6 @@ class ElasticLoop:
         raise SystemExit(code)
 
 
-class _GradBuffers:
-    """Gradients live in flat buffers (one per dtype) so one allreduce moves them all.
-
-    Each parameter's ``.grad`` is a view into its buffer, so backward accumulates in place with no
-    copy. A script that sets grads to ``None`` (``zero_grad()``) or replaces them is handled: the
-    grad is copied in. The control slots ride at the end of the float32/float64 buffer (a buffer
-    of their own for half-precision-only models).
-    """
-
-    def __init__(self, params: list[torch.nn.Parameter], slots: int) -> None:
-        self.slots = slots
-        """Timing slots after the control slots, three per member of the epoch's group (its
-        window's value, its held value, its work per step: :mod:`maitre.runtime.stragglers`)."""
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        control_dtype = next((d for d in by_dtype if d in (torch.float32, torch.float64)),
-                             torch.float64)
-        by_dtype.setdefault(control_dtype, [])
-        device = _local(params[0]).device
-        self.groups: list[tuple[torch.Tensor, int, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
-        for dtype, ps in by_dtype.items():
-            numel = sum(_local(p).numel() for p in ps)
-            extra = _CONTROL + slots if dtype == control_dtype else 0
-            flat = torch.zeros(numel + extra, dtype=dtype, device=device)
-            views, offset = [], 0
-            for p in ps:
-                local = _local(p)
-                views.append((p, _grad_view(p, flat[offset:offset + local.numel()].view_as(local))))
-                offset += local.numel()
-            self.groups.append((flat, numel, views))
-            if extra:
-                self.control = flat[numel:]
-
-    def zero(self) -> None:
-        for flat, _, views in self.groups:
-            flat.zero_()
-            for p, view in views:
-                p.grad = view
-
-    def gather(self) -> list[torch.Tensor]:
-        for _, _, views in self.groups:
-            for p, view in views:
-                mine = _local(view)
-                if p.grad is None:
-                    mine.zero_()
-                elif _local(p.grad).data_ptr() != mine.data_ptr():
-                    mine.copy_(_local(p.grad))
-        return [flat for flat, _, _ in self.groups]
-
-    def scale(self, factor: float) -> None:
-        for flat, numel, _ in self.groups:
-            flat[:numel].mul_(factor)
-
-    def grads(self) -> list[torch.Tensor]:
-        """The gradient part of each flat buffer (not the control slots)."""
-        return [flat[:numel] for flat, numel, _ in self.groups]
-
-    def scatter(self, scale: float) -> None:
-        for flat, numel, views in self.groups:
-            flat[:numel].mul_(scale)
-            for p, view in views:
-                p.grad = view
-
-
 def _trace_file(directory: str, env: WorkerEnv) -> "IO[str] | None":
     """``MAITRE_STRAGGLER_TRACE`` (diagnostics): this process's trace, line-buffered (None when
     unset)."""
@@ -1246,19 +1188,3 @@ def _trace_file(directory: str, env: WorkerEnv) -> "IO[str] | None":
         return path.open("a", buffering=1)
     except OSError as exc:
         raise SystemExit(f"maitre: {protocol.STRAGGLER_TRACE}={directory!r}: {exc}") from None
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor's own storage: a sharded (DTensor) parameter's local shard, else itself."""
-    return t.to_local() if replicas.is_sharded(t) else t
-
-
-def _grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """What ``p.grad`` is set to: ``view`` itself, or for a sharded parameter a DTensor over it
-    with ``p``'s placements (FSDP2 then accumulates its reduce-scattered shards into it in
-    place, micro-batch after micro-batch)."""
-    if not replicas.is_sharded(p):
-        return view
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())

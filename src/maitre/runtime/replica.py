@@ -195,9 +195,9 @@ def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
     prints = torch.zeros(2 * len(named), dtype=torch.float64)
     for k, (_, p) in enumerate(named):
         if p.grad is not None:
-            local = _local(p.grad).detach().double()
+            local = local_tensor(p.grad).detach().double()
             prints[2 * k], prints[2 * k + 1] = local.sum(), local.abs().sum()
-    device = _local(named[0][1]).device
+    device = local_tensor(named[0][1]).device
     extremes = torch.cat([prints, -prints]).to(device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=replica.mesh.get_group("tp"))
     high, low = extremes[:len(prints)].cpu(), -extremes[len(prints):].cpu()
@@ -217,7 +217,8 @@ def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
     return float(verdict[0]) == 0.0
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's own storage: a sharded (DTensor) tensor's local shard, else itself."""
     return t.to_local() if is_sharded(t) else t
 
 

@@ -1,0 +1,328 @@
+"""The step's gradient reduction: buckets launched from autograd hooks while backward runs.
+
+What users compare a step against is torch DDP, which starts reducing ~25 MB buckets while
+backward is still computing the rest of the gradients. This module does the same for the loop:
+
+- **A fixed layout.** Parameters are taken in reverse order (backward produces the last layers'
+  gradients first) and packed into buckets, one dtype each, each closed once it holds
+  ``cap_mb`` (the first of each dtype once it holds ``first_cap_mb``, so the first reduction
+  starts early). Each bucket is one flat buffer and every parameter's ``.grad`` is a view into
+  it, so backward accumulates in place and nothing is copied. The layout is a pure function of
+  the parameters (their order, local shapes and dtypes) and of :class:`Buckets`: every rank and
+  every joiner computes the same one, and :func:`agree` checks that with one tiny collective
+  when a group is built, so a rank whose model differs fails with a message instead of hanging
+  in a mismatched collective. It is never rebuilt behind the ranks' backs (DDP's bucket rebuild
+  after the first step is what torchft turns off for the same reason).
+- **Launched as they fill.** A post-accumulate-grad hook on each parameter counts its backward
+  passes; once every parameter of a bucket has had as many as the step has micro-batches (the
+  last micro-batch: the earlier ones only accumulate, as under DDP's ``no_sync``), the bucket is
+  ready. Ready buckets are launched strictly in layout order as async work, so every rank issues
+  the same collectives in the same order whatever order its hooks fire in.
+- **The control slots ride in the last bucket** (the loss sum, the sample count, the resize,
+  save and stop flags, the timing slots: :mod:`maitre.runtime.loop`). That bucket is held until
+  the script's body has returned and the slots are filled, then launched with every bucket
+  that did not fill (unused parameters, a share with no samples), in order; then each is waited
+  on, abandonably (:meth:`EpochGroup.wait`). Every rank still reads the same decisions out of
+  the same reduction at the same step. When the last bucket is not float32 or float64 the slots
+  get a float64 bucket of their own after it (a sample count must stay exact).
+- **A lost peer drops the step.** A launch that fails inside a hook is kept, never raised into
+  the script's backward, and surfaces as :class:`EpochLost` when the step finishes. Buffers an
+  abandoned reduction may still write into are never used again: :meth:`Reducer.renew` lays
+  fresh ones (the hooks stay; they always act on the current buffers).
+
+Parameters whose gradients do not come from autograd's accumulation (FSDP2's sharded
+parameters: its reduce-scatter writes them) fire no hook; their buckets are reduced when the
+step finishes, as before this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from maitre.runtime import replica as replicas
+from maitre.runtime.group import EpochGroup, EpochLost, first_line
+
+_MB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Buckets:
+    """How the step's gradients are bucketed and when the buckets are reduced."""
+
+    cap_mb: float = 25.0
+    """A bucket is closed once it holds this many MiB of gradients (DDP's ``bucket_cap_mb``).
+    ``math.inf``: one bucket per dtype (the whole model in one reduction)."""
+    first_cap_mb: float = 1.0
+    """The same for the first bucket of each dtype (DDP's first bucket is 1 MiB too): the
+    first reduction starts as soon as the last layers' gradients are there."""
+    overlap: bool = True
+    """Launch each bucket as soon as its gradients are final, while backward goes on. False:
+    every bucket is launched once backward has finished (for comparison; never faster)."""
+
+    def __post_init__(self) -> None:
+        for name in ("cap_mb", "first_cap_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or math.isnan(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of MiB (math.inf for one "
+                                 f"bucket per dtype), got {value!r}")
+
+
+def plan(params: Sequence[torch.Tensor], cfg: Buckets) -> list[tuple[int, ...]]:
+    """The buckets as tuples of indices into ``params``, in launch order (see the module
+    docstring): reverse parameter order, one dtype per bucket, closed at the cap."""
+    open_: dict[torch.dtype, list[int]] = {}
+    filled: dict[torch.dtype, int] = {}
+    closed_before: set[torch.dtype] = set()
+    out: list[tuple[int, ...]] = []
+    for i in reversed(range(len(params))):
+        local = replicas.local_tensor(params[i])
+        dtype = local.dtype
+        bucket = open_.setdefault(dtype, [])
+        bucket.append(i)
+        filled[dtype] = filled.get(dtype, 0) + local.numel() * local.element_size()
+        cap = cfg.cap_mb if dtype in closed_before else cfg.first_cap_mb
+        if filled[dtype] >= cap * _MB:
+            out.append(tuple(bucket))
+            bucket.clear()
+            filled[dtype] = 0
+            closed_before.add(dtype)
+    out.extend(tuple(b) for b in open_.values() if b)  # dict order: first seen first
+    return out
+
+
+def fingerprint(params: Sequence[torch.Tensor], buckets: Sequence[tuple[int, ...]],
+                slots: int) -> int:
+    """A 62-bit digest of what every rank must agree on: each parameter's local shape and
+    dtype, the buckets and the number of control slots."""
+    text = repr(([(tuple(replicas.local_tensor(p).shape), str(replicas.local_tensor(p).dtype)) for p in params],
+                 [list(b) for b in buckets], slots))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
+
+
+def agree(group: "EpochGroup", digest: int) -> None:
+    """Check with one collective that every member of ``group`` laid out the same buckets;
+    a ``RuntimeError`` on every member if not (their models or settings differ)."""
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=group.device)
+    group.allreduce(both, dist.ReduceOp.MAX)
+    if int(both[0]) != -int(both[1]):
+        raise RuntimeError(
+            "the ranks' gradient buckets differ: every rank must build the same model (the same "
+            "parameters, in the same order, shapes and dtypes) with the same bucket settings "
+            "and straggler policy before it builds the ElasticLoop")
+
+
+class Reducer:
+    """The step's gradient buffers and their reduction (see the module docstring).
+
+    Args:
+        model: checked at every step: its trainable parameters must stay the ones laid out.
+        params: the model's trainable parameters, in ``model.parameters()`` order.
+        cfg: the bucket settings.
+        control: how many control slots ride in the last bucket.
+    """
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: Buckets,
+                 control: int) -> None:
+        self.model = model
+        self.params = params
+        self.cfg = cfg
+        self.layout = plan(params, cfg)
+        self._shapes = [(p.shape, p.dtype) for p in params]
+        self._bucket_of = [0] * len(params)
+        for b, members in enumerate(self.layout):
+            for i in members:
+                self._bucket_of[i] = b
+        last_dtype = replicas.local_tensor(params[self.layout[-1][0]]).dtype
+        self._own_control = last_dtype not in (torch.float32, torch.float64)
+        """The control slots get a float64 bucket of their own after the last one."""
+        self._control = control
+        self.slots = 0
+        self._flats: list[torch.Tensor] = []
+        self._views: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
+        self._numels: list[int] = []
+        self.control = torch.zeros(0)
+        # per step
+        self._passes = 0
+        self._counts = [0] * len(params)
+        self._missing: list[int] = []
+        self._launched = 0
+        self._works: list[Any] = []
+        self._group: EpochGroup | None = None
+        self._failed: BaseException | None = None
+        self.renew(0)
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
+                         for i, p in enumerate(params)]
+
+    def digest(self) -> int:
+        """What :func:`agree` compares across the ranks (:func:`fingerprint`)."""
+        return fingerprint(self.params, self.layout, self._control + self.slots)
+
+    # -- buffers ---------------------------------------------------------------------------
+    def renew(self, slots: int | None = None) -> None:
+        """Lay fresh buffers (with ``slots`` timing slots after the control slots, if given):
+        an abandoned reduction may still write into the old ones."""
+        if slots is not None:
+            self.slots = slots
+        extra = self._control + self.slots
+        device = replicas.local_tensor(self.params[0]).device
+        self._flats, self._views, self._numels = [], [], []
+        for b, members in enumerate(self.layout):
+            dtype = replicas.local_tensor(self.params[members[0]]).dtype
+            numel = sum(replicas.local_tensor(self.params[i]).numel() for i in members)
+            carries = b == len(self.layout) - 1 and not self._own_control
+            flat = torch.zeros(numel + (extra if carries else 0), dtype=dtype, device=device)
+            views, offset = [], 0
+            for i in members:
+                p, local = self.params[i], replicas.local_tensor(self.params[i])
+                views.append((p, _grad_view(p, flat[offset:offset + local.numel()]
+                                           .view_as(local))))
+                offset += local.numel()
+            self._flats.append(flat)
+            self._views.append(views)
+            self._numels.append(numel)
+        if self._own_control:
+            self._flats.append(torch.zeros(extra, dtype=torch.float64, device=device))
+            self._views.append([])
+            self._numels.append(0)
+        self.control = self._flats[-1][self._numels[-1]:]
+        self._group = None
+
+    def zero(self) -> None:
+        """Zero every buffer and point each parameter's ``.grad`` at its view."""
+        for flat, views in zip(self._flats, self._views):
+            flat.zero_()
+            for p, view in views:
+                p.grad = view
+
+    def grads(self) -> list[torch.Tensor]:
+        """The gradient part of each bucket's buffer (not the control slots)."""
+        return [flat[:numel] for flat, numel in zip(self._flats, self._numels) if numel]
+
+    def scale(self, factor: float) -> None:
+        for g in self.grads():
+            g.mul_(factor)
+
+    def scatter(self, factor: float) -> None:
+        """Multiply the reduced gradients by ``factor`` and hand them to the parameters."""
+        self.scale(factor)
+        for views in self._views:
+            for p, view in views:
+                p.grad = view
+
+    # -- the step --------------------------------------------------------------------------
+    def begin(self, passes: int, group: EpochGroup | None) -> None:
+        """A step starts: zero the buffers; with ``group``, launch each bucket on it as soon as
+        ``passes`` backward passes (the step's micro-batches) have made its gradients final."""
+        self.check_model()
+        self.zero()
+        self._passes = passes
+        self._counts = [0] * len(self.params)
+        self._missing = [len(m) for m in self.layout]
+        self._launched = 0
+        self._works = []
+        self._failed = None
+        self._group = group if self.cfg.overlap else None
+
+    def finish(self, group: EpochGroup | None) -> None:
+        """Launch every bucket not launched yet, the control slots' last, in layout order, and
+        wait for all of them (:class:`EpochLost` if a peer failed or the epoch was closed).
+        Without a group (one process alone) only the gradients are gathered."""
+        self._group = None  # the hooks launch nothing more
+        try:
+            self.check_model()
+            if self._failed is not None:
+                raise EpochLost(f"peer failed: {first_line(self._failed)}", time.monotonic())
+            while self._launched < len(self._flats):
+                self._launch(self._launched, group)
+            if group is not None:
+                for work in self._works:
+                    group.wait(work)
+        finally:
+            self._works = []
+
+    def check_model(self) -> None:
+        """The model's trainable parameters are still the ones the buckets were laid out for."""
+        now = [p for p in self.model.parameters() if p.requires_grad]
+        if len(now) != len(self.params) or any(a is not b for a, b in zip(now, self.params)):
+            raise RuntimeError(
+                f"the model's trainable parameters changed after the ElasticLoop was built "
+                f"({len(self.params)} then, {len(now)} now): add or freeze parameters before "
+                f"building the loop, so that every rank and every joiner lays out the same "
+                f"gradient buckets")
+        for i, (p, (shape, dtype)) in enumerate(zip(self.params, self._shapes)):
+            if p.shape != shape or p.dtype != dtype:
+                raise RuntimeError(
+                    f"parameter {i} of the model changed from {tuple(shape)} {dtype} to "
+                    f"{tuple(p.shape)} {p.dtype} after the ElasticLoop was built: the gradient "
+                    f"buckets are laid out once, for the parameters as they were")
+
+    def close(self) -> None:
+        """Remove the hooks (the loop is over; the model may be trained by something else)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._group = None
+
+    # -- internals -------------------------------------------------------------------------
+    def _hook_for(self, i: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(i)
+        return hook
+
+    def _on_grad(self, i: int) -> None:
+        group = self._group
+        if group is None:  # not a step whose buckets launch early
+            return
+        b = self._bucket_of[i]
+        if b < self._launched:
+            self._group = None
+            raise RuntimeError(
+                f"a backward pass reached parameter {i} after its gradient bucket was reduced: "
+                f"a step runs one backward pass per micro-batch of batch.micro_batches "
+                f"({self._passes} this step), and leaves the gradients alone afterwards "
+                f"(clip or change them in on_reduced_grads)")
+        self._counts[i] += 1
+        if self._counts[i] != self._passes:
+            return
+        self._missing[b] -= 1
+        held = len(self._flats) - 1  # the control slots' bucket waits for the body's end
+        while self._launched < held and self._missing[self._launched] == 0:
+            try:
+                self._launch(self._launched, group)
+            except Exception as exc:  # never into the script's backward: finish() raises it
+                self._failed = exc
+                self._group = None
+                return
+
+    def _launch(self, b: int, group: EpochGroup | None) -> None:
+        for p, view in self._views[b]:  # a grad the script replaced or set to None
+            mine = replicas.local_tensor(view)
+            if p.grad is None:
+                mine.zero_()
+            elif replicas.local_tensor(p.grad).data_ptr() != mine.data_ptr():
+                mine.copy_(replicas.local_tensor(p.grad))
+            else:
+                continue
+            p.grad = view
+        self._launched = b + 1
+        if group is not None:
+            self._works.append(group.allreduce_async(self._flats[b]))
+
+
+def _grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """What ``p.grad`` is set to: ``view`` itself, or for a sharded parameter a DTensor over it
+    with ``p``'s placements (FSDP2 then accumulates its reduce-scattered shards into it in
+    place, micro-batch after micro-batch)."""
+    if not replicas.is_sharded(p):
+        return view
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
