@@ -2,7 +2,7 @@
 
     python benchmarks/control_plane.py [--sizes 16,64,256,1024] [--steady-s 25]
                                        [--before-sizes 16,32,64,256,1024] [--generators 2]
-                                       [--out benchmarks/results/control_plane.json]
+                                       [--smoke] [--out benchmarks/results/control_plane.json]
 
 The real coordinator (``CoordinatorServer`` over a ``ClusterState`` and a ``Store`` in a temporary
 directory, built as ``maitre up --nodes 0`` builds it) runs in a child process of its own, so its
@@ -38,7 +38,7 @@ The load generators' own lag is measured too (how late each beat is sent against
 and their CPU), so that a saturated generator is not mistaken for a slow coordinator. The
 before-coordinator is run at the ``--before-sizes`` it survives: a size where beats' p99 passes
 1 s, or where the cluster never fills in time, is recorded as not surviving and larger ones are
-skipped.
+skipped. ``--smoke``: 8 nodes (gangs of 32), a steady window of 1 s, no before-coordinator.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import parse, write_results
 
 HERE = Path(__file__).resolve().parent
 NEW_SRC = HERE.parent / "src"
@@ -742,9 +744,8 @@ def main() -> None:
                    help="sizes for the coordinator of 5913ed4 (stops at the first it fails)")
     p.add_argument("--steady-s", type=float, default=25.0)
     p.add_argument("--generators", type=int, default=2)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "control_plane.json")
     p.add_argument("--serve", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse(p, "control_plane", smoke={"sizes": "8", "before_sizes": "", "steady_s": 1.0})
     if args.serve:
         serve_coordinator(args.serve)
         return
@@ -782,9 +783,7 @@ def main() -> None:
             verdict = "not measured" if ok is None else ("met" if ok else "NOT met")
             print(f"target at 1,024 nodes: {key} <= {TARGETS[key]:g}: {verdict} "
                   f"({fmt(big.get(key))})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

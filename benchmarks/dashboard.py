@@ -1,20 +1,23 @@
 """Dashboard benchmark: the page's load with 1,000 nodes and 10,000 events, and how soon a live
 change shows in it.
 
-    python benchmarks/dashboard.py [--repeats 5] [--out benchmarks/results/dashboard.json]
+    python benchmarks/dashboard.py [--repeats 5] [--nodes 1000] [--events 10000] [--jobs 3000]
+                                   [--changes 40] [--smoke]
+                                   [--out benchmarks/results/dashboard.json]
 
-- **Load**: a simulation of the Philly trace on 1,000 nodes x 8 GPUs, 50 of them spot, cut
-  to its first 10,000 events (1,001 of them the nodes and prices), replayed by ``maitre
-  dashboard``'s server and opened in headless Chromium (Debian's, as in the tests): the time from
-  the navigation's start to the first complete render of each view (the page fetched the events,
-  built its model and drew), medians over ``--repeats`` fresh pages. Then the cost of a render
-  alone (moving to the view again).
-- **Live**: a coordinator, the page open on it, and 40 nodes registering 50 ms apart: from each
-  event's time on the coordinator's clock to the page's first render that shows it (median and
-  worst). Same machine, same clock.
+- **Load**: a simulation of the Philly trace (its first 3,000 jobs, ``--jobs``) on 1,000 nodes
+  x 8 GPUs, 50 of them spot, cut to its first 10,000 events (1,001 of them the nodes and
+  prices), replayed by ``maitre dashboard``'s server and opened in headless Chromium (Debian's,
+  as in the tests): the time from the navigation's start to the first complete render of each
+  view (the page fetched the events, built its model and drew), medians over ``--repeats`` fresh
+  pages. Then the cost of a render alone (moving to the view again).
+- **Live**: a coordinator, the page open on it, and 40 nodes (``--changes``) registering 50 ms
+  apart: from each event's time on the coordinator's clock to the page's first render that shows
+  it (median and worst). Same machine, same clock.
 
 Target (issue 14): a page load under 1 s with 1,000 nodes and 10,000 events; a live change in the
-page within 1 s of the coordinator's event.
+page within 1 s of the coordinator's event. ``--smoke``: 20 nodes, 50 jobs, 400 events, one page
+a view, 3 live changes.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from _results import parse, write_results  # noqa: E402
 from browser import ARGS, CHROMIUM  # noqa: E402
 from maitre.control.api import CoordinatorServer  # noqa: E402
 from maitre.control.cluster import ClusterState  # noqa: E402
@@ -42,9 +46,10 @@ VIEWS = ["scaling", "rendezvous", "checkpoints", "spot"]
 TOKEN = "benchmark"
 
 
-def big_log(out: Path, nodes: int, events: int) -> tuple[Path, dict[str, int]]:
+def big_log(out: Path, nodes: int, events: int, jobs: int = 3000
+            ) -> tuple[Path, dict[str, int]]:
     opts = sim_run.SimOptions(workload="philly", policies=["maitre"], cluster=(nodes, 8),
-                              spot=0.05, spot_life_h=48.0, limit=3000, plots=False)
+                              spot=0.05, spot_life_h=48.0, limit=jobs, plots=False)
     sim_run.main(opts, out / "sim", progress=False)
     lines = (out / "sim" / "events-maitre.jsonl").read_text().splitlines()[:events]
     path = out / "events.jsonl"
@@ -109,15 +114,17 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--events", type=int, default=10_000)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "dashboard.json")
-    args = p.parse_args()
+    p.add_argument("--jobs", type=int, default=3000, help="the Philly trace's first JOBS jobs")
+    p.add_argument("--changes", type=int, default=40, help="nodes registering, for the live part")
+    args = parse(p, "dashboard", smoke={"repeats": 1, "nodes": 20, "events": 400, "jobs": 50,
+                                         "changes": 3})
     if CHROMIUM is None:
         sys.exit("benchmarks/dashboard.py needs chromium (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
 
     tmp = Path(tempfile.mkdtemp(prefix="maitre-dashboard-bench-"))
     try:
-        path, kinds = big_log(tmp, args.nodes, args.events)
+        path, kinds = big_log(tmp, args.nodes, args.events, args.jobs)
         total = sum(kinds.values())
         with ReplayServer(path, TOKEN) as srv, sync_playwright() as pw:
             chromium = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
@@ -128,7 +135,7 @@ def main() -> None:
                 warm.wait_for_function("window.__maitre && window.__maitre.ready")
                 warm.close()
                 loads = load_times(browser, srv.url, args.repeats)
-                live = live_latency(browser, tmp)
+                live = live_latency(browser, tmp, args.changes)
             finally:
                 chromium.close()
         size = path.stat().st_size
@@ -147,9 +154,7 @@ def main() -> None:
               f"{v['render_s']:>7.3f}s")
     print(f"live: {live['changes']} changes, median {live['median_s'] * 1000:.0f} ms, "
           f"worst {live['worst_s'] * 1000:.0f} ms from the coordinator's event to the page")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ evict}``: how fast it trains before the straggler is found, between the verdict 
 replacement's first step, and after, against the same world size on nodes never slow.
 
     python benchmarks/eviction.py [--steps 400] [--factor 2.0] [--ms-per-sample 4] [--ratio R]
-                                  [--out benchmarks/results/eviction.json]
+                                  [--reps 3] [--smoke] [--out benchmarks/results/eviction.json]
 
 Pairs of runs, ``--reps`` (3), each a slow run then its reference (a local cluster, ``maitre
 up``'s, of single-slot nodes on this machine); the medians over the pairs, each pair's numbers
@@ -24,7 +24,8 @@ after that to the end, ``throughput_reference`` over the reference run's same st
 5%, i.e. at least 95). Raw numbers come along: the steps of each phase, ``detect_steps`` (from
 the first step to the verdict's), ``evict_to_join_s``.
 
-Imported by ``benchmarks/stragglers.py`` (``measure(**opts) -> dict``). Nothing is downloaded.
+Imported by ``benchmarks/stragglers.py`` (``measure(**opts) -> dict``; ``SMOKE``: its
+``--smoke``). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from _results import parse, write_results  # noqa: E402
 from maitre import protocol  # noqa: E402
 from maitre.agent.health import HealthConfig  # noqa: E402
 from maitre.local import LocalCluster, UpConfig  # noqa: E402
@@ -51,6 +53,9 @@ EXAMPLE = HERE.parent / "examples" / "train.py"
 TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
         "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000"]
 SKIP_START, SKIP_AFTER = 5, 10
+SMOKE = {"steps": 60, "reps": 1}
+""":func:`measure`'s arguments for ``--smoke`` (here and in ``benchmarks/stragglers.py``): one
+pair, long enough for the verdict (15 steps of windows), the replacement and 10 steps after."""
 
 
 def step_times(ledger: Path) -> dict[int, float]:
@@ -218,17 +223,14 @@ def main() -> int:
     parser.add_argument("--ratio", type=float, help="the detector's ratio (stragglers.ratio; "
                         "default the manifest's, 1.3)")
     parser.add_argument("--reps", type=int, default=3, help="pairs of runs (default 3)")
-    parser.add_argument("--out", type=Path, help="write the numbers as JSON here")
-    args = parser.parse_args()
+    args = parse(parser, "eviction", smoke=SMOKE)
     result = measure(steps=args.steps, factor=args.factor, ms_per_sample=args.ms_per_sample,
                      stragglers={"ratio": args.ratio} if args.ratio else None, reps=args.reps)
     width = max(len(k) for k in result)
     for k, v in result.items():
         if k != "pairs":  # (in the JSON)
             print(f"{k:<{width}}  {v}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result, smoke=args.smoke)
     return 0
 
 

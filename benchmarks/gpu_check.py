@@ -1,91 +1,369 @@
-"""NCCL checks for a GPU machine (run by hand where one is available; never by the test suite).
+"""GPU figures: one prepared script for a machine with one CUDA device (about 5 minutes on an H200).
 
-    PYTHONPATH=src python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py                  # writes benchmarks/results/gpu.json
+    python benchmarks/gpu_check.py --parts overhead,checkpoint --out /tmp/gpu.json
 
-1. An epoch group over NCCL: build, allreduce on the GPU, retire (abort), build the next epoch's
-   group on a fresh prefix, allreduce again; prints the times.
-2. A hung NCCL collective: rank 1 of a 2-rank group never shows up. The wait must end when the
-   epoch is closed and the communicator must be aborted, never waited on. Runs in a subprocess
-   with a deadline so a real hang is reported, not suffered.
-3. ``maitre run`` of the example with ``--device cuda`` (one worker, NCCL through the loop).
+Never run by the test suite (no GPU there); tests/test_benchmarks.py checks only that it parses
+its arguments. Each part runs in a process of its own, with a deadline, and the JSON is written
+after every part, so a part that fails or hangs costs only itself. The parts:
+
+1. ``overhead``: the loop's hooks and gradient buckets at world size 1, against plain training
+   of the same model (a bf16 decoder of ~0.8 B parameters, AdamW): ``plain`` (forward, backward,
+   ``optimizer.step()``), torch ``ddp`` over a one-rank NCCL group, ``maitre`` (``ElasticLoop``
+   under torchrun's variables, a one-rank NCCL group: every bucket is launched from the hooks
+   and reduced) and ``maitre-alone`` (no group: the hooks count, nothing is reduced). Target:
+   ``maitre`` within 1% of ``plain``.
+2. ``checkpoint``: the blocking time of a save of a ~10 GB state (model and AdamW moments on
+   the GPU) into maitre's reused pinned host buffer, against the floor: one device-to-pinned
+   copy of as many bytes. Target: at most 1.1x the floor. The persist time (write, fsync,
+   rename) is reported beside it; it runs in the background.
+3. ``llm``: ``examples/train_llm.py`` in bf16 on the GPU (FSDP2 over a one-process replica, as
+   the script runs alone), at a size that fills the GPU reasonably: tokens per second.
+4. ``nccl``: an epoch group over NCCL built, used, retired (aborted) and built again on a fresh
+   prefix; and a hung NCCL group (rank 1 never comes) whose wait ends when its epoch is closed.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _results import ROOT, parse, write_results  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
-
-from maitre.runtime.group import EpochGroup, EpochLost  # noqa: E402
-
-
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=30))
+PARTS = ("overhead", "checkpoint", "llm", "nccl")
+VARIANTS = ("plain", "ddp", "maitre", "maitre-alone")
+GB = 1e9
 
 
-def rebuild() -> None:
-    s = store()
+# -- 1. overhead ---------------------------------------------------------------------------------
+def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: int,
+             steps: int) -> dict[str, Any]:
+    """One variant's median step time (run in a process of its own)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    vocab = 32000
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(vocab, dim)
+            layer = nn.TransformerEncoderLayer(dim, dim // 128, 4 * dim, dropout=0.0,
+                                               activation="gelu", batch_first=True,
+                                               norm_first=True)
+            self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(dim, vocab, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.blocks(self.embed(x)))
+
+    model = Decoder().to(device)
+    params = sum(p.numel() for p in model.parameters())
+    tokens = torch.randint(0, vocab, (4 * batch, seq + 1), device=device,
+                           generator=torch.Generator(device).manual_seed(1))
+
+    def loss_of(net: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+        chunk = tokens[rows]
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = net(chunk[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, vocab), chunk[:, 1:].reshape(-1),
+                               reduction="sum") / seq
+
+    times: list[float] = []
+    last = [time.perf_counter()]
+
+    def tick() -> None:
+        now = time.perf_counter()
+        times.append(now - last[0])
+        last[0] = now
+
+    total = warmup + steps
+    if variant.startswith("maitre"):
+        import maitre
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(4 * batch, batch))
+        for b in loop.run(max_steps=total):
+            tick()
+            for idx in b.micro_batches:
+                b.backward(loss_of(model, torch.tensor(idx, device=device)))
+        tick()
+    else:
+        net: nn.Module = model
+        if variant == "ddp":
+            import torch.distributed as dist
+            dist.init_process_group("nccl")
+            net = nn.parallel.DistributedDataParallel(model, device_ids=[0])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for step in range(total + 1):
+            tick()
+            if step == total:
+                break
+            opt.zero_grad(set_to_none=True)
+            rows = torch.arange(batch, device=device) + (step % 4) * batch
+            loss = loss_of(net, rows)
+            loss.backward()
+            float(loss)  # the loop reads the loss: a host sync a step, as here
+            opt.step()
+        if variant == "ddp":
+            torch.distributed.destroy_process_group()
+    timed = times[1:][warmup:]
+    return {"step_s": statistics.median(timed), "steps_s": timed, "params": params,
+            "tokens_per_step": batch * seq}
+
+
+# -- 2. checkpoint -------------------------------------------------------------------------------
+def checkpoint(size_gb: float, saves: int) -> dict[str, Any]:
+    import torch
+
+    from maitre.checkpoint import CheckpointConfig
+    from maitre.checkpoint.checkpointer import Checkpointer
+    from maitre.runtime.state import TrainState
+
+    dim = 8192
+    layers = max(1, round(size_gb * GB / (3 * 4 * dim * (dim + 1))))
+    torch.manual_seed(0)
+    device = torch.device("cuda", 0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(layers))).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    state = TrainState(model=model, optimizer=opt)
+    nbytes = sum(t.numel() * t.element_size() for t in
+                 [*model.parameters(), *(v for s in opt.state.values() for v in s.values()
+                                         if isinstance(v, torch.Tensor))])
+    torch.cuda.synchronize()
+    floor_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    floor_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    floors = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        floor_dst.copy_(floor_src)
+        torch.cuda.synchronize()
+        floors.append(time.perf_counter() - start)
+    del floor_src, floor_dst
+    blocks, persists = [], []
+    with tempfile.TemporaryDirectory(prefix="maitre-gpu-ckpt-") as tmp:
+        ck = Checkpointer(CheckpointConfig(directory=Path(tmp), keep=1))
+        ck.prepare(state.state_dict, rank=0, world_size=1)  # the pinned buffer, off the path
+        ck.wait()
+        for i in range(saves + 1):  # the first one is not counted
+            state.step = i + 1
+            blocked = ck.save(state.state_dict, step=state.step, rank=0, world_size=1,
+                              token=i + 1)
+            result = ck.wait()[-1]
+            if result.error:
+                raise RuntimeError(f"save {i + 1} failed: {result.error}")
+            if i:
+                blocks.append(blocked)
+                persists.append(result.persist_s)
+        ck.close()
+    floor = min(floors)
+    block = statistics.median(blocks)
+    return {"state_bytes": nbytes, "floor_s": floor, "floor_gb_per_s": nbytes / floor / GB,
+            "block_s": block, "blocks_s": blocks, "ratio_to_floor": block / floor,
+            "persist_s": statistics.median(persists)}
+
+
+# -- 3. llm --------------------------------------------------------------------------------------
+def llm(args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--device", "cuda",
+           "--precision", "bf16", "--d-model", str(args.llm_dim), "--layers",
+           str(args.llm_layers), "--heads", str(args.llm_dim // 128), "--block", "1024",
+           "--global-batch", "32", "--micro-batch", "8", "--steps", str(args.llm_steps),
+           "--log-every", "10", "--clip", "1.0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout_s,
+                          env=_env(), cwd=ROOT)
+    m = re.search(r"([\d.]+) tokens/s", done.stdout)
+    if done.returncode != 0 or m is None:
+        raise RuntimeError(f"exit {done.returncode}: {done.stdout[-1500:]}{done.stderr[-2500:]}")
+    return {"tokens_per_s": float(m.group(1)), "command": " ".join(cmd[1:]),
+            "output": done.stdout[-1500:]}
+
+
+# -- 4. nccl -------------------------------------------------------------------------------------
+def nccl_rebuild() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from maitre.runtime.group import EpochGroup
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
     dev = torch.device("cuda", 0)
+    out = {}
     for epoch in (1, 2):
         t0 = time.perf_counter()
-        g = EpochGroup.create(s, f"job/x/e{epoch}/", 0, 1, dev, lambda: None)
+        g = EpochGroup.create(store, f"job/x/e{epoch}/", 0, 1, dev, lambda: None)
         t = torch.ones(1 << 20, device=dev)
         g.allreduce(t)
         torch.cuda.synchronize()
         t1 = time.perf_counter()
         g.retire()
-        t2 = time.perf_counter()  # abort runs in the background
-        print(f"epoch {epoch}: group + first allreduce {1000 * (t1 - t0):.1f} ms, "
-              f"retire (abort) {1000 * (t2 - t1):.1f} ms, value {t[0].item()}", flush=True)
+        out[f"epoch{epoch}_build_and_allreduce_s"] = t1 - t0
+        out[f"epoch{epoch}_retire_s"] = time.perf_counter() - t1  # the abort: in the background
+    return out
 
 
-def hung() -> None:
-    s = store()
+def nccl_hung() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from maitre.runtime.group import EpochGroup, EpochLost
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=30))
     dev = torch.device("cuda", 0)
     closed_at = time.monotonic() + 2.0
     t0 = time.monotonic()
-    try:  # the communicator is created eagerly while the group is built: that wait is abandoned
-        g = EpochGroup.create(s, "job/x/e9/", 0, 2, dev,
+    try:  # the communicator is built eagerly with the group: that wait is what is abandoned
+        g = EpochGroup.create(store, "job/x/e9/", 0, 2, dev,
                               lambda: "closed" if time.monotonic() > closed_at else None)
-        print(f"hung: group built after {time.monotonic() - t0:.2f}s (unexpected)", flush=True)
         g.allreduce(torch.ones(4, device=dev))
-        print("hung: allreduce returned (unexpected)")
+        return {"abandoned": False, "note": "the group of 2 was built with 1 member"}
     except EpochLost as exc:
-        print(f"hung: EpochLost after {time.monotonic() - t0:.2f}s: {exc.reason}", flush=True)
-    print("hung: process goes on (the abandoned build is left to its thread)", flush=True)
+        return {"abandoned": True, "after_s": time.monotonic() - t0, "reason": exc.reason,
+                "closed_after_s": 2.0}
+
+
+# -- the driver ----------------------------------------------------------------------------------
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def in_process(name: str, kwargs: dict[str, Any], timeout_s: float,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``name(**kwargs)`` in a fresh process of this script, with a deadline."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--child", name, "--kwargs", json.dumps(kwargs),
+               "--result", f.name]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                                  env=env or _env(), cwd=ROOT)
+        except subprocess.TimeoutExpired:
+            return {"error": f"no result within {timeout_s:.0f} s"}
+        text = Path(f.name).read_text()
+        if done.returncode != 0 or not text:
+            return {"error": f"exit {done.returncode}: {done.stderr[-2500:]}"}
+        return json.loads(text)
+
+
+def child() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--child", required=True)
+    p.add_argument("--kwargs", required=True)
+    p.add_argument("--result", required=True)
+    a = p.parse_args()
+    fns: dict[str, Callable[..., dict[str, Any]]] = {
+        "overhead": overhead, "checkpoint": checkpoint, "nccl_rebuild": nccl_rebuild,
+        "nccl_hung": nccl_hung}
+    result = fns[a.child](**json.loads(a.kwargs))
+    Path(a.result).write_text(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)  # an abandoned NCCL build still waits on its thread
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "hung":
-        hung()
-        sys.stdout.flush()
-        import os
-        os._exit(0)  # the abandoned NCCL init still waits on its thread
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
-          f"NCCL {torch.cuda.nccl.version()}", flush=True)
-    rebuild()
-    try:
-        env = {**__import__("os").environ, "TORCH_NCCL_USE_COMM_NONBLOCKING": "1"}
-        out = subprocess.run([sys.executable, __file__, "hung"], capture_output=True, text=True,
-                             timeout=60, env=env)
-        print(out.stdout + out.stderr[-1500:], flush=True)
-    except subprocess.TimeoutExpired as exc:
-        print(f"hung: STILL HUNG after 60 s (the wait or the abort blocked): "
-              f"{(exc.stdout or b'')[-500:]!r}", flush=True)
-    run = subprocess.run([sys.executable, "-m", "maitre.cli", "run", "--nnodes", "1",
-                          str(ROOT / "examples" / "train.py"), "--device", "cuda", "--steps", "60",
-                          "--log-every", "20"], capture_output=True, text=True, timeout=180,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT / "src")})
-    print(f"maitre run --device cuda: exit {run.returncode}\n{run.stdout[-2500:]}{run.stderr[-1500:]}")
+    if "--child" in sys.argv:
+        child()
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    p.add_argument("--dim", type=int, default=2048, help="overhead: the decoder's width")
+    p.add_argument("--layers", type=int, default=16, help="overhead: its layers")
+    p.add_argument("--batch", type=int, default=8, help="overhead: sequences a step")
+    p.add_argument("--seq", type=int, default=1024, help="overhead: tokens a sequence")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--checkpoint-gb", type=float, default=10.0)
+    p.add_argument("--saves", type=int, default=2, help="timed saves (after a first one)")
+    p.add_argument("--llm-dim", type=int, default=2048)
+    p.add_argument("--llm-layers", type=int, default=16)
+    p.add_argument("--llm-steps", type=int, default=25)
+    p.add_argument("--part-timeout-s", type=float, default=150.0)
+    args = parse(p, "gpu", {"dim": 256, "layers": 2, "batch": 2, "seq": 64, "warmup": 1,
+                            "steps": 2, "checkpoint_gb": 0.05, "saves": 1, "llm_dim": 256,
+                            "llm_layers": 2, "llm_steps": 8})
+    parts = args.parts.split(",")
+    if unknown := [x for x in parts if x not in PARTS]:
+        p.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
+    import torch
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device here (this script is for a GPU machine)")
+    doc: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "figures": "GPU, one device"}
+
+    def save() -> None:
+        write_results(args.out, doc, smoke=args.smoke)
+
+    started = time.monotonic()
+    if "overhead" in parts:
+        kw = {"dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
+              "warmup": args.warmup, "steps": args.steps}
+        rows: dict[str, Any] = {}
+        for variant in VARIANTS:
+            env = _env()
+            if variant in ("ddp", "maitre"):  # a one-rank group, as torchrun would set it up
+                env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            rows[variant] = in_process("overhead", {"variant": variant, **kw},
+                                       args.part_timeout_s, env)
+            print(f"overhead {variant}: {rows[variant].get('step_s', rows[variant])}",
+                  flush=True)
+        plain = rows["plain"].get("step_s")
+        for variant, row in rows.items():
+            if plain and "step_s" in row:
+                row["ratio_to_plain"] = row["step_s"] / plain
+        doc["overhead"] = rows
+        save()
+    if "checkpoint" in parts:
+        doc["checkpoint"] = in_process("checkpoint", {"size_gb": args.checkpoint_gb,
+                                                      "saves": args.saves},
+                                       2 * args.part_timeout_s)
+        print(f"checkpoint: {doc['checkpoint']}", flush=True)
+        save()
+    if "llm" in parts:
+        try:
+            doc["llm"] = llm(args)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            doc["llm"] = {"error": str(exc)[-3000:]}
+        print(f"llm: {doc['llm'].get('tokens_per_s', doc['llm'])}", flush=True)
+        save()
+    if "nccl" in parts:
+        doc["nccl"] = {"rebuild": in_process("nccl_rebuild", {}, 60),
+                       "hung": in_process("nccl_hung", {}, 60,
+                                          _env(TORCH_NCCL_USE_COMM_NONBLOCKING="1"))}
+        print(f"nccl: {doc['nccl']}", flush=True)
+    doc["wall_s"] = time.monotonic() - started
+    save()
 
 
 if __name__ == "__main__":

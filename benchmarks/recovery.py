@@ -1,10 +1,13 @@
 """Recovery benchmark: maitre against torchrun, same model, same machine, one run.
 
-    python benchmarks/recovery.py [--reps 3] [--out benchmarks/results/recovery.json]
+    python benchmarks/recovery.py [--reps 3] [--steady-steps 300] [--settle 30] [--workers 3]
+                                  [--smoke] [--out benchmarks/results/recovery.json]
 
-Measured, each a median over ``--reps`` repetitions:
+Measured, each a median over ``--reps`` repetitions (the job trains ``--settle`` steps before
+each fault or join):
 
-* ``crash_to_step_s``: SIGKILL of one worker (of 3) to the next completed step of the job;
+* ``crash_to_step_s``: SIGKILL of one worker (of 3, ``--workers``) to the next completed step of
+  the job;
 * ``hang_to_step_s`` (maitre): SIGSTOP of one worker to the next completed step, default settings;
 * ``join_pause_s``: how long the running workers stop when a third worker joins (the gap between
   the last step before the join and the first step after it, less one ordinary step);
@@ -15,7 +18,9 @@ Measured, each a median over ``--reps`` repetitions:
 
 Step times come from the data ledger (commit time of every step) that both maitre and the
 ElasticLoop under torchrun write. torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
-without which its restarts hang in torch 2.13 (pytorch#135712).
+without which its restarts hang in torch 2.13 (pytorch#135712), and waits ``last_call_timeout``
+(its default, 30 s; ``--smoke``: 1 s) for more agents before a job of 2:3 agents first starts.
+``--smoke``: 2 workers (joins from 1 to 2), 3 steps between faults, one of each.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -37,6 +43,7 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from _results import parse, write_results  # noqa: E402
 from maitre.launch import Run, RunConfig  # noqa: E402
 
 WORKLOAD = HERE / "workload.py"
@@ -99,13 +106,14 @@ def wait_for(run: Run, pred: Callable[[dict], bool], timeout_s: float = 120.0) -
     raise TimeoutError("the job did not reach the expected state")
 
 
-def maitre_faults(sig: signal.Signals, reps: int, work: Path) -> list[tuple[float, int]]:
-    run = maitre_run(work, nodes=3, max_nodes=3, steps=100_000)
+def maitre_faults(sig: signal.Signals, reps: int, work: Path, settle: int = 30,
+                  workers: int = 3) -> list[tuple[float, int]]:
+    run = maitre_run(work, nodes=workers, max_nodes=workers, steps=100_000)
     faults = []
     try:
         for _ in range(reps):
-            job = wait_for(run, lambda j: len(j["members"]) == 3)
-            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
+            job = wait_for(run, lambda j: len(j["members"]) == workers)
+            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + settle)
             victim = random.Random(len(faults)).choice(job["members"][1:])
             pid = run.pid_of(victim)
             t = time.time()
@@ -120,21 +128,21 @@ def maitre_faults(sig: signal.Signals, reps: int, work: Path) -> list[tuple[floa
     return [after_failure(cs, t, lambda c, e=e: c["epoch"] > e) for t, e in faults]
 
 
-def maitre_joins(reps: int, work: Path) -> list[float]:
-    run = maitre_run(work, nodes=2, max_nodes=3, steps=100_000)
+def maitre_joins(reps: int, work: Path, settle: int = 30, workers: int = 3) -> list[float]:
+    run = maitre_run(work, nodes=workers - 1, max_nodes=workers, steps=100_000)
     epochs = []
     try:
-        run.coordinator.scale("job", 2)
+        run.coordinator.scale("job", workers - 1)
         for i in range(reps):
-            job = wait_for(run, lambda j: len(j["members"]) == 2)
-            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
-            run.coordinator.scale("job", 3)  # room for a third worker
+            job = wait_for(run, lambda j: len(j["members"]) == workers - 1)
+            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + settle)
+            run.coordinator.scale("job", workers)  # room for one more worker
             if i == 0:
                 run.add_node()  # a node with a free slot; later rounds reuse the freed slot
-            job = wait_for(run, lambda j: len(j["members"]) == 3, timeout_s=180)
+            job = wait_for(run, lambda j: len(j["members"]) == workers, timeout_s=180)
             epochs.append(job["epoch"])
-            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + 30)
-            run.coordinator.scale("job", 2)
+            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + settle)
+            run.coordinator.scale("job", workers - 1)
         time.sleep(0.5)
     finally:
         run.shutdown()
@@ -179,11 +187,12 @@ class Torchrun:
     """torchrun agents on one machine, each a node of one c10d rendezvous."""
 
     def __init__(self, work: Path, nnodes: str, steps: int, plain: bool = False,
-                 standalone_nproc: int = 0) -> None:
+                 standalone_nproc: int = 0, last_call_s: int = 30) -> None:
         self.work = work
         self.port = free_port()
         self.nnodes, self.steps, self.plain = nnodes, steps, plain
         self.standalone_nproc = standalone_nproc
+        self.last_call_s = last_call_s
         self.agents: list[subprocess.Popen[bytes]] = []
 
     def add_agent(self) -> None:
@@ -192,7 +201,8 @@ class Torchrun:
         else:
             rdzv = ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench",
-                    "--max-restarts", "100", "--monitor-interval", "0.1"]
+                    "--max-restarts", "100", "--monitor-interval", "0.1",
+                    "--rdzv-conf", f"last_call_timeout={self.last_call_s}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, str(WORKLOAD),
                "--steps", str(self.steps), "--run-dir", str(self.work)]
         cmd += ["--plain"] if self.plain else ["--ckpt-every", "10"]
@@ -237,38 +247,40 @@ class Torchrun:
                 a.wait()
 
 
-def torchrun_crashes(reps: int, work: Path) -> list[tuple[float, int]]:
-    tr = Torchrun(work, "3", 100_000)
+def torchrun_crashes(reps: int, work: Path, settle: int = 30, workers: int = 3
+                     ) -> list[tuple[float, int]]:
+    tr = Torchrun(work, str(workers), 100_000)
     faults = []
     try:
-        for _ in range(3):
+        for _ in range(workers):
             tr.add_agent()
-        tr.wait_steps(30)
+        tr.wait_steps(settle)
         for i in range(reps):
             t = time.time()
-            os.kill(tr.pid(1 + i % 2), signal.SIGKILL)
+            os.kill(tr.pid(1 + i % (workers - 1)), signal.SIGKILL)
             faults.append(t)
-            tr.wait_restart(t, 3)
-            tr.wait_steps(30)
+            tr.wait_restart(t, workers)
+            tr.wait_steps(settle)
     finally:
         tr.close()
     cs = commits(work / "ledger")
     return [after_failure(cs, t, lambda c, t=t: c["started"] > t) for t in faults]
 
 
-def torchrun_joins(reps: int, work: Path) -> list[float]:
+def torchrun_joins(reps: int, work: Path, settle: int = 30, workers: int = 3,
+                   last_call_s: int = 30) -> list[float]:
     pauses = []
     for i in range(reps):
         d = work / f"join{i}"
-        tr = Torchrun(d, "2:3", 100_000)
+        tr = Torchrun(d, f"{workers - 1}:{workers}", 100_000, last_call_s=last_call_s)
         try:
-            tr.add_agent()
-            tr.add_agent()
-            tr.wait_steps(30)
+            for _ in range(workers - 1):
+                tr.add_agent()
+            tr.wait_steps(settle)
             t = time.time()
             tr.add_agent()
-            tr.wait_restart(t, 3)
-            tr.wait_steps(10)
+            tr.wait_restart(t, workers)
+            tr.wait_steps(max(2, settle // 3))
         finally:
             tr.close()
         cs = commits(d / "ledger")
@@ -301,25 +313,47 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steady-steps", type=int, default=300)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "recovery.json")
+    p.add_argument("--settle", type=int, default=30,
+                   help="steps the job trains before each fault or join (default 30)")
+    p.add_argument("--workers", type=int, default=3,
+                   help="workers of the job a fault hits; joins go from one fewer (default 3)")
+    p.add_argument("--last-call-s", type=int, default=30,
+                   help="torchrun's last_call_timeout before a 2:3 job starts (default 30, "
+                   "torchrun's)")
     p.add_argument("--steady-only", action="store_true",
                    help="rerun only the steady-state pairs and update --out in place")
-    args = p.parse_args()
+    args = parse(p, "recovery", smoke={"reps": 1, "steady_steps": 20, "settle": 3, "workers": 2,
+                                       "last_call_s": 1})
+    if args.workers < 2:
+        p.error("--workers must be at least 2")
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-"))
-    med = statistics.median
+    try:
+        measure(args, work)
+    finally:
+        if args.smoke:  # (a full run keeps its work dir: the ledgers are its raw data)
+            shutil.rmtree(work, ignore_errors=True)
 
+
+def measure(args: argparse.Namespace, work: Path) -> None:
+    med = statistics.median
     stage = stager(work)
     print(f"recovery benchmark, {args.reps} repetitions, work dir {work}")
     if args.steady_only:
         result = json.loads(args.out.read_text())
+        # (the other rows keep the commit and date they were measured on)
+        result["measured_before_steady_rerun"] = result.pop("measured", None)
         steady(result, args.reps, args.steady_steps, stage)
-        report(result, args.out)
+        report(result, args.out, args.smoke)
         return
-    m_crash = stage("maitre-crash", lambda d: maitre_faults(signal.SIGKILL, args.reps, d))
-    m_hang = stage("maitre-hang", lambda d: maitre_faults(signal.SIGSTOP, args.reps, d))
-    m_join = stage("maitre-join", lambda d: maitre_joins(args.reps, d))
-    t_crash = stage("torchrun-crash", lambda d: torchrun_crashes(args.reps, d))
-    t_join = stage("torchrun-join", lambda d: torchrun_joins(args.reps, d))
+    reps, settle, workers = args.reps, args.settle, args.workers
+    m_crash = stage("maitre-crash",
+                    lambda d: maitre_faults(signal.SIGKILL, reps, d, settle, workers))
+    m_hang = stage("maitre-hang",
+                   lambda d: maitre_faults(signal.SIGSTOP, reps, d, settle, workers))
+    m_join = stage("maitre-join", lambda d: maitre_joins(reps, d, settle, workers))
+    t_crash = stage("torchrun-crash", lambda d: torchrun_crashes(reps, d, settle, workers))
+    t_join = stage("torchrun-join",
+                   lambda d: torchrun_joins(reps, d, settle, workers, args.last_call_s))
     result = {
         "maitre": {"crash_to_step_s": med(x for x, _ in m_crash),
                    "hang_to_step_s": med(x for x, _ in m_hang),
@@ -330,10 +364,10 @@ def main() -> None:
                      "steps_lost": med(n for _, n in t_crash)},
         "raw": {"maitre_crash": m_crash, "maitre_hang": m_hang, "maitre_join": m_join,
                 "torchrun_crash": t_crash, "torchrun_join": t_join},
-        "reps": args.reps, "machine": f"{os.cpu_count()} CPUs",
+        "reps": args.reps, "workers": workers, "machine": f"{os.cpu_count()} CPUs",
     }
     steady(result, args.reps, args.steady_steps, stage)
-    report(result, args.out)
+    report(result, args.out, args.smoke)
 
 
 def steady(result: dict[str, Any], reps: int, steps: int, stage: Callable) -> None:
@@ -349,13 +383,11 @@ def steady(result: dict[str, Any], reps: int, steps: int, stage: Callable) -> No
     result["raw"]["maitre_step_s"], result["raw"]["plain_step_s"] = m_steady, p_steady
 
 
-def report(result: dict[str, Any], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+def report(result: dict[str, Any], out: Path, smoke: bool = False) -> None:
+    write_results(out, result, smoke=smoke)
     print()
     print(table(result["maitre"], result["torchrun"],
                 statistics.median(result["raw"]["plain_step_s"])))
-    print(f"\nwrote {out}")
 
 
 def table(m: dict[str, float], t: dict[str, float], plain_step_s: float) -> str:

@@ -1,6 +1,7 @@
 """Replicas benchmark: joins that do not stop the job, against the join that does, one run.
 
-    python benchmarks/replicas.py [--sizes 200,1000] [--reps 3] [--out benchmarks/results/replicas.json]
+    python benchmarks/replicas.py [--sizes 200,1000] [--reps 3] [--settle 30] [--smoke]
+                                  [--out benchmarks/results/replicas.json]
 
 A job of replicas of two processes (an MLP sharded by FSDP2 on each replica's mesh, AdamW,
 float32) on this machine, for each state size (the replica's parameters and optimizer state,
@@ -21,7 +22,10 @@ in MB):
   raw numbers adds the header, the copy and the allocation, which in a join run beside a step);
 * ``stream_mb_s``: the snapshot's rate in the job, where it shares the cores with training;
 * ``crash_to_step_s``: SIGKILL of one process of one replica (of three) to the job's next
-  committed step (median of ``--reps``; a small model: this is the protocol's latency).
+  committed step (median of ``--reps``, after ``--settle`` steps each; a small model: this is
+  the protocol's latency).
+
+``--smoke``: a state of one layer 256 wide, one join of each kind and one crash.
 
 On two CPU cores every process shares them: the job's six processes, the transfer's threads.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -39,12 +44,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+from _results import parse, write_results  # noqa: E402
 from recovery import (after_failure, commits, join_pause, stager, step_interval,  # noqa: E402
                       wait_for)
 
@@ -55,8 +61,8 @@ WIDTH = 2048
 
 
 # -- the training process ------------------------------------------------------------------------
-def layers_for(state_mb: int) -> int:
-    return max(1, round(state_mb * 1e6 / (3 * 4 * WIDTH * WIDTH)))
+def layers_for(state_mb: int, width: int = WIDTH) -> int:
+    return max(1, round(state_mb * 1e6 / (3 * 4 * width * width)))
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -92,10 +98,10 @@ def job(work: Path, *, layers: int, nodes: int, max_nodes: int, width: int = WID
                          quiet_workers=True), out=lambda s: None).start()
 
 
-def join(work: Path, state_mb: int, mode: str) -> dict[str, float]:
+def join(work: Path, state_mb: int, mode: str, width: int = WIDTH) -> dict[str, float]:
     """One join of a third replica into a job of two, in ``mode``; its pause and step times."""
     os.environ["MAITRE_JOIN"] = mode  # the local agents' workers inherit it
-    run = job(work, layers=layers_for(state_mb), nodes=2, max_nodes=3)
+    run = job(work, layers=layers_for(state_mb, width), nodes=2, max_nodes=3, width=width)
     try:
         run.coordinator.scale("job", 2)
         j = wait_for(run, lambda j: len(j["members"]) == 2, timeout_s=300)
@@ -140,7 +146,7 @@ def pair(args: argparse.Namespace) -> None:
     store = dist.TCPStore("127.0.0.1", args.port, 2, is_master=args.rank == 0)
     backend = dist.ProcessGroupGloo(store, args.rank, 2)
     group = EpochGroup(backend, args.rank, 2, torch.device("cpu"))
-    per = WIDTH * WIDTH // 2  # a shard of one layer: its parameter, Adam's two moments
+    per = args.width * args.width // 2  # a shard of one layer: its parameter, Adam's moments
     tree = {"model": [torch.randn(per) for _ in range(args.layers)],
             "optim": [{"exp_avg": torch.randn(per), "exp_avg_sq": torch.rand(per),
                        "step": torch.tensor(7.0)} for _ in range(args.layers)]}
@@ -180,13 +186,13 @@ def pair(args: argparse.Namespace) -> None:
         print(json.dumps({"bytes": nbytes, **times}))
 
 
-def transfer_vs_raw(state_mb: int, reps: int) -> dict[str, float]:
+def transfer_vs_raw(state_mb: int, reps: int, width: int = WIDTH) -> dict[str, float]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    layers = layers_for(state_mb)
+    layers = layers_for(state_mb, width)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--pair", "--port", str(port),
-           "--layers", str(layers), "--reps", str(reps)]
+           "--layers", str(layers), "--width", str(width), "--reps", str(reps)]
     procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
              for r in (0, 1)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
@@ -201,14 +207,14 @@ def transfer_vs_raw(state_mb: int, reps: int) -> dict[str, float]:
 
 
 # -- crashes -------------------------------------------------------------------------------------
-def crashes(work: Path, reps: int) -> list[float]:
+def crashes(work: Path, reps: int, settle: int = 30) -> list[float]:
     """SIGKILL of the first process of one replica of three; seconds to the next step."""
     run = job(work, layers=2, width=256, nodes=3, max_nodes=3)
     faults = []
     try:
         for i in range(reps):
             j = wait_for(run, lambda j: len(j["members"]) == 3, timeout_s=300)
-            j = wait_for(run, lambda j, s=j["step"]: j["step"] >= s + 30, timeout_s=300)
+            j = wait_for(run, lambda j, s=j["step"]: j["step"] >= s + settle, timeout_s=300)
             victim = j["members"][1 + i % 2]
             t = time.time()
             os.kill(run.pid_of(victim), signal.SIGKILL)  # type: ignore[arg-type]
@@ -228,15 +234,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="200,1000", help="state sizes in MB, comma-separated")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", type=Path, default=HERE / "results" / "replicas.json")
+    p.add_argument("--settle", type=int, default=30,
+                   help="steps the job trains before each crash (default 30)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pair", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    p.add_argument("--width", type=int, default=WIDTH,
+                   help=f"the MLP's width (default {WIDTH}: 48 MB of state a layer)")
     p.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse(p, "replicas", smoke={"sizes": "1", "reps": 1, "settle": 3, "width": 256})
     if args.worker:
         return worker(args)
     if args.pair:
@@ -244,30 +252,42 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-replicas-"))
 
-    stage = stager(work)
+    try:
+        result = measure(sizes, args, stager(work), work)
+    finally:
+        if args.smoke:
+            shutil.rmtree(work, ignore_errors=True)
+    write_results(args.out, result, smoke=args.smoke)
+    print(table(result))
+
+
+def measure(sizes: list[int], args: argparse.Namespace, stage: Any, work: Path
+            ) -> dict[str, Any]:
     print(f"replicas benchmark, sizes {sizes} MB, work dir {work}")
-    crash = stage("crash", lambda d: crashes(d, args.reps))
+    crash = stage("crash", lambda d: crashes(d, args.reps, args.settle))
     result: dict[str, Any] = {"join_pause_s": {}, "join_pause_before_s": {}, "step_s": {},
                               "transfer_vs_raw": {}, "stream_mb_s": {}, "crash_to_step_s":
                               statistics.median(crash), "raw": {"crash": crash}}
     med = statistics.median
     for mb in sizes:
         key = str(mb)
-        raw = stage(f"transfer-{mb}", lambda d, mb=mb: transfer_vs_raw(mb, 3 * args.reps))
+        raw = stage(f"transfer-{mb}",
+                    lambda d, mb=mb: transfer_vs_raw(mb, 3 * args.reps, args.width))
         before, now = [], []
         for i in range(args.reps):  # alternately, so that the machine's drift hits both
-            before.append(stage(f"join-pause-{mb}-{i}", lambda d, mb=mb: join(d, mb, "pause")))
-            now.append(stage(f"join-stream-{mb}-{i}", lambda d, mb=mb: join(d, mb, "stream")))
+            before.append(stage(f"join-pause-{mb}-{i}",
+                                lambda d, mb=mb: join(d, mb, "pause", args.width)))
+            now.append(stage(f"join-stream-{mb}-{i}",
+                             lambda d, mb=mb: join(d, mb, "stream", args.width)))
         result["join_pause_s"][key] = med(r["pause_s"] for r in now)
         result["join_pause_before_s"][key] = med(r["pause_s"] for r in before)
         result["step_s"][key] = med(r["step_s"] for r in before + now)
         result["transfer_vs_raw"][key] = raw["ratio"]
         result["stream_mb_s"][key] = med(r["stream_mb_s"] for r in now)
         result["raw"][key] = {"transfer": raw, "pause": before, "stream": now}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"wrote {args.out}")
+    if args.width != WIDTH:
+        result["width"] = args.width
+    return result
 
 
 def table(r: dict[str, Any]) -> str:

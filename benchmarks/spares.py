@@ -1,7 +1,7 @@
 """Warm spares benchmark (issue 15): from a worker's death to the first step its replacement
 trains, with a warm spare and with a cold start.
 
-    python benchmarks/spares.py [--reps 3] [--out benchmarks/results/spares.json]
+    python benchmarks/spares.py [--reps 3] [--smoke] [--out benchmarks/results/spares.json]
 
 Each repetition starts a local cluster (a coordinator and two agents, 3 slots, in this process;
 the workers are processes), runs the example (tiny, float64) as a fixed gang of 2 workers with
@@ -18,7 +18,8 @@ the workers are processes), runs the example (tiny, float64) as a fixed gang of 
   ``step_s`` (to its first step with a share), and ``job_resumed_s`` (detection to the
   survivor's first step after it: the job does not wait for the replacement to catch up).
 
-:func:`measure` returns the medians and the raw lists; ``benchmarks/stragglers.py`` imports it.
+:func:`measure` returns the medians and the raw lists; ``benchmarks/stragglers.py`` imports it
+(and ``SMOKE``, the arguments of ``--smoke``).
 Only the spare's detection-to-step is the issue's target (1 s); the run is short, but on a loaded
 machine the numbers move with the load.
 """
@@ -40,12 +41,15 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from _results import parse, write_results  # noqa: E402
 from maitre.local import LocalCluster, UpConfig  # noqa: E402
 from maitre.scheduling.model import Queue  # noqa: E402
 
 TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
         "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000"]
 PHASES = ("epoch_s", "caught_up_s", "step_s", "job_resumed_s")
+SMOKE = {"reps": 1}
+""":func:`measure`'s arguments for ``--smoke`` (here and in ``benchmarks/stragglers.py``)."""
 
 
 def _wait(pred: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -169,17 +173,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--ms-per-sample", type=float, default=4.0)
     ap.add_argument("--join", choices=("stream", "pause"), default="stream")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "spares.json")
-    args = ap.parse_args()
+    args = parse(ap, "spares", smoke=SMOKE)
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     result = measure(reps=args.reps, ms_per_sample=args.ms_per_sample, join=args.join)
     print("from the failure's detection to the replacement's first step (medians; phases "
           "from the detection: epoch, then the replacement's own)")
     print(table(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"written {args.out}")
+    write_results(args.out, result, smoke=args.smoke)
 
 
 if __name__ == "__main__":

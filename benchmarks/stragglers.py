@@ -1,7 +1,7 @@
 """Straggler benchmark: how well slow ranks are found, and what acting on them gains.
 
     python benchmarks/stragglers.py [--runs 5] [--steps 120] [--trials 1000] [--ms-per-sample 8]
-                                    [--skip-eviction] [--skip-spares] [--out ...]
+                                    [--skip-eviction] [--skip-spares] [--smoke] [--out ...]
 
 Real runs, side by side in one run of this script: ``maitre run`` (embedded) with 4 workers of
 the example (tiny, float64), global batch 14 (uneven shares: 4, 4, 3, 3), a device-like 8 ms
@@ -25,13 +25,15 @@ that of its 1.5x case.
 
 ``throughput_recovered_pct`` comes from ``benchmarks/eviction.py``'s ``measure()`` and
 ``spare_join_s`` / ``cold_join_s`` from ``benchmarks/spares.py``'s, when those files exist
-(``--skip-eviction``, ``--skip-spares``: null).
+(``--skip-eviction``, ``--skip-spares``: null). ``--smoke`` loads those two and checks that their
+``measure()`` takes their ``SMOKE`` arguments, without running them (their own ``--smoke`` does).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import os
 import random
@@ -45,6 +47,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from _results import parse, write_results  # noqa: E402
 from maitre import protocol  # noqa: E402
 from maitre.launch import Run, RunConfig  # noqa: E402
 from maitre.runtime.stragglers import Detector, Thresholds, Window  # noqa: E402
@@ -181,10 +184,11 @@ def offline(runs: list[list[list[tuple[float, float]]]], trials: int, seed: int,
 
 
 # -- the other engineers' numbers ----------------------------------------------------------------
-def borrowed(name: str, skip: bool, keys: tuple[str, ...], opts: dict[str, Any]
+def borrowed(name: str, skip: bool, keys: tuple[str, ...], smoke: bool = False
              ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """``benchmarks/<name>.py``'s ``measure(**opts)``: (its numbers for ``keys``, all it gave),
-    nulls when skipped or absent."""
+    """``benchmarks/<name>.py``'s ``measure()``: (its numbers for ``keys``, all it gave), nulls
+    when skipped or absent. ``smoke``: only checks that ``measure`` takes the module's ``SMOKE``
+    arguments (nulls, and that check in place of all it gave)."""
     path = HERE / f"{name}.py"
     if skip or not path.exists():
         return {k: None for k in keys}, None
@@ -192,7 +196,10 @@ def borrowed(name: str, skip: bool, keys: tuple[str, ...], opts: dict[str, Any]
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    result = module.measure(**opts)
+    if smoke:
+        inspect.signature(module.measure).bind(**module.SMOKE)  # (a TypeError if it does not)
+        return {k: None for k in keys}, {"smoke": f"measure(**{module.SMOKE}) not run"}
+    result = module.measure()
     return {k: result.get(k) for k in keys}, result
 
 
@@ -207,8 +214,8 @@ def main() -> None:
                    "~12 ms steps mostly CPU, on a loaded machine the OS's imbalance shows)")
     p.add_argument("--skip-eviction", action="store_true")
     p.add_argument("--skip-spares", action="store_true")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "stragglers.json")
-    args = p.parse_args()
+    args = parse(p, "stragglers",
+                 smoke={"runs": 1, "steps": 60, "trials": 5, "ms_per_sample": 2.0})
     if args.runs < 1 or args.steps < 60 or args.trials < 1 or not args.ms_per_sample >= 0:
         p.error("--runs and --trials must be at least 1, --steps at least 60, "
                 "--ms-per-sample at least 0")
@@ -235,8 +242,9 @@ def main() -> None:
     real_rates, offline_rates = rates(real), rates(study)
 
     eviction, eviction_raw = borrowed("eviction", args.skip_eviction,
-                                      ("throughput_recovered_pct",), {})
-    spares, spares_raw = borrowed("spares", args.skip_spares, ("spare_join_s", "cold_join_s"), {})
+                                      ("throughput_recovered_pct",), args.smoke)
+    spares, spares_raw = borrowed("spares", args.skip_spares, ("spare_join_s", "cold_join_s"),
+                                  args.smoke)
     source = offline_rates if study["noise"] else real_rates
     result = {
         "detect_rate_1_5x": source["detect_rate_1_5x"],
@@ -260,8 +268,7 @@ def main() -> None:
                     [[round(c / w * 1000, 3) for c, w in s] for s in run]
                     for run in noise_series]},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(args.out, result, smoke=args.smoke)
 
     def show(x: Any) -> str:
         return "-" if x is None else f"{x:.3f}" if isinstance(x, float) else str(x)
@@ -273,7 +280,6 @@ def main() -> None:
         print(f"{key:28}{show(real_rates[key]):>10}{show(offline_rates[key]):>10}")
     for key in ("throughput_recovered_pct", "spare_join_s", "cold_join_s"):
         print(f"{key:28}{show(result[key]):>10}")
-    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

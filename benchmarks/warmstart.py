@@ -7,7 +7,8 @@
 Each start runs ``examples/train.py --steps 1`` alone (one process, no coordinator): imports,
 data, model, optimizer, one step, exit. That is what a joiner does before it can train, so the
 time is the time its slot is held and idle. Measured for 1 and for 8 workers started at once
-(``--workers``), cold and warm alternating, ``--repeats`` times; prints medians and writes them as JSON.
+(``--workers``), cold and warm alternating, ``--repeats`` times; prints medians and writes them
+as JSON.
 """
 
 from __future__ import annotations
