@@ -3,7 +3,8 @@
 thrown at it one after the other while it trains. At the end: every sample exactly once (the
 ledger audit), the final parameters of the fault-free run, no corrupt checkpoint loaded, no
 process left behind, and a report of every fault (its detection and recovery time) in
-``benchmarks/results/chaos.json``.
+``benchmarks/results/chaos.json`` (stamped, as every benchmark's, with the commit and date it ran
+on: ``benchmarks/_results.py``).
 
 Run it with ``pytest -m chaos tests/chaos`` (deselected by default). ``CHAOS_SEED``,
 ``CHAOS_FAULTS`` (50), ``CHAOS_STEPS`` and ``CHAOS_KINDS`` (a comma list) change the run; a run
@@ -19,6 +20,7 @@ again.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -467,8 +469,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
         "job_failures": final["failures"],
         "per_fault": records,
     }
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(report, indent=1) + "\n")
+    _write_results(RESULT, report)
     print(f"chaos: report in {RESULT}\n{table(report)}", flush=True)
     assert result.ok, result.describe()
     assert result.steps == STEPS, result.describe()
@@ -480,3 +481,14 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
         f"the job finished after {len(records)} of {len(schedule)} faults: give it more steps")
     missing = [r for r in records if "recovered_s" not in r]
     assert not missing, missing
+
+
+def _write_results(path: Path, report: dict) -> None:
+    """The report as the benchmarks write theirs (``measured``: the commit and date first), by
+    benchmarks/_results.py, loaded by its path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("bench_results",
+                                                  ROOT / "benchmarks" / "_results.py")
+    assert spec is not None and spec.loader is not None
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    results.write_results(path, report, indent=1)
