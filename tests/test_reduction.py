@@ -25,12 +25,18 @@ pytestmark = pytest.mark.timeout(60)
 KB = 1 / 1024  # MiB
 
 
+_SEEDING = threading.Lock()
+
+
 def mlp(seed: int = 0, dtype: torch.dtype = torch.float32, widths=(8, 64, 64, 64, 4)) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    layers: list[torch.nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
-    return torch.nn.Sequential(*layers[:-1]).to(dtype)
+    """The same model on every rank (the global RNG is seeded and drawn under a lock: the ranks
+    are threads of one process)."""
+    with _SEEDING:
+        torch.manual_seed(seed)
+        layers: list[torch.nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            layers += [torch.nn.Linear(a, b), torch.nn.Tanh()]
+        return torch.nn.Sequential(*layers[:-1]).to(dtype)
 
 
 def params(model: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -176,7 +176,7 @@ class EpochGroup:
             closed = self._epoch_closed()
             if closed is not None:
                 raise EpochLost(closed, time.monotonic())
-            time.sleep(0.001)
+            time.sleep(0.0002)  # (a step's host sync: a coarse poll shows in its time)
         work.wait()
 
     # -- end of the epoch -----------------------------------------------------------------------

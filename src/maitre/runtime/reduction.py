@@ -136,6 +136,9 @@ class Reducer:
         self.cfg = cfg
         self.layout = plan(params, cfg)
         self._shapes = [(p.shape, p.dtype) for p in params]
+        self._registrations = -1
+        """:data:`_REGISTRATIONS` when the model's parameters were last listed."""
+        _count_registrations()
         self._bucket_of = [0] * len(params)
         for b, members in enumerate(self.layout):
             for i in members:
@@ -221,7 +224,8 @@ class Reducer:
     def begin(self, passes: int, group: EpochGroup | None) -> None:
         """A step starts: zero the buffers; with ``group``, launch each bucket on it as soon as
         ``passes`` backward passes (the step's micro-batches) have made its gradients final."""
-        self.check_model()
+        if self._registrations < 0:  # the first step: anything done to the model since
+            self.check_model()
         self.zero()
         self._passes = passes
         self._counts = [0] * len(self.params)
@@ -249,7 +253,25 @@ class Reducer:
             self._works = []
 
     def check_model(self) -> None:
-        """The model's trainable parameters are still the ones the buckets were laid out for."""
+        """The model's trainable parameters are still the ones the buckets were laid out for.
+
+        Run when a step finishes (the script's body is where a model changes). Listing a
+        model's parameters walks its modules (a millisecond for a few hundred): that is done
+        only when a parameter was registered on some module since the last look (a global
+        registration hook counts them); each laid-out parameter's shape, dtype and
+        ``requires_grad`` are compared every time (microseconds)."""
+        if self._registrations != _REGISTRATIONS[0]:
+            self._check_listed()
+            self._registrations = _REGISTRATIONS[0]
+        for i, (p, (shape, dtype)) in enumerate(zip(self.params, self._shapes)):
+            if p.shape != shape or p.dtype != dtype or not p.requires_grad:
+                raise RuntimeError(
+                    f"parameter {i} of the model changed from {tuple(shape)} {dtype} to "
+                    f"{tuple(p.shape)} {p.dtype}{'' if p.requires_grad else ', frozen,'} "
+                    f"after the ElasticLoop was built: the gradient buckets are laid out once, "
+                    f"for the parameters as they were")
+
+    def _check_listed(self) -> None:
         now = [p for p in self.model.parameters() if p.requires_grad]
         if len(now) != len(self.params) or any(a is not b for a, b in zip(now, self.params)):
             raise RuntimeError(
@@ -257,12 +279,6 @@ class Reducer:
                 f"({len(self.params)} then, {len(now)} now): add or freeze parameters before "
                 f"building the loop, so that every rank and every joiner lays out the same "
                 f"gradient buckets")
-        for i, (p, (shape, dtype)) in enumerate(zip(self.params, self._shapes)):
-            if p.shape != shape or p.dtype != dtype:
-                raise RuntimeError(
-                    f"parameter {i} of the model changed from {tuple(shape)} {dtype} to "
-                    f"{tuple(p.shape)} {p.dtype} after the ElasticLoop was built: the gradient "
-                    f"buckets are laid out once, for the parameters as they were")
 
     def close(self) -> None:
         """Remove the hooks (the loop is over; the model may be trained by something else)."""
@@ -315,6 +331,22 @@ class Reducer:
         self._launched = b + 1
         if group is not None:
             self._works.append(group.allreduce_async(self._flats[b]))
+
+
+_REGISTRATIONS = [0]
+"""Parameters registered on any module since the hook below was installed."""
+_HOOKED: list[Any] = []
+
+
+def _count_registrations() -> None:
+    """Install (once) the global hook that counts parameter registrations."""
+    if _HOOKED:
+        return
+
+    def count(module: torch.nn.Module, name: str, param: Any) -> None:
+        _REGISTRATIONS[0] += 1
+
+    _HOOKED.append(torch.nn.modules.module.register_module_parameter_registration_hook(count))
 
 
 def _grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
