@@ -24,6 +24,8 @@ shards every block over ``dp_shard``.
 
 import argparse
 import math
+import os
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -119,6 +121,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the final full parameters here")
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (each process on cuda:LOCAL_RANK)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="MiB of gradients per reduction across replicas (DDP's 25)")
     args = p.parse_args()
 
     torch.set_num_threads(1)
@@ -129,12 +134,17 @@ def main() -> None:
     index = {c: i for i, c in enumerate(vocab)}
     ids = torch.tensor([index[c] for c in text], dtype=torch.long)
     num_seqs = (len(ids) - 1) // args.block
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        ids = ids.to(device)
 
-    mesh = maitre.replica_mesh(dp_shard=args.dp_shard, tp=args.tp, device_type="cpu")
+    mesh = maitre.replica_mesh(dp_shard=args.dp_shard, tp=args.tp, device_type=device.type)
     tp = mesh["tp"].size()
     if args.heads % tp:
         p.error(f"--heads {args.heads} do not split over tp={tp} processes")
-    model = Decoder(len(vocab), args.block, args.d_model, args.layers, args.heads)
+    model = Decoder(len(vocab), args.block, args.d_model, args.layers, args.heads).to(device)
     if tp > 1:  # before FSDP2, which then shards the TP pieces over dp_shard
         plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
                 "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(),
@@ -151,13 +161,19 @@ def main() -> None:
     sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=args.seed)
     loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
                               micro_batch_size=args.micro_batch, clip_grad_norm=args.clip,
-                              precision=args.precision)
+                              precision=args.precision, buckets=maitre.Buckets(
+                                  cap_mb=args.bucket_cap_mb,
+                                  first_cap_mb=min(1.0, args.bucket_cap_mb)))
 
     first = torch.distributed.get_rank() == 0  # of its replica
+    warm = min(5, args.steps // 4)  # tokens/s over the steps committed after step `warm` (the
+    began = 0.0                     # first ones allocate and warm up)
     for batch in loop.run(max_steps=args.steps):
+        if loop.step == warm and not began:
+            began = time.perf_counter()
         for idx in batch.micro_batches:  # every process of a replica runs as many
-            starts = torch.tensor(idx, dtype=torch.long) * args.block
-            chunk = ids[starts[:, None] + torch.arange(args.block + 1)]
+            starts = torch.tensor(idx, dtype=torch.long, device=device) * args.block
+            chunk = ids[starts[:, None] + torch.arange(args.block + 1, device=device)]
             with batch.autocast():
                 logits = model(chunk[:, :-1])
             # Sum over sequences, mean over positions: the loop divides by the global count.
@@ -170,7 +186,10 @@ def main() -> None:
                   f"grad norm {loop.last_grad_norm:.3f}", flush=True)
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a replica's collective
     if loop.rank == 0 and first:
-        print(f"done: {loop.step} steps, final loss {loop.last_loss:.4f}", flush=True)
+        tokens = (loop.step - warm) * args.global_batch * args.block
+        rate = tokens / (time.perf_counter() - began) if began else float("nan")
+        print(f"done: {loop.step} steps, final loss {loop.last_loss:.4f}, {rate:.0f} tokens/s "
+              f"(steps {warm + 1}-{loop.step}, all replicas)", flush=True)
         if args.out is not None:
             torch.save(full, args.out)
 
