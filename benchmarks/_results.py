@@ -86,9 +86,11 @@ def _commit() -> str:
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
                               timeout=30, check=True).stdout.strip()
+    if os.environ.get("MAITRE_BENCHMARK_COMMIT"):  # a copy of the tree (a GPU machine's): its
+        return os.environ["MAITRE_BENCHMARK_COMMIT"]  # .git, if any, is not this tree's
     try:
         head = git("rev-parse", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):  # a copy of the tree without its .git (a
-        return os.environ.get("MAITRE_BENCHMARK_COMMIT", "unknown")  # GPU machine): as told
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
     return head + ("-dirty" if dirty else "")

@@ -126,7 +126,8 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
             torch.distributed.destroy_process_group()
     timed = times[1:][warmup:]
     return {"step_s": statistics.median(timed), "steps_s": timed, "params": params,
-            "tokens_per_step": batch * seq}
+            "tokens_per_step": batch * seq,
+            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB}
 
 
 # -- 2. checkpoint -------------------------------------------------------------------------------
@@ -318,7 +319,8 @@ def main() -> None:
         raise SystemExit("gpu_check: no CUDA device here (this script is for a GPU machine)")
     doc: dict[str, Any] = {
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-        "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "cuda": torch.version.cuda,
+        "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
         "figures": "GPU, one device"}
 
     def save() -> None:

@@ -120,12 +120,20 @@ def step(reducer: Reducer, model: torch.nn.Module, group: EpochGroup | None, xs:
     reducer.finish(group)
 
 
-def reference_grads(world: int, xs_of: Callable[[int], list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Each rank's gradients summed, computed on one thread with plain autograd."""
+def reference_grads(world: int, xs_of: Callable[[int], list[torch.Tensor]],
+                    first: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each rank's gradients summed, computed on one thread with plain autograd (``first``:
+    the first layer in that dtype)."""
     model = mlp()
+    if first is not None:
+        model[0].to(first)
     for rank in range(world):
         for x in xs_of(rank):
-            model(x).square().sum().backward()
+            if first is None:
+                model(x).square().sum().backward()
+            else:
+                h = model[1](model[0](x.to(first))).float()
+                model[6](model[5](model[4](model[3](model[2](h))))).square().sum().backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
@@ -220,6 +228,30 @@ def test_mixed_dtypes_reduce_exactly_and_half_precision_last_gets_its_own_contro
         assert torch.equal(x, y)
 
 
+def test_gradients_divided_on_the_way_in_reduce_to_the_mean_and_the_rest_after() -> None:
+    """``divide_early``: the float32 buckets are divided by the step's count as the gradients
+    are copied in (no pass over them after the reduction); a bfloat16 one only in scatter()."""
+    def body(group: EpochGroup) -> list[torch.Tensor]:
+        model = mlp()
+        model[0].to(torch.bfloat16)
+        reducer = Reducer(model, params(model), Buckets(cap_mb=4 * KB, first_cap_mb=KB), 3,
+                          divide_early=True)
+        reducer.begin(2, group, count=20)
+        for x in inputs(group.rank, 2):
+            h = model[1](model[0](x.bfloat16())).float()
+            model[6](model[5](model[4](model[3](model[2](h))))).square().sum().backward()
+        reducer.finish(group)
+        reducer.scatter(20)
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = reference_grads(2, lambda r: inputs(r, 2), first=torch.bfloat16)
+    for grads in ranks(2, body):
+        for g, w in zip(grads[2:], want[2:]):
+            torch.testing.assert_close(g, w / 20, rtol=1e-5, atol=1e-7)
+        for g, w in zip(grads[:2], want[:2]):  # bfloat16: 3 significant digits
+            torch.testing.assert_close(g, (w / 20).to(g.dtype), rtol=2e-2, atol=1e-3)
+
+
 def test_a_script_that_replaces_or_clears_grads_is_reduced_all_the_same() -> None:
     def body(group: EpochGroup) -> list[torch.Tensor]:
         model = mlp()
@@ -248,7 +280,7 @@ def test_a_backward_pass_after_a_bucket_went_out_is_refused_with_a_message() -> 
 
     reducer.begin(1, Quiet())  # type: ignore[arg-type]
     model(torch.ones(2, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match="after its gradient bucket was reduced"):
+    with pytest.raises(RuntimeError, match="after its gradient was final"):
         model(torch.ones(2, 8)).sum().backward()
 
 

@@ -269,7 +269,8 @@ class ElasticLoop:
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
         self.recoveries: list[Recovery] = []
-        self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL)
+        self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL,
+                                divide_early=self.scaler is None)
         """The gradient buffers, laid out in buckets, and their reduction."""
         self._step_times: deque[float] = deque(maxlen=32)
         self._trained_s = 0.0
@@ -326,8 +327,8 @@ class ElasticLoop:
                 batch = self._next_batch()
                 # (A tp replica's first step checks each tp rank's own gradients after the body:
                 # none may be reduced before.)
-                self._reducer.begin(len(batch.micro_batches),
-                                    self.group if self._tp_checked else None)
+                self._reducer.begin(len(batch.micro_batches), self.group,
+                                    batch.global_batch_size, early=self._tp_checked)
                 step_start = self._step_began = time.monotonic()
                 self._cpu_began = time.thread_time()
                 yield batch
@@ -500,7 +501,7 @@ class ElasticLoop:
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
             self._reducer.scale(1.0 / scale)
-        self._reducer.scatter(1.0 / count)  # the global mean
+        self._reducer.scatter(count)  # the global mean (float32/64: divided on the way in)
         if self.hooks.clip_grad_norm is not None:
             batch.grad_norm = self.last_grad_norm = clip(self.params, self.hooks.clip_grad_norm)
         if self.hooks.on_reduced_grads is not None:
@@ -705,7 +706,7 @@ class ElasticLoop:
                 more = self._replica_agrees(more)
             if not more:
                 break
-        self._reducer.zero()
+        self._reducer.clear()  # (its part in the next reduction: zeros)
 
     def _listener_batch(self) -> Batch:
         """The next step as the training members take it (its global slice), with no share of

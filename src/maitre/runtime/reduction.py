@@ -6,18 +6,25 @@ backward is still computing the rest of the gradients. This module does the same
 - **A fixed layout.** Parameters are taken in reverse order (backward produces the last layers'
   gradients first) and packed into buckets, one dtype each, each closed once it holds
   ``cap_mb`` (the first of each dtype once it holds ``first_cap_mb``, so the first reduction
-  starts early). Each bucket is one flat buffer and every parameter's ``.grad`` is a view into
-  it, so backward accumulates in place and nothing is copied. The layout is a pure function of
-  the parameters (their order, local shapes and dtypes) and of :class:`Buckets`: every rank and
+  starts early). Each bucket is one flat buffer. The layout is a pure function of the
+  parameters (their order, local shapes and dtypes) and of :class:`Buckets`: every rank and
   every joiner computes the same one, and :func:`agree` checks that with one tiny collective
   when a group is built, so a rank whose model differs fails with a message instead of hanging
   in a mismatched collective. It is never rebuilt behind the ranks' backs (DDP's bucket rebuild
   after the first step is what torchft turns off for the same reason).
-- **Launched as they fill.** A post-accumulate-grad hook on each parameter counts its backward
-  passes; once every parameter of a bucket has had as many as the step has micro-batches (the
-  last micro-batch: the earlier ones only accumulate, as under DDP's ``no_sync``), the bucket is
-  ready. Ready buckets are launched strictly in layout order as async work, so every rank issues
-  the same collectives in the same order whatever order its hooks fire in.
+- **Copied in once, launched as they fill.** A step starts with every ``.grad`` None, as after
+  ``zero_grad()``: backward makes its own gradients and accumulates the micro-batches into them
+  as plain torch does. A post-accumulate-grad hook on each parameter counts its backward
+  passes; on the last one (the step's last micro-batch: the earlier ones only accumulate, as
+  under DDP's ``no_sync``) it copies the gradient into its bucket, divided by the step's sample
+  count on the way where it is float32 or float64 (the reduction then yields the mean, with no
+  pass over the gradients after it), points ``.grad`` at the bucket and lets autograd's tensor
+  go. That is one read and one write of each gradient, DDP's own cost; gradients that were
+  views into zeroed buckets cost a zeroing, an accumulation and a division besides (5% of an
+  H200 step at world size 1, against about 2% now: benchmarks/gpu_check.py). Once all of a
+  bucket's gradients are in, it is ready; ready buckets are launched strictly in layout order
+  as async work, so every rank issues the same collectives in the same order whatever order
+  its hooks fire in.
 - **The control slots ride in the last bucket** (the loss sum, the sample count, the resize,
   save and stop flags, the timing slots: :mod:`maitre.runtime.loop`). That bucket is held until
   the script's body has returned and the slots are filled, then launched with every bucket
@@ -127,10 +134,14 @@ class Reducer:
         params: the model's trainable parameters, in ``model.parameters()`` order.
         cfg: the bucket settings.
         control: how many control slots ride in the last bucket.
+        divide_early: float32 and float64 gradients are divided by the step's sample count as
+            they are copied into their buckets (so the reduction yields the mean, with no pass
+            over the gradients afterwards); others, and all with ``False``, in
+            :meth:`scatter`, after the reduction.
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: Buckets,
-                 control: int) -> None:
+                 control: int, *, divide_early: bool = False) -> None:
         self.model = model
         self.params = params
         self.cfg = cfg
@@ -143,18 +154,27 @@ class Reducer:
         for b, members in enumerate(self.layout):
             for i in members:
                 self._bucket_of[i] = b
-        last_dtype = replicas.local_tensor(params[self.layout[-1][0]]).dtype
+        dtypes = [replicas.local_tensor(params[m[0]]).dtype for m in self.layout]
+        self._divided = [divide_early and d in (torch.float32, torch.float64) for d in dtypes]
+        """Per buffer: its gradients are divided by the sample count as they come in."""
+        last_dtype = dtypes[-1]
         self._own_control = last_dtype not in (torch.float32, torch.float64)
         """The control slots get a float64 bucket of their own after the last one."""
+        if self._own_control:
+            self._divided.append(False)
         self._control = control
         self.slots = 0
         self._flats: list[torch.Tensor] = []
         self._views: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
         self._numels: list[int] = []
         self.control = torch.zeros(0)
+        self._view_of: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         # per step
         self._passes = 0
+        self._factor = 1.0
+        self._armed = False
         self._counts = [0] * len(params)
+        self._taken = [True] * len(params)
         self._missing: list[int] = []
         self._launched = 0
         self._works: list[Any] = []
@@ -195,15 +215,18 @@ class Reducer:
             self._flats.append(torch.zeros(extra, dtype=torch.float64, device=device))
             self._views.append([])
             self._numels.append(0)
+        self._view_of = [(p, p) for p in self.params]  # (placeholders)
+        for members, views in zip(self.layout, self._views):
+            for i, pv in zip(members, views):
+                self._view_of[i] = pv
         self.control = self._flats[-1][self._numels[-1]:]
         self._group = None
 
-    def zero(self) -> None:
-        """Zero every buffer and point each parameter's ``.grad`` at its view."""
-        for flat, views in zip(self._flats, self._views):
-            flat.zero_()
-            for p, view in views:
-                p.grad = view
+    def clear(self) -> None:
+        """Set every parameter's ``.grad`` to None, as ``zero_grad()`` does: a step's backward
+        then makes fresh gradients, which are copied into the buckets once final."""
+        for p in self.params:
+            p.grad = None
 
     def grads(self) -> list[torch.Tensor]:
         """The gradient part of each bucket's buffer (not the control slots)."""
@@ -213,33 +236,45 @@ class Reducer:
         for g in self.grads():
             g.mul_(factor)
 
-    def scatter(self, factor: float) -> None:
-        """Multiply the reduced gradients by ``factor`` and hand them to the parameters."""
-        self.scale(factor)
-        for views in self._views:
+    def scatter(self, count: int) -> None:
+        """Hand the reduced gradients to the parameters as the mean over ``count`` samples: the
+        buckets that were not divided as they filled are divided now."""
+        for flat, numel, views, divided in zip(self._flats, self._numels, self._views,
+                                               self._divided):
+            if not divided and numel:
+                flat[:numel].mul_(1.0 / count)
             for p, view in views:
                 p.grad = view
 
     # -- the step --------------------------------------------------------------------------
-    def begin(self, passes: int, group: EpochGroup | None) -> None:
-        """A step starts: zero the buffers; with ``group``, launch each bucket on it as soon as
-        ``passes`` backward passes (the step's micro-batches) have made its gradients final."""
+    def begin(self, passes: int, group: EpochGroup | None, count: int = 1, *,
+              early: bool = True) -> None:
+        """A step of ``passes`` backward passes (its micro-batches) over ``count`` samples in
+        all starts. Each parameter's gradient is copied into its bucket once its last pass has
+        made it final (divided by ``count`` on the way, where the reducer divides early), and
+        with ``group`` each bucket is launched on it as soon as all of its gradients are in.
+        ``early=False``: nothing is done before :meth:`finish` (the body's own gradients are
+        looked at first)."""
         if self._registrations < 0:  # the first step: anything done to the model since
             self.check_model()
-        self.zero()
+        self.clear()
         self._passes = passes
+        self._factor = 1.0 / count
         self._counts = [0] * len(self.params)
+        self._taken = [False] * len(self.params)
         self._missing = [len(m) for m in self.layout]
         self._launched = 0
         self._works = []
         self._failed = None
-        self._group = group if self.cfg.overlap else None
+        self._armed = early and passes > 0
+        self._group = group if early and self.cfg.overlap else None
 
     def finish(self, group: EpochGroup | None) -> None:
-        """Launch every bucket not launched yet, the control slots' last, in layout order, and
-        wait for all of them (:class:`EpochLost` if a peer failed or the epoch was closed).
-        Without a group (one process alone) only the gradients are gathered."""
-        self._group = None  # the hooks launch nothing more
+        """Copy in every gradient not taken yet, launch every bucket not launched yet (the
+        control slots' last) in layout order, and wait for all of them (:class:`EpochLost` if
+        a peer failed or the epoch was closed). Without a group (one process alone) nothing
+        is reduced."""
+        self._armed, self._group = False, None  # the hooks do nothing more this step
         try:
             self.check_model()
             if self._failed is not None:
@@ -294,21 +329,24 @@ class Reducer:
         return hook
 
     def _on_grad(self, i: int) -> None:
-        group = self._group
-        if group is None:  # not a step whose buckets launch early
+        if not self._armed:  # not inside a step's body, or nothing to do before its end
             return
-        b = self._bucket_of[i]
-        if b < self._launched:
-            self._group = None
+        if self._taken[i]:
+            self._armed, self._group = False, None
             raise RuntimeError(
-                f"a backward pass reached parameter {i} after its gradient bucket was reduced: "
-                f"a step runs one backward pass per micro-batch of batch.micro_batches "
-                f"({self._passes} this step), and leaves the gradients alone afterwards "
-                f"(clip or change them in on_reduced_grads)")
+                f"a backward pass reached parameter {i} after its gradient was final: a step "
+                f"runs one backward pass per micro-batch of batch.micro_batches ({self._passes} "
+                f"this step), and leaves the gradients alone afterwards (clip or change them in "
+                f"on_reduced_grads)")
         self._counts[i] += 1
         if self._counts[i] != self._passes:
             return
+        self._take(i)
+        b = self._bucket_of[i]
         self._missing[b] -= 1
+        group = self._group
+        if group is None:
+            return
         held = len(self._flats) - 1  # the control slots' bucket waits for the body's end
         while self._launched < held and self._missing[self._launched] == 0:
             try:
@@ -318,16 +356,29 @@ class Reducer:
                 self._group = None
                 return
 
-    def _launch(self, b: int, group: EpochGroup | None) -> None:
-        for p, view in self._views[b]:  # a grad the script replaced or set to None
-            mine = replicas.local_tensor(view)
-            if p.grad is None:
-                mine.zero_()
-            elif replicas.local_tensor(p.grad).data_ptr() != mine.data_ptr():
-                mine.copy_(replicas.local_tensor(p.grad))
+    def _take(self, i: int) -> None:
+        """Parameter ``i``'s final gradient into its bucket (divided there, where the reducer
+        divides early); autograd's own tensor is let go."""
+        p, view = self._view_of[i]
+        mine = replicas.local_tensor(view)
+        grad = p.grad
+        factor = self._factor if self._divided[self._bucket_of[i]] else 1.0
+        if grad is None:  # no gradient reached it (unused this step, or no samples)
+            mine.zero_()
+        elif replicas.local_tensor(grad).data_ptr() != mine.data_ptr():
+            if factor == 1.0:
+                mine.copy_(replicas.local_tensor(grad))
             else:
-                continue
-            p.grad = view
+                torch.mul(replicas.local_tensor(grad), factor, out=mine)
+        elif factor != 1.0:  # set to its view by the script: accumulated in place
+            mine.mul_(factor)
+        p.grad = view
+        self._taken[i] = True
+
+    def _launch(self, b: int, group: EpochGroup | None) -> None:
+        for i in self.layout[b] if b < len(self.layout) else ():
+            if not self._taken[i]:
+                self._take(i)
         self._launched = b + 1
         if group is not None:
             self._works.append(group.allreduce_async(self._flats[b]))
