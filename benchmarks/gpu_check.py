@@ -11,8 +11,9 @@ after every part, so a part that fails or hangs costs only itself. The parts:
    of the same model (a bf16 decoder of ~0.8 B parameters, AdamW): ``plain`` (forward, backward,
    ``optimizer.step()``), torch ``ddp`` over a one-rank NCCL group, ``maitre`` (``ElasticLoop``
    under torchrun's variables, a one-rank NCCL group: every bucket is launched from the hooks
-   and reduced) and ``maitre-alone`` (no group: the hooks count, nothing is reduced). Target:
-   ``maitre`` within 1% of ``plain``.
+   and reduced) and ``maitre-alone`` (no group: the hooks copy, nothing is reduced); with one
+   micro-batch a step (8 k tokens) and with four (32 k tokens; DDP under ``no_sync`` but for
+   the last). Target: ``maitre`` within 1% of ``plain``.
 2. ``checkpoint``: the blocking time of a save of a ~10 GB state (model and AdamW moments on
    the GPU) into maitre's reused pinned host buffer, against the floor: one device-to-pinned
    copy of as many bytes. Target: at most 1.1x the floor. The persist time (write, fsync,
@@ -26,6 +27,7 @@ after every part, so a part that fails or hangs costs only itself. The parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -51,7 +53,7 @@ GB = 1e9
 
 # -- 1. overhead ---------------------------------------------------------------------------------
 def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: int,
-             steps: int) -> dict[str, Any]:
+             steps: int, micro: int = 1) -> dict[str, Any]:
     """One variant's median step time (run in a process of its own)."""
     import torch
     import torch.nn.functional as F
@@ -77,7 +79,7 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
 
     model = Decoder().to(device)
     params = sum(p.numel() for p in model.parameters())
-    tokens = torch.randint(0, vocab, (4 * batch, seq + 1), device=device,
+    tokens = torch.randint(0, vocab, (4 * batch * micro, seq + 1), device=device,
                            generator=torch.Generator(device).manual_seed(1))
 
     def loss_of(net: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -99,7 +101,9 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
     if variant.startswith("maitre"):
         import maitre
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(4 * batch, batch))
+        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(4 * batch * micro,
+                                                                     batch * micro),
+                                  micro_batch_size=batch)
         for b in loop.run(max_steps=total):
             tick()
             for idx in b.micro_batches:
@@ -117,16 +121,21 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
             if step == total:
                 break
             opt.zero_grad(set_to_none=True)
-            rows = torch.arange(batch, device=device) + (step % 4) * batch
-            loss = loss_of(net, rows)
-            loss.backward()
-            float(loss)  # the loop reads the loss: a host sync a step, as here
+            total_loss = 0.0
+            for m in range(micro):  # DDP reduces on the last one only (no_sync before)
+                rows = torch.arange(batch, device=device) + ((step % 4) * micro + m) * batch
+                quiet = variant == "ddp" and m < micro - 1
+                with net.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
+                    loss = loss_of(net, rows)
+                    loss.backward()
+                total_loss = loss.detach() + total_loss
+            float(total_loss)  # the loop reads the loss: a host sync a step, as here
             opt.step()
         if variant == "ddp":
             torch.distributed.destroy_process_group()
     timed = times[1:][warmup:]
     return {"step_s": statistics.median(timed), "steps_s": timed, "params": params,
-            "tokens_per_step": batch * seq,
+            "tokens_per_step": batch * seq * micro, "micro_batches": micro,
             "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB}
 
 
@@ -300,6 +309,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16, help="overhead: its layers")
     p.add_argument("--batch", type=int, default=8, help="overhead: sequences a step")
     p.add_argument("--seq", type=int, default=1024, help="overhead: tokens a sequence")
+    p.add_argument("--micro", default="1,4", help="overhead: micro-batches a step, each "
+                   "setting a run (comma-separated)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--checkpoint-gb", type=float, default=10.0)
@@ -328,24 +339,26 @@ def main() -> None:
 
     started = time.monotonic()
     if "overhead" in parts:
-        kw = {"dim": args.dim, "layers": args.layers, "batch": args.batch, "seq": args.seq,
-              "warmup": args.warmup, "steps": args.steps}
-        rows: dict[str, Any] = {}
-        for variant in VARIANTS:
-            env = _env()
-            if variant in ("ddp", "maitre"):  # a one-rank group, as torchrun would set it up
-                env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-            rows[variant] = in_process("overhead", {"variant": variant, **kw},
-                                       args.part_timeout_s, env)
-            print(f"overhead {variant}: {rows[variant].get('step_s', rows[variant])}",
-                  flush=True)
-        plain = rows["plain"].get("step_s")
-        for variant, row in rows.items():
-            if plain and "step_s" in row:
-                row["ratio_to_plain"] = row["step_s"] / plain
-        doc["overhead"] = rows
-        save()
+        doc["overhead"] = {}
+        for micro in (int(m) for m in args.micro.split(",")):
+            kw = {"dim": args.dim, "layers": args.layers, "batch": args.batch,
+                  "seq": args.seq, "warmup": args.warmup, "steps": args.steps, "micro": micro}
+            rows: dict[str, Any] = {}
+            for variant in VARIANTS:
+                env = _env()
+                if variant in ("ddp", "maitre"):  # a one-rank group, as torchrun sets it up
+                    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+                rows[variant] = in_process("overhead", {"variant": variant, **kw},
+                                           args.part_timeout_s, env)
+                print(f"overhead x{micro} {variant}: "
+                      f"{rows[variant].get('step_s', rows[variant])}", flush=True)
+            plain = rows["plain"].get("step_s")
+            for variant, row in rows.items():
+                if plain and "step_s" in row:
+                    row["ratio_to_plain"] = row["step_s"] / plain
+            doc["overhead"][f"micro_batches_{micro}"] = rows
+            save()
     if "checkpoint" in parts:
         doc["checkpoint"] = in_process("checkpoint", {"size_gb": args.checkpoint_gb,
                                                       "saves": args.saves},

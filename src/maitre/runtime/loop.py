@@ -110,7 +110,9 @@ class Batch:
     """This process's part of its replica's share, when a replica spans processes."""
     grad_norm: float | None = None
     """The global norm of the reduced gradients, once clipped (for ``on_reduced_grads``)."""
-    _loss: float = 0.0
+    _loss: "float | torch.Tensor" = 0.0
+    """This rank's summed loss so far: a tensor while the losses logged are tensors (summed
+    where they lie: reading one would wait for the device in the middle of the step)."""
     _logged: bool = False
     _scale: float = 1.0
     _autocast: tuple[str, torch.dtype] | None = None
@@ -132,7 +134,10 @@ class Batch:
 
     def log_loss(self, loss_sum: torch.Tensor | float) -> None:
         """Record this rank's summed loss; ``loop.last_loss`` is then the global mean."""
-        self._loss += float(loss_sum.detach() if isinstance(loss_sum, torch.Tensor) else loss_sum)
+        if isinstance(loss_sum, torch.Tensor):
+            self._loss = loss_sum.detach().sum() + self._loss
+        else:
+            self._loss += float(loss_sum)
         self._logged = True
 
     def backward(self, loss_sum: torch.Tensor) -> None:
@@ -409,6 +414,8 @@ class ElasticLoop:
         control = self._reduce(batch)
         if control is None:
             return False
+        if control.device.type != "cpu":  # read once: every slot read below is a host read
+            control = control.cpu()
         lst = self._listening
         stop = float(control[_STOP]) > 0
         if lst is not None and not lst.caught_up:  # kept, to be replayed once the state lands
@@ -435,7 +442,10 @@ class ElasticLoop:
         rep = self._spanning
         lst = self._listening
         counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
-        control[0] = batch._loss if counts else 0.0
+        if counts and isinstance(batch._loss, torch.Tensor):
+            control[0:1].copy_(batch._loss.reshape(1))
+        else:
+            control[0] = batch._loss if counts else 0.0
         control[1] = len(batch.indices) if counts else 0.0
         control[2] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
