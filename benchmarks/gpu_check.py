@@ -82,8 +82,8 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
     tokens = torch.randint(0, vocab, (4 * batch * micro, seq + 1), device=device,
                            generator=torch.Generator(device).manual_seed(1))
 
-    def loss_of(net: nn.Module, rows: torch.Tensor) -> torch.Tensor:
-        chunk = tokens[rows]
+    def loss_of(net: nn.Module, first: int, count: int) -> torch.Tensor:
+        chunk = tokens[first:first + count]  # (no host-to-device copy: that waits for the GPU)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = net(chunk[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, vocab), chunk[:, 1:].reshape(-1),
@@ -101,13 +101,12 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
     if variant.startswith("maitre"):
         import maitre
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(4 * batch * micro,
-                                                                     batch * micro),
-                                  micro_batch_size=batch)
+        sampler = maitre.ElasticSampler(4 * batch * micro, batch * micro, shuffle=False)
+        loop = maitre.ElasticLoop(model, opt, sampler, micro_batch_size=batch)
         for b in loop.run(max_steps=total):
             tick()
-            for idx in b.micro_batches:
-                b.backward(loss_of(model, torch.tensor(idx, device=device)))
+            for idx in b.micro_batches:  # consecutive sample ids (no shuffle)
+                b.backward(loss_of(model, idx[0], len(idx)))
         tick()
     else:
         net: nn.Module = model
@@ -123,10 +122,9 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
             opt.zero_grad(set_to_none=True)
             total_loss = 0.0
             for m in range(micro):  # DDP reduces on the last one only (no_sync before)
-                rows = torch.arange(batch, device=device) + ((step % 4) * micro + m) * batch
                 quiet = variant == "ddp" and m < micro - 1
                 with net.no_sync() if quiet else contextlib.nullcontext():  # type: ignore[operator]
-                    loss = loss_of(net, rows)
+                    loss = loss_of(net, ((step % 4) * micro + m) * batch, batch)
                     loss.backward()
                 total_loss = loss.detach() + total_loss
             float(total_loss)  # the loop reads the loss: a host sync a step, as here
