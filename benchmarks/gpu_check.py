@@ -204,7 +204,8 @@ def llm(args: argparse.Namespace) -> dict[str, Any]:
     m = re.search(r"([\d.]+) tokens/s", done.stdout)
     if done.returncode != 0 or m is None:
         raise RuntimeError(f"exit {done.returncode}: {done.stdout[-1500:]}{done.stderr[-2500:]}")
-    return {"tokens_per_s": float(m.group(1)), "command": " ".join(cmd[1:]),
+    return {"tokens_per_s": float(m.group(1)),
+            "command": " ".join([str(Path(cmd[1]).relative_to(ROOT)), *cmd[2:]]),
             "output": done.stdout[-1500:]}
 
 

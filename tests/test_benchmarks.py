@@ -44,6 +44,7 @@ SMOKE = {  # script: seconds it may take (a few times what it takes on 2 shared 
     "simulator.py": 120,
     "spares.py": 180,
     "stragglers.py": 240,
+    "throughput.py": 180,
     "warmstart.py": 120,
 }
 PARSE_ONLY = ["gpu_check.py"]
