@@ -8,6 +8,8 @@ fixed-size run, is in test_elastic_processes.py (the example runs with 4 KiB buc
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 from typing import Any, Callable
@@ -16,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import ROOT
 from maitre import ElasticLoop, ElasticSampler
 from maitre.runtime.env import WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
@@ -355,3 +358,11 @@ def test_a_parameter_whose_shape_changes_between_steps_is_refused() -> None:
 def test_a_bad_cap_is_refused_before_the_loop_is_built() -> None:
     with pytest.raises(ValueError, match="cap_mb"):
         loop_for(mlp(), buckets=Buckets(cap_mb=0))
+
+
+@pytest.mark.parametrize("script", ["train.py", "train_llm.py"])
+def test_the_examples_refuse_a_bucket_cap_that_is_not_a_size(script: str) -> None:
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--bucket-cap-mb",
+                           "-1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "--bucket-cap-mb must be a positive number of MiB, got -1.0" in done.stderr

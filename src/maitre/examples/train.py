@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="MiB of gradients per reduction launched while backward runs (DDP's 25)")
     args = p.parse_args()
+    if not args.bucket_cap_mb > 0:
+        p.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)  # every rank builds the same initial model
