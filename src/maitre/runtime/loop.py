@@ -12,11 +12,11 @@ A script builds its model, optimizer and data as usual, then iterates::
 While backward runs, the summed gradients are reduced in buckets as they become final, as DDP
 does (:mod:`maitre.runtime.reduction`). Between two iterations the loop finishes the step: the
 last bucket carries the control slots (the loss sum, the sample count, a resize flag and the
-checkpoint's flags); once every bucket is reduced, the loop divides by the global sample count
-(so uneven shares are weighted exactly),
-runs the recipe's step hooks on the reduced gradients (a loss scaler's overflow check, clipping by
-the global norm, a callback: :mod:`maitre.runtime.hooks`), applies the scaling rule's
-learning-rate factor, steps the optimizer and the LR schedule, advances the sampler and commits.
+checkpoint's flags); once every bucket is reduced, the gradients are the mean over the global
+sample count (uneven shares weighted exactly), and the loop runs the recipe's step hooks on them
+(a loss scaler's overflow check, clipping by the global norm, a callback:
+:mod:`maitre.runtime.hooks`), applies the scaling rule's learning-rate factor, steps the
+optimizer and the LR schedule, advances the sampler and commits.
 With mixed precision the body reads::
 
     for idx in batch.micro_batches:
@@ -87,6 +87,7 @@ from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, pa
 # that ends at this step, then one per member: its held value over the last steps, then one per
 # member: its work per step (zero on other steps: :mod:`maitre.runtime.stragglers`)
 _CONTROL = 10
+_LOSS, _COUNT, _RESIZE = 0, 1, 2
 _SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY = 3, 4, 5, 6, 7, 8, 9
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
@@ -430,7 +431,7 @@ class ElasticLoop:
             self._promote()
         if stop and (committed or lst is not None):  # a skipped step asks again next step
             self._stop_here()
-        if float(control[2]) > 0:
+        if float(control[_RESIZE]) > 0:
             self._rendezvous("resize")
         return committed
 
@@ -443,11 +444,11 @@ class ElasticLoop:
         lst = self._listening
         counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
         if counts and isinstance(batch._loss, torch.Tensor):
-            control[0:1].copy_(batch._loss.reshape(1))
+            control[_LOSS:_LOSS + 1].copy_(batch._loss.reshape(1))
         else:
-            control[0] = batch._loss if counts else 0.0
-        control[1] = len(batch.indices) if counts else 0.0
-        control[2] = 1.0 if self._change_requested() else 0.0
+            control[_LOSS] = batch._loss if counts else 0.0
+        control[_COUNT] = len(batch.indices) if counts else 0.0
+        control[_RESIZE] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
         part = self._checkpoint_part if ckpt is not None else None  # None: it writes nothing
         control[_SAVE] = 1.0 if part is not None and (ckpt.due(batch.step) or (
@@ -501,7 +502,7 @@ class ElasticLoop:
         commits nothing. A listener replays queued steps through here too, so it stays exact."""
         self._await_snapshots()  # a snapshot being copied still reads the live state
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        count = int(round(float(control[1])))
+        count = int(round(float(control[_COUNT])))
         if count != batch.global_batch_size:
             raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
                                f"batch has {batch.global_batch_size}: shares are inconsistent")
@@ -531,7 +532,7 @@ class ElasticLoop:
             self.lr_scheduler.step()
         self.sampler.advance(batch.slice)
         self.state.step += 1
-        self.last_loss = float(control[0]) / count
+        self.last_loss = float(control[_LOSS]) / count
         return True
 
     def _commit(self, batch: Batch, control: torch.Tensor, stop: bool) -> None:
