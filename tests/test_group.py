@@ -70,3 +70,33 @@ def test_collective_works_then_a_missing_peer_is_abandoned(store) -> None:
         g0.allreduce(torch.ones(4))
     assert 0.25 < time.monotonic() - t0 < 5
     g0.retire()  # set aside, not destroyed: this must not block either
+
+
+_EXIT_WITH_A_COLLECTIVE_IN_FLIGHT = """
+import threading, torch, torch.distributed as dist
+from datetime import timedelta
+from maitre.runtime.group import EpochGroup
+torch.set_num_threads(1)
+server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+groups = {}
+def build(rank):
+    store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    groups[rank] = EpochGroup.create(store, "t/", rank, 2, torch.device("cpu"), lambda: None)
+threads = [threading.Thread(target=build, args=(r,)) for r in range(2)]
+[t.start() for t in threads]; [t.join() for t in threads]
+groups[0].allreduce_async(torch.ones(1000))  # its peer never takes part
+groups[1].retire()
+groups[0].retire()
+print("exiting", flush=True)
+"""
+
+
+def test_a_process_exits_at_once_with_a_retired_group_whose_collective_is_in_flight() -> None:
+    """A retired group is never destroyed, not even by the interpreter's exit: its destructor
+    would wait for the collective in flight for the backend's whole timeout (30 min; a test run
+    hung at its exit so)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_COLLECTIVE_IN_FLIGHT],
+                          capture_output=True, text=True, timeout=45)
+    assert done.returncode == 0 and "exiting" in done.stdout, done.stderr

@@ -14,6 +14,7 @@ communicators are aborted instead, which is the only way to free a hung one.
 
 from __future__ import annotations
 
+import ctypes
 import re
 import threading
 import time
@@ -25,6 +26,15 @@ import torch.distributed as dist
 
 # Groups set aside after their epoch ended. Never destroyed while the process lives.
 _GRAVEYARD: list[object] = []
+
+
+def _bury(backend: object) -> None:
+    """Keep ``backend`` for the life of the process, the interpreter's exit included: a group's
+    destructor waits for a collective still in flight, up to the backend's own timeout (a test
+    run hung at its exit for that, when a module's globals were cleared). An extra reference
+    that nothing releases keeps it; the process's end frees it all."""
+    _GRAVEYARD.append(backend)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
 
 WAIT_SLICE = timedelta(milliseconds=50)
 """How often a waiting collective checks whether its epoch was closed."""
@@ -106,7 +116,7 @@ class EpochGroup:
             except Exception as exc:  # surfaced below as a lost epoch
                 built["error"] = exc
             if abandoned.is_set() and "backend" in built:
-                _GRAVEYARD.append(built["backend"])
+                _bury(built["backend"])
 
         abandoned = threading.Event()
         builder = threading.Thread(target=build, name="maitre-group-build", daemon=True)
@@ -186,7 +196,7 @@ class EpochGroup:
             abort = getattr(self.backend, "abort", None) or getattr(self.backend, "_abort", None)
             if abort is not None:  # ~1 s even when idle (H200, NCCL 2.28): off the recovery path
                 threading.Thread(target=abort, name="maitre-nccl-abort", daemon=True).start()
-        _GRAVEYARD.append(self.backend)
+        _bury(self.backend)
 
 
 def first_line(exc: BaseException) -> str:
