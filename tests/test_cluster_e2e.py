@@ -55,6 +55,7 @@ class _Procs:
                 pass
 
 
+@pytest.mark.chaos  # (about half a minute: in .ci/run's chaos stage, not the default suite)
 @pytest.mark.timeout(300)
 def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
         tmp_path: Path, reference) -> None:

@@ -194,6 +194,7 @@ def _commits(ledger: Path) -> dict[str, list[dict]]:
     return {w: [r for r in records if r["k"] == "c"] for w, records in _ledger(ledger).items()}
 
 
+@pytest.mark.chaos  # (about a minute: in .ci/run's chaos stage, not the default suite)
 @pytest.mark.timeout(300)
 def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows_back_onto_it(
         hosts, tmp_path: Path, reference) -> None:  # noqa: F811
