@@ -164,11 +164,13 @@ class Reducer:
             self._divided.append(False)
         self._control = control
         self.slots = 0
+        """Timing slots after the control slots, three per member of the epoch's group (its
+        window's value, its held value, its work per step: :mod:`maitre.runtime.stragglers`)."""
         self._flats: list[torch.Tensor] = []
-        self._views: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
         self._numels: list[int] = []
         self.control = torch.zeros(0)
         self._view_of: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        """Per parameter: itself and what its ``.grad`` is once taken (a view into a bucket)."""
         # per step
         self._passes = 0
         self._factor = 1.0
@@ -196,29 +198,24 @@ class Reducer:
             self.slots = slots
         extra = self._control + self.slots
         device = replicas.local_tensor(self.params[0]).device
-        self._flats, self._views, self._numels = [], [], []
+        self._flats, self._numels = [], []
+        self._view_of = [(p, p) for p in self.params]  # (each replaced below)
         for b, members in enumerate(self.layout):
             dtype = replicas.local_tensor(self.params[members[0]]).dtype
             numel = sum(replicas.local_tensor(self.params[i]).numel() for i in members)
             carries = b == len(self.layout) - 1 and not self._own_control
             flat = torch.zeros(numel + (extra if carries else 0), dtype=dtype, device=device)
-            views, offset = [], 0
+            offset = 0
             for i in members:
                 p, local = self.params[i], replicas.local_tensor(self.params[i])
-                views.append((p, _grad_view(p, flat[offset:offset + local.numel()]
-                                           .view_as(local))))
+                self._view_of[i] = (p, _grad_view(p, flat[offset:offset + local.numel()]
+                                                  .view_as(local)))
                 offset += local.numel()
             self._flats.append(flat)
-            self._views.append(views)
             self._numels.append(numel)
         if self._own_control:
             self._flats.append(torch.zeros(extra, dtype=torch.float64, device=device))
-            self._views.append([])
             self._numels.append(0)
-        self._view_of = [(p, p) for p in self.params]  # (placeholders)
-        for members, views in zip(self.layout, self._views):
-            for i, pv in zip(members, views):
-                self._view_of[i] = pv
         self.control = self._flats[-1][self._numels[-1]:]
         self._group = None
 
@@ -239,12 +236,11 @@ class Reducer:
     def scatter(self, count: int) -> None:
         """Hand the reduced gradients to the parameters as the mean over ``count`` samples: the
         buckets that were not divided as they filled are divided now."""
-        for flat, numel, views, divided in zip(self._flats, self._numels, self._views,
-                                               self._divided):
+        for flat, numel, divided in zip(self._flats, self._numels, self._divided):
             if not divided and numel:
                 flat[:numel].mul_(1.0 / count)
-            for p, view in views:
-                p.grad = view
+        for p, view in self._view_of:
+            p.grad = view
 
     # -- the step --------------------------------------------------------------------------
     def begin(self, passes: int, group: EpochGroup | None, count: int = 1, *,
@@ -401,9 +397,9 @@ def _count_registrations() -> None:
 
 
 def _grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
-    """What ``p.grad`` is set to: ``view`` itself, or for a sharded parameter a DTensor over it
-    with ``p``'s placements (FSDP2 then accumulates its reduce-scattered shards into it in
-    place, micro-batch after micro-batch)."""
+    """What ``p.grad`` is set to once taken: ``view`` itself, or for a sharded parameter a
+    DTensor over it with ``p``'s placements (the optimizer and clipping see the gradient as
+    FSDP2 or TP laid it out)."""
     if not replicas.is_sharded(p):
         return view
     from torch.distributed.tensor import DTensor
