@@ -218,9 +218,8 @@ def table(results: dict[str, Any]) -> str:
              f"{'vs FSDP2':>8} {'exposed comm ms':>15}"]
     for setting, by_ranks in results.items():
         for ranks, row in by_ranks.items():
-            local = row.get("local", {}).get("step_s")
             for mode, m in row.items():
-                exposed = "" if local is None else f"{1000 * (m['step_s'] - local):15.0f}"
+                exposed = f"{1000 * m['exposed_comm_s']:15.0f}" if "exposed_comm_s" in m else ""
                 lines.append(f"{setting:9} {ranks:>5} {mode:13} {1000 * m['step_s']:8.0f} "
                              f"{m.get('ratio_to_ddp', float('nan')):7.3f} "
                              f"{m.get('ratio_to_fsdp2', float('nan')):8.3f} {exposed}")
