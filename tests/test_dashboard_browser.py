@@ -119,8 +119,13 @@ def test_the_browser_signs_in_with_the_token_and_the_stream_shows_new_events(
                        headers={"Authorization": f"Bearer {TOKEN}"},
                        json={"slots": 4, "labels": {"capacity_type": "spot"}})
         assert r.status_code == 200
-        page.page.wait_for_function("window.__maitre.model().nodes.has('n-new')", timeout=10000)
-        seen = page.js("window.__maitre.renderedAt") / 1000
+        # The event reaches the model first and the page on the next animation frame: waited
+        # for the render that shows it, not just the model.
+        page.page.wait_for_function(
+            "window.__maitre.model().nodes.has('n-new') && "
+            "window.__maitre.renderedSeq >= window.__maitre.model().seq", timeout=10000)
+        seen = page.js("window.__maitre.seen[window.__maitre.model().seq] ?? "
+                       "window.__maitre.renderedAt") / 1000
         print(f"a node's registration showed in the page {seen - sent:.3f} s after its beat")
         assert page.page.locator("#scaling-canvas").count() == 1
         assert page.page_errors() == []
