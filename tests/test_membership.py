@@ -612,6 +612,37 @@ def test_crash_after_a_member_finished_does_not_restart_training():
     assert m.state in (JobState.COMPLETED, JobState.FAILED)
 
 
+@pytest.mark.parametrize("reports_first", ["joiner", "finishers"])
+def test_a_joiner_whose_peers_finished_the_last_step_does_not_wait_forever(reports_first):
+    """Found by running the benchmarks side by side on two cores: a worker joined as the others
+    trained the last steps; they finished and exited, its collective failed with "connection
+    closed by peer" and it came back to the rendezvous, a member still ACTIVE. The job waited
+    for it to finish (it never would: it was out of the loop) and it waited for an epoch that
+    could never open (fewer than the minimum left): a hang until someone cancelled the job."""
+    m = make(min_w=2, max_w=3)
+    w1, w2 = start(m, 2)
+    w3, = add(m, [("n0", 2)], now=1.5)
+    m.arrive(w3, 0, 0, "join", 1.6)
+    for w in (w1, w2):
+        m.arrive(w, 1, 40, "resize", 1.7)
+    assert m.try_open_epoch(1.7) and m.members == [w1, w2, w3]
+    if reports_first == "joiner":
+        m.arrive(w3, 2, 0, "peer failed: Connection closed by peer", 2.0)
+        assert m.state == JobState.RENDEZVOUS
+        m.done(w1, 60, 2.1)
+        assert m.state == JobState.RENDEZVOUS  # (w2 is still in its last step)
+        m.done(w2, 60, 2.1)
+    else:
+        m.done(w1, 60, 2.0)
+        m.done(w2, 60, 2.0)
+        assert m.state == JobState.RUNNING  # w3 may be a member still in its last step
+        m.arrive(w3, 2, 0, "peer failed: Connection closed by peer", 2.1)
+    assert m.state == JobState.COMPLETED
+    assert m.assignment(w3, 2) == {"action": "stop", "reason": "job completed"}
+    m.exited(w3, 0, None, 2.2)
+    assert (m.state, m.failures) == (JobState.COMPLETED, 0)
+
+
 def test_members_killed_by_the_same_signal_are_not_a_user_error():
     m = make(min_w=1, max_w=2, max_restarts=3)
     w1, w2 = start(m, 2)

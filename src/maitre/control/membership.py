@@ -576,11 +576,15 @@ class Membership:
 
     def _check_completed(self, now: float) -> bool:
         """The job is complete once a member finished its loop and no member is still in it (the
-        last step committed everywhere: a member that died after it changes nothing)."""
+        last step committed everywhere: a member that died after it changes nothing). A member
+        back at the rendezvous from its epoch is out of the loop: a joiner whose peers finished
+        the last steps while it joined, its collectives cut off as they exited, would otherwise
+        wait for an epoch that never opens, and the job for it, forever."""
         members = [self.workers[m] for m in self.members]
         if self.over or \
                 not any(m.state == WorkerState.DONE for m in members) or \
-                any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) for m in members):
+                any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) and
+                    (m.arrived_from is None or m.arrived_from < m.epoch) for m in members):
             return self.state == JobState.COMPLETED
         self._finish(JobState.COMPLETED)
         self._log(now, "completed", step=max(m.step for m in members))
@@ -652,6 +656,7 @@ class Membership:
                 return
         if self.open and from_epoch == self.epoch and self._is_member(w):
             self._close(f"{reason} (reported by {wid})", now)
+        self._check_completed(now)
 
     def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
         """What a worker waiting in :meth:`arrive` gets, or None while it must keep waiting."""
