@@ -8,7 +8,8 @@ each fault or join):
 
 * ``crash_to_step_s``: SIGKILL of one worker (of 3, ``--workers``) to the next completed step of
   the job;
-* ``hang_to_step_s`` (maitre): SIGSTOP of one worker to the next completed step, default settings;
+* ``hang_to_step_s`` (maitre): SIGSTOP of one worker to the next completed step, default settings
+  (crashes and hangs are taken in turn in one job, each once it is whole again);
 * ``join_pause_s``: how long the running workers stop when a third worker joins (the gap between
   the last step before the join and the first step after it, less one ordinary step);
 * ``steps_lost``: committed steps rolled back per failure (torchrun restarts every worker from its
@@ -20,7 +21,7 @@ Step times come from the data ledger (commit time of every step) that both maitr
 ElasticLoop under torchrun write. torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
 without which its restarts hang in torch 2.13 (pytorch#135712), and waits ``last_call_timeout``
 (its default, 30 s; ``--smoke``: 1 s) for more agents before a job of 2:3 agents first starts.
-``--smoke``: 2 workers (joins from 1 to 2), 3 steps between faults, one of each.
+``--smoke``: 2 workers (joins from 1 to 2), 2 steps between faults, one of each.
 """
 
 from __future__ import annotations
@@ -106,26 +107,30 @@ def wait_for(run: Run, pred: Callable[[dict], bool], timeout_s: float = 120.0) -
     raise TimeoutError("the job did not reach the expected state")
 
 
-def maitre_faults(sig: signal.Signals, reps: int, work: Path, settle: int = 30,
-                  workers: int = 3) -> list[tuple[float, int]]:
+def maitre_faults(signals: list[signal.Signals], reps: int, work: Path, settle: int = 30,
+                  workers: int = 3) -> dict[signal.Signals, list[tuple[float, int]]]:
+    """``reps`` faults of each kind in ``signals`` (SIGKILL: a crash, SIGSTOP: a hang), one job
+    for all, taken in turn once the job is whole again and has trained ``settle`` steps."""
     run = maitre_run(work, nodes=workers, max_nodes=workers, steps=100_000)
-    faults = []
+    faults: list[tuple[signal.Signals, float, int]] = []
     try:
         for _ in range(reps):
-            job = wait_for(run, lambda j: len(j["members"]) == workers)
-            job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + settle)
-            victim = random.Random(len(faults)).choice(job["members"][1:])
-            pid = run.pid_of(victim)
-            t = time.time()
-            os.kill(pid, sig)
-            faults.append((t, job["epoch"]))
-            wait_for(run, lambda j, e=job["epoch"]: j["epoch"] > e)
+            for sig in signals:
+                job = wait_for(run, lambda j: len(j["members"]) == workers)
+                job = wait_for(run, lambda j, s=job["step"]: j["step"] >= s + settle)
+                victim = random.Random(len(faults)).choice(job["members"][1:])
+                pid = run.pid_of(victim)
+                t = time.time()
+                os.kill(pid, sig)
+                faults.append((sig, t, job["epoch"]))
+                wait_for(run, lambda j, e=job["epoch"]: j["epoch"] > e)
         wait_for(run, lambda j: True)
         time.sleep(1.0)
     finally:
         run.shutdown()
     cs = commits(work / "ledger")
-    return [after_failure(cs, t, lambda c, e=e: c["epoch"] > e) for t, e in faults]
+    return {sig: [after_failure(cs, t, lambda c, e=e: c["epoch"] > e)
+                  for s, t, e in faults if s == sig] for sig in signals}
 
 
 def maitre_joins(reps: int, work: Path, settle: int = 30, workers: int = 3) -> list[float]:
@@ -322,7 +327,7 @@ def main() -> None:
                    "torchrun's)")
     p.add_argument("--steady-only", action="store_true",
                    help="rerun only the steady-state pairs and update --out in place")
-    args = parse(p, "recovery", smoke={"reps": 1, "steady_steps": 20, "settle": 3, "workers": 2,
+    args = parse(p, "recovery", smoke={"reps": 1, "steady_steps": 10, "settle": 2, "workers": 2,
                                        "last_call_s": 1})
     if args.workers < 2:
         p.error("--workers must be at least 2")
@@ -346,10 +351,9 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         report(result, args.out, args.smoke)
         return
     reps, settle, workers = args.reps, args.settle, args.workers
-    m_crash = stage("maitre-crash",
-                    lambda d: maitre_faults(signal.SIGKILL, reps, d, settle, workers))
-    m_hang = stage("maitre-hang",
-                   lambda d: maitre_faults(signal.SIGSTOP, reps, d, settle, workers))
+    m_faults = stage("maitre-crash-hang", lambda d: maitre_faults(
+        [signal.SIGKILL, signal.SIGSTOP], reps, d, settle, workers))
+    m_crash, m_hang = m_faults[signal.SIGKILL], m_faults[signal.SIGSTOP]
     m_join = stage("maitre-join", lambda d: maitre_joins(reps, d, settle, workers))
     t_crash = stage("torchrun-crash", lambda d: torchrun_crashes(reps, d, settle, workers))
     t_join = stage("torchrun-join",

@@ -252,11 +252,12 @@ def main() -> None:
     p.add_argument("--rate", default="1gbit", help="the link's rate (tc tbf)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     # smoke: one rank (every mode's code, not its collectives' cost); not maitre-flat (maitre's
-    # code with other Buckets); over the link one mode (the hosts, the shaping and torchrun
-    # across them are the same for every mode)
+    # code with other Buckets) nor local (ddp's without the wrapper); over the link one mode
+    # (the hosts, the shaping and torchrun across them are the same for every mode)
     args = parse(p, "throughput", {"ranks": "1", "width": 64, "layers": 2, "global_batch": 16,
                                    "warmup": 1, "steps": 2, "timeout_s": 120.0,
-                                   "modes": ",".join(m for m in MODES if m != "maitre-flat"),
+                                   "modes": ",".join(m for m in MODES
+                                                     if m not in ("maitre-flat", "local")),
                                    "link_modes": "maitre"})
     try:
         world_sizes = [int(r) for r in args.ranks.split(",")]

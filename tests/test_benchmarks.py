@@ -5,6 +5,10 @@ temporary directory (never over benchmarks/results/), stamped with the commit it
 leaves no process behind. ``benchmarks/gpu_check.py`` needs a GPU to measure anything: it is only
 imported and its arguments parsed.
 
+The scripts run side by side, ``AT_ONCE`` at a time, the longest first: most of a smoke run's
+time is processes starting and waiting on each other (a rendezvous, a detector's window), which
+another script's run fills. Each script still has a test of its own, which waits for its run.
+
 Also: every committed result says the commit and date it was measured on, and so does the
 README beside its table.
 """
@@ -20,6 +24,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 
@@ -33,7 +38,8 @@ HELPERS = {
     "_results.py": "--smoke, --out and the results' stamp, shared by the scripts",
     "workload.py": "recovery.py's training process (its smoke runs it every way)",
 }
-SMOKE = {  # script: seconds it may take (a few times what it takes on 2 shared cores)
+AT_ONCE = 3
+SMOKE = {  # script: seconds it may take (a few times what it takes on 2 shared cores, side by side)
     "checkpoint.py": 120,
     "control_plane.py": 120,
     "dashboard.py": 120,
@@ -94,15 +100,52 @@ def test_every_script_has_a_smoke_test() -> None:
     assert scripts == set(SMOKE) | set(PARSE_ONLY)
 
 
-@pytest.mark.parametrize("script", [pytest.param(s, marks=pytest.mark.timeout(t + 30))
-                                    for s, t in SMOKE.items()])
-def test_smoke(script: str, tmp_path: Path) -> None:
-    if script == "dashboard.py":
-        from browser import need_chromium
-        need_chromium()
-    committed = _digest(RESULTS)
-    done = _run([sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(tmp_path)],
-                SMOKE[script], tmp_path)
+class SmokeRuns:
+    """The smoke runs of the scripts this session's tests ask for, started together on the first
+    ask, ``AT_ONCE`` at a time, the longest (by their ``SMOKE`` allowance) first."""
+
+    def __init__(self, scripts: list[str], folder: Path) -> None:
+        self.folder = folder
+        self.committed = _digest(RESULTS)
+        self.pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="smoke")
+        self.runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {
+            s: self.pool.submit(self._smoke, s)
+            for s in sorted(scripts, key=lambda s: -SMOKE[s])}
+
+    def _smoke(self, script: str) -> subprocess.CompletedProcess[str]:
+        if script == "dashboard.py":
+            from browser import need_chromium
+            need_chromium()  # (pytest's Skipped, raised again in the test that waits)
+        out = self.folder / script.replace(".py", "")
+        out.mkdir()
+        return _run([sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
+                    SMOKE[script], out)
+
+    def result(self, script: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+        return self.runs[script].result(), self.folder / script.replace(".py", "")
+
+    def close(self) -> None:
+        for run in self.runs.values():
+            run.cancel()
+        self.pool.shutdown(wait=True)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    asked = sorted({item.callspec.params["script"] for item in request.session.items
+                    if getattr(item, "originalname", "") == "test_smoke"})
+    runs = SmokeRuns(asked, tmp_path_factory.mktemp("smoke"))
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+# (a test waits for its own run, which may wait for the runs started before it: the sum)
+@pytest.mark.timeout(sum(SMOKE.values()) + 60)
+@pytest.mark.parametrize("script", list(SMOKE))
+def test_smoke(script: str, smoke_runs: SmokeRuns) -> None:
+    done, tmp_path = smoke_runs.result(script)
     assert done.returncode == 0, done.stdout[-6000:]
     out = tmp_path / script.replace(".py", ".json")
     assert out.exists(), f"no {out.name} in {sorted(p.name for p in tmp_path.iterdir())}"
@@ -110,7 +153,7 @@ def test_smoke(script: str, tmp_path: Path) -> None:
     assert COMMIT.fullmatch(result["measured"]["commit"]), result["measured"]
     assert result["measured"]["smoke"] is True
     assert list(result)[0] == "measured" and len(result) > 1
-    assert _digest(RESULTS) == committed, "a smoke run wrote to benchmarks/results/"
+    assert _digest(RESULTS) == smoke_runs.committed, "a smoke run wrote to benchmarks/results/"
 
 
 @pytest.mark.timeout(60)
