@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import maitre
+import maitre.data
 
 # The corpus ships inside the maitre package, so a copy of this script runs from anywhere.
 DATA = resources.files("maitre") / "data" / "text" / "macbeth.txt"
@@ -49,6 +50,21 @@ class CharTransformer(nn.Module):
         h = self.tok(x) + self.pos(torch.arange(t, device=x.device))
         h = self.blocks(h, mask=self.mask[:t, :t], is_causal=True)
         return self.head(self.norm(h))
+
+
+class Sequences(torch.utils.data.Dataset):
+    """The corpus as ``(index, block + 1 characters)`` samples, for ``--data-workers``: what a
+    :class:`maitre.data.Loader`'s worker processes load (the index comes back with the data, so
+    the step can check that it trains the samples the loop gave it)."""
+
+    def __init__(self, ids: torch.Tensor, block: int) -> None:
+        self.ids, self.block = ids, block
+
+    def __len__(self) -> int:
+        return (len(self.ids) - 1) // self.block
+
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
+        return i, self.ids[i * self.block:(i + 1) * self.block + 1]
 
 
 def main() -> None:
@@ -79,11 +95,16 @@ def main() -> None:
                    "(fp16 with a dynamic loss scale)")
     p.add_argument("--loss-scale", type=float, default=2.0 ** 16,
                    help="fp16's initial loss scale (default 65536)")
+    p.add_argument("--data-workers", type=int, default=None,
+                   help="load the samples through maitre.data.Loader with this many worker "
+                   "processes (0: in this process); by default the step indexes the corpus")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="MiB of gradients per reduction launched while backward runs (DDP's 25)")
     args = p.parse_args()
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    if args.data_workers is not None and args.data_workers < 0:
+        p.error(f"--data-workers must be 0 or more, got {args.data_workers}")
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)  # every rank builds the same initial model
@@ -122,12 +143,23 @@ def main() -> None:
                                   cap_mb=args.bucket_cap_mb,
                                   first_cap_mb=min(1.0, args.bucket_cap_mb)))
 
+    loader = None if args.data_workers is None else maitre.data.Loader(
+        Sequences(ids, args.block), loop, num_workers=args.data_workers)
     started, tokens = time.monotonic(), 0
     for batch in loop.run(max_steps=args.steps):
-        for idx in batch.micro_batches:
+        loaded = loader(batch) if loader is not None else iter(batch.micro_batches)
+        for idx, data in zip(batch.micro_batches, loaded):
             if not idx:
                 continue
-            x, y = sequences(idx)
+            if loader is None:
+                x, y = sequences(idx)
+            else:
+                got, chunk = data
+                if got.tolist() != idx:  # (the loader's promise, checked at every step)
+                    raise RuntimeError(f"step {batch.step}: the loader gave samples "
+                                       f"{got.tolist()}, the loop asked for {idx}")
+                chunk = chunk.to(device)
+                x, y = chunk[:, :-1], chunk[:, 1:]
             with batch.autocast():
                 logits = model(x)
             if logits.dtype in (torch.float16, torch.bfloat16):  # the loss in the model's dtype
@@ -144,6 +176,8 @@ def main() -> None:
             print(f"step {loop.step:5d}  loss {loop.last_loss:.4f}  world {batch.world_size}  "
                   f"{rate:,.0f} tok/s", flush=True)
 
+    if loader is not None:
+        loader.close()
     if loop.rank == 0:
         loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
         skipped = f", {loop.scaler.skipped} steps skipped for fp16 overflow" \

@@ -44,6 +44,7 @@ Under plain ``torchrun`` the same loop runs on a fixed group; alone, on one proc
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import secrets
@@ -391,7 +392,15 @@ class ElasticLoop:
     def _next_batch(self) -> Batch:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
         slc = self.sampler.next_slice(self.rank, self.world_size, size)
-        local = slc.local_indices
+        chunks, mine = self._split(slc.local_indices)
+        dtype = self.hooks.autocast_dtype
+        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks, mine=mine,
+                     _scale=self.scaler.scale if self.scaler is not None else 1.0,
+                     _autocast=None if dtype is None else (self.device.type, dtype))
+
+    def _split(self, local: list[int]) -> tuple[list[list[int]], list[int] | None]:
+        """This process's micro-batches of its rank's share ``local``, and its part of the share
+        when its replica spans processes (else None)."""
         mine: list[int] | None = None
         rep = self._spanning
         most = len(local)
@@ -404,10 +413,21 @@ class ElasticLoop:
         # Every process of a replica runs as many forward passes (FSDP2's collectives pair
         # them up): a smaller part gets empty micro-batches to match the largest.
         chunks += [[]] * (max(1, -(-most // micro)) - len(chunks))
-        dtype = self.hooks.autocast_dtype
-        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks, mine=mine,
-                     _scale=self.scaler.scale if self.scaler is not None else 1.0,
-                     _autocast=None if dtype is None else (self.device.type, dtype))
+        return chunks, mine
+
+    def upcoming(self) -> Iterator[list[list[int]]]:
+        """The micro-batches of this process in each step after the committed one, the step
+        being trained first, as the current membership will train them if nothing changes.
+        Nothing is consumed: :class:`maitre.data.Loader` prefetches along it and starts again
+        from here when a step asks for other samples (a resize, a dropped step)."""
+        rank, world = self.rank, self.world_size  # (read now, not at the first ``next``)
+        if rank < 0 or self._listening is not None:  # a listener trains no samples
+            return iter(())
+        size = lambda: self.scaling.global_batch_size(  # noqa: E731
+            self.sampler.global_batch_size, world)
+        steps = itertools.islice(self.sampler.upcoming(size),
+                                 max(0, self._max_steps - self.state.step))  # (none past the end)
+        return (self._split(s[slice(*share_bounds(len(s), rank, world))])[0] for s in steps)
 
     def _finish(self, batch: Batch) -> bool:
         """Reduce, update and commit the step. False when it was dropped for a membership change,

@@ -10,14 +10,22 @@ sample. The last step of a data epoch takes what is left (a smaller global batch
 is consumed exactly once per data epoch.
 
 The sampler never talks to other ranks; the runtime hands it the rank and world size.
+
+A data source may order its samples itself (``order``: token shards read in shard-aware blocks,
+so that reads stay sequential) and describe itself (``source``: its files and their sizes): the
+description is kept in the sampler's state, and a resume onto a source that changed is refused
+with what changed (``check``). Either way the order depends on ``(seed, data_epoch)`` alone.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
+
+Order = Callable[[int, int], list[int]]
+"""``order(seed, data_epoch)``: a permutation of the source's sample indices."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,30 +62,77 @@ class ElasticSampler:
     """
 
     def __init__(self, num_samples: int, global_batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True) -> None:
+                 shuffle: bool = True, order: Order | None = None,
+                 source: dict[str, Any] | None = None,
+                 check: Callable[[dict[str, Any]], str | None] | None = None) -> None:
         if num_samples <= 0:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
+            raise ValueError(f"the data set is empty (num_samples {num_samples}): nothing to "
+                             "train on")
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
         self.shuffle = shuffle
+        self.source = source
+        self._order_fn = order
+        self._check = check
         self.data_epoch = 0
         self.cursor = 0
         self._order_epoch = -1
         self._order: list[int] = []
 
+    @classmethod
+    def of(cls, dataset: Any, global_batch_size: int, *, seed: int = 0,
+           shuffle: bool = True) -> "ElasticSampler":
+        """The sampler of ``dataset`` (``len(dataset)`` samples): with its own ``order``,
+        ``describe`` and ``changes`` where it has them (:class:`maitre.data.TokenShards`)."""
+        describe = getattr(dataset, "describe", None)
+        if len(dataset) == 0:
+            raise ValueError(f"the data set is empty ({dataset!r}): nothing to train on")
+        if global_batch_size > len(dataset):
+            raise ValueError(f"the global batch ({global_batch_size}) is larger than the data "
+                             f"set ({len(dataset)} samples)")
+        return cls(len(dataset), global_batch_size, seed=seed, shuffle=shuffle,
+                   order=getattr(dataset, "order", None) if shuffle else None,
+                   source=describe() if describe is not None else None,
+                   check=getattr(dataset, "changes", None))
+
     def order(self, data_epoch: int) -> list[int]:
         """The global sample order of one data epoch (cached for the current one)."""
         if data_epoch != self._order_epoch:
-            if self.shuffle:
-                gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_epoch)
-                self._order = torch.randperm(self.num_samples, generator=gen).tolist()
-            else:
-                self._order = list(range(self.num_samples))
+            self._order = self._draw(data_epoch)
             self._order_epoch = data_epoch
         return self._order
+
+    def _draw(self, data_epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_samples))
+        if self._order_fn is not None:
+            order = self._order_fn(self.seed, data_epoch)
+            if len(order) != self.num_samples:
+                raise ValueError(f"the source's order has {len(order)} samples, not "
+                                 f"{self.num_samples}")
+            return order
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_epoch)
+        return torch.randperm(self.num_samples, generator=gen).tolist()
+
+    def upcoming(self, size: Callable[[], int]) -> Iterator[list[int]]:
+        """The global slices of the steps after the committed cursor, in order, as they will be
+        drawn if nothing changes (``size()``: each step's global batch); nothing is consumed.
+        A loader prefetches along it. (The cursor is read now, not at the first ``next``.)"""
+        epoch, cursor = self.data_epoch, self.cursor
+        order = self.order(epoch)
+
+        def walk(epoch: int, cursor: int, order: list[int]) -> Iterator[list[int]]:
+            while True:
+                piece = order[cursor:cursor + size()]
+                yield piece
+                cursor += len(piece)
+                if cursor >= self.num_samples:
+                    epoch, cursor = epoch + 1, 0
+                    order = self._draw(epoch)
+        return walk(epoch, cursor, order)
 
     def next_slice(self, rank: int, world_size: int, global_batch_size: int | None = None) -> StepSlice:
         """The slice of the next step, without consuming it (see :meth:`advance`)."""
@@ -103,13 +158,22 @@ class ElasticSampler:
             self.cursor = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size,
-                "seed": self.seed, "shuffle": self.shuffle,
-                "data_epoch": self.data_epoch, "cursor": self.cursor}
+        state = {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size,
+                 "seed": self.seed, "shuffle": self.shuffle,
+                 "data_epoch": self.data_epoch, "cursor": self.cursor}
+        if self.source is not None:
+            state["source"] = self.source
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["num_samples"] != self.num_samples or state["seed"] != self.seed \
-                or state["shuffle"] != self.shuffle:
+        if self._check is not None and state.get("source") is not None:
+            changed = self._check(state["source"])
+            if changed:
+                raise ValueError(f"the data changed since this state was saved: {changed}")
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(f"sampler state is for a different data set: it was saved with "
+                             f"{state['num_samples']} samples, this one has {self.num_samples}")
+        if state["seed"] != self.seed or state["shuffle"] != self.shuffle:
             raise ValueError(
                 "sampler state is for a different data set or seed: "
                 f"{ {k: state[k] for k in ('num_samples', 'seed', 'shuffle')} }")

@@ -1,0 +1,174 @@
+"""The elastic loader: torch's DataLoader (worker processes, prefetch, pinned memory, collate)
+fed with exactly the samples the loop trains, step after step, at any world size.
+
+The loop decides which samples a step trains (:class:`~maitre.runtime.sampler.ElasticSampler`:
+the committed cursor, the rank and the world size of the membership epoch); the loader only
+serves them. It asks the loop for the micro-batches of the steps to come
+(:meth:`ElasticLoop.upcoming`) and hands that plan to a DataLoader as its batch sampler, so the
+workers load ahead along it. Every micro-batch a step asks for is checked against the plan's
+head: the same indices, the prefetched batch is used; other indices (a resize changed the
+shares, a step was dropped and is trained again, the job resumed elsewhere), the prefetched
+batches are dropped with their workers and a new plan starts from the step being trained. A
+data worker that dies (SIGKILL, the OOM killer) is replaced the same way and its batches are
+loaded again. Nothing here is state: the cursor is the sampler's, committed with each step, so
+what a joiner receives and a checkpoint holds is unchanged and O(1), and a resume at any world
+size or worker count loads its first batch without reading the skipped data.
+
+    loader = maitre.data.Loader(dataset, loop, num_workers=4, pin_memory=True)
+    for batch in loop.run(max_steps):
+        for x, y in loader(batch):           # one collated micro-batch at a time
+            batch.backward(loss_fn(model(x), y))
+
+An exception raised by the dataset (a corrupt shard: :class:`maitre.data.DataError`) reaches the
+training script as it would from a DataLoader: the job stops at that step, its committed state
+intact.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from torch.utils.data import DataLoader, Dataset
+
+if TYPE_CHECKING:
+    from maitre.runtime.loop import Batch, ElasticLoop
+
+
+class _Plan:
+    """The DataLoader's batch sampler: the micro-batches the steps to come will ask for. It
+    remembers what it issued, in order, so that each batch coming back is known by its indices
+    (a DataLoader returns batches in the order it drew their indices)."""
+
+    def __init__(self) -> None:
+        self.source: Iterator[list[int]] = iter(())
+        self.issued: deque[list[int]] = deque()
+        self._peeked: deque[list[int]] = deque()
+
+    def restart(self, source: Iterator[list[int]]) -> None:
+        self.source = source
+        self.issued.clear()
+        self._peeked.clear()
+
+    def head(self) -> list[int] | None:
+        """The indices of the next batch the DataLoader will return (None: the plan ended)."""
+        if self.issued:
+            return self.issued[0]
+        if not self._peeked:
+            nxt = next(self.source, None)
+            if nxt is None:
+                return None
+            self._peeked.append(nxt)
+        return self._peeked[0]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while True:
+            item = self._peeked.popleft() if self._peeked else next(self.source, None)
+            if item is None:
+                return
+            self.issued.append(item)
+            yield item
+
+
+class Loader:
+    """Serves each step's micro-batches from ``dataset`` through a DataLoader.
+
+    Args:
+        dataset: any map-style dataset (``__getitem__`` and ``__len__``: a Hugging Face
+            ``datasets.Dataset``, :class:`~maitre.data.TokenShards`...) of the loop's sampler.
+        loop: the :class:`~maitre.runtime.loop.ElasticLoop` whose steps it feeds.
+        num_workers, prefetch_factor, pin_memory, collate_fn, worker_init_fn,
+        multiprocessing_context, timeout: as torch's DataLoader (``prefetch_factor`` batches
+            loaded ahead per worker).
+        max_worker_restarts: data workers lost (killed, out of memory) before the error is
+            raised to the script instead of replacing them.
+    """
+
+    def __init__(self, dataset: Dataset, loop: "ElasticLoop", *, num_workers: int = 0,
+                 prefetch_factor: int | None = None, pin_memory: bool = False,
+                 collate_fn: Callable[[list[Any]], Any] | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, timeout: float = 0,
+                 max_worker_restarts: int = 10) -> None:
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be 0 or more, got {num_workers}")
+        if prefetch_factor is not None and num_workers == 0:
+            raise ValueError("prefetch_factor needs worker processes (num_workers > 0)")
+        if len(dataset) != loop.sampler.num_samples:  # type: ignore[arg-type]
+            raise ValueError(f"the dataset has {len(dataset)} samples but the loop's sampler "  # type: ignore[arg-type]
+                             f"{loop.sampler.num_samples}: build it with "
+                             "ElasticSampler.of(dataset, ...)")
+        self.dataset, self.loop = dataset, loop
+        self._plan = _Plan()
+        self._loader = DataLoader(
+            dataset, batch_sampler=self._plan, num_workers=num_workers,
+            prefetch_factor=prefetch_factor, pin_memory=pin_memory, collate_fn=collate_fn,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            timeout=timeout, persistent_workers=False)
+        self._it: Iterator[Any] | None = None
+        self.max_worker_restarts = max_worker_restarts
+        self.restarts = 0
+        """Plans started again: the first one, and one per resize, dropped step or resume."""
+        self.worker_restarts = 0
+        """Data workers lost and replaced."""
+        self.dropped = 0
+        """Prefetched batches dropped because their step's shares changed."""
+
+    def __call__(self, batch: "Batch") -> Iterator[Any]:
+        """The collated data of each of ``batch``'s micro-batches, in order (None for an empty
+        one: a rank with no samples in the last step of a data epoch)."""
+        for k, indices in enumerate(batch.micro_batches):
+            if not indices:
+                yield None
+                continue
+            yield self._get(batch, k)
+
+    def _get(self, batch: "Batch", k: int) -> Any:
+        want = batch.micro_batches[k]
+        while True:
+            if self._it is None or self._plan.head() != want:
+                self._start(batch, k)
+            try:
+                data = next(self._it)  # type: ignore[arg-type]
+            except RuntimeError as exc:
+                if not str(exc).startswith("DataLoader worker") or \
+                        self.worker_restarts >= self.max_worker_restarts:
+                    raise
+                self.worker_restarts += 1
+                print(f"maitre: a data worker was lost ({exc}); its batches are loaded again "
+                      f"({self.worker_restarts} lost so far)", file=sys.stderr, flush=True)
+                self._stop()
+                continue
+            got = self._plan.issued.popleft()
+            assert got == want, (got, want)
+            return data
+
+    def _start(self, batch: "Batch", k: int) -> None:
+        """A new plan from micro-batch ``k`` of the step being trained, and fresh workers."""
+        if self._it is not None:
+            self.dropped += len(self._plan.issued)
+            self._stop()
+        rest = [m for m in batch.micro_batches[k:] if m]
+        later = (m for step in itertools.islice(self.loop.upcoming(), 1, None)
+                 for m in step if m)
+        self._plan.restart(itertools.chain(rest, later))
+        self._it = iter(self._loader)
+        self.restarts += 1
+
+    def _stop(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+
+    def close(self) -> None:
+        """Stop the data workers (also when the loader is garbage collected)."""
+        self._stop()
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

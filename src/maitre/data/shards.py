@@ -1,0 +1,195 @@
+"""Token shards: a directory of tokenized text, read through memory maps, as fixed-length
+sequences.
+
+Each shard is a flat array of token ids, as nanoGPT's ``prepare.py`` and ``maitre data
+prepare`` write them: raw ``.bin`` files of ``uint16`` (or ``uint32``) tokens, or ``.npy`` files
+(their header says the dtype). Sample ``i`` is a packed sequence of ``seq_len + 1`` tokens (the
+inputs and, shifted by one, the targets), cut from one shard without crossing into the next;
+a shard's last partial sequence is left out.
+
+The order of a data epoch is shard-aware: the sequences of each shard are cut into blocks of
+``block`` consecutive sequences, and the blocks of all shards are shuffled (from ``(seed,
+data_epoch)`` alone), so a step's samples come from a few places of a few files and reads stay
+sequential, whatever the world size or the number of workers.
+
+The shards' names and sizes are the source's description, kept in the sampler's state: a resume
+onto a directory that changed (a file added, removed or resized) is refused with what changed.
+A shard whose size is not a whole number of tokens, or which holds a token id at or above
+``vocab_size``, raises :class:`DataError` naming the file and the byte offset.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from numpy.lib import format as npy_format
+from torch.utils.data import Dataset
+
+DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class DataError(ValueError):
+    """A data file that cannot be read as what it claims to be; names the file and the byte
+    offset where it goes wrong."""
+
+    def __init__(self, path: str | os.PathLike[str], offset: int | None = None,
+                 problem: str | None = None) -> None:
+        if offset is None:  # one message: a DataLoader raising again what a worker raised
+            super().__init__(str(path))
+            found = _SAID.findall(str(path))
+            self.path, self.offset, self.problem = \
+                (found[-1][0], int(found[-1][1]), found[-1][2]) if found else ("", -1, str(path))
+            return
+        self.path, self.offset, self.problem = str(path), offset, problem or ""
+        super().__init__(f"{path}: at byte {offset}: {problem}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return DataError, (self.path, self.offset, self.problem)
+
+
+_SAID = re.compile(r"DataError: (.+?): at byte (\d+): (.*)")
+
+
+def _layout(path: Path, dtype: np.dtype) -> tuple[int, np.dtype]:
+    """(byte offset of the first token, dtype) of a shard; checks its size."""
+    size = path.stat().st_size
+    offset = 0
+    if path.suffix == ".npy":
+        with path.open("rb") as f:
+            try:
+                version = npy_format.read_magic(f)
+                header = (npy_format.read_array_header_1_0 if version == (1, 0)
+                          else npy_format.read_array_header_2_0)(f)
+            except ValueError as exc:
+                raise DataError(path, f.tell(), f"not a .npy file: {exc}") from None
+            shape, fortran, dtype = header
+            offset = f.tell()
+        if dtype.str.lstrip("<>=|") not in ("u2", "u4") or len(shape) != 1:
+            raise DataError(path, 0, f"holds {dtype} of shape {shape}, not a flat array of "
+                            "uint16 or uint32 tokens")
+        if size - offset < shape[0] * dtype.itemsize:
+            whole = offset + (size - offset) // dtype.itemsize * dtype.itemsize
+            raise DataError(path, whole, f"truncated: its header says {shape[0]} tokens, the "
+                            f"file holds {(size - offset) // dtype.itemsize}")
+    elif (size - offset) % dtype.itemsize:
+        whole = size - (size - offset) % dtype.itemsize
+        raise DataError(path, whole, f"truncated: {size} bytes is not a whole number of "
+                        f"{dtype} tokens ({size - whole} bytes left over)")
+    return offset, dtype
+
+
+class TokenShards(Dataset):
+    """Sequences of ``seq_len + 1`` tokens from the shards in ``directory``.
+
+    Args:
+        directory: the shards' folder; its files matching ``pattern``, in name order.
+        seq_len: tokens of input per sample (a sample holds one more: the last target).
+        dtype: ``"uint16"`` or ``"uint32"``, for raw ``.bin`` shards (``.npy`` say their own).
+        vocab_size: when given, a token id at or above it is a corrupt shard.
+        block: consecutive sequences kept together by the shuffle.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], seq_len: int, *,
+                 dtype: str = "uint16", pattern: str = "*.bin", vocab_size: int | None = None,
+                 block: int = 64) -> None:
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        if block < 1:
+            raise ValueError(f"block must be at least 1, got {block}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"no shard directory {self.directory}")
+        self.seq_len, self.vocab_size, self.block = seq_len, vocab_size, block
+        self.files = sorted(p for p in self.directory.glob(pattern) if p.is_file())
+        if not self.files:
+            raise ValueError(f"no shards matching {pattern!r} in {self.directory}")
+        self._layouts = [_layout(p, np.dtype(DTYPES[dtype])) for p in self.files]
+        self.sizes = [p.stat().st_size for p in self.files]
+        self.counts = []
+        for (offset, dt), size in zip(self._layouts, self.sizes):
+            tokens = (size - offset) // dt.itemsize
+            self.counts.append(max(0, (tokens - 1) // seq_len))
+        self.starts = [0, *np.cumsum(self.counts).tolist()]
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __repr__(self) -> str:
+        return (f"TokenShards({str(self.directory)!r}, seq_len={self.seq_len}: "
+                f"{len(self.files)} shards, {len(self)} sequences)")
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard, first token) of sample ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return shard, (index - self.starts[shard]) * self.seq_len
+
+    def _map(self, shard: int) -> np.memmap:
+        mm = self._maps.get(shard)
+        if mm is None:
+            offset, dt = self._layouts[shard]
+            mm = np.memmap(self.files[shard], dtype=dt, mode="r", offset=offset)
+            self._maps[shard] = mm
+        return mm
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        shard, first = self.locate(int(index))
+        tokens = np.asarray(self._map(shard)[first:first + self.seq_len + 1])
+        if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
+            at = int(np.argmax(tokens >= self.vocab_size))
+            offset, dt = self._layouts[shard]
+            raise DataError(self.files[shard], offset + (first + at) * dt.itemsize,
+                            f"token id {int(tokens[at])} is not below the vocabulary size "
+                            f"{self.vocab_size}: a corrupt shard")
+        return torch.from_numpy(tokens.astype(np.int64))
+
+    def __getstate__(self) -> dict[str, Any]:  # (a worker started by spawn maps its own)
+        return {**self.__dict__, "_maps": {}}
+
+    # -- what the sampler asks of a source --------------------------------------------------------
+    def order(self, seed: int, data_epoch: int) -> list[int]:
+        """Every sample once: blocks of ``block`` consecutive sequences of one shard, the blocks
+        shuffled from ``(seed, data_epoch)``."""
+        starts = [s for shard in range(len(self.files))
+                  for s in range(self.starts[shard], self.starts[shard + 1], self.block)]
+        ends = [min(s + self.block, self.starts[bisect.bisect_right(self.starts, s)])
+                for s in starts]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + data_epoch)
+        perm = torch.randperm(len(starts), generator=gen).tolist()
+        if not perm:
+            return []
+        return torch.cat([torch.arange(starts[b], ends[b]) for b in perm]).tolist()
+
+    def describe(self) -> dict[str, Any]:
+        """What the sampler's state keeps of this source: its shards' names and sizes."""
+        return {"kind": "token_shards", "seq_len": self.seq_len, "block": self.block,
+                "files": [[p.name, size] for p, size in zip(self.files, self.sizes)]}
+
+    def changes(self, saved: dict[str, Any]) -> str | None:
+        """What changed since ``saved`` (a :meth:`describe`), or None."""
+        if saved.get("kind") != "token_shards":
+            return f"the state was saved from a {saved.get('kind')!r} source, not token shards"
+        said = []
+        for key in ("seq_len", "block"):
+            if saved.get(key) != getattr(self, key):
+                said.append(f"{key} {saved.get(key)} -> {getattr(self, key)}")
+        before = {name: size for name, size in saved.get("files", [])}
+        now = {p.name: size for p, size in zip(self.files, self.sizes)}
+        added = sorted(set(now) - set(before))
+        removed = sorted(set(before) - set(now))
+        resized = [f"{n} ({before[n]} -> {now[n]} bytes)" for n in sorted(set(now) & set(before))
+                   if before[n] != now[n]]
+        for what, names in (("added", added), ("removed", removed), ("resized", resized)):
+            if names:
+                said.append(f"{what}: {', '.join(names)}")
+        return f"shards in {self.directory}: " + "; ".join(said) if said else None

@@ -1,0 +1,250 @@
+"""maitre.data: the elastic loader on torch's DataLoader, and token shards.
+
+One process alone for what the loader promises each step (the samples the loop asked for, with
+workers loading ahead; a data worker killed; a resume at another worker count that reads none of
+the skipped data), real ``maitre run`` jobs for resizes and failures with batches in flight, and
+the shards' bad input: truncated or corrupt files named with their byte offset, a changed
+directory refused on resume, an empty source or a batch larger than it refused up front.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import maitre
+from conftest import example_command, play, relative_error
+from maitre.data import DataError, Loader, TokenShards
+from maitre.runtime.env import WorkerEnv
+from maitre.runtime.ledger import audit
+
+pytestmark = [pytest.mark.timeout(120),  # (4 data workers on 2 cores: torch warns, rightly)
+              pytest.mark.filterwarnings("ignore:This DataLoader will create")]
+
+
+class Recorded(torch.utils.data.Dataset):
+    """Sample ``i`` is ``i``; every read is appended to ``log`` (one file, any process), and
+    reading ``kill_at`` the first time SIGKILLs the data worker doing it."""
+
+    def __init__(self, n: int, log: Path, kill_at: int | None = None) -> None:
+        self.n, self.log, self.kill_at = n, log, kill_at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        with self.log.open("a") as f:
+            f.write(f"{i}\n")
+        if i == self.kill_at and not (self.log.parent / "killed").exists():
+            (self.log.parent / "killed").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+    def reads(self) -> list[int]:
+        return [int(x) for x in self.log.read_text().split()] if self.log.exists() else []
+
+
+def a_loop(n: int, batch: int, micro: int | None = None, state: dict | None = None
+           ) -> maitre.ElasticLoop:
+    model = torch.nn.Linear(1, 1)
+    sampler = maitre.ElasticSampler(n, batch, seed=3)
+    if state is not None:
+        sampler.load_state_dict(state)
+    return maitre.ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler,
+                              micro_batch_size=micro, env=WorkerEnv.from_environ({}))
+
+
+def train(loop: maitre.ElasticLoop, loader: Loader, steps: int) -> list[list[int]]:
+    """Runs ``steps`` steps; checks each micro-batch's data against its indices."""
+    model = loop.model
+    trained = []
+    for batch in loop.run(max_steps=steps):
+        for idx, data in zip(batch.micro_batches, loader(batch)):
+            assert data.tolist() == idx, (batch.step, data, idx)
+            trained.append(idx)
+            x = data.double().float()[:, None]
+            batch.backward(model(x).sum())
+    return trained
+
+
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_each_step_gets_the_samples_the_loop_gave_it_with_workers_loading_ahead(
+        tmp_path: Path, workers: int) -> None:
+    data = Recorded(50, tmp_path / "reads")
+    loop = a_loop(50, 8, micro=3)
+    with Loader(data, loop, num_workers=workers) as loader:
+        trained = train(loop, loader, 15)  # two data epochs of 7 steps (the 7th takes 2)
+        assert loader.restarts == 1 and loader.dropped == 0 and loader.worker_restarts == 0
+    flat = [i for m in trained for i in m]
+    assert len(flat) == 108
+    assert sorted(flat[:50]) == list(range(50)) and sorted(flat[50:100]) == list(range(50))
+    # Loaded ahead along the loop's own plan, never off it: nothing read twice, at most the
+    # prefetch window (2 micro-batches of 3 per worker) beyond what was trained.
+    assert len(flat) <= len(data.reads()) <= len(flat) + 2 * 3 * workers
+
+
+def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(tmp_path: Path) -> None:
+    data = Recorded(40, tmp_path / "reads", kill_at=None)
+    loop = a_loop(40, 8, micro=4)
+    order = loop.sampler.order(0)
+    data.kill_at = order[20]  # in step 3
+    with Loader(data, loop, num_workers=2) as loader:
+        trained = train(loop, loader, 5)
+        assert loader.worker_restarts == 1 and loader.restarts == 2
+    assert (tmp_path / "killed").exists()
+    assert sorted(i for m in trained for i in m) == list(range(40))
+
+
+def test_a_resume_at_another_worker_count_reads_none_of_the_skipped_samples(
+        tmp_path: Path) -> None:
+    first = Recorded(400, tmp_path / "first")
+    loop = a_loop(400, 16)
+    with Loader(first, loop, num_workers=2) as loader:
+        done = [i for m in train(loop, loader, 10) for i in m]
+    state = loop.sampler.state_dict()
+    assert state["cursor"] == 160 and len(str(state)) < 200  # a cursor and a few integers
+    second = Recorded(400, tmp_path / "second")
+    again = a_loop(400, 16, state=state)
+    with Loader(second, again, num_workers=4, prefetch_factor=2) as loader:
+        rest = [i for m in train(again, loader, 15) for i in m]
+    assert sorted(done + rest) == list(range(400))  # the data epoch, once
+    assert not set(second.reads()) & set(done), "the resume read samples already trained"
+
+
+def test_the_loader_and_its_sampler_must_agree_on_the_data_set(tmp_path: Path) -> None:
+    loop = a_loop(10, 2)
+    with pytest.raises(ValueError, match="11 samples but the loop's sampler 10"):
+        Loader(Recorded(11, tmp_path / "r"), loop)
+    with pytest.raises(ValueError, match="prefetch_factor needs worker processes"):
+        Loader(Recorded(10, tmp_path / "r"), loop, prefetch_factor=2)
+    with pytest.raises(ValueError, match="num_workers must be 0 or more"):
+        Loader(Recorded(10, tmp_path / "r"), loop, num_workers=-1)
+
+
+# -- token shards ----------------------------------------------------------------------------------
+def shards(folder: Path, sizes: list[int], dtype=np.uint16) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for k, n in enumerate(sizes):
+        (np.arange(start, start + n) % 60000).astype(dtype).tofile(folder / f"shard-{k:03d}.bin")
+        start += n
+    return folder
+
+
+def test_token_shards_cut_packed_sequences_and_shuffle_by_blocks(tmp_path: Path) -> None:
+    ds = TokenShards(shards(tmp_path / "s", [1001, 500, 64]), seq_len=10, block=8)
+    assert [len(ds), *ds.counts] == [100 + 49 + 6, 100, 49, 6]
+    assert ds[0].tolist() == list(range(11)) and ds[0].dtype == torch.int64
+    assert ds[100].tolist() == list(range(1001, 1012))  # the second shard's first sequence
+    order = ds.order(seed=1, data_epoch=0)
+    assert sorted(order) == list(range(len(ds)))
+    assert order == ds.order(1, 0) and order != ds.order(1, 1) and order != ds.order(2, 0)
+    # Runs of consecutive samples (sequential reads): one per block, in the order drawn.
+    runs = 1 + sum(1 for a, b in zip(order, order[1:]) if b != a + 1)
+    assert runs <= -(-100 // 8) + -(-49 // 8) + 1
+    sampler = maitre.ElasticSampler.of(ds, 16, seed=1)
+    assert sampler.order(0) == order  # the source's order, whatever the world size
+
+
+def test_npy_shards_say_their_own_dtype(tmp_path: Path) -> None:
+    folder = tmp_path / "n"
+    folder.mkdir()
+    np.save(folder / "a.npy", np.arange(70000, 70000 + 45, dtype=np.uint32))
+    ds = TokenShards(folder, seq_len=4, pattern="*.npy")
+    assert len(ds) == 11 and ds[1].tolist() == list(range(70004, 70009))
+
+
+def test_a_truncated_shard_is_named_with_its_byte_offset(tmp_path: Path) -> None:
+    folder = shards(tmp_path / "t", [100, 100])
+    with (folder / "shard-001.bin").open("ab") as f:
+        f.write(b"\x07")  # half a token
+    with pytest.raises(DataError, match=r"shard-001\.bin: at byte 200: truncated: 201 bytes"):
+        TokenShards(folder, seq_len=10)
+    np.save(tmp_path / "x.npy", np.arange(50, dtype=np.uint16))
+    cut = (tmp_path / "x.npy").read_bytes()[:-7]
+    (tmp_path / "y").mkdir()
+    (tmp_path / "y" / "x.npy").write_bytes(cut)
+    with pytest.raises(DataError, match=r"x\.npy: at byte \d+: truncated: its header says 50"):
+        TokenShards(tmp_path / "y", seq_len=10, pattern="*.npy")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_corrupt_token_stops_the_step_naming_file_and_offset(tmp_path: Path,
+                                                               workers: int) -> None:
+    folder = shards(tmp_path / "c", [200])
+    raw = bytearray((folder / "shard-000.bin").read_bytes())
+    raw[2 * 57:2 * 58] = (65000).to_bytes(2, "little")  # token 57: out of the vocabulary
+    (folder / "shard-000.bin").write_bytes(bytes(raw))
+    ds = TokenShards(folder, seq_len=10, vocab_size=1000)
+    loop = a_loop(len(ds), 4)
+    loop.sampler = maitre.ElasticSampler.of(ds, 4, seed=3)
+    model = loop.model
+    with Loader(ds, loop, num_workers=workers) as loader:
+        with pytest.raises(DataError, match=r"shard-000\.bin: at byte 114: token id 65000 is "
+                                            "not below the vocabulary size 1000") as caught:
+            for batch in loop.run(max_steps=10):
+                for x in loader(batch):
+                    batch.backward(model(x[:, :1].float()).sum())
+    if workers:  # raised again in the training process, with the file and offset it names
+        assert (Path(caught.value.path).name, caught.value.offset) == ("shard-000.bin", 114)
+    assert loop.step < 10 and loop.sampler.cursor == 4 * loop.step  # what committed stands
+
+
+def test_a_shard_directory_that_changed_is_refused_on_resume(tmp_path: Path) -> None:
+    folder = shards(tmp_path / "d", [300, 300, 300])
+    state = maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8).state_dict()
+    assert maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8).load_state_dict(
+        state) is None  # unchanged: fine
+    (folder / "shard-002.bin").unlink()
+    shards(tmp_path / "other", [300, 310, 300, 50])
+    for name in ("shard-001.bin", "shard-003.bin"):
+        os.replace(tmp_path / "other" / name, folder / name)
+    now = maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8)
+    with pytest.raises(ValueError, match=r"the data changed since this state was saved: shards "
+                       r"in .*: added: shard-003\.bin; removed: shard-002\.bin; resized: "
+                       r"shard-001\.bin \(600 -> 620 bytes\)"):
+        now.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"seq_len 10 -> 12"):
+        maitre.ElasticSampler.of(TokenShards(folder, seq_len=12), 8).load_state_dict(state)
+
+
+def test_an_empty_source_or_a_batch_larger_than_it_is_refused_up_front(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no shards matching"):
+        TokenShards((tmp_path / "e").mkdir() or tmp_path / "e", seq_len=4)
+    with pytest.raises(FileNotFoundError, match="no shard directory"):
+        TokenShards(tmp_path / "nowhere", seq_len=4)
+    tiny = TokenShards(shards(tmp_path / "tiny", [3]), seq_len=4)
+    with pytest.raises(ValueError, match="the data set is empty"):
+        maitre.ElasticSampler.of(tiny, 1)
+    ds = TokenShards(shards(tmp_path / "s", [41]), seq_len=4)
+    with pytest.raises(ValueError, match=r"the global batch \(11\) is larger than the data set "
+                                         r"\(10 samples\)"):
+        maitre.ElasticSampler.of(ds, 11)
+
+
+# -- real processes: resizes and failures with batches in flight ---------------------------------
+STEPS = 300
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
+        tmp_path: Path, reference, workers: int) -> None:
+    """A job of 2 workers loses one (world 1), gets a replacement and a third (world 3), each
+    rank's data workers loading ahead all along: the ledger shows every sample once, and the
+    parameters are a fixed-size run's."""
+    cmd = example_command(STEPS, tmp_path / "final.pt", ("--data-workers", str(workers)))
+    code, lines, run = play(tmp_path, cmd, "kill@30,join@60", min_nodes=1, max_nodes=3,
+                            local_nodes=2, max_restarts=5)
+    assert code == 0, "\n".join(lines)
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == STEPS, result.describe()
+    worlds = [len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch"]
+    assert 1 in worlds and max(worlds) == 3, worlds
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert relative_error(final, reference(STEPS)) <= 1e-5
