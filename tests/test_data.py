@@ -10,6 +10,7 @@ directory refused on resume, an empty source or a batch larger than it refused u
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -248,3 +249,57 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
     assert 1 in worlds and max(worlds) == 3, worlds
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert relative_error(final, reference(STEPS)) <= 1e-5
+
+
+# -- maitre data prepare, and a decoder trained from its shards -------------------------------------
+def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(
+        tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from maitre.cli import main
+    from maitre.data.prepare import open_shards
+
+    out = tmp_path / "shards"
+    assert main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000",
+                 "--vocab-size", "512", "--quiet"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["vocab_size"] == 512 and meta["dtype"] == "uint16" and len(meta["shards"]) > 2
+    assert meta["inputs"][0].endswith("macbeth.txt")  # the text shipped with maitre
+    ds, _ = open_shards(out, seq_len=32)
+    assert len(ds) == sum(c for c in ds.counts) > 100 and int(ds[5].max()) < 512
+    from tokenizers import Tokenizer
+    text = Tokenizer.from_file(str(out / "tokenizer.json")).decode(ds[0].tolist())
+    assert text and text in (ROOT / "src/maitre/data/text/macbeth.txt").read_text()
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data",
+                           str(out), "--data-workers", "2", "--steps", "12", "--block", "32",
+                           "--log-every", "4"], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in done.stdout.splitlines()
+              if line.startswith("step")]
+    assert len(losses) >= 2 and losses[-1] < losses[0], done.stdout
+
+
+def test_prepare_refuses_bad_input_and_leaves_nothing_behind(tmp_path: Path, capsys) -> None:
+    from maitre.cli import main
+
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("taken")
+    (tmp_path / "bin.txt").write_bytes(b"ok\xff\xfe")
+    (tmp_path / "none").mkdir()
+    cases = [
+        (["/no/such/corpus"], "no such file or folder: /no/such/corpus"),
+        ([str(tmp_path / "bin.txt")], r"bin\.txt: not UTF-8 text \(byte 2"),
+        ([str(tmp_path / "none")], "no .txt files under"),
+        (["--vocab-size", "100"], "--vocab-size must be above 256"),
+    ]
+    for extra, said in cases:
+        assert main(["data", "prepare", *extra, "--out", str(tmp_path / "out"), "--quiet"]) == 2
+        assert re.search(said, capsys.readouterr().err), said
+    assert main(["data", "prepare", "--out", str(tmp_path / "full"), "--quiet"]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.txt", "full", "none"]
+    assert (tmp_path / "full" / "x").read_text() == "taken"

@@ -29,6 +29,8 @@ FORBIDDEN = {
                    "maitre.runtime.loop", "maitre.runtime.group", "maitre.runtime.heartbeat"),
     "control": ("maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP),
     "agent": ("maitre.control", "maitre.checkpoint", *_TOP),
+    # the input pipeline runs in the training process, beside the loop it feeds
+    "data": ("maitre.control", "maitre.agent", "maitre.checkpoint", *_TOP),
     "scheduling": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
                    *_TOP, "torch"),
     "sim": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP,

@@ -634,6 +634,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return Demo(cfg).run()
 
 
+def cmd_data_prepare(args: argparse.Namespace) -> int:
+    from maitre.data.prepare import PrepareError, prepare
+
+    try:
+        meta = prepare(args.inputs or None, args.out, vocab_size=args.vocab_size,
+                       shard_tokens=args.shard_tokens, progress=not args.quiet)
+    except PrepareError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"maitre: {meta['tokens']:,} tokens ({meta['dtype']}, a vocabulary of "
+          f"{meta['vocab_size']:,}) in {len(meta['shards'])} shards under {args.out}")  # type: ignore[arg-type]
+    return 0
+
+
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import secrets
 
@@ -861,6 +874,20 @@ def build_parser() -> argparse.ArgumentParser:
                       help="steps of each elastic job (default 900: about 3 minutes)")
     demo.add_argument("--run-dir", help="where state and ledgers go (default: a temp dir)")
     demo.set_defaults(fn=cmd_demo)
+
+    data = sub.add_parser("data", help="prepare training data").add_subparsers(
+        dest="data_command", required=True, parser_class=_Parser)
+    prep = data.add_parser("prepare", help="text files into token shards, with a tokenizer "
+                           "trained on them (nothing downloaded)")
+    prep.add_argument("inputs", nargs="*", help="text files, or folders of *.txt (default: the "
+                      "text shipped with maitre)")
+    prep.add_argument("--out", required=True, help="a new folder for the shards")
+    prep.add_argument("--vocab-size", type=int, default=4096,
+                      help="the tokenizer's vocabulary (default 4096)")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 24,
+                      help="tokens per shard file (default 16,777,216)")
+    prep.add_argument("--quiet", action="store_true", help="no progress bar")
+    prep.set_defaults(fn=cmd_data_prepare)
 
     sim = sub.add_parser("simulate", help="replay a cluster trace through scheduling policies")
     sim.add_argument("--workload", required=True,

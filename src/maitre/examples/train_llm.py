@@ -7,6 +7,8 @@ optionally in bf16. Copy it to start.
     torchrun --nproc-per-node 4 examples/train_llm.py --dp-shard 2 --steps 200   # 2 replicas of 2
     torchrun --nproc-per-node 4 examples/train_llm.py --dp-shard 2 --tp 2 --steps 200  # 1 of 2x2
     python examples/train_llm.py --steps 200                                     # one process
+    maitre data prepare --out shards/ && \
+      maitre run --nnodes 1:4 examples/train_llm.py --data shards/ --data-workers 2 --steps 200
 
 Under ``maitre run`` the job's replicas are ``--nproc-per-replica`` processes each, on the mesh
 ``--mesh`` declares (default: all of them ``dp_shard``), and the job grows and shrinks by whole
@@ -36,6 +38,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import maitre
+import maitre.data
+from maitre.data.prepare import open_shards
 
 DATA = resources.files("maitre") / "data" / "text" / "macbeth.txt"
 
@@ -124,29 +128,44 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each process on cuda:LOCAL_RANK)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0,
                    help="MiB of gradients per reduction across replicas (DDP's 25)")
+    p.add_argument("--data", type=Path, help="token shards `maitre data prepare` wrote, read "
+                   "through maitre.data.Loader (default: the bundled text, a token a character)")
+    p.add_argument("--data-workers", type=int, default=0,
+                   help="with --data: data-loading processes beside each training process")
     args = p.parse_args()
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
+    if args.data_workers < 0:
+        p.error(f"--data-workers must be 0 or more, got {args.data_workers}")
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)  # every process builds the same initial model
     torch.set_default_dtype(getattr(torch, args.dtype))
-    text = DATA.read_text()
-    vocab = sorted(set(text))
-    index = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([index[c] for c in text], dtype=torch.long)
-    num_seqs = (len(ids) - 1) // args.block
+    shards = None
+    if args.data is not None:  # a tokenized corpus, read by the loader's workers
+        try:
+            shards, meta = open_shards(args.data, args.block)
+        except (ValueError, OSError) as exc:
+            p.error(f"--data {args.data}: {exc}")
+        n_vocab = int(meta["vocab_size"])
+    else:  # the bundled text, one token per character, indexed in place
+        text = DATA.read_text()
+        vocab = sorted(set(text))
+        index = {c: i for i, c in enumerate(vocab)}
+        ids = torch.tensor([index[c] for c in text], dtype=torch.long)
+        n_vocab = len(vocab)
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        ids = ids.to(device)
+        if shards is None:
+            ids = ids.to(device)
 
     mesh = maitre.replica_mesh(dp_shard=args.dp_shard, tp=args.tp, device_type=device.type)
     tp = mesh["tp"].size()
     if args.heads % tp:
         p.error(f"--heads {args.heads} do not split over tp={tp} processes")
-    model = Decoder(len(vocab), args.block, args.d_model, args.layers, args.heads).to(device)
+    model = Decoder(n_vocab, args.block, args.d_model, args.layers, args.heads).to(device)
     if tp > 1:  # before FSDP2, which then shards the TP pieces over dp_shard
         plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
                 "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(),
@@ -160,32 +179,46 @@ def main() -> None:
     warmup = max(1, args.steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=args.seed)
+    try:
+        sampler = maitre.ElasticSampler.of(shards, args.global_batch, seed=args.seed) \
+            if shards is not None else \
+            maitre.ElasticSampler((len(ids) - 1) // args.block, args.global_batch, seed=args.seed)
+    except ValueError as exc:
+        p.error(str(exc))
     loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
                               micro_batch_size=args.micro_batch, clip_grad_norm=args.clip,
                               precision=args.precision, buckets=maitre.Buckets(
                                   cap_mb=args.bucket_cap_mb,
                                   first_cap_mb=min(1.0, args.bucket_cap_mb)))
 
+    loader = None if shards is None else maitre.data.Loader(
+        shards, loop, num_workers=args.data_workers, pin_memory=device.type == "cuda")
+    empty = torch.empty(0, args.block + 1, dtype=torch.long)
     first = torch.distributed.get_rank() == 0  # of its replica
     warm = min(5, args.steps // 4)  # tokens/s over the steps committed after step `warm` (the
     began = 0.0                     # first ones allocate and warm up)
     for batch in loop.run(max_steps=args.steps):
         if loop.step == warm and not began:
             began = time.perf_counter()
-        for idx in batch.micro_batches:  # every process of a replica runs as many
-            starts = torch.tensor(idx, dtype=torch.long, device=device) * args.block
-            chunk = ids[starts[:, None] + torch.arange(args.block + 1, device=device)]
+        loaded = loader(batch) if loader is not None else iter(batch.micro_batches)
+        for idx, data in zip(batch.micro_batches, loaded):  # (as many on every process of a
+            if loader is not None:                           # replica, some of them empty)
+                chunk = (empty if data is None else data).to(device, non_blocking=True)
+            else:
+                starts = torch.tensor(idx, dtype=torch.long, device=device) * args.block
+                chunk = ids[starts[:, None] + torch.arange(args.block + 1, device=device)]
             with batch.autocast():
                 logits = model(chunk[:, :-1])
             # Sum over sequences, mean over positions: the loop divides by the global count.
-            loss = F.cross_entropy(logits.to(torch.get_default_dtype()).reshape(-1, len(vocab)),
+            loss = F.cross_entropy(logits.to(torch.get_default_dtype()).reshape(-1, n_vocab),
                                    chunk[:, 1:].reshape(-1), reduction="sum") / args.block
             batch.backward(loss)
         if loop.rank == 0 and first and loop.last_loss is not None \
                 and loop.step % args.log_every == 0:
             print(f"step {loop.step:5d}  loss {loop.last_loss:.4f}  replicas {batch.world_size}  "
                   f"grad norm {loop.last_grad_norm:.3f}", flush=True)
+    if loader is not None:
+        loader.close()
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a replica's collective
     if loop.rank == 0 and first:
         tokens = (loop.step - warm) * args.global_batch * args.block
