@@ -43,6 +43,7 @@ SMOKE = {  # script: seconds it may take (a few times what it takes on 2 shared 
     "checkpoint.py": 120,
     "control_plane.py": 120,
     "dashboard.py": 120,
+    "data.py": 120,
     "eviction.py": 180,
     "recovery.py": 360,
     "replicas.py": 240,
