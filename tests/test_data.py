@@ -303,3 +303,43 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_behind(tmp_path: Path, cap
     assert "exists and is not an empty folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bin.txt", "full", "none"]
     assert (tmp_path / "full" / "x").read_text() == "taken"
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_from_a_checkpoint_at_another_world_size_and_worker_count(
+        tmp_path: Path, reference) -> None:
+    """Suspended at 2 workers with 2 data workers each, resumed from its checkpoint at 3 workers
+    with 4 each: every sample once across both runs, the parameters a fixed-size run's."""
+    import threading
+    import time
+
+    from maitre.launch import Run, RunConfig
+
+    def start(nodes: int, workers: int, resume: bool) -> tuple[Run, list[str]]:
+        lines: list[str] = []
+        cmd = example_command(STEPS, tmp_path / "final.pt", ("--data-workers", str(workers)))
+        run = Run(RunConfig(command=cmd, min_nodes=1, max_nodes=3, local_nodes=nodes,
+                            max_restarts=3, run_dir=tmp_path / "run", quiet_workers=True,
+                            checkpoint_dir=tmp_path / "ckpt", resume=resume,
+                            grace_period_s=60), out=lines.append)
+        return run.start(), lines
+
+    run, lines = start(2, 2, resume=False)
+
+    def stop_at_80() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and run.job()["step"] < 80:
+            time.sleep(0.02)
+        run.request_stop("SIGTERM")
+
+    threading.Thread(target=stop_at_80, daemon=True).start()
+    assert run.wait() == 0 and run.job()["state"] == "SUSPENDED", "\n".join(lines)
+    stopped = run.job()["step"]
+    assert 80 <= stopped < STEPS
+    resumed, lines = start(3, 4, resume=True)
+    assert resumed.wait() == 0, "\n".join(lines)
+    assert len(resumed.job()["members"]) == 3
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == STEPS, result.describe()
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert relative_error(final, reference(STEPS)) <= 1e-5
