@@ -184,13 +184,41 @@ def test_the_demo_story_watched_live(tmp_path: Path) -> None:
     causes = [r["cause"] for r in report["recoveries"]]
     assert any("shrink (preempted by urgent)" in c for c in causes), causes
     assert any(c.startswith("SIGKILL") for c in causes), causes
-    # A spot node's reclaim notice: its workers left at a step boundary, a reclaim, no failure.
-    assert any("shrink (spot notice on node-1)" in c for c in causes), causes
+    # A spot node's reclaim notice: its workers left at a step boundary (or, for a job whose
+    # only live state was there, checkpointed and resumed elsewhere), a reclaim, no failure.
+    assert any("shrink (spot notice on node-1)" in c or "suspend (spot notice on node-1" in c
+               for c in causes), causes
     assert report["reclaims"] == 1 and "spot: node-1 drained in" in log, log
     assert report["cost"] < report["on_demand_cost"], report
-    assert report["jobs"]["a-lm"]["incarnations"] == report["jobs"]["b-lm"]["incarnations"] == 1
+    # No restart but one: a job whose only live state was on the noticed node (where the
+    # scheduler happened to leave it) checkpoints within the notice and resumes from it.
+    for job in ("a-lm", "b-lm"):
+        resumes = [c for r, c in zip(report["recoveries"], causes)
+                   if r["job"] == job and r.get("incarnation", 1) > 1 and r["epoch"] == 1]
+        assert report["jobs"][job]["incarnations"] == 1 + len(resumes), (job, causes)
+        assert all(c.startswith("resume after suspend (spot notice on node-1: ")
+                   for c in resumes), (job, causes)
+        assert len(resumes) <= 1, (job, causes)
     assert 0 < report["allocation"] <= 1 and 0 < report["utilization"] <= 1
     assert "maitre demo: report" in log
+
+
+@pytest.mark.timeout(30)
+def test_the_demo_names_what_a_new_incarnation_resumes_after(tmp_path: Path) -> None:
+    """The report's cause of a resumed incarnation's first epoch: the suspension before it (a
+    spot notice where the job's only live state was), not a bare "resume"."""
+    from maitre.demo import Demo, DemoConfig
+
+    demo = Demo(DemoConfig(run_dir=tmp_path), out=lambda line: None)
+    why = "spot notice on node-1: it would be left below its minimum of 1; it checkpoints first"
+    demo.decisions = {"a-lm": [{"t": 10.0, "kind": "shrink", "reason": "preempted by urgent"},
+                               {"t": 17.7, "kind": "suspend", "reason": why},
+                               {"t": 18.7, "kind": "admit"}]}
+    first = {"reason": "join", "epoch": 1, "detected_at": 19.0}
+    assert demo._cause("a-lm", {}, {**first, "incarnation": 1}) == ("start", None)
+    assert demo._cause("a-lm", {}, {**first, "incarnation": 2}) == (
+        f"resume after suspend ({why})", None)
+    assert demo._cause("b-lm", {}, {**first, "incarnation": 2}) == ("resume", None)
 
 
 def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread) -> None:

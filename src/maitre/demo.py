@@ -11,8 +11,11 @@ team-b 2, both may borrow), and three jobs running ``examples/train.py`` (a tiny
 4. A worker of ``b-lm`` is killed (SIGKILL); the job recovers in place.
 5. Two of the nodes are spot (cheaper, reclaimable). One gets a reclaim notice with 30 s of
    warning (the demo writes the notice file its agent watches): its workers leave at a step
-   boundary, the node drains, then goes (its agent stops); a reclaim, not a failure. The cost
-   table says what the slot-hours cost at their nodes' prices, and all on-demand.
+   boundary, the node drains, then goes (its agent stops); a reclaim, not a failure. A job whose
+   only live state is on that node (where the scheduler left it: it depends on the timing)
+   checkpoints within the notice instead and resumes elsewhere from it, a second incarnation
+   (see :mod:`maitre.control.drain`). The cost table says what the slot-hours cost at their
+   nodes' prices, and all on-demand.
 
 Every sample also waits ``device_ms_per_sample`` ms, standing in for accelerator compute: two
 CPU cores cannot show 8 GPUs' worth of scaling otherwise, and the scheduler's speedup model is
@@ -320,7 +323,12 @@ class Demo:
                                + (f" ({e['reason']})" if e.get("reason") else "")))
         before = [c for c in candidates if c[0] <= r["detected_at"] + 0.05]
         if r["reason"] == "join" and r["epoch"] == 1:
-            return "start" if r.get("incarnation", 1) == 1 else "resume", None
+            if r.get("incarnation", 1) == 1:
+                return "start", None
+            # A new incarnation resumes from the checkpoint its suspension wrote: say why.
+            suspended = [c for c in before if c[1].startswith("scheduler: suspend")]
+            return ("resume after " + max(suspended)[1].removeprefix("scheduler: ")
+                    if suspended else "resume"), None
         if not before:
             return r["reason"], None
         t, what = max(before)
