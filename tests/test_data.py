@@ -237,12 +237,20 @@ STEPS = 300
 def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
         tmp_path: Path, reference, workers: int) -> None:
     """A job of 2 workers loses one (world 1), gets a replacement and a third (world 3), each
-    rank's data workers loading ahead all along: the ledger shows every sample once, and the
-    parameters are a fixed-size run's."""
+    rank's data workers loading ahead all along, and then one data worker is SIGKILLed (as the
+    OOM killer would): the loader replaces it, the job does not notice. The ledger shows every
+    sample once, and the parameters are a fixed-size run's."""
     cmd = example_command(STEPS, tmp_path / "final.pt", ("--data-workers", str(workers)))
-    code, lines, run = play(tmp_path, cmd, "kill@30,join@60", min_nodes=1, max_nodes=3,
+    story = "kill@30,join@60" + (",kill-data@120" if workers else "")
+    code, lines, run = play(tmp_path, cmd, story, min_nodes=1, max_nodes=3,
                             local_nodes=2, max_restarts=5)
     assert code == 0, "\n".join(lines)
+    if workers:
+        assert any(re.search(r"story: step \d+: SIGKILL data worker \d+ of worker", line)
+                   for line in lines), "\n".join(lines)
+        # The only failure is the story's kill of a training worker: its data worker's was
+        # absorbed by the loader, inside the step.
+        assert run.job()["failures"] == 1, "\n".join(lines)
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == STEPS, result.describe()
     worlds = [len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch"]

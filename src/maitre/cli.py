@@ -736,7 +736,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--port", type=int, default=0, help="coordinator HTTP port (0: any free)")
     run.add_argument("--job-id", default="job", help="name of the job")
     run.add_argument("--events", help="scripted story, e.g. kill@60,join@120,leave@200 "
-                     "(kinds: kill, hang, join, leave), or 'demo'")
+                     "(kinds: kill, hang, join, leave, kill-data), or 'demo'")
     run.add_argument("--run-dir", help="where the data ledger goes (default: a new temp dir)")
     run.add_argument("--no-ledger", action="store_true", help="do not record consumed samples")
     run.add_argument("--checkpoint-dir", help="checkpoint the job here (a shared directory in "

@@ -180,6 +180,21 @@ class Run:
                 self.out(f"maitre: story: step {job['step']}: {sig.name} worker {victim}")
                 os.kill(pid, sig)
             return next_epoch
+        if event.kind == "kill-data":
+            step = job["step"]
+            for wid in active:
+                pid = self.pid_of(wid)
+                kids = [] if pid is None else _children(pid)
+                if kids:
+                    victim = random.Random(event.step).choice(kids)
+                    self.out(f"maitre: story: step {step}: SIGKILL data worker {victim} of "
+                             f"worker {wid}")
+                    os.kill(victim, signal.SIGKILL)
+                    break
+            else:
+                self.out(f"maitre: story: step {step}: no data worker to kill (no worker "
+                         "loads its data in processes of its own)")
+            return lambda j: j["step"] > step
         if event.kind == "join":
             self.out(f"maitre: story: step {job['step']}: a node joins")
             self.add_node()
@@ -270,6 +285,22 @@ def write_token(path: Path, token: str) -> None:
     finally:
         os.close(fd)
     os.replace(partial, path)
+
+
+def _children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (a worker's data loader processes), from ``/proc``."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # (gone meanwhile)
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # (the name, in brackets, may hold spaces)
+        if int(fields[1]) == pid and fields[0] not in "ZX":
+            kids.append(int(entry))
+    return sorted(kids)
 
 
 def _prefixed(out: Callable[[str], None]) -> Callable[[str, str], None]:
