@@ -196,6 +196,66 @@ def test_a_corrupt_token_stops_the_step_naming_file_and_offset(tmp_path: Path,
     assert loop.step < 10 and loop.sampler.cursor == 4 * loop.step  # what committed stands
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_with_on_error_skip_a_corrupt_record_is_left_out_of_the_mean_and_counted(
+        tmp_path: Path, workers: int, capsys) -> None:
+    """The corrupt token of the test above, with ``on_error="skip"``: its sequence is left out,
+    the step's gradient is the mean over the samples trained (SGD's update says so), the skip is
+    printed with the file and offset and counted; every other sample trains once."""
+    folder = shards(tmp_path / "c", [200])
+    raw = bytearray((folder / "shard-000.bin").read_bytes())
+    raw[2 * 57:2 * 58] = (65000).to_bytes(2, "little")  # token 57: in sequence 5
+    (folder / "shard-000.bin").write_bytes(bytes(raw))
+    ds = TokenShards(folder, seq_len=10, vocab_size=1000)
+    loop = a_loop(len(ds), 4, micro=2)
+    loop.sampler = maitre.ElasticSampler.of(ds, 4, seed=3)
+    model = loop.model
+    trained = []
+    with Loader(ds, loop, num_workers=workers, on_error="skip") as loader:
+        expected = None  # the weight after the previous step's update, from its samples
+        for batch in loop.run(max_steps=len(ds) // 4):
+            if expected is not None:
+                assert torch.allclose(model.weight.detach(), expected), batch.step
+            xs = []
+            for x in loader(batch):
+                if x is None:  # (every record of the micro-batch skipped)
+                    continue
+                xs.append(x[:, :1].float())
+                trained.extend((x[:, 0] // 10).tolist())  # (token t of the shard is t)
+                batch.backward(model(xs[-1]).sum())
+            expected = model.weight.detach() - 0.1 * torch.cat(xs).mean()  # (SGD, lr 0.1)
+        assert torch.allclose(model.weight.detach(), expected)
+        assert loader.skipped == 1
+    assert loop.skipped == 1
+    steps = sorted(loop.sampler.order(0)[:len(ds) // 4 * 4])
+    assert 5 in steps and sorted(trained) == [i for i in steps if i != 5]
+    err = capsys.readouterr().err
+    assert re.search(r"skipped sample 5: DataError: .*shard-000\.bin: at byte 114: token id "
+                     "65000", err), err
+    with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip'"):
+        Loader(ds, loop, on_error="ignore")
+
+
+def test_past_max_skipped_the_error_stops_the_job(tmp_path: Path) -> None:
+    """A dataset that fails every record (a bug, not a bad record) is not trained around."""
+    class Broken(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 40
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            raise KeyError(f"no column 'text' in record {i}")
+
+    loop = a_loop(40, 4)
+    with Loader(Broken(), loop, on_error="skip", max_skipped=5) as loader:
+        with pytest.raises(RuntimeError, match=r"KeyError: \"no column 'text' in record \d+\" "
+                                               r"\(and 5 records skipped before it"):
+            for batch in loop.run(max_steps=10):
+                for x in loader(batch):
+                    assert x is None
+        assert loader.skipped == 5
+    assert loop.step == 1 and loop.skipped == 4  # the first step: all 4 skipped, committed
+
+
 def test_a_shard_directory_that_changed_is_refused_on_resume(tmp_path: Path) -> None:
     folder = shards(tmp_path / "d", [300, 300, 300])
     state = maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8).state_dict()
@@ -226,6 +286,85 @@ def test_an_empty_source_or_a_batch_larger_than_it_is_refused_up_front(tmp_path:
     with pytest.raises(ValueError, match=r"the global batch \(11\) is larger than the data set "
                                          r"\(10 samples\)"):
         maitre.ElasticSampler.of(ds, 11)
+
+
+# -- Parquet shards ------------------------------------------------------------------------------
+def parquet(folder: Path, rows: list[int], group: int = 30) -> Path:
+    """Files of ``rows[k]`` rows each: ``id`` (numbered through the files) and ``text``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir(parents=True, exist_ok=True)
+    start = 0
+    for k, n in enumerate(rows):
+        ids = list(range(start, start + n))
+        pq.write_table(pa.table({"id": ids, "text": [f"record {i}" for i in ids]}),
+                       folder / f"part-{k:03d}.parquet", row_group_size=group)
+        start += n
+    return folder
+
+
+def record_id(row: dict) -> int:  # (a transform: runs in the data workers)
+    assert row["text"] == f"record {row['id']}"
+    return row["id"]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_parquet_rows_train_once_in_blocks_of_one_file(tmp_path: Path, workers: int) -> None:
+    pytest.importorskip("pyarrow")
+    from maitre.data import ParquetShards
+
+    folder = parquet(tmp_path / "p", [100, 70, 50])
+    ds = ParquetShards(folder, transform=record_id, block=16)
+    assert len(ds) == 220 and ds[105] == 105
+    order = ds.order(seed=3, data_epoch=0)
+    assert sorted(order) == list(range(220)) and order != ds.order(seed=3, data_epoch=1)
+    blocks = [order[i:i + 16] for i in range(0, 220, 16)]
+    assert all(b == list(range(b[0], b[0] + len(b))) for b in blocks[:3])  # consecutive rows
+    loop = a_loop(len(ds), 20, micro=10)
+    loop.sampler = maitre.ElasticSampler.of(ds, 20, seed=3)
+    model = loop.model
+    trained = []
+    with Loader(ds, loop, num_workers=workers) as loader:
+        for batch in loop.run(max_steps=11):
+            for idx, ids in zip(batch.micro_batches, loader(batch)):
+                assert ids.tolist() == idx
+                trained.extend(idx)
+                batch.backward(model(ids.float()[:, None]).sum())
+    assert sorted(trained) == list(range(220))
+    state = loop.sampler.state_dict()
+    assert ParquetShards(folder, columns=["id"], block=16).changes(state["source"]) == \
+        f"shards in {folder}: columns None -> ['id']"
+    (folder / "part-003.parquet").write_bytes((folder / "part-002.parquet").read_bytes())
+    with pytest.raises(ValueError, match=r"added: part-003\.parquet"):
+        maitre.ElasticSampler.of(ParquetShards(folder, block=16), 20, seed=3
+                                 ).load_state_dict(state)
+
+
+def test_a_file_that_is_not_parquet_or_a_row_group_that_does_not_decode_is_named(
+        tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    from maitre.data import ParquetShards
+
+    folder = parquet(tmp_path / "p", [60, 60])
+    whole = (folder / "part-001.parquet").read_bytes()
+    (folder / "part-001.parquet").write_bytes(whole[:len(whole) // 2])  # a copy cut short
+    with pytest.raises(DataError, match=r"part-001\.parquet: at byte \d+: not a Parquet file"):
+        ParquetShards(folder)
+    with pytest.raises(DataError, match=r"part-000\.parquet: at byte \d+: no column\(s\) "
+                                        r"label \(it has id, text\)"):
+        ParquetShards(folder, columns=["label"], pattern="part-000.parquet")
+    # The footer intact, a row group's pages overwritten: found when a sample in it is read.
+    raw = bytearray(whole)
+    ds = ParquetShards(parquet(tmp_path / "q", [60, 60]))
+    start = ds._offsets[1][1]
+    raw[start:start + 64] = b"\xff" * 64
+    (tmp_path / "q" / "part-001.parquet").write_bytes(bytes(raw))
+    ds = ParquetShards(tmp_path / "q")
+    assert ds[59]["id"] == 59 and ds[60]["id"] == 60  # the first group of the second file
+    with pytest.raises(DataError, match=rf"part-001\.parquet: at byte {start}: row group 1 "
+                                        "does not decode"):
+        ds[95]
 
 
 # -- real processes: resizes and failures with batches in flight ---------------------------------

@@ -21,7 +21,12 @@ size or worker count loads its first batch without reading the skipped data.
 
 An exception raised by the dataset (a corrupt shard: :class:`maitre.data.DataError`) reaches the
 training script as it would from a DataLoader: the job stops at that step, its committed state
-intact.
+intact. With ``on_error="skip"`` a record that raises is left out instead: the rest of its
+micro-batch is collated without it, the step's mean is over the samples trained
+(:meth:`Batch.skip <maitre.runtime.loop.Batch.skip>`: the same at any world size), each skip is
+printed with its error (the file and byte offset, for shards) and counted (``loader.skipped``
+here, ``loop.skipped`` over all ranks); past ``max_skipped`` the error stops the job, so a bug
+that fails every record is not trained around.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import sys
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 if TYPE_CHECKING:
     from maitre.runtime.loop import Batch, ElasticLoop
@@ -72,6 +77,45 @@ class _Plan:
             yield item
 
 
+class _Skipped:
+    """A record the dataset raised on (``on_error="skip"``), in place of its sample."""
+
+    __slots__ = ("index", "error")
+
+    def __init__(self, index: int, error: str) -> None:
+        self.index, self.error = index, error
+
+
+class _Guarded(Dataset):
+    """The user's dataset, each record read on its own: one that raises becomes a
+    :class:`_Skipped` (no ``__getitems__``: one bad record must not cost its neighbours)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except Exception as exc:  # noqa: BLE001 (the user asked for any bad record skipped)
+            return _Skipped(index, f"{type(exc).__name__}: {exc}")
+
+
+class _Collate:
+    """The user's collate over the records that loaded; returns (data or None, the skipped
+    records' (index, error))."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
+        self.collate = collate or default_collate
+
+    def __call__(self, items: list[Any]) -> tuple[Any, list[tuple[int, str]]]:
+        good = [x for x in items if not isinstance(x, _Skipped)]
+        bad = [(x.index, x.error) for x in items if isinstance(x, _Skipped)]
+        return (self.collate(good) if good else None), bad
+
+
 class Loader:
     """Serves each step's micro-batches from ``dataset`` through a DataLoader.
 
@@ -84,6 +128,10 @@ class Loader:
             loaded ahead per worker).
         max_worker_restarts: data workers lost (killed, out of memory) before the error is
             raised to the script instead of replacing them.
+        on_error: ``"raise"`` (a record that raises stops the job at that step) or ``"skip"``
+            (it is left out and counted; a micro-batch whose every record was skipped comes
+            as None).
+        max_skipped: records skipped before the next one's error is raised after all.
     """
 
     def __init__(self, dataset: Dataset, loop: "ElasticLoop", *, num_workers: int = 0,
@@ -91,7 +139,10 @@ class Loader:
                  collate_fn: Callable[[list[Any]], Any] | None = None,
                  worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, timeout: float = 0,
-                 max_worker_restarts: int = 10) -> None:
+                 max_worker_restarts: int = 10, on_error: str = "raise",
+                 max_skipped: int = 1000) -> None:
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be 0 or more, got {num_workers}")
         if prefetch_factor is not None and num_workers == 0:
@@ -102,9 +153,11 @@ class Loader:
                              "ElasticSampler.of(dataset, ...)")
         self.dataset, self.loop = dataset, loop
         self._plan = _Plan()
+        self._guarded = on_error == "skip"
         self._loader = DataLoader(
-            dataset, batch_sampler=self._plan, num_workers=num_workers,
-            prefetch_factor=prefetch_factor, pin_memory=pin_memory, collate_fn=collate_fn,
+            _Guarded(dataset) if self._guarded else dataset, batch_sampler=self._plan,
+            num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory,
+            collate_fn=_Collate(collate_fn) if self._guarded else collate_fn,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
             timeout=timeout, persistent_workers=False)
         self._it: Iterator[Any] | None = None
@@ -115,6 +168,9 @@ class Loader:
         """Data workers lost and replaced."""
         self.dropped = 0
         """Prefetched batches dropped because their step's shares changed."""
+        self.max_skipped = max_skipped
+        self.skipped = 0
+        """Records of this rank's steps left out because they raised (``on_error="skip"``)."""
 
     def __call__(self, batch: "Batch") -> Iterator[Any]:
         """The collated data of each of ``batch``'s micro-batches, in order (None for an empty
@@ -123,7 +179,19 @@ class Loader:
             if not indices:
                 yield None
                 continue
-            yield self._get(batch, k)
+            data = self._get(batch, k)
+            if self._guarded:
+                data, bad = data
+                for index, error in bad:
+                    if self.skipped >= self.max_skipped:
+                        raise RuntimeError(f"sample {index}: {error} (and {self.skipped} "
+                                           "records skipped before it: more than max_skipped)")
+                    self.skipped += 1
+                    print(f"maitre: step {batch.step}: skipped sample {index}: {error}",
+                          file=sys.stderr, flush=True)
+                if bad:
+                    batch.skip(len(bad))
+            yield data
 
     def _get(self, batch: "Batch", k: int) -> Any:
         want = batch.micro_batches[k]

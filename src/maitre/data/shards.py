@@ -84,7 +84,87 @@ def _layout(path: Path, dtype: np.dtype) -> tuple[int, np.dtype]:
     return offset, dtype
 
 
-class TokenShards(Dataset):
+class Shards(Dataset):
+    """What every sharded source shares: its files in name order, each holding ``counts[k]``
+    samples (sample ``i`` is in the shard ``bisect(starts, i) - 1``), one global order of
+    blocks of ``block`` consecutive samples of one shard, shuffled from ``(seed, data_epoch)``
+    alone, and the files' names and sizes as the source's description (:meth:`changes`)."""
+
+    kind = "shards"
+    """The source's kind in its description."""
+    files: list[Path]
+    sizes: list[int]
+    counts: list[int]
+    block: int
+    directory: Path
+
+    def _index(self) -> None:
+        """Set ``starts`` from ``counts``."""
+        self.starts = [0, *np.cumsum(self.counts).tolist()]
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(shard, the sample's position in it) of sample ``index``."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
+        shard = bisect.bisect_right(self.starts, index) - 1
+        return shard, index - self.starts[shard]
+
+    # -- what the sampler asks of a source --------------------------------------------------------
+    def order(self, seed: int, data_epoch: int) -> list[int]:
+        """Every sample once: blocks of ``block`` consecutive samples of one shard, the blocks
+        shuffled from ``(seed, data_epoch)``."""
+        starts = [s for shard in range(len(self.files))
+                  for s in range(self.starts[shard], self.starts[shard + 1], self.block)]
+        ends = [min(s + self.block, self.starts[bisect.bisect_right(self.starts, s)])
+                for s in starts]
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + data_epoch)
+        perm = torch.randperm(len(starts), generator=gen).tolist()
+        if not perm:
+            return []
+        return torch.cat([torch.arange(starts[b], ends[b]) for b in perm]).tolist()
+
+    def _settings(self) -> dict[str, Any]:
+        """What else besides the files a saved order depends on."""
+        return {"block": self.block}
+
+    def describe(self) -> dict[str, Any]:
+        """What the sampler's state keeps of this source: its shards' names and sizes."""
+        return {"kind": self.kind, **self._settings(),
+                "files": [[p.name, size] for p, size in zip(self.files, self.sizes)]}
+
+    def changes(self, saved: dict[str, Any]) -> str | None:
+        """What changed since ``saved`` (a :meth:`describe`), or None."""
+        if saved.get("kind") != self.kind:
+            return f"the state was saved from a {saved.get('kind')!r} source, not {self.kind!r}"
+        said = [f"{key} {saved.get(key)} -> {value}" for key, value in self._settings().items()
+                if saved.get(key) != value]
+        before = {name: size for name, size in saved.get("files", [])}
+        now = {p.name: size for p, size in zip(self.files, self.sizes)}
+        added = sorted(set(now) - set(before))
+        removed = sorted(set(before) - set(now))
+        resized = [f"{n} ({before[n]} -> {now[n]} bytes)" for n in sorted(set(now) & set(before))
+                   if before[n] != now[n]]
+        for what, names in (("added", added), ("removed", removed), ("resized", resized)):
+            if names:
+                said.append(f"{what}: {', '.join(names)}")
+        return f"shards in {self.directory}: " + "; ".join(said) if said else None
+
+
+def shard_files(directory: str | os.PathLike[str], pattern: str) -> tuple[Path, list[Path]]:
+    """The folder and its files matching ``pattern``, in name order; none is an error."""
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no shard directory {folder}")
+    files = sorted(p for p in folder.glob(pattern) if p.is_file())
+    if not files:
+        raise ValueError(f"no shards matching {pattern!r} in {folder}")
+    return folder, files
+
+
+class TokenShards(Shards):
     """Sequences of ``seq_len + 1`` tokens from the shards in ``directory``.
 
     Args:
@@ -95,6 +175,8 @@ class TokenShards(Dataset):
         block: consecutive sequences kept together by the shuffle.
     """
 
+    kind = "token_shards"
+
     def __init__(self, directory: str | os.PathLike[str], seq_len: int, *,
                  dtype: str = "uint16", pattern: str = "*.bin", vocab_size: int | None = None,
                  block: int = 64) -> None:
@@ -104,35 +186,20 @@ class TokenShards(Dataset):
             raise ValueError(f"block must be at least 1, got {block}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        self.directory = Path(directory)
-        if not self.directory.is_dir():
-            raise FileNotFoundError(f"no shard directory {self.directory}")
+        self.directory, self.files = shard_files(directory, pattern)
         self.seq_len, self.vocab_size, self.block = seq_len, vocab_size, block
-        self.files = sorted(p for p in self.directory.glob(pattern) if p.is_file())
-        if not self.files:
-            raise ValueError(f"no shards matching {pattern!r} in {self.directory}")
         self._layouts = [_layout(p, np.dtype(DTYPES[dtype])) for p in self.files]
         self.sizes = [p.stat().st_size for p in self.files]
         self.counts = []
         for (offset, dt), size in zip(self._layouts, self.sizes):
             tokens = (size - offset) // dt.itemsize
             self.counts.append(max(0, (tokens - 1) // seq_len))
-        self.starts = [0, *np.cumsum(self.counts).tolist()]
+        self._index()
         self._maps: dict[int, np.memmap] = {}
-
-    def __len__(self) -> int:
-        return self.starts[-1]
 
     def __repr__(self) -> str:
         return (f"TokenShards({str(self.directory)!r}, seq_len={self.seq_len}: "
                 f"{len(self.files)} shards, {len(self)} sequences)")
-
-    def locate(self, index: int) -> tuple[int, int]:
-        """(shard, first token) of sample ``index``."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} outside 0..{len(self) - 1}")
-        shard = bisect.bisect_right(self.starts, index) - 1
-        return shard, (index - self.starts[shard]) * self.seq_len
 
     def _map(self, shard: int) -> np.memmap:
         mm = self._maps.get(shard)
@@ -143,7 +210,8 @@ class TokenShards(Dataset):
         return mm
 
     def __getitem__(self, index: int) -> torch.Tensor:
-        shard, first = self.locate(int(index))
+        shard, position = self.locate(int(index))
+        first = position * self.seq_len
         tokens = np.asarray(self._map(shard)[first:first + self.seq_len + 1])
         if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
             at = int(np.argmax(tokens >= self.vocab_size))
@@ -156,40 +224,5 @@ class TokenShards(Dataset):
     def __getstate__(self) -> dict[str, Any]:  # (a worker started by spawn maps its own)
         return {**self.__dict__, "_maps": {}}
 
-    # -- what the sampler asks of a source --------------------------------------------------------
-    def order(self, seed: int, data_epoch: int) -> list[int]:
-        """Every sample once: blocks of ``block`` consecutive sequences of one shard, the blocks
-        shuffled from ``(seed, data_epoch)``."""
-        starts = [s for shard in range(len(self.files))
-                  for s in range(self.starts[shard], self.starts[shard + 1], self.block)]
-        ends = [min(s + self.block, self.starts[bisect.bisect_right(self.starts, s)])
-                for s in starts]
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + data_epoch)
-        perm = torch.randperm(len(starts), generator=gen).tolist()
-        if not perm:
-            return []
-        return torch.cat([torch.arange(starts[b], ends[b]) for b in perm]).tolist()
-
-    def describe(self) -> dict[str, Any]:
-        """What the sampler's state keeps of this source: its shards' names and sizes."""
-        return {"kind": "token_shards", "seq_len": self.seq_len, "block": self.block,
-                "files": [[p.name, size] for p, size in zip(self.files, self.sizes)]}
-
-    def changes(self, saved: dict[str, Any]) -> str | None:
-        """What changed since ``saved`` (a :meth:`describe`), or None."""
-        if saved.get("kind") != "token_shards":
-            return f"the state was saved from a {saved.get('kind')!r} source, not token shards"
-        said = []
-        for key in ("seq_len", "block"):
-            if saved.get(key) != getattr(self, key):
-                said.append(f"{key} {saved.get(key)} -> {getattr(self, key)}")
-        before = {name: size for name, size in saved.get("files", [])}
-        now = {p.name: size for p, size in zip(self.files, self.sizes)}
-        added = sorted(set(now) - set(before))
-        removed = sorted(set(before) - set(now))
-        resized = [f"{n} ({before[n]} -> {now[n]} bytes)" for n in sorted(set(now) & set(before))
-                   if before[n] != now[n]]
-        for what, names in (("added", added), ("removed", removed), ("resized", resized)):
-            if names:
-                said.append(f"{what}: {', '.join(names)}")
-        return f"shards in {self.directory}: " + "; ".join(said) if said else None
+    def _settings(self) -> dict[str, Any]:
+        return {"seq_len": self.seq_len, "block": self.block}

@@ -86,10 +86,11 @@ from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, pa
 # in a replica of several processes: gradients not finite, the epoch lost; a listener caught up;
 # then one slot per member of the epoch's group: its compute per unit of work over the window
 # that ends at this step, then one per member: its held value over the last steps, then one per
-# member: its work per step (zero on other steps: :mod:`maitre.runtime.stragglers`)
-_CONTROL = 10
+# member: its work per step (zero on other steps: :mod:`maitre.runtime.stragglers`). Samples
+# whose data could not be loaded (a loader's ``on_error="skip"``) ride in the last slot.
+_CONTROL = 11
 _LOSS, _COUNT, _RESIZE = 0, 1, 2
-_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY = 3, 4, 5, 6, 7, 8, 9
+_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY, _SKIPPED = 3, 4, 5, 6, 7, 8, 9, 10
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 _JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
@@ -119,6 +120,7 @@ class Batch:
     _scale: float = 1.0
     _autocast: tuple[str, torch.dtype] | None = None
     _tokens: int = 0
+    _skipped: int = 0
 
     @property
     def indices(self) -> list[int]:
@@ -133,6 +135,15 @@ class Batch:
         """Count ``tokens`` of this rank's work this step: its compute is then timed per token
         rather than per sample (variable sequence lengths do not look slow)."""
         self._tokens += tokens
+
+    def skip(self, samples: int = 1) -> None:
+        """``samples`` of this rank's share could not be loaded (a corrupt record, with a
+        loader's ``on_error="skip"``): the step's mean is over the samples trained, the same
+        whatever the world size, and ``loop.skipped`` counts them."""
+        if samples < 0 or self._skipped + samples > len(self.indices):
+            raise ValueError(f"cannot skip {samples} more of {len(self.indices)} samples "
+                             f"({self._skipped} skipped already)")
+        self._skipped += samples
 
     def log_loss(self, loss_sum: torch.Tensor | float) -> None:
         """Record this rank's summed loss; ``loop.last_loss`` is then the global mean."""
@@ -275,6 +286,9 @@ class ElasticLoop:
         self.last_loss: float | None = None
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
+        self.skipped = 0
+        """Samples left out of committed steps because their data could not be loaded
+        (:meth:`Batch.skip`), over all ranks, since this process began training."""
         self.recoveries: list[Recovery] = []
         self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL,
                                 divide_early=self.scaler is None)
@@ -467,7 +481,8 @@ class ElasticLoop:
             control[_LOSS:_LOSS + 1].copy_(batch._loss.reshape(1))
         else:
             control[_LOSS] = batch._loss if counts else 0.0
-        control[_COUNT] = len(batch.indices) if counts else 0.0
+        control[_COUNT] = len(batch.indices) - batch._skipped if counts else 0.0
+        control[_SKIPPED] = batch._skipped if counts else 0.0
         control[_RESIZE] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
         part = self._checkpoint_part if ckpt is not None else None  # None: it writes nothing
@@ -523,16 +538,19 @@ class ElasticLoop:
         self._await_snapshots()  # a snapshot being copied still reads the live state
         scale = self.scaler.scale if self.scaler is not None else 1.0
         count = int(round(float(control[_COUNT])))
-        if count != batch.global_batch_size:
-            raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples, the global "
-                               f"batch has {batch.global_batch_size}: shares are inconsistent")
+        skipped = int(round(float(control[_SKIPPED])))
+        if count + skipped != batch.global_batch_size:
+            raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples and skipped "
+                               f"{skipped}, the global batch has {batch.global_batch_size}: "
+                               "shares are inconsistent")
         if self.scaler is not None and (float(control[_NONFINITE]) > 0
                                         if self._spanning is not None
                                         else not all_finite(self._reducer.grads())):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
             self._reducer.scale(1.0 / scale)
-        self._reducer.scatter(count)  # the global mean (float32/64: divided on the way in)
+        # The global mean (float32/64 were divided by the global batch on the way in).
+        self._reducer.scatter(max(count, 1), early=batch.global_batch_size)
         if self.hooks.clip_grad_norm is not None:
             batch.grad_norm = self.last_grad_norm = clip(self.params, self.hooks.clip_grad_norm)
         if self.hooks.on_reduced_grads is not None:
@@ -552,7 +570,8 @@ class ElasticLoop:
             self.lr_scheduler.step()
         self.sampler.advance(batch.slice)
         self.state.step += 1
-        self.last_loss = float(control[_LOSS]) / count
+        self.skipped += skipped
+        self.last_loss = float(control[_LOSS]) / max(count, 1)
         return True
 
     def _commit(self, batch: Batch, control: torch.Tensor, stop: bool) -> None:

@@ -233,12 +233,18 @@ class Reducer:
         for g in self.grads():
             g.mul_(factor)
 
-    def scatter(self, count: int) -> None:
+    def scatter(self, count: int, early: int | None = None) -> None:
         """Hand the reduced gradients to the parameters as the mean over ``count`` samples: the
-        buckets that were not divided as they filled are divided now."""
+        buckets that were not divided as they filled are divided now; those divided by
+        ``early`` samples as they filled (the step's global batch) are corrected where fewer
+        were trained (samples skipped)."""
         for flat, numel, divided in zip(self._flats, self._numels, self._divided):
-            if not divided and numel:
+            if not numel:
+                continue
+            if not divided:
                 flat[:numel].mul_(1.0 / count)
+            elif early is not None and early != count:
+                flat[:numel].mul_(early / count)
         for p, view in self._view_of:
             p.grad = view
 
