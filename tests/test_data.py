@@ -367,6 +367,40 @@ def test_a_file_that_is_not_parquet_or_a_row_group_that_does_not_decode_is_named
         ds[95]
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_hugging_face_dataset_from_local_parquet_trains_every_row_once(
+        tmp_path: Path, monkeypatch, workers: int) -> None:
+    """A ``datasets.Dataset`` loaded from local files is a map-style dataset like any other
+    (its ``__getitems__`` is what the DataLoader calls): every row once, across a resume at
+    another worker count."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder = parquet(tmp_path / "p", [60, 40])
+    ds = datasets.Dataset.from_parquet(sorted(str(p) for p in folder.glob("*.parquet")),
+                                       cache_dir=str(tmp_path / "hf-cache"))
+    ds = ds.with_format("torch", columns=["id"])
+    loop = a_loop(len(ds), 10, micro=5)
+    loop.sampler = maitre.ElasticSampler.of(ds, 10, seed=3)
+    trained = []
+
+    def steps(loop: maitre.ElasticLoop, loader: Loader, n: int) -> None:
+        for batch in loop.run(max_steps=n):
+            for idx, rows in zip(batch.micro_batches, loader(batch)):
+                assert rows["id"].tolist() == idx
+                trained.extend(idx)
+                batch.backward(loop.model(rows["id"].float()[:, None]).sum())
+
+    with Loader(ds, loop, num_workers=workers) as loader:
+        steps(loop, loader, 4)
+    again = a_loop(len(ds), 10, micro=5)
+    again.sampler = maitre.ElasticSampler.of(ds, 10, seed=3)
+    again.sampler.load_state_dict(loop.sampler.state_dict())
+    with Loader(ds, again, num_workers=2 - workers) as loader:
+        steps(again, loader, 6)  # (a new loop: its step count starts at 0, the cursor at 40)
+    assert sorted(trained) == list(range(100))
+
+
 # -- real processes: resizes and failures with batches in flight ---------------------------------
 STEPS = 300
 
