@@ -1,7 +1,7 @@
 """Data benchmark: maitre's elastic loader against torch's DataLoader, on samples that cost real
 decode work, one run.
 
-    python benchmarks/data.py [--images 2048] [--batch 64] [--workers 2] [--reps 5] [--smoke]
+    python benchmarks/data.py [--images 4096] [--batch 64] [--workers 2] [--reps 5] [--smoke]
                               [--out benchmarks/results/data.json]
 
 The data: ``--images`` JPEGs (96x96, generated once into a temporary folder: gradients and
@@ -13,7 +13,7 @@ one process with ``torch.set_num_threads(1)`` and ``--workers`` data workers:
   ``DataLoader`` (the same workers, batch and prefetch, over a random sampler), and torchdata's
   ``StatefulDataLoader`` when it is installed, each feeding the same :class:`~maitre.ElasticLoop`
   (whose own cost is in all of them); the median of ``--reps`` runs of each, interleaved (the
-  machine's drift hits all). ``maitre_vs_dataloader`` is the ratio.
+  machine's drift hits all) and each loader first in turn. ``maitre_vs_dataloader`` is the ratio.
   MosaicML Streaming is not measured: it reads its own shard format (MDS), not these files;
 * ``wait``: a training run whose step computes for ``--compute-ms`` (a sleep: a GPU busy while
   the host waits) with workers that keep up: the share of the step time spent waiting for data;
@@ -152,11 +152,15 @@ def throughput(dataset: Dataset, args: argparse.Namespace, steps: int) -> dict[s
     runs: dict[str, list[float]] = {"maitre": [], "dataloader": []}
     if stateful is not None:
         runs["stateful_dataloader"] = []
-    for _ in range(args.reps):  # interleaved: the machine's drift hits every loader alike
-        runs["dataloader"].append(rate("torch", dataset, args, steps, DataLoader))
-        runs["maitre"].append(rate("maitre", dataset, args, steps))
-        if stateful is not None:
-            runs["stateful_dataloader"].append(rate("torch", dataset, args, steps, stateful))
+    makers: dict[str, Callable[[], float]] = {
+        "dataloader": lambda: rate("torch", dataset, args, steps, DataLoader),
+        "maitre": lambda: rate("maitre", dataset, args, steps)}
+    if stateful is not None:
+        makers["stateful_dataloader"] = lambda: rate("torch", dataset, args, steps, stateful)
+    names = list(makers)
+    for rep in range(args.reps):  # interleaved: the machine's drift hits every loader alike,
+        for name in names[rep % len(names):] + names[:rep % len(names)]:  # each first in turn
+            runs[name].append(makers[name]())
     out: dict[str, Any] = {f"{k}_samples_s": round(statistics.median(v), 1)
                            for k, v in runs.items()}
     out["maitre_vs_dataloader"] = round(statistics.median(runs["maitre"]) /
@@ -256,11 +260,11 @@ def table(r: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--images", type=int, default=2048)
+    p.add_argument("--images", type=int, default=4096)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--prefetch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=24, help="batches timed per throughput run")
+    p.add_argument("--steps", type=int, default=60, help="batches timed per throughput run")
     p.add_argument("--compute-ms", type=float, default=150.0,
                    help="each training step's compute in the wait run (default 150)")
     p.add_argument("--reps", type=int, default=5)
