@@ -14,7 +14,8 @@ one process with ``torch.set_num_threads(1)`` and ``--workers`` data workers:
   ``StatefulDataLoader`` when it is installed, each feeding the same :class:`~maitre.ElasticLoop`
   (whose own cost is in all of them); the median of ``--reps`` runs of each, interleaved (the
   machine's drift hits all) and each loader first in turn. ``maitre_vs_dataloader`` is the ratio.
-  MosaicML Streaming is not measured: it reads its own shard format (MDS), not these files;
+  MosaicML Streaming is not measured: installed beside ``torch==2.13.0`` it replaces torch (its
+  torchvision pulls a CUDA torch 2.14.1), and it reads its own shard format (MDS);
 * ``wait``: a training run whose step computes for ``--compute-ms`` (a sleep: a GPU busy while
   the host waits) with workers that keep up: the share of the step time spent waiting for data;
 * ``first_batch``: from a resume (a new loop and loader from the sampler's state, at the start,
