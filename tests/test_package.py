@@ -83,7 +83,12 @@ assert "torch" not in sys.modules, "torch was imported"
 @pytest.mark.timeout(30)
 def test_the_public_api_is_pinned() -> None:
     assert maitre.__all__ == PUBLIC == sorted(PUBLIC)
-    assert maitre.__version__ == "0.1.0"
+    from importlib import metadata
+    import tomllib
+
+    # One place for the version: pyproject.toml, read back through the package's metadata.
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert maitre.__version__ == metadata.version("maitre") == pyproject["project"]["version"]
     for name in maitre.__all__:
         value = getattr(maitre, name)
         assert value.__name__ == name and value.__module__.startswith("maitre.")
@@ -117,7 +122,7 @@ def test_the_wheel_holds_the_data_and_runs_from_outside_the_repository(tmp_path:
     names = set(zipfile.ZipFile(wheel).namelist())
     traces = "maitre/data/traces"
     needed = {"maitre/examples/train.py", "maitre/examples/train_llm.py",
-              "maitre/data/text/macbeth.txt",
+              "maitre/data/text/macbeth.txt", "maitre/py.typed",
               f"{traces}/pollux_workloads/workloads/workload-6.csv"}
     for app in ("cifar10", "ncf", "deepspeech2", "bert", "yolov3", "imagenet"):
         needed |= {f"{traces}/pollux_app_profiles/{app}/{f}"

@@ -9,6 +9,7 @@ touch a tensor (the CLI's client commands, the scheduling policy, the simulator)
 importing torch.
 """
 
+from importlib import metadata as _metadata
 from typing import TYPE_CHECKING
 
 from maitre._lazy import lazy_exports
@@ -42,7 +43,10 @@ _HOMES = {
 __all__ = ["Batch", "Buckets", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
            "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState",
            "replica_mesh"]
-__version__ = "0.1.0"
+try:  # the version is written once, in pyproject.toml; an installed package's metadata has it
+    __version__ = _metadata.version("maitre")
+except _metadata.PackageNotFoundError:  # (the source tree on sys.path, never installed)
+    __version__ = "0+unknown"
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)
