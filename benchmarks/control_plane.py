@@ -585,7 +585,7 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
             notes.append("hb and cpu measured during the fill (it never became steady)")
             t_scale = t_scaled = wall_scale = 0.0
         results = []
-        for proc, pipe, _ in gens:
+        for _proc, pipe, _ in gens:
             pipe.send((w0, w1))
         for proc, pipe, _ in gens:
             results.append(pipe.recv() if pipe.poll(60) else None)
@@ -700,7 +700,7 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         row["notes"] = "; ".join(notes + [f"{type(exc).__name__}: {exc}"])
         return row
     finally:
-        for proc, pipe, _ in gens:
+        for proc, _pipe, _ in gens:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

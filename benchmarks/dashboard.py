@@ -68,7 +68,7 @@ def load_times(browser, url: str, repeats: int) -> dict[str, dict[str, float]]:
         for _ in range(repeats):
             page = browser.new_page()
             errors: list[str] = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
             page.goto(f"{url}#/{view}")
             page.wait_for_function("window.__maitre && window.__maitre.ready", timeout=60000)
             assert not errors and not page.evaluate("window.__maitre.failed"), errors

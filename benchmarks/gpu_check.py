@@ -353,7 +353,7 @@ def main() -> None:
                 print(f"overhead x{micro} {variant}: "
                       f"{rows[variant].get('step_s', rows[variant])}", flush=True)
             plain = rows["plain"].get("step_s")
-            for variant, row in rows.items():
+            for row in rows.values():
                 if plain and "step_s" in row:
                     row["ratio_to_plain"] = row["step_s"] / plain
             doc["overhead"][f"micro_batches_{micro}"] = rows

@@ -4,10 +4,11 @@ It starts a coordinator (HTTP API plus the door to the c10d stores) on a cluster
 submits the job there as ``maitre up`` would (the same controller, scheduling and job
 states; its policy grows the job into every free slot at once, see :data:`RUN_POLICY`), starts
 ``--local-nodes`` agents that each run ``--nproc-per-node`` workers, and prints the job's
-membership events as they happen. More nodes can join from anywhere with ``maitre agent --coordinator HOST:PORT``. An optional
-scripted story (``--events``) kills, stops, adds and removes workers at given steps, so a
-newcomer can watch the job survive each. At the end it prints a summary: steps, every membership
-change with its recovery time, and the exactly-once audit of the data.
+membership events as they happen. More nodes can join from anywhere with
+``maitre agent --coordinator HOST:PORT``. An optional scripted story (``--events``) kills,
+stops, adds and removes workers at given steps, so a newcomer can watch the job survive each.
+At the end it prints a summary: steps, every membership change with its recovery time, and the
+exactly-once audit of the data.
 
 With ``--checkpoint-dir`` the workers checkpoint there, and the first SIGINT or SIGTERM suspends
 the job instead of killing it: every member checkpoints after its current step and exits, within

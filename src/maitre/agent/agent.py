@@ -13,9 +13,10 @@ Three paths, each with its own thread (the messages are :mod:`maitre.protocol`'s
   rhythm of its beats. While a worker is stalled or silent (past ``protocol.SILENT_S``), or when
   one turns so, the agent beats every ``urgent_s`` (0.1 s) instead: that is when the
   coordinator's hang detector needs fresh news. That promise is in every beat (``interval_s``),
-  so a beat vouches for the workers it lists as heard until the next is due. In steady state a node of 8 workers costs the coordinator one request every 2 s: what
-  a worker must hear comes by the watch, so the beat carries only liveness and progress
-  (measured at 1,024 nodes: 1 s beats left the coordinator no headroom on this machine).
+  so a beat vouches for the workers it lists as heard until the next is due. In steady state a node
+  of 8 workers costs the coordinator one request every 2 s: what a worker must hear comes by
+  the watch, so the beat carries only liveness and progress (measured at 1,024 nodes: 1 s beats
+  left the coordinator no headroom on this machine).
 - **Coordinator to agent: the watch**, a long-poll that returns as soon as the node's orders
   change (workers to start, workers to kill, new views), so news reaches the workers within a
   round trip, not a beat interval.
@@ -30,8 +31,8 @@ a crash from a bug that every rank hits.
 
 Python workers of this interpreter are forked from a fork server that has torch imported
 already (:mod:`maitre.agent.warmstart`), so a joiner holds its slot idle for milliseconds, not
-the seconds of its imports. Workers get torchrun's variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``) plus ``MAITRE_*``; they
-run in their own session so a signal meant for one never reaches the agent.
+the seconds of its imports. Workers get torchrun's variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``)
+plus ``MAITRE_*``; they run in their own session so a signal meant for one never reaches the agent.
 """
 
 from __future__ import annotations
@@ -482,7 +483,7 @@ class Agent:
         worker = _Worker(wid, *procs)
         with self._lock:
             self.views[wid] = dict(self.views.get(wid, _NO_VIEW))
-        for i, proc in enumerate(procs):
+        for proc in procs:
             worker.threads += [
                 threading.Thread(target=self._pump, args=(worker, proc.stdout, False), daemon=True),
                 threading.Thread(target=self._pump, args=(worker, proc.stderr, True), daemon=True)]

@@ -61,9 +61,9 @@ def overlap(a: Box, b: Box) -> Box | None:
     """The box both cover (None if they share no element)."""
     lo = [max(x, y) for x, y in zip(a[0], b[0])]
     hi = [min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1])]
-    if any(h <= l for l, h in zip(lo, hi)):
+    if any(high <= low for low, high in zip(lo, hi)):
         return None
-    return tuple(lo), tuple(h - l for l, h in zip(lo, hi))
+    return tuple(lo), tuple(high - low for low, high in zip(lo, hi))
 
 
 def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:

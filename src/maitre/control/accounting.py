@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from maitre.control.membership import LIVE, Membership
-from maitre.scheduling.lifecycle import JobState
 
 if TYPE_CHECKING:
     from maitre.control.cluster import ClusterState, ManagedJob

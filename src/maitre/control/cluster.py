@@ -376,8 +376,8 @@ class ClusterState:
                 where: dict[str, int] | None = None) -> dict[str, int] | None:
         """Grow the job by one replica at once, outside the scheduling pass (a repair: no resize
         cooldown): on a free slot of a node that takes work, its own nodes first (``where``:
-        found already; :meth:`evict` hands the place to a warm spare first). With no free slot the job runs one smaller (never below its
-        minimum: :meth:`evict` does not evict then)."""
+        found already; :meth:`evict` hands the place to a warm spare first). With no free slot the
+        job runs one smaller (never below its minimum: :meth:`evict` does not evict then)."""
         where = where if where is not None else self._free_for(m)
         if where is None:
             size = sum(m.job.placement.values())

@@ -1104,7 +1104,8 @@ class Coordinator:
             job.attained_slot_s = extra.get("attained_slot_s", 0.0)
             managed = ManagedJob(manifest, job, incarnation=extra["incarnation"],
                                  workers_started=extra["workers_started"],
-                                 suspended_run=extra["suspended_run"], held=extra["held"], admitted_at=extra["admitted_at"],
+                                 suspended_run=extra["suspended_run"], held=extra["held"],
+                                 admitted_at=extra["admitted_at"],
                                  ended_at=extra["ended_at"], productive_s=extra["productive_s"],
                                  suspend_deadline=extra["suspend_deadline"],
                                  generation=extra.get("generation", 0),

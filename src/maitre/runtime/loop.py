@@ -1164,7 +1164,7 @@ class ElasticLoop:
         self.rank = training.index(me)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
-        mine = [pair(l) for i, l in enumerate(self._listeners)
+        mine = [pair(listener) for i, listener in enumerate(self._listeners)
                 if training[i % len(training)] == me]
         if mine:
             packed = Packed.of(self.state.state_dict(), self.device, lazy=self._optimizer_owned())
