@@ -168,6 +168,26 @@ def test_buckets_go_out_while_backward_runs_and_only_on_the_last_micro_batch() -
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.timeout(120)
+def test_fsdp2_shards_go_out_layer_by_layer_while_backward_runs(tmp_path) -> None:
+    """FSDP2 calls a sharded parameter's post-accumulate-grad hooks once its layer's
+    reduce-scatter wrote the gradient: the buckets of a replica's shards go out to the other
+    replicas while backward still runs through the layers before them (here, before the first
+    layer's backward), on the last micro-batch only, holding what plain autograd gives."""
+    import json
+    import os
+
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "fsdp2_buckets.py")],
+                            capture_output=True, text=True, timeout=100,
+                            env={**os.environ, "STORE_FILE": str(tmp_path / "store")})
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    buckets = out["buckets"]
+    assert buckets >= 3 and out["exact"], out
+    assert out["launched_after"] == [0, 0, buckets - 1], out
+    assert out["at_first_layer"] == [0, 0, buckets - 1], out  # before layer 0's backward ran
+
+
 def test_without_overlap_every_bucket_goes_out_at_the_end_with_the_same_result() -> None:
     def body(group: EpochGroup) -> tuple[list[int], list[torch.Tensor]]:
         model = mlp()

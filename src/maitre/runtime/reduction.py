@@ -37,9 +37,12 @@ backward is still computing the rest of the gradients. This module does the same
   abandoned reduction may still write into are never used again: :meth:`Reducer.renew` lays
   fresh ones (the hooks stay; they always act on the current buffers).
 
-Parameters whose gradients do not come from autograd's accumulation (FSDP2's sharded
-parameters: its reduce-scatter writes them) fire no hook; their buckets are reduced when the
-step finishes, as before this module.
+FSDP2's sharded parameters get their gradients from its reduce-scatter, not from autograd's
+accumulation, and FSDP2 (torch 2.5 and later) runs their post-accumulate-grad hooks itself once
+a layer's reduce-scatter has written them: a replica's buckets of shards then fill layer by
+layer and go out to the other replicas while backward still runs through the layers before
+(``tests/scripts/fsdp2_buckets.py``). Where no hook fires (an older torch), a bucket's
+parameters are taken and it goes out when the step finishes.
 """
 
 from __future__ import annotations
