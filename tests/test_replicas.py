@@ -24,6 +24,69 @@ def torchrun(nproc: int, *args: str) -> list[str]:
             "--nproc-per-node", str(nproc), str(SCRIPT), *args]
 
 
+class MaxOverThreads:
+    """An allreduce (max) between ``n`` threads: what a replica's group does for its processes."""
+
+    def __init__(self, n: int) -> None:
+        import threading
+
+        self.barrier = threading.Barrier(n, timeout=10)
+        self.flags: list[torch.Tensor] = []
+        self.rounds = 0
+
+    def __call__(self, flag: torch.Tensor) -> None:
+        self.flags.append(flag.clone())
+        if self.barrier.wait() == 0:
+            self.rounds += 1
+        flag.copy_(torch.stack(self.flags).amax(0))
+        self.barrier.wait()
+        if self.barrier.wait() == 0:
+            self.flags.clear()
+        self.barrier.wait()
+
+
+@pytest.mark.timeout(30)
+def test_a_replicas_processes_told_different_epochs_meet_in_the_newer_one() -> None:
+    """The coordinator told one process epoch 4 and the other, which asked a moment before,
+    epoch 3 (closed since): the one behind goes round again, the one ahead waits for it in the
+    next round, and both train in epoch 4. A process whose group did not form sends both round
+    again. (Trained on, the two would pair their replica's collectives across epochs: the
+    replicas benchmark's crash hung that way in CI.)"""
+    import threading
+
+    from maitre.runtime.replica import same_epoch
+
+    reduce_max = MaxOverThreads(2)
+    said: dict[str, list[str | None]] = {"ahead": [], "behind": []}
+
+    def ahead() -> None:
+        said["ahead"].append(same_epoch(True, 4, reduce_max))
+
+    def behind() -> None:
+        why = same_epoch(True, 3, reduce_max)
+        said["behind"].append(why)
+        if why is not None:  # its rendezvous again: the coordinator tells it epoch 4
+            said["behind"].append(same_epoch(True, 4, reduce_max))
+
+    threads = [threading.Thread(target=f) for f in (ahead, behind)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert said == {"ahead": [None], "behind": [
+        "another process of this replica is in epoch 4 already", None]}
+    assert reduce_max.rounds == 2
+    reduce_max = MaxOverThreads(2)
+    lost: list[str | None] = []
+    threads = [threading.Thread(target=lambda ok=ok: lost.append(same_epoch(ok, 5, reduce_max)))
+               for ok in (True, False)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert lost == ["another process of this replica lost the epoch as it formed"] * 2
+
+
 @pytest.fixture(scope="module")
 def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("alone") / "final.pt"

@@ -1010,9 +1010,10 @@ class ElasticLoop:
         except EpochLost as exc:  # a peer failed while the group formed: go round again
             lost = exc
         self._building_since = None
-        if self._spanning is not None and not self._replica_agrees(lost is None) and lost is None:
-            lost = EpochLost("another process of this replica lost the epoch as it formed",
-                             time.monotonic())
+        if self._spanning is not None:  # every process of the replica in this epoch, or none
+            why = replicas.same_epoch(lost is None, self.epoch, self._replica_max)
+            if why is not None and lost is None:
+                lost = EpochLost(why, time.monotonic())
         if lost is not None:
             self._recover(lost)
             return
@@ -1023,10 +1024,17 @@ class ElasticLoop:
     def _replica_agrees(self, ok: bool) -> bool:
         """Whether every process of this replica is ``ok`` (one tiny allreduce inside it): they
         go on, or go round again, together, so their collectives stay in step."""
-        assert self._spanning is not None
-        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
-        dist.all_reduce(flag, group=self._spanning.group)
+        flag = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+        self._replica_max(flag)
         return float(flag) == 0.0
+
+    def _replica_max(self, flag: torch.Tensor) -> None:
+        """An allreduce (max) of a tiny host tensor inside this replica (on the device its
+        backend needs)."""
+        assert self._spanning is not None
+        there = flag.to(self.device)
+        dist.all_reduce(there, op=dist.ReduceOp.MAX, group=self._spanning.group)
+        flag.copy_(there.cpu())
 
     def _connect_store(self, answer: dict[str, Any]) -> None:
         """The run's c10d store, through its door (:class:`StoreLink`): ``TCPStore`` connects to

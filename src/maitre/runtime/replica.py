@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -264,6 +264,30 @@ class Replica:
         """The first ``tp`` rank of each shard counts its samples and loss (the others read the
         same samples)."""
         return self.local_rank % self.spec.tp == 0
+
+
+def same_epoch(ok: bool, epoch: int, reduce_max: Callable[[torch.Tensor], None]) -> str | None:
+    """After a rendezvous, agree with the other processes of this replica that every one is
+    ``ok`` (its group formed) and in the same epoch; None when they all are, else why this
+    process must go round again.
+
+    The coordinator answers a replica's processes one by one, so one may be given an epoch that
+    closes a moment later while another, asking after, is given the next: trained on, the two
+    would pair their replica's collectives across epochs and hang. The process behind goes
+    round again (it is told the newer epoch); the ones ahead wait for it here, in the next
+    round of this agreement. ``reduce_max``: an allreduce (max) over the replica's group."""
+    while True:
+        flag = torch.tensor([0.0 if ok else 1.0, float(epoch), -float(epoch)],
+                            dtype=torch.float64)
+        reduce_max(flag)
+        newest, oldest = int(flag[1]), int(-flag[2])
+        if float(flag[0]) > 0:
+            return "another process of this replica lost the epoch as it formed"
+        if newest == oldest:
+            return None
+        if epoch < newest:
+            return f"another process of this replica is in epoch {newest} already"
+        # ahead: the others come back from their rendezvous to the next round
 
 
 _REPLICA: Replica | None = None
