@@ -36,7 +36,9 @@ is counted once in the global gradient norm (:func:`counted`).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -291,6 +293,32 @@ def same_epoch(ok: bool, epoch: int, reduce_max: Callable[[torch.Tensor], None])
 
 
 _REPLICA: Replica | None = None
+_CRASHED = False
+"""An uncaught exception ended the script (see :func:`_destroy_at_exit`)."""
+
+
+def _init_default_group(backend: str, **kwargs: Any) -> None:
+    """``dist.init_process_group``, and its ``destroy_process_group`` at the interpreter's exit:
+    gloo's groups left to the exit can abort the process once the script is done ("terminate
+    called without an active exception": 1 torchrun run of replicas in about 16 here)."""
+    dist.init_process_group(backend, **kwargs)
+    previous = sys.excepthook
+
+    def note_crash(*exc: Any) -> None:
+        global _CRASHED
+        _CRASHED = True
+        previous(*exc)
+
+    sys.excepthook = note_crash
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    """After a script that ended (or exited) on its own nothing is in flight: the groups are
+    destroyed. After an uncaught exception a collective may still be, and destroying its group
+    would wait on it: the exit is left as it was."""
+    if not _CRASHED and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def current() -> Replica | None:
@@ -329,9 +357,9 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
         link, store = _run_store()
         if not dist.is_initialized():  # the replica's own group: its processes only
             worker = os.environ[protocol.WORKER_ID]
-            dist.init_process_group(backend, store=dist.PrefixStore(f"replica/{worker}/", store),
-                                    rank=int(os.environ.get(protocol.PROC, "0")),
-                                    world_size=spec.nproc)
+            _init_default_group(backend, store=dist.PrefixStore(f"replica/{worker}/", store),
+                                rank=int(os.environ.get(protocol.PROC, "0")),
+                                world_size=spec.nproc)
         mesh = init_device_mesh(device_type, (spec.dp_shard, spec.tp), mesh_dim_names=MESH_DIMS)
         _REPLICA = Replica(spec, dist.get_rank(), mesh, dist.group.WORLD, link=link)
         return mesh
@@ -343,7 +371,7 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
             raise ValueError(f"a world of {world} processes does not split into replicas of "
                              f"{spec.nproc} ({spec})")
         if not dist.is_initialized():
-            dist.init_process_group(backend)
+            _init_default_group(backend)
         replicas = world // spec.nproc
         full = init_device_mesh(device_type, (replicas, spec.dp_shard, spec.tp),
                                 mesh_dim_names=("replicate", *MESH_DIMS))
@@ -358,7 +386,7 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
         raise ValueError(f"a mesh of {spec.nproc} processes ({spec}) needs as many processes: "
                          "run the script under torchrun")
     if not dist.is_initialized():
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _init_default_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh(device_type, (1, 1), mesh_dim_names=MESH_DIMS)
     _REPLICA = Replica(spec, 0, mesh, dist.group.WORLD)
     return mesh
