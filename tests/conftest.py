@@ -57,7 +57,12 @@ TAG_VAR = "MAITRE_TEST_TAG"
 
 
 def _tagged_pids(tag: str) -> list[int]:
-    needle = f"{TAG_VAR}={tag}".encode()
+    return pids_with_env(TAG_VAR, tag)
+
+
+def pids_with_env(name: str, value: str) -> list[int]:
+    """The live processes (but this one) whose environment sets ``name`` to ``value``."""
+    needle = f"{name}={value}".encode()
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():

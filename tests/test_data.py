@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import maitre
-from conftest import example_command, play, relative_error
+from conftest import example_command, pids_with_env, play, relative_error, wait_for
+from maitre import protocol
 from maitre.data import DataError, Loader, TokenShards
 from maitre.runtime.env import WorkerEnv
 from maitre.runtime.ledger import audit
@@ -418,7 +419,9 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
     code, lines, run = play(tmp_path, cmd, story, min_nodes=1, max_nodes=3,
                             local_nodes=2, max_restarts=5)
     assert code == 0, "\n".join(lines)
-    if workers:
+    if workers:  # every data worker gone with its training process, the SIGKILLed one's too
+        wait_for(lambda: not pids_with_env(protocol.COORDINATOR, run.server.address), 15,
+                 "the data workers to end with their training processes", lines)
         assert any(re.search(r"story: step \d+: SIGKILL data worker \d+ of worker", line)
                    for line in lines), "\n".join(lines)
         # The only failure is the story's kill of a training worker: its data worker's was

@@ -32,7 +32,10 @@ that fails every record is not trained around.
 from __future__ import annotations
 
 import itertools
+import os
+import select
 import sys
+import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -75,6 +78,37 @@ class _Plan:
                 return
             self.issued.append(item)
             yield item
+
+
+class _WorkerInit:
+    """Each data worker's start: a watch on the training process that owns it, then the
+    user's ``worker_init_fn``.
+
+    torch's own watchdog ends a data worker whose *parent* is gone. Started by fork the parent
+    is the training process; started by forkserver or spawn it is not (a worker that maitre's
+    agent started warm has forkserver as its default: its data workers do not inherit its
+    sockets, so its peers see it die at once), and a SIGKILLed training process would leave
+    its data workers, and the fork server they keep alive, running for good."""
+
+    def __init__(self, user: Callable[[int], None] | None) -> None:
+        self.owner = os.getpid()
+        self.user = user
+
+    def __call__(self, worker_id: int) -> None:
+        try:
+            owner = os.pidfd_open(self.owner)
+        except ProcessLookupError:  # gone already
+            os._exit(0)
+        except (AttributeError, OSError):  # no pidfd here: torch's watchdog alone
+            owner = None
+        if owner is not None:
+            def watch() -> None:
+                select.select([owner], [], [])  # readable once the owner has exited
+                os._exit(0)
+
+            threading.Thread(target=watch, name="maitre-owner-watch", daemon=True).start()
+        if self.user is not None:
+            self.user(worker_id)
 
 
 class _Skipped:
@@ -158,7 +192,8 @@ class Loader:
             _Guarded(dataset) if self._guarded else dataset, batch_sampler=self._plan,
             num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory,
             collate_fn=_Collate(collate_fn) if self._guarded else collate_fn,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            worker_init_fn=_WorkerInit(worker_init_fn),
+            multiprocessing_context=multiprocessing_context,
             timeout=timeout, persistent_workers=False)
         self._it: Iterator[Any] | None = None
         self.max_worker_restarts = max_worker_restarts
