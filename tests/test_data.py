@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -61,14 +62,17 @@ def a_loop(n: int, batch: int, micro: int | None = None, state: dict | None = No
                               micro_batch_size=micro, env=WorkerEnv.from_environ({}))
 
 
-def train(loop: maitre.ElasticLoop, loader: Loader, steps: int) -> list[list[int]]:
-    """Runs ``steps`` steps; checks each micro-batch's data against its indices."""
+def train(loop: maitre.ElasticLoop, loader: Loader, steps: int, compute: float = 0.0
+          ) -> list[list[int]]:
+    """Runs ``steps`` steps; checks each micro-batch's data against its indices. ``compute``:
+    seconds each micro-batch holds the main thread, as a model's forward would."""
     model = loop.model
     trained = []
     for batch in loop.run(max_steps=steps):
         for idx, data in zip(batch.micro_batches, loader(batch)):
             assert data.tolist() == idx, (batch.step, data, idx)
             trained.append(idx)
+            time.sleep(compute)
             x = data.double().float()[:, None]
             batch.backward(model(x).sum())
     return trained
@@ -90,13 +94,19 @@ def test_each_step_gets_the_samples_the_loop_gave_it_with_workers_loading_ahead(
     assert len(flat) <= len(data.reads()) <= len(flat) + 2 * 3 * workers
 
 
-def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compute", [0.0, 0.2])
+def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(
+        tmp_path: Path, compute: float) -> None:
+    """``compute`` 0.2 s: the worker dies while the script computes, not while it waits in
+    the loader (torch's SIGCHLD handler would raise its error there, in the script's code);
+    its batch still queued then cannot be received from it (its shared memory's sender is
+    gone)."""
     data = Recorded(40, tmp_path / "reads", kill_at=None)
     loop = a_loop(40, 8, micro=4)
     order = loop.sampler.order(0)
     data.kill_at = order[20]  # in step 3
     with Loader(data, loop, num_workers=2) as loader:
-        trained = train(loop, loader, 5)
+        trained = train(loop, loader, 5, compute)
         assert loader.worker_restarts == 1 and loader.restarts == 2
     assert (tmp_path / "killed").exists()
     assert sorted(i for m in trained for i in m) == list(range(40))

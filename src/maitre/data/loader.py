@@ -36,10 +36,12 @@ import os
 import select
 import sys
 import threading
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch.utils.data import DataLoader, Dataset, default_collate
+from torch.utils.data._utils import signal_handling as _signals
 
 if TYPE_CHECKING:
     from maitre.runtime.loop import Batch, ElasticLoop
@@ -235,9 +237,8 @@ class Loader:
                 self._start(batch, k)
             try:
                 data = next(self._it)  # type: ignore[arg-type]
-            except RuntimeError as exc:
-                if not str(exc).startswith("DataLoader worker") or \
-                        self.worker_restarts >= self.max_worker_restarts:
+            except (RuntimeError, OSError, EOFError) as exc:
+                if not self._lost_worker(exc) or self.worker_restarts >= self.max_worker_restarts:
                     raise
                 self.worker_restarts += 1
                 print(f"maitre: a data worker was lost ({exc}); its batches are loaded again "
@@ -258,7 +259,29 @@ class Loader:
                  for m in step if m)
         self._plan.restart(itertools.chain(rest, later))
         self._it = iter(self._loader)
+        if getattr(self._it, "_worker_pids_set", False):
+            # torch's SIGCHLD handler raises a lost worker's error wherever the main thread
+            # is: in the middle of the step's collectives, say. Unregistered, the loss is
+            # found where it can be handled: in next(), which checks its workers while it
+            # waits for a batch (every few seconds).
+            _signals._remove_worker_pids(id(self._it))
+            self._it._worker_pids_set = False  # type: ignore[attr-defined]
         self.restarts += 1
+
+    def _lost_worker(self, exc: BaseException) -> bool:
+        """Whether ``exc`` from the DataLoader means a data worker died: torch's own error, or
+        the socket error of a batch whose shared memory its dead sender can no longer pass
+        (seen before the sender is reaped: wait a moment for it)."""
+        if isinstance(exc, RuntimeError):
+            return str(exc).startswith("DataLoader worker")
+        workers = getattr(self._it, "_workers", [])
+        deadline = time.monotonic() + 2.0
+        while True:
+            if any(not w.is_alive() for w in workers):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
 
     def _stop(self) -> None:
         it, self._it = self._it, None
