@@ -99,3 +99,63 @@ def test_every_maitre_variable_is_named_in_the_protocol_only() -> None:
         for match in re.finditer(r"[\"']MAITRE_[A-Z_]+", path.read_text()):
             spelt.append(f"{path.relative_to(SRC)}: {match.group(0)}")
     assert not spelt, "\n".join(spelt)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each module of the package and the modules of the package it imports: at the top or
+    inside a function (a deferred import is still a dependency), not under TYPE_CHECKING."""
+    modules = {}
+    for path in SRC.rglob("*.py"):
+        parts = path.relative_to(SRC.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+
+    def owner(name: str) -> str | None:  # maitre.x.y.SomeClass -> maitre.x.y
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        todo = list(ast.parse(path.read_text()).body)
+        while todo:
+            node = todo.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                todo.extend(node.orelse)
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                deps.update(owner(f"{base}.{alias.name}") for alias in node.names)
+            elif isinstance(node, ast.Import):
+                deps.update(owner(alias.name) for alias in node.names)
+            else:
+                todo.extend(ast.iter_child_nodes(node))
+        graph[name] = {d for d in deps if d and d != name}
+    return graph
+
+
+@pytest.mark.timeout(30)
+def test_no_import_cycle_between_the_packages_modules() -> None:
+    """A cycle, even through a deferred import, means two modules that cannot be read (or
+    changed) one without the other: each is named with the path that leads back to it."""
+    graph = _module_graph()
+    assert len(graph) > 80 and "maitre.scheduling.spec" in graph["maitre.protocol"]
+    cycles = []
+    done: set[str] = set()
+
+    def walk(module: str, path: list[str]) -> None:
+        for dep in sorted(graph[module]):
+            if dep in path:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in done:
+                walk(dep, path + [dep])
+        done.add(module)
+
+    for module in sorted(graph):
+        if module not in done:
+            walk(module, [module])
+    assert not cycles, "\n".join(cycles)

@@ -192,7 +192,7 @@ def test_stragglers_and_spares() -> None:
     m = parse_manifest({**base, "spares": 2, "stragglers": {
         "policy": "evict", "ratio": 1.5, "windows": 3, "madFloor": 0.1, "cooldownSeconds": 60}})
     assert m.spares == 2 and m.stragglers.policy == "evict" and m.stragglers.cooldown_s == 60
-    env = m.stragglers.environ()
+    env = protocol.straggler_environ(m.stragglers)
     assert env[protocol.STRAGGLER_POLICY] == "evict" and env[protocol.STRAGGLER_RATIO] == "1.5"
     t = Thresholds.from_environ(env)  # the workers read back what the manifest said
     assert (t.policy, t.ratio, t.windows, t.mad_floor, t.window) == ("evict", 1.5, 3, 0.1, 5)

@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from maitre.scheduling.lifecycle import JobState
-from maitre.scheduling.spec import JobManifest
+from maitre.scheduling.spec import JobManifest, StragglerSpec
 
 API = "/v1"
 """Every route below is under this prefix."""
@@ -120,6 +120,17 @@ STRAGGLER_POLICY = "MAITRE_STRAGGLER_POLICY"
 """What a straggler found does: ``report`` (the default: a ``straggler`` event and metric),
 ``evict`` (reported, and the coordinator moves its replica off its node) or ``off`` (no timing
 shared, no detector). A managed job sets these from its manifest's ``stragglers``."""
+
+def straggler_environ(settings: StragglerSpec) -> dict[str, str]:
+    """The workers' ``MAITRE_STRAGGLER_*`` variables for a manifest's ``stragglers``."""
+    named = {"window": STRAGGLER_WINDOW, "ratio": STRAGGLER_RATIO, "z": STRAGGLER_Z,
+             "windows": STRAGGLER_WINDOWS, "mad_floor": STRAGGLER_MAD_FLOOR,
+             "drift": STRAGGLER_DRIFT}
+    env = {var: str(getattr(settings, name)) for name, var in named.items()}
+    env[STRAGGLER_POLICY] = settings.policy
+    return env
+
+
 LEDGER_DIR = "MAITRE_LEDGER_DIR"
 """Where workers record the samples they commit (the exactly-once audit)."""
 RUN_ID = "MAITRE_RUN_ID"

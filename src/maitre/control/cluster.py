@@ -432,7 +432,7 @@ class ClusterState:
         if man.checkpoint_dir:
             env[protocol.CHECKPOINT_DIR] = man.checkpoint_dir
         if man.stragglers is not None:
-            env.update(man.stragglers.environ())
+            env.update(protocol.straggler_environ(man.stragglers))
         env.update(m.env)
         return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
                        max_workers=man.max_replicas, max_restarts=self.max_restarts, env=env,

@@ -119,17 +119,6 @@ class StragglerSpec(_Fields):
                            "would come after the verdict")
         return drift
 
-    def environ(self) -> dict[str, str]:
-        """The workers' ``MAITRE_STRAGGLER_*`` variables for these settings."""
-        from maitre import protocol  # here: maitre.protocol imports this module
-
-        named = {"window": protocol.STRAGGLER_WINDOW, "ratio": protocol.STRAGGLER_RATIO,
-                 "z": protocol.STRAGGLER_Z, "windows": protocol.STRAGGLER_WINDOWS,
-                 "mad_floor": protocol.STRAGGLER_MAD_FLOOR, "drift": protocol.STRAGGLER_DRIFT}
-        env = {var: str(getattr(self, name)) for name, var in named.items()}
-        env[protocol.STRAGGLER_POLICY] = self.policy
-        return env
-
 
 class MeshSpecFields(_Fields):
     """A replica's mesh (the names are torch's mesh dimensions, spelt as they are)."""
