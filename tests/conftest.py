@@ -87,6 +87,42 @@ def kill_tagged(tag: str) -> list[int]:
     return left
 
 
+class Procs:
+    """``maitre`` commands run by one test, tagged so that none outlives it (``cleanup``)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tag = os.urandom(8).hex()
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, name: str, *args: str, **extra_env: str) -> subprocess.Popen[str]:
+        """``maitre <args>``, its output in ``<name>.log``."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+        env.update({TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra_env})
+        log = open(self.tmp / f"{name}.log", "a")
+        proc = subprocess.Popen([sys.executable, "-m", "maitre.cli", *args], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def cleanup(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for pid in _tagged_pids(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.CompletedProcess[str]:
     """Run ``cmd``; on a timeout, or if anything it started outlives it, kill those by pid."""
     tag = uuid.uuid4().hex

@@ -4,55 +4,15 @@ workers, runs in tests/test_dashboard_browser.py, watched in the browser as it h
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TAG_VAR, wait_for
+from conftest import Procs, wait_for
 from maitre.runtime.ledger import audit
 from maitre.wire import Client, CoordinatorUnreachable
-
-
-class _Procs:
-    """Subprocesses of one test, tagged so that none outlives it."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tag = os.urandom(8).hex()
-        self.tmp = tmp
-        self.procs: list[subprocess.Popen[str]] = []
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
-        env.update({TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-        log = open(self.tmp / f"{name}.log", "a")
-        proc = subprocess.Popen([sys.executable, "-m", "maitre.cli", *args], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def cleanup(self) -> None:
-        from conftest import _tagged_pids
-
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 15
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in _tagged_pids(self.tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @pytest.mark.chaos  # (about half a minute: in .ci/run's chaos stage, not the default suite)
@@ -62,7 +22,7 @@ def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
     from conftest import example_command
 
     state = tmp_path / "state"
-    procs = _Procs(tmp_path)
+    procs = Procs(tmp_path)
     steps = 300
     out = tmp_path / "final.pt"
     try:

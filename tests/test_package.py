@@ -7,6 +7,9 @@
 - A wheel built from the tree holds the traces, the job profiles, the corpus and the example
   training script (package data, read through ``importlib.resources``), and installed outside
   the repository it runs ``maitre simulate`` on a bundled workload and the example.
+- ``pip install maitre`` is the training runtime: a node without the ``server`` and ``sim``
+  extras runs an agent and its workers and the client commands; the commands that need an
+  extra say which, and start nothing.
 """
 
 from __future__ import annotations
@@ -120,7 +123,7 @@ def _build_wheel(tmp_path: Path) -> Path:
 def test_the_wheel_holds_the_data_and_runs_from_outside_the_repository(tmp_path: Path) -> None:
     wheel = _build_wheel(tmp_path)
     names = set(zipfile.ZipFile(wheel).namelist())
-    traces = "maitre/data/traces"
+    traces = "maitre/sim/traces"
     needed = {"maitre/examples/train.py", "maitre/examples/train_llm.py",
               "maitre/data/text/macbeth.txt", "maitre/py.typed",
               f"{traces}/pollux_workloads/workloads/workload-6.csv"}
@@ -130,7 +133,16 @@ def test_the_wheel_holds_the_data_and_runs_from_outside_the_repository(tmp_path:
     assert not needed - names, f"missing from the wheel: {sorted(needed - names)}"
     assert any(re.fullmatch(rf"{traces}/pollux_app_profiles/bert/validation-\d+\.csv", n)
                for n in names)
-    in_tree = {f"maitre/{p.relative_to(SRC).as_posix()}" for folder in ("data", "examples")
+    # `pip install maitre` is the training runtime; the rest comes with the extras.
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA")))
+    required = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)[^;\n]*(?:; (.*))?$",
+                               metadata.decode(), re.M))
+    assert sorted(name for name, marker in required.items() if "extra ==" not in marker) == \
+        ["numpy", "pydantic", "pyyaml", "torch", "xxhash"]
+    for extra, module in (("server", "fastapi"), ("server", "prometheus-client"),
+                          ("sim", "scipy"), ("sim", "matplotlib"), ("data", "pyarrow")):
+        assert f'extra == "{extra}"' in required[module], (module, required[module])
+    in_tree = {f"maitre/{p.relative_to(SRC).as_posix()}" for folder in ("data/text", "sim/traces", "examples")
                for p in (SRC / folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     assert not in_tree - names, f"missing from the wheel: {sorted(in_tree - names)}"
 
@@ -169,3 +181,84 @@ with resources.as_file(maitre.demo.EXAMPLE) as example:
                      timeout=240, **env)
     assert result.returncode == 0, result.stderr
     assert "done: 2 steps" in result.stdout
+
+
+# -- the training runtime alone ------------------------------------------------------------------
+
+# The modules of the server and sim extras, as if not installed (sys.modules[name] = None: an
+# import of one fails, and importlib.util.find_spec says None).
+EXTRA_MODULES = ("fastapi", "starlette", "uvicorn", "httptools", "uvloop", "prometheus_client",
+                 "scipy", "matplotlib")
+
+
+def _runtime_only(tmp_path: Path) -> dict[str, str]:
+    """The environment of a process (and of the processes it starts) that sees the package as
+    ``pip install maitre`` installs it: no server, no simulator."""
+    site = tmp_path / "runtime-only"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nfor name in {EXTRA_MODULES!r}:\n    sys.modules[name] = None\n")
+    return {"PYTHONPATH": str(site)}
+
+
+@pytest.mark.timeout(120)
+def test_the_commands_that_need_an_extra_name_it_and_start_nothing(tmp_path: Path) -> None:
+    env = _runtime_only(tmp_path)
+    for args, extra in ((["up", "--state-dir", str(tmp_path / "state")], "server"),
+                        (["run", "--nnodes", "1:2", "train.py"], "server"),
+                        (["demo"], "server"),
+                        (["simulate", "--workload", "pollux-6", "--policy", "tiresias", "--out",
+                          str(tmp_path / "sim")],
+                         "sim")):
+        result = _python(["-m", "maitre.cli", *args], tmp_path, timeout=60, **env)
+        assert result.returncode == 2, (args, result.stderr)
+        assert f"pip install 'maitre[{extra}]'" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "state").exists() and not (tmp_path / "sim").exists()
+
+
+@pytest.mark.timeout(240)
+def test_a_node_with_the_runtime_alone_joins_a_cluster_and_trains(tmp_path: Path) -> None:
+    """The coordinator runs where the server extra is installed; a GPU node's agent, its
+    workers and the client commands run with the runtime alone, and the job trains to the end
+    (the worker checks that it cannot import the server)."""
+    from conftest import Procs, example_command, wait_for
+    from maitre.wire import Client
+
+    env = _runtime_only(tmp_path)
+    probe = _python(["-c", "import maitre.agent.agent, maitre.runtime.loop, maitre.checkpoint, "
+                     "maitre.data, maitre.cli; print('runtime ok'); import fastapi"],
+                    tmp_path, timeout=60, **env)
+    assert probe.stdout.strip() == "runtime ok", probe.stderr
+    assert "ModuleNotFoundError: import of fastapi halted" in probe.stderr, probe.stderr
+    state, procs = tmp_path / "state", Procs(tmp_path)
+    try:
+        procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state),
+                    "--queue", "q")
+        log = tmp_path / "coordinator.log"
+        address = wait_for(lambda: next((line.split("coordinator at ")[1].split()[0]
+                                         for line in log.read_text().splitlines()
+                                         if "coordinator at " in line), None)
+                           if log.exists() else None, 60, "the coordinator", log)
+        procs.start("agent", "agent", "--coordinator", address, "--token-file",
+                    str(state / "token"), "--nproc-per-node", "1", "--node-id", "gpu-0", **env)
+        check = ("import sys, runpy; assert sys.modules['fastapi'] is None; "
+                 "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+        python, *script = example_command(20)
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text(json.dumps({"name": "lean", "queue": "q", "minReplicas": 1,
+                                        "maxReplicas": 1, "command": [python, "-c", check,
+                                                                      *script]}))
+        submit = _python(["-m", "maitre.cli", "submit", str(manifest), "--coordinator", address,
+                          "--token-file", str(state / "token")], tmp_path, timeout=60, **env)
+        assert submit.returncode == 0, submit.stderr
+        client = Client(address, timeout_s=5.0, token=(state / "token").read_text().strip())
+        final = wait_for(lambda: (j := client.get("/jobs/lean"))["state"] in
+                         ("COMPLETED", "FAILED") and j, 150, "the job to finish",
+                         tmp_path / "agent.log")
+        assert final["state"] == "COMPLETED" and final["step"] == 20, final
+        status = _python(["-m", "maitre.cli", "status", "--coordinator", address,
+                          "--token-file", str(state / "token")], tmp_path, timeout=60, **env)
+        assert status.returncode == 0 and "lean" in status.stdout, status.stderr
+    finally:
+        procs.cleanup()

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, example_command, wait_for
+from conftest import ROOT, Procs, example_command, wait_for
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.scheduling import Queue
 from maitre.wire import Client, CoordinatorUnreachable
-from test_cluster_e2e import _Procs
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
                                 reason="openssl makes the test certificates (.ci/run installs it)")
@@ -79,7 +78,7 @@ def test_a_job_trains_with_the_api_over_https(certs, tmp_path: Path) -> None:
     """``maitre up`` with the user's certificate: its nodes, ``maitre submit`` and every worker
     speak HTTPS to it (the workers get the CA from their agent)."""
     cert, key = certs["coordinator"]
-    procs = _Procs(tmp_path)
+    procs = Procs(tmp_path)
     log = tmp_path / "coordinator.log"
     try:
         procs.start("coordinator", "up", "--nodes", "2", "--slots-per-node", "1",

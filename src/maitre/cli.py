@@ -43,6 +43,23 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message} (see --help)")
 
 
+# What each extra of the package installs (pyproject.toml), by the modules a command imports:
+# `pip install maitre` is the training runtime alone (a worker, its agent, the client commands).
+EXTRAS = {"server": ("fastapi", "uvicorn", "prometheus_client"),
+          "sim": ("scipy", "matplotlib")}
+
+
+def require(extra: str, command: str, modules: Sequence[str] | None = None) -> None:
+    """Refuses ``command`` up front, naming the extra to install, when a module it needs is
+    missing (not half-way through, with a coordinator started)."""
+    import importlib.util
+
+    missing = [m for m in modules or EXTRAS[extra] if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UsageError(f"maitre {command} needs {', '.join(missing)}, which the {extra!r} "
+                         f"extra installs: pip install 'maitre[{extra}]'")
+
+
 def parse_nnodes(text: str) -> tuple[int, int]:
     """torchrun's ``--nnodes``: ``N`` or ``MIN:MAX``."""
     parts = text.split(":")
@@ -94,6 +111,8 @@ def _read_token(path: str) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from maitre.story import parse_events
+
+    require("server", "run")  # it hosts the job's coordinator
 
     lo, hi = parse_nnodes(args.nnodes)
     per_replica = _positive("--nproc-per-replica", args.nproc_per_replica)
@@ -485,6 +504,8 @@ def _tls(args: argparse.Namespace) -> dict[str, str | None]:
 def cmd_up(args: argparse.Namespace) -> int:
     from maitre.scheduling.policy import PolicyConfig
 
+    require("server", "up")
+
     if args.slurm and args.nodes not in (None, 0):
         raise UsageError("--nodes and --slurm: on Slurm the nodes are Slurm's replica jobs")
     if args.nodes is None:
@@ -626,6 +647,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    require("server", "demo")
     from maitre.demo import Demo, DemoConfig
 
     steps = _positive("--steps", args.steps)
@@ -650,6 +672,7 @@ def cmd_data_prepare(args: argparse.Namespace) -> int:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     import secrets
 
+    require("server", "dashboard", ["fastapi", "uvicorn"])
     from maitre.dashboard.replay import ReplayError, find
     from maitre.dashboard.server import ReplayServer
 
@@ -674,6 +697,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    require("sim", "simulate", ["scipy"] + ([] if args.no_plots else ["matplotlib"]))
     from maitre.sim import run as sim_run
     from maitre.sim.scenarios import parse_cluster
     from maitre.sim.workload import WorkloadError

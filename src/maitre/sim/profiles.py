@@ -1,6 +1,6 @@
 """Measured job profiles: how fast each of Pollux's six models trains, by placement and batch size.
 
-A profile (``data/traces/pollux_app_profiles/<app>/``) is what Pollux's authors measured on real
+A profile (``sim/traces/pollux_app_profiles/<app>/``) is what Pollux's authors measured on real
 training runs, and what their simulator replays; this module reads it the same way, so that the
 baselines ported here can be checked against their published numbers:
 

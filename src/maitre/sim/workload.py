@@ -1,4 +1,4 @@
-"""Workloads: the jobs a simulation replays, read from the Pollux workload CSVs (``data/traces``,
+"""Workloads: the jobs a simulation replays, read from the Pollux workload CSVs (``sim/traces``,
 package data: :data:`DATA`).
 
 A Pollux workload file has one row per job: ``name,time,application,num_replicas,batch_size``
@@ -16,7 +16,7 @@ from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
 
-DATA = resources.files("maitre") / "data" / "traces"
+DATA = resources.files("maitre") / "sim" / "traces"
 """The bundled traces and profiles: package data, so an installed wheel has them too."""
 APPLICATIONS = ("cifar10", "ncf", "deepspeech2", "bert", "yolov3", "imagenet")
 _COLUMNS = ("name", "time", "application", "num_replicas", "batch_size")
