@@ -328,4 +328,8 @@ def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkey
     assert verdict["rank"] == 1 and verdict["reporter"] == members[0]
     assert verdict["ratio"] >= 1.3 and verdict["windows"] == 3
     assert verdict["since_step"] <= 10 and verdict["step"] <= 20, verdict  # slow from the start
+    # In the terminal, one line (the evidence is the event's, in the log and the dashboard).
+    [line] = [line for line in lines if "straggler" in line]
+    assert f"straggler: {members[1]} on {node_of[members[1]]} (rank 1) computes" in line, line
+    assert len(line) < 200, line
     assert verdict["evidence"][-1]["held"] == verdict["ratio"], verdict["evidence"]

@@ -344,6 +344,11 @@ def describe(event: dict[str, Any]) -> str:
     if kind == "prices":
         return "prices per slot-hour: " + ", ".join(f"{k} {v:g}" for k, v in
                                                      event["prices"].items())
+    if kind == "straggler":  # its windows' numbers stay in the event log and the dashboard
+        where = f" on {event['node']}" if event.get("node") else ""
+        return (f"straggler: {event['worker']}{where} (rank {event['rank']}) computes "
+                f"{event['ratio']:.2f}x the median since step {event['since_step']} "
+                f"(found at step {event['step']}; policy {event.get('policy', 'report')})")
     if kind == "restore":
         return (f"restored step {event['step']} from {event['source']} in "
                 f"{event['seconds'] * 1000:.0f} ms ({event['bytes'] / 1e6:.2f} MB)")

@@ -649,12 +649,13 @@ class ElasticLoop:
                                    keys, works, held):
             report = {**verdict.report(det.t), "epoch": self.epoch,
                       "world_size": self.world_size}
+            if self._reporter is not None and keys is not None:
+                self._reporter.send(report)  # the coordinator's event: its one line
+                continue
             print(f"maitre: straggler: {verdict.key} (rank {verdict.rank}) computes "
                   f"{verdict.ratio:.2f}x the median since step {verdict.since_step} "
                   f"({verdict.windows} windows of {det.t.window} steps)", file=sys.stderr,
                   flush=True)
-            if self._reporter is not None and keys is not None:
-                self._reporter.send(report)
 
     def _report_progress(self, batch: Batch) -> None:
         """Rank 0 (the first process of its replica) counts its commits; about once a second
