@@ -30,12 +30,16 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+KEEP = 3
+"""Complete checkpoints kept by default."""
+
+
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     directory: Path
     """Root of this job's checkpoints (shared by all ranks: a shared file system in a cluster)."""
     interval: IntervalConfig = field(default_factory=IntervalConfig)
-    keep: int = 3
+    keep: int = KEEP
     """Complete checkpoints kept; older ones are deleted once a newer one is in place."""
     resume: bool = True
     """Load the newest complete checkpoint when the job starts with no live state."""
@@ -60,8 +64,8 @@ class CheckpointConfig:
             return None
         every = env.get(EVERY_ENV)
         mtbf = env.get(MTBF_ENV)
-        keep = {"keep": int(env[KEEP_ENV])} if env.get(KEEP_ENV) else {}
-        return cls(directory=Path(env[DIR_ENV]), **keep,
+        keep = int(env[KEEP_ENV]) if env.get(KEEP_ENV) else KEEP
+        return cls(directory=Path(env[DIR_ENV]), keep=keep,
                    interval=IntervalConfig(every_steps=int(every) if every else None,
                                            mtbf_s=float(mtbf) if mtbf else None))
 

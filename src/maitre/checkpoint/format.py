@@ -32,7 +32,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 import xxhash
@@ -263,7 +263,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if body.get("format") not in FORMATS:
         raise CorruptCheckpoint(f"unknown format {body.get('format')!r} (expected "
                                 f"{' or '.join(FORMATS)})")
-    return body
+    return cast(dict[str, Any], body)
 
 
 def verify(directory: Path) -> dict[str, Any]:

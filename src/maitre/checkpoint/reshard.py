@@ -16,7 +16,7 @@ Pure arithmetic on shapes; the only tensors touched are in :func:`cut`.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ def whole(shape: Sequence[int]) -> Box:
     return tuple(0 for _ in shape), tuple(int(d) for d in shape)
 
 
-def box_of(shape: Sequence[int], placements: Sequence[list], sizes: Sequence[int],
+def box_of(shape: Sequence[int], placements: Sequence[list[Any]], sizes: Sequence[int],
            coordinate: Sequence[int]) -> Box:
     """The box of the process at ``coordinate`` of a mesh of ``sizes``, for a tensor of global
     ``shape`` placed as ``placements`` (statetree's encoding: ``["shard", d]``, ``["replicate"]``;

@@ -105,12 +105,17 @@ def _piece(t: torch.Tensor) -> tuple[bool, reshard.Box] | None:
         return None
     from torch.distributed.tensor import Replicate, Shard
     mesh = t.device_mesh
+    placements: list[list[Any]] = []
     for p in t.placements:
-        if type(p) not in (Shard, Replicate):
+        if type(p) is Replicate:
+            placements.append(["replicate"])
+        elif type(p) is Shard:  # (not a subclass: _StridedShard lays out otherwise)
+            placements.append(["shard", p.dim])
+        else:
             raise TypeError(f"cannot checkpoint a tensor placed as {p!r}")
-    placements = [["replicate"] if isinstance(p, Replicate) else ["shard", p.dim]
-                  for p in t.placements]
     coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise TypeError("cannot checkpoint a tensor on a mesh this process is not part of")
     box = reshard.box_of(t.shape, placements, mesh.shape, coordinate)
     if box[1] != tuple(t.to_local().shape):
         raise TypeError(f"a tensor of shape {list(t.shape)} placed as {t.placements} holds a "
@@ -168,7 +173,7 @@ class SnapshotBuffers:
             if j == half and halfway is not None:
                 halfway()
             view.copy_(tensors[int(entry.key)])
-        data = memoryview(self._buffer.numpy()).cast("B")[:nbytes]
+        data = self._buffer.numpy().data.cast("B")[:nbytes]
         return Snapshot(step, token, rank, world_size, parts.skeleton, parts.specs, entries, data,
                         {"rng": rng_to_json(rng) if rng is not None else None}, parts.pieces)
 

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TypeVar
 
 import xxhash
 
@@ -195,7 +195,8 @@ class Writer:
                 name = fmt.shard_name(snap.rank)
                 header = fmt.safetensors_header(snap.entries, {"format": fmt.FORMAT})
                 half = len(snap.data) // 2
-                parts = _with_fault([header, snap.data[:half], snap.data[half:]], 2, "mid_file", n)
+                chunks: list[memoryview | bytes] = [header, snap.data[:half], snap.data[half:]]
+                parts = _with_fault(chunks, 2, "mid_file", n)
                 size, digest = fmt.write_file(tmp / name, parts)
                 files[name] = {"size": size, "xxh3_64": digest}
             fault_point("between_files", n)
@@ -242,8 +243,8 @@ class Writer:
                                      {"created_unix_s": round(time.time(), 3), **snap.meta},
                                      sharded=sharded)
             fmt.write_manifest(tmp / fmt.MANIFEST, body)
-            for note in tmp.glob("rank-*.done"):
-                note.unlink()
+            for done in tmp.glob("rank-*.done"):
+                done.unlink()
             fmt.fsync_dir(tmp)
             fault_point("before_rename", n)
             final = self.root / fmt.step_dir_name(snap.step)
@@ -340,7 +341,8 @@ def _await_rank(tmp: Path, rank: int, deadline: float,
     done, failed = tmp / f"rank-{rank:05d}.done", tmp / f"rank-{rank:05d}.failed"
     while True:
         if done.exists():
-            return json.loads(done.read_bytes())
+            note: dict[str, Any] = json.loads(done.read_bytes())
+            return note
         if failed.exists():
             error = json.loads(failed.read_bytes()).get("error", "?")
             raise RuntimeError(f"rank {rank} could not write its part: {error}")
@@ -351,7 +353,10 @@ def _await_rank(tmp: Path, rank: int, deadline: float,
         time.sleep(_POLL_S)
 
 
-def _with_fault(parts: list, at: int, phase: str, n: int):
+T = TypeVar("T")
+
+
+def _with_fault(parts: list[T], at: int, phase: str, n: int) -> Iterator[T]:
     for i, part in enumerate(parts):
         if i == at:
             fault_point(phase, n)

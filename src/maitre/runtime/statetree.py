@@ -16,9 +16,12 @@ receives the shards of its own position from its peer at the same position of an
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _TENSOR = "__tensor__"
 _DTENSOR = "__dtensor__"
@@ -133,7 +136,7 @@ def placeholders(skeleton: Any) -> dict[int, tuple[str, dict[str, Any] | None]]:
     return found
 
 
-def is_sharded(t: torch.Tensor) -> bool:
+def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     """A DTensor (see :func:`maitre.runtime.replica.is_sharded`)."""
     from maitre.runtime import replica
     return replica.is_sharded(t)

@@ -165,7 +165,8 @@ class Speedup:
         points = self.points
         if not points:
             return self._curve(replicas)
-        lo = hi = None
+        lo: tuple[int, float] | None = None
+        hi: tuple[int, float] | None = None
         for n, t in points:
             if n == replicas:
                 return t / self.base
@@ -176,7 +177,9 @@ class Speedup:
         if lo is not None and hi is not None:
             (a, ta), (b, tb) = lo, hi
             return (ta + (tb - ta) * (replicas - a) / (b - a)) / self.base
-        n, t = lo or hi
+        nearest = lo or hi
+        assert nearest is not None  # points is not empty
+        n, t = nearest
         return t / self.base * self._curve(replicas) / self._curve(n)
 
 

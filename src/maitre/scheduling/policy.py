@@ -201,7 +201,7 @@ def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | Non
     return _spread(order, replicas, fits)
 
 
-def _spread(order: list[str], replicas: int, fits) -> dict[str, int] | None:
+def _spread(order: list[str], replicas: int, fits: Callable[[str], int]) -> dict[str, int] | None:
     out: dict[str, int] = {}
     left = replicas
     for n in order:
@@ -303,8 +303,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
 
     for j in jobs:
         size = sum(target[j.id].values())
-        running = j.state.placed or (j.id in touched and size > 0)
-        if not (running and j.elastic and size and size < j.max_replicas):
+        growing = j.state.placed or (j.id in touched and size > 0)
+        if not (growing and j.elastic and size and size < j.max_replicas):
             continue
         if j.id in touched and j.state.placed:
             continue  # shrunk for a preemptor this pass
@@ -424,7 +424,7 @@ def _las_weight(j: Job, cfg: PolicyConfig) -> float:
     """How much a job's gains count by the service it has had (see ``las_weight``)."""
     if not cfg.las_weight:
         return 1.0
-    return (1 + j.attained_slot_s / cfg.las_scale_s) ** -cfg.las_weight
+    return float((1 + j.attained_slot_s / cfg.las_scale_s) ** -cfg.las_weight)
 
 
 def _drop_one(placement: dict[str, int]) -> str:
