@@ -715,25 +715,43 @@ def fmt(v: Any, unit: str = "") -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    cols = [("hb_p50_ms", " ms"), ("hb_p99_ms", " ms"), ("worker_hb_p99_ms", " ms"),
-            ("cpu_s_per_s", ""), ("epoch_open_256_s", " s"), ("epoch_open_256_fill_s", " s"),
-            ("grow_to_start_s", " s"),
-            ("gen_lag_p99_ms", " ms"), ("gen_cpu_s_per_s", "")]
-    head = ["nodes", "coordinator"] + [c for c, _ in cols]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    """The results (this script's JSON) in Markdown, a row per size and coordinator ("before":
+    the coordinator of 5913ed4, "now": this tree's). The last column is the load generators' own
+    lag: a figure is the coordinator's only while it stays small."""
+    def ms(v: float | None) -> str:
+        return "-" if v is None else (f"{v:.1f} ms" if v < 100 else f"{v:,.0f} ms")
+
+    def sec(v: float | None) -> str:
+        return "-" if v is None else (f"{v:.3f} s" if v < 1 else f"{v:.2f} s" if v < 10
+                                      else f"{v:.1f} s")
+
+    lines = ["| nodes x 8 | coordinator | beat p50 | beat p99 | CPU-s/s | gang of 256 opens "
+             "(steady) | gangs open while filling (worst) | grow to start order | "
+             "load generators' lag p99 |", "|---" * 9 + "|"]
     sizes = sorted({int(s) for s in result["nodes"]} | {int(s) for s in result["before"]})
     for size in sizes:
-        for label, key in (("new", "nodes"), ("before", "before")):
+        for label, key in (("before", "before"), ("now", "nodes")):
             r = result[key].get(str(size))
             if r is None:
                 continue
-            cells = []
-            for c, unit in cols:
-                v = r.get(c)
-                cells.append("/".join(fmt(x) for x in v) if isinstance(v, list) else fmt(v, unit))
-            if label == "before" and not r.get("survived", True):
-                label = "before (did not survive)"
-            lines.append(f"| {size} | {label} | " + " | ".join(cells) + " |")
+            p99 = ms(r.get("hb_p99_ms"))
+            if r.get("worker_hb_p99_ms") is not None:
+                p99 += f" (worker beats {ms(r['worker_hb_p99_ms'])})"
+            opens = r.get("epoch_open_256_s")
+            if opens is None:
+                lag = r.get("gen_lag_p99_ms")
+                opens = "never filled" + (f" (its load generator {lag / 1000:.0f} s behind)"
+                                          if lag is not None and lag > 1000 else "")
+            else:
+                opens = sec(opens) + ("" if r.get("gang", 256) == 256 else
+                                      f" (gang of {r['gang']})")
+            if not r.get("survived", True):
+                label += ", did not survive"
+            cpu = r.get("cpu_s_per_s")
+            lines.append(f"| {size:,} | {label} | {ms(r.get('hb_p50_ms'))} | {p99} | "
+                         f"{'-' if cpu is None else f'{cpu:.3f}'} | {opens} | "
+                         f"{sec(r.get('epoch_open_256_fill_s'))} | "
+                         f"{sec(r.get('grow_to_start_s'))} | {ms(r.get('gen_lag_p99_ms'))} |")
     return "\n".join(lines)
 
 

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -107,6 +108,25 @@ def live_latency(browser, tmp: Path, changes: int = 40) -> dict[str, float]:
         page.close()
     assert len(lags) == changes, lags
     return {"changes": changes, "median_s": statistics.median(lags), "worst_s": max(lags)}
+
+
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown, medians. load: from the navigation's start
+    to the first complete render; fetched: the page and the events in; model: the events
+    reduced; drawn: the view's first render; redraw: a render alone."""
+    lines = [f"{result['nodes']:,} nodes, {result['events']:,} events "
+             f"({result['log_bytes'] / 1e6:.1f} MB of JSON lines), {result['repeats']} fresh pages "
+             "a view:", "",
+             "| view | load | worst | fetched | model | drawn | redraw |", "|---|---|---|---|---|---|---|"]
+    for view, v in result["views"].items():
+        lines.append(f"| {view} | " + " | ".join(f"{v[k]:.3f} s" for k in (
+            "load_s", "load_worst_s", "fetched_s", "model_s", "first_render_s", "render_s")) + " |")
+    live = result.get("live")
+    if live:
+        lines += ["", f"live: {live['changes']} changes, each in the page a median "
+                  f"{1000 * live['median_s']:.0f} ms (worst {1000 * live['worst_s']:.0f} ms) after its "
+                  "event"]
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -238,6 +238,7 @@ def state_bytes() -> dict[str, int]:
 
 
 def table(r: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown."""
     rows = []
     for name in ("jpeg", "tokens"):
         t = r[name]["throughput"]
@@ -246,9 +247,9 @@ def table(r: dict[str, Any]) -> str:
                     f"| {t['maitre_vs_dataloader']:.3f} | "
                     f"{'-' if sdl is None else f'{sdl:,.0f}'} |")
     w, f = r["wait"], r["first_batch"]
-    return "\n".join([
-        "| data | DataLoader samples/s | maitre samples/s | maitre / DataLoader | "
-        "StatefulDataLoader samples/s |", "|---|---|---|---|---|", *rows, "",
+    return "\n\n".join([  # (the lines under the table: paragraphs of their own in Markdown)
+        "\n".join(["| data | DataLoader samples/s | maitre samples/s | maitre / DataLoader | "
+                   "StatefulDataLoader samples/s |", "|---|---|---|---|---|", *rows]),
         f"waiting for data: {100 * w['wait_fraction_of_step']:.2f}% of a {w['step_ms']:.1f} ms "
         f"step ({w['compute_ms']:g} ms of compute)",
         f"first batch after a resume at the start / middle / end of a data epoch: "

@@ -214,6 +214,23 @@ def _wait(cond, timeout_s: float, what: str, lines: list[str]) -> None:
     raise TimeoutError(f"timed out waiting for {what}:\n" + "\n".join(lines[-30:]))
 
 
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: medians over the pairs of runs, steps per
+    second before the verdict, from it to the replacement's epoch, after (from 10 steps later),
+    and the reference run's same steps."""
+    pairs = ", ".join(f"{p['throughput_recovered_pct']:.1f}%" for p in result.get("pairs", [])
+                      if p.get("throughput_recovered_pct") is not None)
+    return "\n".join([
+        "| found after | verdict to the replacement training | steps/s before | during | after | "
+        "reference | after / reference (each pair) | evictions (slow runs / references) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {result['detect_steps']} steps | {result['evict_to_join_s']:.2f} s | "
+        f"{result['throughput_before']:.1f} | {result['throughput_during']:.1f} | "
+        f"{result['throughput_after']:.1f} | {result['throughput_reference']:.1f} | "
+        f"{result['throughput_recovered_pct']:.1f}% ({pairs or '-'}) | "
+        f"{result['evictions']} / {result['reference_evictions']} |"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=400)

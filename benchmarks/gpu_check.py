@@ -298,6 +298,64 @@ def child() -> None:
     os._exit(0)  # an abandoned NCCL build still waits on its thread
 
 
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: each part that ran (medians), and the
+    commit of a part measured apart from the rest."""
+    lines = [f"One {result['device']} (torch {result['torch']}, CUDA {result['cuda']}, NCCL "
+             f"{result['nccl_version']})."]
+    overhead = result.get("overhead")
+    if overhead:
+        runs = list(overhead.values())
+        first = runs[0]["plain"]
+        lines += ["", f"| world size 1, a bf16 decoder of {first['params'] / 1e9:.2f} B parameters, "
+                  "AdamW | plain torch | DDP | maitre | maitre alone |", "|---|---|---|---|---|"]
+        for run in runs:
+            plain = run["plain"]
+            cells = [f"{1000 * plain['step_s']:.1f} ms"]
+            cells += [f"{1000 * run[v]['step_s']:.1f} ms ({run[v]['ratio_to_plain']:.3f}x)"
+                      if v in run else "-" for v in VARIANTS[1:]]
+            many = plain["micro_batches"] > 1
+            lines.append(f"| {plain['micro_batches']} micro-batch{'es' if many else ''} a step "
+                         f"({plain['tokens_per_step'] // 1024} k tokens) | " + " | ".join(cells) + " |")
+        last = runs[-1]
+        lines.append(f"| peak memory, {last['plain']['micro_batches']} micro-batches | "
+                     + " | ".join(f"{last[v]['peak_memory_gb']:.1f} GB" if v in last else "-"
+                                  for v in VARIANTS) + " |")
+    ckpt = result.get("checkpoint")
+    if ckpt:
+        lines += ["", f"| checkpoint of a {ckpt['state_bytes'] / GB:.2f} GB state (model and AdamW "
+                  "moments on the GPU) | |", "|---|---|",
+                  f"| device-to-pinned copy floor | {ckpt['floor_s']:.3f} s "
+                  f"({ckpt['floor_gb_per_s']:.1f} GB/s) |",
+                  f"| maitre's save blocks training | {ckpt['block_s']:.3f} s "
+                  f"({ckpt['ratio_to_floor']:.2f}x the floor; target 1.1x) |",
+                  f"| persist (write, fsync, rename; in the background) | {ckpt['persist_s']:.1f} s |"]
+    llm = result.get("llm")
+    if llm and llm.get("tokens_per_s") is not None:
+        lines += ["", f"`{llm['command']}`: {llm['tokens_per_s']:,.0f} tokens/s."]
+    nccl = result.get("nccl")
+    if nccl:
+        rb, hung = nccl["rebuild"], nccl["hung"]
+        lines += ["", f"NCCL epoch groups: the first built and used in "
+                  f"{rb['epoch1_build_and_allreduce_s']:.2f} s, the next on a fresh prefix in "
+                  f"{rb['epoch2_build_and_allreduce_s']:.3f} s, retired (aborted off the path) in "
+                  f"{1000 * rb['epoch1_retire_s']:.1f} ms; a group whose second member never comes "
+                  + (f"is abandoned {hung['after_s']:.3f} s after the build began, "
+                     f"{1000 * (hung['after_s'] - hung['closed_after_s']):.0f} ms after its epoch "
+                     f"was closed (at {hung['closed_after_s']:.1f} s)." if hung.get("abandoned")
+                     else "was not abandoned.")]
+    apart = {}
+    for part in PARTS:
+        stamp = result[part].get("measured") if isinstance(result.get(part), dict) else None
+        if stamp and stamp.get("commit") != result.get("measured", {}).get("commit"):
+            apart.setdefault((stamp["commit"][:7], stamp["date"][:10]), []).append(part)
+    for (commit, date), parts in apart.items():
+        names = " and ".join({"nccl": "NCCL"}.get(x, x) for x in parts)
+        lines += ["", f"The {names} part{'s' if len(parts) > 1 else ''}: measured on commit "
+                  f"`{commit}`, {date}."]
+    return "\n".join(lines)
+
+
 def main() -> None:
     if "--child" in sys.argv:
         child()

@@ -390,11 +390,13 @@ def steady(result: dict[str, Any], reps: int, steps: int, stage: Callable) -> No
 def report(result: dict[str, Any], out: Path, smoke: bool = False) -> None:
     write_results(out, result, smoke=smoke)
     print()
-    print(table(result["maitre"], result["torchrun"],
-                statistics.median(result["raw"]["plain_step_s"])))
+    print(table(result))
 
 
-def table(m: dict[str, float], t: dict[str, float], plain_step_s: float) -> str:
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: maitre beside torchrun, medians."""
+    m, t = result["maitre"], result["torchrun"]
+    plain_step_s = statistics.median(result["raw"]["plain_step_s"])
     rows = [
         ("crash to next step (s)", f"{m['crash_to_step_s']:.3f}", f"{t['crash_to_step_s']:.2f}",
          f"{t['crash_to_step_s'] / m['crash_to_step_s']:.0f}x"),

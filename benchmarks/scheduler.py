@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -60,6 +61,16 @@ def build(seed: int, nodes: int, slots: int, num_jobs: int) -> tuple[Cluster, li
             elif a.kind == "suspend":
                 j.placement, j.state = {}, JobState.SUSPENDED
     return cluster, jobs
+
+
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: one scheduling pass over fresh states."""
+    return "\n".join([
+        "| nodes x GPUs | jobs | states | running / queued (medians) | pass p50 | pass p99 |",
+        "|---|---|---|---|---|---|",
+        f"| {result['nodes']:,} x {result['slots_per_node']} | {result['jobs']:,} | "
+        f"{result['passes']} | {result['running_median']:.0f} / {result['queued_median']:.0f} | "
+        f"{result['pass_ms_p50']:.1f} ms | {result['pass_ms_p99']:.1f} ms |"])
 
 
 def main() -> None:

@@ -26,6 +26,7 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
@@ -57,6 +58,33 @@ def pollux_mean(policy: str, resize_s: float = 30.0, adaptive: bool = False,
     with ProcessPoolExecutor(2) as pool:
         return sum(pool.map(_avg_jct, [(policy, n, load, resize_s, adaptive, LIMIT)
                                        for n in WORKLOADS])) / len(WORKLOADS)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: the mean over the 8 Pollux workloads of the
+    average JCT at load 1.0 against the results Pollux published, maitre's policy at the other
+    loads, the speed, and the scenarios."""
+    def pct(v: float) -> str:
+        return f"{100 * v:.1f}%"
+
+    lines = ["| policy | maitre's simulator | published |", "|---|---|---|"]
+    for policy, r in result["load1_mean_avg_jct_s"].items():
+        published = "-" if r["published"] is None else f"{r['published']:.0f} s"
+        lines.append(f"| {policy} | {r['ours']:.0f} s | {published} |")
+    lines += ["", "| load (held out) | maitre, goodput batch | Pollux, published |", "|---|---|---|"]
+    for load, r in result["maitre_goodput_batch_by_load"].items():
+        lines.append(f"| {load} | {r['ours']:.0f} s | {r['published_pollux']:.0f} s |")
+    lines += ["", f"Speed ({result['machine']}): Pollux's workload-6 with Tiresias in "
+              f"{result['workload6_tiresias_s']:.2f} s (Pollux's own simulator: "
+              f"{result['pollux_simulator_workload6_tiresias_s']:.0f} s); the Philly-derived trace, "
+              f"{result['philly_full_jobs']:,} jobs on {result['philly_cluster']} GPUs with Tiresias, "
+              f"in {result['philly_full_s']:.1f} s.", "",
+              "| scenario/policy | avg JCT | makespan | allocation | util η | cost $ |",
+              "|---|---|---|---|---|---|"]
+    for name, r in result["scenarios"].items():
+        lines.append(f"| {name} | {r['avg_jct_s']:.0f} | {r['makespan_s']:.0f} | "
+                     f"{pct(r['allocation'])} | {pct(r['utilization'])} | {r['cost']:,.0f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:

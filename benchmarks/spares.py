@@ -159,13 +159,24 @@ def measure(reps: int = 3, ms_per_sample: float = 4.0, join: str = "stream",
 
 
 def table(result: dict[str, Any]) -> str:
-    rows = [("", "join (s)", *PHASES)]
-    for name in ("spare", "cold"):
-        phases = result[f"{name}_phases"]
-        rows.append((name, f"{result[f'{name}_join_s']:.3f}",
-                     *(f"{statistics.median(p[k] for p in phases):.3f}" for k in PHASES)))
-    width = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, width)) for r in rows)
+    """The results (this script's JSON) in Markdown: from the failure's detection to the
+    replacement's first step, medians with their range, and the spare's phases (to its epoch,
+    catching up, its first step; ``-`` where a phase did not happen, as with paused joins)."""
+    def spread(values: list[float]) -> str:
+        return f"{min(values):.2f}-{max(values):.2f}"
+
+    def phase(key: str) -> str:
+        values = [p[key] for p in result["spare_phases"] if p.get(key) is not None]
+        return f"{statistics.median(values):.3f} s" if values else "-"
+
+    join = result.get("join", "stream")
+    return "\n".join([
+        "| joins (`MAITRE_JOIN`) | warm spare | cold start | spare: to its epoch, catching up, "
+        "first step |", "|---|---|---|---|",
+        f"| {join}{' (default)' if join == 'stream' else ''} | {result['spare_join_s']:.3f} s "
+        f"({spread(result['spare_join_s_all'])}) | {result['cold_join_s']:.3f} s "
+        f"({spread(result['cold_join_s_all'])}) | {phase('epoch_s')}, {phase('caught_up_s')}, "
+        f"{phase('step_s')} |"])
 
 
 def main() -> None:

@@ -203,6 +203,37 @@ def borrowed(name: str, skip: bool, keys: tuple[str, ...], smoke: bool = False
     return {k: result.get(k) for k in keys}, result
 
 
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: the real runs beside the offline study
+    (the real noise-only timings replayed), then what the eviction and spares benchmarks gave."""
+    real, offline = result["real"], result["offline"]
+
+    def counted(rate: float, n: int) -> str:
+        return f"{round(rate * n)} of {n}"
+
+    def share(rate: float, n: int) -> str:
+        return f"{100 * rate:g}% of {n}"
+
+    lines = ["| | real runs | real noise, replayed |", "|---|---|---|"]
+    for key, label in (("1_5x", "1.5x"), ("3x", "3x")):
+        lines.append(f"| detected, {label} slow | {counted(real[f'detect_rate_{key}'], real[f'n_{key}'])} "
+                     f"| {share(offline[f'detect_rate_{key}'], offline[f'n_{key}'])} |")
+    lines.append(f"| false positives, noise only | {counted(real['false_positive_rate'], real['n_noise'])} "
+                 f"| {share(offline['false_positive_rate'], offline['n_noise'])} |")
+    lines.append("| steps from onset to verdict, 1.5x: median (worst) | "
+                 f"{real['median_detect_steps_1_5x']:.0f} ({real['max_detect_steps_1_5x']:.0f}) | "
+                 f"{offline['median_detect_steps_1_5x']:.0f} ({offline['max_detect_steps_1_5x']:.0f}) |")
+    if result.get("throughput_recovered_pct") is not None:
+        reps = result.get("raw", {}).get("eviction", {}).get("reps")
+        lines.append(f"| throughput after eviction / a run never slow | "
+                     f"{result['throughput_recovered_pct']:.1f}%"
+                     f"{f' (median of {reps} pairs)' if reps else ''} | |")
+    if result.get("spare_join_s") is not None:
+        lines.append(f"| a warm spare training after the failure's detection | "
+                     f"{result['spare_join_s']:.3f} s (cold start: {result['cold_join_s']:.3f} s) | |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5, help="real runs per case (default 5)")

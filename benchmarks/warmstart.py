@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -48,6 +49,15 @@ def warm(n: int, env: dict[str, str]) -> float:
     codes = [p.wait() for p in procs]
     assert codes == [0] * n, codes
     return time.perf_counter() - start
+
+
+def table(result: dict[str, Any]) -> str:
+    """The results (this script's JSON) in Markdown: medians of ``repeats`` starts."""
+    lines = ["| workers started at once | cold (exec) | warm (fork server) | speedup |",
+             "|---|---|---|---|"]
+    lines += [f"| {r['workers']} | {r['cold_s']:.3f} s | {r['warm_s']:.3f} s | {r['speedup']:.1f}x |"
+              for r in result["rows"]]
+    return "\n".join(lines)
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from chaos_report import table
 from conftest import ROOT, _tagged_pids, example_command, relative_error
 from hosts import _can_make_namespaces, hosts  # noqa: F401
 from test_multihost import CLI, Cluster, _wait
@@ -337,30 +338,6 @@ def measure(rec: dict, events: list[dict], commits: list[dict], until: float) ->
             rec[f"{key}_s"] = round(rec.pop(f"{key}_at") - t0, 3)
     rec["t"] = round(t0, 3)
 
-
-def table(report: dict) -> str:
-    """The report as the README shows it: a summary line, then a row per kind of fault."""
-    by: dict[str, list[dict]] = {}
-    for f in report["per_fault"]:
-        by.setdefault(f["kind"], []).append(f)
-
-    def spread(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} / {max(values):.2f}" if values else "-"
-
-    rows = [f"{report['faults']} faults of {len(report['kinds'])} kinds (seed {report['seed']}, "
-            f"{report['steps']} steps): {report['lost']} samples lost, {report['repeated']} "
-            f"repeated, parameters {report['param_rel_err']:.1e} from the fault-free run's, "
-            f"{report['corrupt_loaded']} corrupt checkpoints loaded ({len(report['refused'])} "
-            f"refused), {report['leftover_processes']} processes left; back to training in "
-            f"{report['recovery_s_p50']:.1f} s (median), {report['recovery_s_max']:.1f} s (max).",
-            "", "| fault | count | detected (s, median / max) | trains again (s, median / max) |",
-            "|---|---:|---:|---:|"]
-    for kind in sorted(by, key=lambda k: (-len(by[k]), k)):
-        faults = by[kind]
-        rows.append(f"| {kind} | {len(faults)} "
-                    f"| {spread([f['detected_s'] for f in faults if 'detected_s' in f])} "
-                    f"| {spread([f['recovered_s'] for f in faults if 'recovered_s' in f])} |")
-    return "\n".join(rows)
 
 
 @pytest.mark.timeout(1800)

@@ -159,9 +159,14 @@ class Loader:
         dataset: any map-style dataset (``__getitem__`` and ``__len__``: a Hugging Face
             ``datasets.Dataset``, :class:`~maitre.data.TokenShards`...) of the loop's sampler.
         loop: the :class:`~maitre.runtime.loop.ElasticLoop` whose steps it feeds.
-        num_workers, prefetch_factor, pin_memory, collate_fn, worker_init_fn,
-        multiprocessing_context, timeout: as torch's DataLoader (``prefetch_factor`` batches
-            loaded ahead per worker).
+        num_workers: data worker processes, as torch's DataLoader's (0: none, the records
+            load in the training process).
+        prefetch_factor: batches loaded ahead per worker, as torch's DataLoader's.
+        pin_memory: as torch's DataLoader's.
+        collate_fn: as torch's DataLoader's.
+        worker_init_fn: as torch's DataLoader's.
+        multiprocessing_context: as torch's DataLoader's.
+        timeout: as torch's DataLoader's.
         max_worker_restarts: data workers lost (killed, out of memory) before the error is
             raised to the script instead of replacing them.
         on_error: ``"raise"`` (a record that raises stops the job at that step) or ``"skip"``
