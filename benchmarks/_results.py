@@ -13,7 +13,7 @@ Every script in benchmarks/ (but this helper and ``workload.py``, the training p
 
 :func:`write_results` puts ``"measured": {"commit", "date"}`` first in the JSON: ``git rev-parse
 HEAD`` of this tree, with ``-dirty`` when a tracked file has changes not committed, and the UTC
-time of the write. A reader (and the README, whose tables quote it) can tell a fresh figure from
+time of the write. A reader (and the docs, whose tables quote it) can tell a fresh figure from
 a stale one. ``tests/chaos`` loads this file by its path to stamp ``chaos.json`` the same way.
 """
 

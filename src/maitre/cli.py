@@ -733,7 +733,8 @@ def _check_port(host: str, port: int, flag: str = "--port") -> None:
 def _coordinator_args(parser: argparse.ArgumentParser) -> None:
     """Where the coordinator is and the token it wants (see :func:`_coordinator`)."""
     parser.add_argument("--coordinator", help="HOST:PORT (default: $MAITRE_COORDINATOR)")
-    parser.add_argument("--token-file", help="the coordinator's token (default: $MAITRE_TOKEN)")
+    parser.add_argument("--token-file", help="a file holding the coordinator's token (default: "
+                        "$MAITRE_TOKEN_FILE; else $MAITRE_TOKEN, the token itself)")
     parser.add_argument("--tls-ca", metavar="PEM", help="speak HTTPS to the coordinator and "
                         "check its certificate against these (default: $MAITRE_TLS_CA)")
 
@@ -862,7 +863,7 @@ def build_parser() -> argparse.ArgumentParser:
                     '(write {"notice_s": 30} there to reclaim it)')
     up.add_argument("--slurm", action="store_true", help="run on the Slurm cluster that "
                     "Slurm's commands reach ($SLURM_CONF): each job's replicas are Slurm jobs, "
-                    "each one node's agent (see README, Slurm)")
+                    "each one node's agent (see docs/operations/slurm.md)")
     up.add_argument("--slurm-partition", metavar="P", help="where each job's minimum runs "
                     "(default normal)")
     up.add_argument("--slurm-scavenger", metavar="S", help="preemptible partition for the "

@@ -11,8 +11,8 @@ coordinators in one process, and a registry is what one scrape reads):
   utilization, jobs by state and waiting by queue, nodes by state, each job's latest progress.
 
 Names follow Prometheus's conventions: the ``maitre_`` prefix, base units (seconds, bytes),
-``_total`` on counters (prometheus-client adds it), ratios as ``_ratio``. The README's
-"Metrics" section lists them all; the route needs the coordinator's token
+``_total`` on counters (prometheus-client adds it), ratios as ``_ratio``. docs/metrics.md
+lists them all; the route needs the coordinator's token
 (:data:`maitre.protocol.METRICS`). Counters start at zero with each coordinator process (a
 restart is a counter reset, which ``rate()`` handles).
 """

@@ -19,9 +19,9 @@ prunes unknown fields and ``kubectl`` refuses them under its default strict fiel
 (``maxReplicas >= minReplicas``, ``priority`` or ``priorityClassName``, ...) stay maitre's:
 ``manifest`` runs :func:`~maitre.scheduling.spec.parse_manifest`, which names every problem.
 
-No controller ships yet: nothing in a cluster watches MaitreJobs (see the README's Kubernetes
-section). The ``scale`` subresource maps ``kubectl scale maitrejob J --replicas N`` onto
-``spec.maxReplicas``, as ``maitre scale`` does.
+No controller ships yet: nothing in a cluster watches MaitreJobs (see
+docs/operations/kubernetes.md). The ``scale`` subresource maps ``kubectl scale maitrejob J
+--replicas N`` onto ``spec.maxReplicas``, as ``maitre scale`` does.
 """
 
 from __future__ import annotations

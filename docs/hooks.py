@@ -1,0 +1,252 @@
+"""What the docs generate at build time, so that it cannot drift from the code and the results
+(mkdocs hooks: ``hooks: [docs/hooks.py]`` in mkdocs.yml). A page asks for each by a marker on a
+line of its own:
+
+* ``<!-- cli-reference -->``: every command of ``maitre.cli.build_parser()``, nested ones too
+  (``maitre data prepare``), with its usage and each argument's help and default
+  (:func:`cli_reference`);
+* ``<!-- results: NAME -->``: ``benchmarks/results/NAME.json`` as a table, rendered by the
+  ``table(result)`` of the script that writes it (``benchmarks/NAME.py``; ``gpu.json``:
+  ``benchmarks/gpu_check.py``; ``chaos.json``: ``tests/chaos/chaos_report.py``), followed by the
+  commit and date it was measured on (:func:`render_results`);
+* ``<!-- results-summary -->``: the headline figures, maitre beside what one would use instead
+  (:func:`summary`); README.md carries the same table, and ``tests/test_docs.py`` checks that it
+  is this one.
+
+Sphinx roles in docstrings (``:class:`~maitre.data.Loader```), which the API reference shows as
+mkdocstrings renders them, become plain code (:func:`on_page_content`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import html
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterator
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+RESULTS = BENCHMARKS / "results"
+RENDERERS = {"gpu": BENCHMARKS / "gpu_check.py", "chaos": ROOT / "tests" / "chaos" / "chaos_report.py"}
+"""The file whose ``table(result)`` renders a result, where it is not ``benchmarks/NAME.py``."""
+
+RESULTS_MARKER = re.compile(r"^<!-- results: ([\w-]+) -->[ \t]*$", re.M)
+CLI_MARKER = "<!-- cli-reference -->"
+SUMMARY_MARKER = "<!-- results-summary -->"
+_ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj|const):<code>(~?)([^<]+)</code>")
+
+
+class DocsError(Exception):
+    """A marker that cannot be rendered: the build stops (mkdocs reports the page)."""
+
+
+# --- benchmark results ---------------------------------------------------------------------------
+
+
+def committed_results() -> list[str]:
+    """The names of the results JSONs git tracks (every one in the folder outside a checkout)."""
+    try:
+        tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT, check=True,
+                                 capture_output=True, text=True, timeout=30).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        tracked = []
+    paths = [ROOT / p for p in tracked if p.endswith(".json")] or sorted(RESULTS.glob("*.json"))
+    return sorted(p.stem for p in paths)
+
+
+def load_result(name: str) -> dict[str, Any]:
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise DocsError(f"no benchmarks/results/{name}.json")
+    return json.loads(path.read_text())
+
+
+@functools.cache
+def renderer(name: str) -> Callable[[dict[str, Any]], str]:
+    """The ``table`` function of the file that writes ``name``'s results, loaded by its path
+    (benchmarks/ is not a package; its scripts import ``_results`` from beside them)."""
+    path = RENDERERS.get(name, BENCHMARKS / f"{name}.py")
+    if not path.is_file():
+        raise DocsError(f"nothing renders benchmarks/results/{name}.json: no {path.relative_to(ROOT)}")
+    for folder in (str(path.parent), str(BENCHMARKS)):
+        if folder not in sys.path:
+            sys.path.append(folder)
+    spec = importlib.util.spec_from_file_location(f"maitre_docs_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module: ModuleType = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    table = getattr(module, "table", None)
+    if table is None:
+        raise DocsError(f"{path.relative_to(ROOT)} has no table(result)")
+    return table
+
+
+def measured_line(name: str, result: dict[str, Any]) -> str:
+    """"`benchmarks/results/NAME.json`: measured on commit `abcdef1`, YYYY-MM-DD" from the
+    result's ``measured`` stamp (``-dirty`` kept: the tree had uncommitted changes)."""
+    stamp = result.get("measured")
+    if not isinstance(stamp, dict) or "commit" not in stamp or "date" not in stamp:
+        raise DocsError(f"benchmarks/results/{name}.json has no measured commit and date")
+    commit = stamp["commit"]
+    short = commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+    return f"`benchmarks/results/{name}.json`: measured on commit `{short}`, {stamp['date'][:10]}"
+
+
+def render_results(name: str) -> str:
+    """``benchmarks/results/NAME.json`` as Markdown: its table, then the line saying when it was
+    measured."""
+    result = load_result(name)
+    return f"{renderer(name)(result).rstrip()}\n\n{measured_line(name, result)}."
+
+
+def summary() -> str:
+    """The headline figures as one Markdown table: maitre beside what one would use instead,
+    each from the committed results (README.md carries this table, docs/benchmarks.md too)."""
+    tp, gpu, data = load_result("throughput"), load_result("gpu"), load_result("data")
+    rec, ckpt, sim = load_result("recovery"), load_result("checkpoint"), load_result("simulator")
+    link = tp["link"]["4"]
+    gpu4 = gpu["overhead"]["micro_batches_4"]
+    jpeg = data["jpeg"]["throughput"]
+    m, t = rec["maitre"], rec["torchrun"]
+    big = max((r for r in ckpt.values() if isinstance(r, dict) and "state_mb" in r),
+              key=lambda r: r["state_mb"])
+    jct = sim["load1_mean_avg_jct_s"]["maitre, goodput batch"]
+    rows = [
+        ("step time, 4 ranks over a 1 Gbit link, MLP of 50.6 M parameters",
+         f"{1000 * link['maitre']['step_s']:,.0f} ms", f"DDP: {1000 * link['ddp']['step_s']:,.0f} ms",
+         link["maitre"]["step_s"] / link["ddp"]["step_s"]),
+        ("the same, sharded (maitre's loop on FSDP2)",
+         f"{1000 * link['maitre-fsdp2']['step_s']:,.0f} ms",
+         f"FSDP2: {1000 * link['fsdp2']['step_s']:,.0f} ms",
+         link["maitre-fsdp2"]["step_s"] / link["fsdp2"]["step_s"]),
+        (f"step time on one {gpu['device'].removeprefix('NVIDIA ')}, "
+         f"{gpu4['plain']['params'] / 1e9:.2f} B bf16 decoder, "
+         f"{gpu4['plain']['tokens_per_step'] // 1024} k tokens a step",
+         f"{1000 * gpu4['maitre']['step_s']:.1f} ms", f"DDP: {1000 * gpu4['ddp']['step_s']:.1f} ms",
+         gpu4["maitre"]["step_s"] / gpu4["ddp"]["step_s"]),
+        ("data loading, JPEGs, 2 workers (samples/s: higher is better)",
+         f"{jpeg['maitre_samples_s']:,.0f}", f"DataLoader: {jpeg['dataloader_samples_s']:,.0f}",
+         jpeg["maitre_samples_s"] / jpeg["dataloader_samples_s"]),
+        ("a worker killed: from the kill to the next step",
+         f"{m['crash_to_step_s']:.3f} s", f"torchrun: {t['crash_to_step_s']:.2f} s",
+         m["crash_to_step_s"] / t["crash_to_step_s"]),
+        ("a worker joins: the running workers pause",
+         f"{m['join_pause_s']:.3f} s", f"torchrun: {t['join_pause_s']:.2f} s",
+         m["join_pause_s"] / t["join_pause_s"]),
+        (f"a checkpoint of {big['state_mb']:,.0f} MB: training blocked",
+         f"{big['maitre_block_s']:.3f} s", f"`dcp.async_save`: {big['dcp_async_block_s']:.3f} s",
+         big["maitre_block_s"] / big["dcp_async_block_s"]),
+        ("scheduling, the 8 Pollux workloads (simulated): mean average JCT",
+         f"{jct['ours']:,.0f} s", f"Pollux (published): {jct['published']:,.0f} s",
+         jct["ours"] / jct["published"]),
+    ]
+    lines = ["| figure (2 CPU cores and gloo, unless it says a GPU) | maitre | instead | "
+             "maitre / instead |", "|---|---|---|---|"]
+    lines += [f"| {what} | {ours} | {theirs} | {ratio:.3f} |" for what, ours, theirs, ratio in rows]
+    return "\n".join(lines)
+
+
+# --- the CLI reference ---------------------------------------------------------------------------
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
+    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+
+
+def commands(parser: argparse.ArgumentParser, summary: str = "",
+             ) -> Iterator[tuple[argparse.ArgumentParser, str]]:
+    """``parser`` and every subcommand below it, depth first, each with its one-line help."""
+    yield parser, summary
+    sub = _subparsers(parser)
+    if sub is not None:
+        helps = {a.dest: a.help or "" for a in sub._choices_actions}
+        for name, child in sub.choices.items():
+            yield from commands(child, helps.get(name, ""))
+
+
+def _text(s: str) -> str:
+    """Help text as Markdown text in a table cell: nothing in it is markup."""
+    s = html.escape(s, quote=False)
+    return re.sub(r"([\\`*_\[\]|])", r"\\\1", s)
+
+
+def _default(action: argparse.Action) -> str:
+    if action.required and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE,
+                                                argparse.REMAINDER):
+        return "required"
+    default = action.default
+    if default is None or default is argparse.SUPPRESS or isinstance(action, (
+            argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)):
+        return ""
+    return f"`{default}`"
+
+
+def _anchor(prog: str) -> str:
+    return prog.replace(" ", "-")
+
+
+def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
+    """Every command of ``parser`` (by default ``maitre.cli.build_parser()``) in Markdown: an
+    index, then a section per command with its usage and a table of its arguments."""
+    if parser is None:
+        from maitre.cli import build_parser
+        parser = build_parser()
+    found = list(commands(parser))
+    out = ["| command | what it does |", "|---|---|"]
+    out += [f"| [`{p.prog}`](#{_anchor(p.prog)}) | {_text(s)} |" for p, s in found[1:]]
+    for p, text in found:
+        formatter = argparse.HelpFormatter(p.prog, width=96, max_help_position=40)
+        formatter.add_usage(p.usage, p._actions, p._mutually_exclusive_groups)
+        level = "#" * min(2 + p.prog.count(" ") - 1, 4) if p is not parser else "##"
+        out += ["", f"{level} {p.prog} {{#{_anchor(p.prog)}}}", ""]
+        about = " ".join(x for x in (text and text[0].upper() + text[1:] + ".",
+                                     p.description or "") if x)
+        if about:
+            out += [_text(about), ""]
+        out += ["```text", formatter.format_help().strip(), "```"]
+        rows = []
+        for action in p._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            invocation = formatter._format_action_invocation(action)
+            if action.nargs == argparse.REMAINDER:
+                invocation += " ..."
+            help_text = formatter._expand_help(action) if action.help else ""
+            rows.append(f"| `{invocation}` | {_text(help_text)} | {_default(action)} |")
+        sub = _subparsers(p)
+        if sub is not None and p is not parser:  # (the index above lists the top level's)
+            out += ["", "Its commands: " + ", ".join(f"[`{c.prog}`](#{_anchor(c.prog)})"
+                                                     for c in sub.choices.values()) + "."]
+        if rows:
+            out += ["", "| argument | what it does | default |", "|---|---|---|", *rows]
+    return "\n".join(out)
+
+
+# --- mkdocs events -------------------------------------------------------------------------------
+
+
+def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs: Any) -> str:
+    """Replaces the markers (see the module's docstring); a result that cannot be rendered stops
+    the build, naming the page."""
+    try:
+        if CLI_MARKER in markdown:
+            markdown = markdown.replace(CLI_MARKER, cli_reference())
+        if SUMMARY_MARKER in markdown:
+            markdown = markdown.replace(SUMMARY_MARKER, summary())
+        return RESULTS_MARKER.sub(lambda m: render_results(m[1]), markdown)
+    except (DocsError, KeyError, TypeError, ValueError) as exc:
+        from mkdocs.exceptions import PluginError
+        raise PluginError(f"docs/hooks.py: {page.file.src_uri}: {type(exc).__name__}: {exc}") from exc
+
+
+def on_page_content(html_text: str, **kwargs: Any) -> str:
+    """``:class:`~a.b.C``` as mkdocstrings leaves it (``:class:<code>~a.b.C</code>``) becomes
+    ``<code>C</code>`` (``~``: the last name only), as Sphinx shows it."""
+    return _ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html_text)
