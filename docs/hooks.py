@@ -81,6 +81,7 @@ def renderer(name: str) -> Callable[[dict[str, Any]], str]:
     spec = importlib.util.spec_from_file_location(f"maitre_docs_{name}", path)
     assert spec is not None and spec.loader is not None
     module: ModuleType = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (as an import would: dataclasses look their module up)
     spec.loader.exec_module(module)
     table = getattr(module, "table", None)
     if table is None:

@@ -9,8 +9,8 @@ The scripts run side by side, ``AT_ONCE`` at a time, the longest first: most of 
 time is processes starting and waiting on each other (a rendezvous, a detector's window), which
 another script's run fills. Each script still has a test of its own, which waits for its run.
 
-Also: every committed result says the commit and date it was measured on, and so does the
-README beside its table.
+Also: every committed result says the commit and date it was measured on, and the docs render
+each as a table with that line under it (docs/hooks.py, each script's ``table(result)``).
 """
 
 from __future__ import annotations
@@ -197,9 +197,15 @@ def test_smoke_results_never_go_to_the_committed_results(tmp_path: Path) -> None
 
 
 def test_committed_results_say_when_they_were_measured() -> None:
-    """Every committed result carries the commit and date it was measured on, and the README
-    quotes both beside its figures, so a reader can tell a fresh figure from a stale one."""
-    readme = (ROOT / "README.md").read_text()
+    """Every committed result carries the commit and date it was measured on, some page of the
+    docs asks for it (``<!-- results: NAME -->``), and what the docs render for it is its table
+    with both quoted under it, so a reader can tell a fresh figure from a stale one."""
+    spec = importlib.util.spec_from_file_location("maitre_docs_hooks", ROOT / "docs" / "hooks.py")
+    assert spec is not None and spec.loader is not None
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    pages = "\n".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")))
+    asked = set(hooks.RESULTS_MARKER.findall(pages))
     tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT,
                              capture_output=True, text=True).stdout.split()
     paths = [ROOT / p for p in tracked if p.endswith(".json")] or sorted(RESULTS.glob("*.json"))
@@ -209,8 +215,11 @@ def test_committed_results_say_when_they_were_measured() -> None:
         assert COMMIT.fullmatch(measured["commit"]), (path.name, measured)
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", measured["date"])
         assert not measured.get("smoke"), f"{path.name} is a smoke run's"
+        assert path.stem in asked, f"no page of docs/ has <!-- results: {path.stem} -->"
         short = measured["commit"][:7] + ("-dirty" if measured["commit"].endswith("-dirty")
                                           else "")
         line = (f"`benchmarks/results/{path.name}`: measured on commit `{short}`, "
                 f"{measured['date'][:10]}")
-        assert line in readme, f"the README lacks {line!r}"
+        rendered = hooks.render_results(path.stem)
+        assert rendered.rstrip().endswith(line + "."), f"the docs' {path.stem} table lacks {line!r}"
+        assert "|---" in rendered, f"the docs render no table for {path.name}"

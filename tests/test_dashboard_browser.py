@@ -2,7 +2,7 @@
 every view with no console error; a bad log shows an error, not a blank page; the token's door;
 and the demo's story, live.
 
-``MAITRE_SCREENSHOTS=DIR`` saves a screenshot of each view there (the README's come from
+``MAITRE_SCREENSHOTS=DIR`` saves a screenshot of each view there (the docs' come from
 ``MAITRE_SCREENSHOTS=docs/img pytest tests/test_dashboard_browser.py``).
 """
 
