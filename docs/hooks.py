@@ -41,6 +41,7 @@ RESULTS_MARKER = re.compile(r"^<!-- results: ([\w-]+) -->[ \t]*$", re.M)
 CLI_MARKER = "<!-- cli-reference -->"
 SUMMARY_MARKER = "<!-- results-summary -->"
 _ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj|const):<code>(~?)([^<]+)</code>")
+_LITERAL = re.compile(r"::</p>(\s*<pre>)")  # reST's "text::" before an indented code block
 
 
 class DocsError(Exception):
@@ -203,7 +204,7 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
     out = ["| command | what it does |", "|---|---|"]
     out += [f"| [`{p.prog}`](#{_anchor(p.prog)}) | {_text(s)} |" for p, s in found[1:]]
     for p, text in found:
-        formatter = argparse.HelpFormatter(p.prog, width=96, max_help_position=40)
+        formatter = argparse.HelpFormatter(p.prog, width=80, max_help_position=40)
         formatter.add_usage(p.usage, p._actions, p._mutually_exclusive_groups)
         level = "#" * min(2 + p.prog.count(" ") - 1, 4) if p is not parser else "##"
         out += ["", f"{level} {p.prog} {{#{_anchor(p.prog)}}}", ""]
@@ -248,6 +249,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs
 
 
 def on_page_content(html_text: str, **kwargs: Any) -> str:
-    """``:class:`~a.b.C``` as mkdocstrings leaves it (``:class:<code>~a.b.C</code>``) becomes
-    ``<code>C</code>`` (``~``: the last name only), as Sphinx shows it."""
-    return _ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html_text)
+    """Docstrings written for Sphinx, as mkdocstrings renders them, read as Sphinx shows them:
+    ``:class:`~a.b.C``` (``:class:<code>~a.b.C</code>``) becomes ``<code>C</code>`` (``~``: the
+    last name only), and the "::" that introduces a code block a single ":"."""
+    html_text = _ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>",
+                          html_text)
+    return _LITERAL.sub(r":</p>\1", html_text)

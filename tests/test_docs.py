@@ -154,6 +154,8 @@ def test_a_marker_that_cannot_be_rendered_stops_the_build() -> None:
     html = hooks.on_page_content("a :class:<code>~maitre.data.Loader</code> and :func:"
                                  "<code>maitre.runtime.replica.replica_mesh</code>")
     assert html == "a <code>Loader</code> and <code>maitre.runtime.replica.replica_mesh</code>"
+    assert hooks.on_page_content("<p>then iterates::</p>\n<pre><code>x") == \
+        "<p>then iterates:</p>\n<pre><code>x"
 
 
 @pytest.mark.timeout(300)
