@@ -33,30 +33,35 @@ ROOT = HERE.parent
 RESULTS = HERE / "results"
 
 
-def parse(parser: argparse.ArgumentParser, name: str, smoke: dict[str, Any],
-          argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse(
+    parser: argparse.ArgumentParser, name: str, smoke: dict[str, Any], argv: Sequence[str] | None = None
+) -> argparse.Namespace:
     """``parser``'s arguments with ``--smoke`` and ``--out`` added. With ``--smoke``, each of
     ``smoke`` (argument name: value) replaces its argument where the command line left the
     default. ``args.out`` comes back as the path of the JSON to write."""
-    parser.add_argument("--smoke", action="store_true",
-                        help="the smallest run that goes through every code path (seconds; "
-                        "tests/test_benchmarks.py); its JSON goes to --out or a temporary "
-                        "directory, never to benchmarks/results/")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"a directory for {name}.json, or a .json file "
-                        f"(default: benchmarks/results/{name}.json)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest run that goes through every code path (seconds; "
+        "tests/test_benchmarks.py); its JSON goes to --out or a temporary "
+        "directory, never to benchmarks/results/",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"a directory for {name}.json, or a .json file (default: benchmarks/results/{name}.json)",
+    )
     args = parser.parse_args(argv)
     if args.smoke:
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
     if args.out is None:
-        args.out = Path(tempfile.mkdtemp(prefix=f"maitre-{name}-smoke-")) if args.smoke \
-            else RESULTS
+        args.out = Path(tempfile.mkdtemp(prefix=f"maitre-{name}-smoke-")) if args.smoke else RESULTS
     out = args.out if args.out.suffix == ".json" else args.out / f"{name}.json"
     if args.smoke and out.resolve().parent == RESULTS:
-        parser.error("--smoke never writes to benchmarks/results/ (give --out a temporary "
-                     "directory)")
+        parser.error("--smoke never writes to benchmarks/results/ (give --out a temporary directory)")
     args.out = out
     return args
 
@@ -64,18 +69,15 @@ def parse(parser: argparse.ArgumentParser, name: str, smoke: dict[str, Any],
 def measured(*, smoke: bool = False) -> dict[str, Any]:
     """The commit of this tree (``-dirty`` with uncommitted changes to tracked files, ``unknown``
     outside a git checkout) and the UTC time now."""
-    stamp: dict[str, Any] = {"commit": _commit(),
-                             "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    stamp: dict[str, Any] = {"commit": _commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if smoke:
         stamp["smoke"] = True  # figures of the smallest run: they mean nothing
     return stamp
 
 
-def write_results(out: Path, payload: dict[str, Any], *, smoke: bool = False,
-                  indent: int = 2) -> Path:
+def write_results(out: Path, payload: dict[str, Any], *, smoke: bool = False, indent: int = 2) -> Path:
     """``payload`` as JSON at ``out``, ``measured`` (:func:`measured`) first; returns ``out``."""
-    doc = {"measured": measured(smoke=smoke), **{k: v for k, v in payload.items()
-                                                 if k != "measured"}}
+    doc = {"measured": measured(smoke=smoke), **{k: v for k, v in payload.items() if k != "measured"}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=indent) + "\n")
     print(f"wrote {out}", flush=True)
@@ -84,8 +86,10 @@ def write_results(out: Path, payload: dict[str, Any], *, smoke: bool = False,
 
 def _commit() -> str:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
-                              timeout=30, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.strip()
+
     if os.environ.get("MAITRE_BENCHMARK_COMMIT"):  # a copy of the tree (a GPU machine's): its
         return os.environ["MAITRE_BENCHMARK_COMMIT"]  # .git, if any, is not this tree's
     try:

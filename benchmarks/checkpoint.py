@@ -134,25 +134,31 @@ def bench_size(size_mb: int, reps: int, scratch: Path) -> dict[str, float]:
             durable.append(result.block_s + result.persist_s)
         return blocked
 
-    methods = {"copy_floor_s": copy_floor, "torch_save_s": torch_save, "dcp_save_s": dcp_save,
-               "dcp_async_block_s": dcp_async, "maitre_block_s": maitre_save}
+    methods = {
+        "copy_floor_s": copy_floor,
+        "torch_save_s": torch_save,
+        "dcp_save_s": dcp_save,
+        "dcp_async_block_s": dcp_async,
+        "maitre_block_s": maitre_save,
+    }
     times: dict[str, list[float]] = {name: [] for name in methods}
     for i in range(-1, reps):  # interleaved, so a slow spell of the disk hits every method
         for name, fn in methods.items():
             t = fn(i)
             if i >= 0:
                 times[name].append(t)
-    out = {"state_mb": round(sum(t.numel() * t.element_size() for t in tensors) / MB, 1),
-           **{name: statistics.median(ts) for name, ts in times.items()},
-           "maitre_durable_s": statistics.median(durable)}
+    out = {
+        "state_mb": round(sum(t.numel() * t.element_size() for t in tensors) / MB, 1),
+        **{name: statistics.median(ts) for name, ts in times.items()},
+        "maitre_durable_s": statistics.median(durable),
+    }
     ck.close()
     shutil.rmtree(scratch / "maitre", ignore_errors=True)
     return out
 
 
 def dcp_state(state: TrainState) -> dict[str, Any]:
-    return {"model": state.objects["model"].state_dict(),
-            "optim": state.objects["optimizer"].state_dict()}
+    return {"model": state.objects["model"].state_dict(), "optim": state.objects["optimizer"].state_dict()}
 
 
 # -- training overhead ---------------------------------------------------------------------------
@@ -197,12 +203,17 @@ def bench_training(segment: int, rounds: int, scratch: Path) -> dict[str, Any]:
     clock = SegmentClock()
     checkpointers: dict[str, Checkpointer | None] = {
         "none": None,
-        "policy": Checkpointer(CheckpointConfig(directory=scratch / "policy", save_final=False,
-                                                interval=IntervalConfig(mtbf_s=3600.0,
-                                                                        min_interval_s=0.0)),
-                               clock=clock),
-        "every_10": Checkpointer(CheckpointConfig(directory=scratch / "every10", save_final=False,
-                                                  interval=IntervalConfig(every_steps=10))),
+        "policy": Checkpointer(
+            CheckpointConfig(
+                directory=scratch / "policy",
+                save_final=False,
+                interval=IntervalConfig(mtbf_s=3600.0, min_interval_s=0.0),
+            ),
+            clock=clock,
+        ),
+        "every_10": Checkpointer(
+            CheckpointConfig(directory=scratch / "every10", save_final=False, interval=IntervalConfig(every_steps=10))
+        ),
     }
     modes = list(checkpointers)
     warmup = 40
@@ -222,8 +233,7 @@ def bench_training(segment: int, rounds: int, scratch: Path) -> dict[str, Any]:
             window = (torch.tensor(idx) * block)[:, None] + torch.arange(block + 1)
             chunk = ids[window]
             logits = model(chunk[:, :-1])
-            loss = F.cross_entropy(logits.reshape(-1, len(vocab)), chunk[:, 1:].reshape(-1),
-                                   reduction="sum") / block
+            loss = F.cross_entropy(logits.reshape(-1, len(vocab)), chunk[:, 1:].reshape(-1), reduction="sum") / block
             loss.backward()
     times[current].append(time.perf_counter() - started)  # type: ignore[index]
     policy, every = checkpointers["policy"], checkpointers["every_10"]
@@ -242,46 +252,70 @@ def bench_training(segment: int, rounds: int, scratch: Path) -> dict[str, Any]:
         it overlapped), over the time trained: the same figure without run-to-run noise."""
         return 100 * len(ck.results) * (ck.policy.cost_s or 0.0) / sum(times["none"])
 
-    print(f"  segments of {segment} steps, s: " + "; ".join(
-        f"{m} {', '.join(f'{t:.2f}' for t in ts)}" for m, ts in times.items()), flush=True)
-    return {"train_steps_per_mode": segment * rounds,
-            "train_none_s": sum(times["none"]),
-            "train_overhead_pct": overhead("policy"),
-            "train_overhead_paired_median_pct": paired("policy"),
-            "train_overhead_accounted_pct": accounted(policy),
-            "train_policy_saves": len(policy.results),
-            "train_policy_interval_s": policy.policy.interval_s(),
-            "train_policy_cost_ms": (policy.policy.cost_s or 0.0) * 1000,
-            "train_every10_overhead_pct": overhead("every_10"),
-            "train_every10_accounted_pct": accounted(every),
-            "train_every10_cost_ms": (every.policy.cost_s or 0.0) * 1000,
-            "train_every10_saves": len(every.results)}
+    print(
+        f"  segments of {segment} steps, s: "
+        + "; ".join(f"{m} {', '.join(f'{t:.2f}' for t in ts)}" for m, ts in times.items()),
+        flush=True,
+    )
+    return {
+        "train_steps_per_mode": segment * rounds,
+        "train_none_s": sum(times["none"]),
+        "train_overhead_pct": overhead("policy"),
+        "train_overhead_paired_median_pct": paired("policy"),
+        "train_overhead_accounted_pct": accounted(policy),
+        "train_policy_saves": len(policy.results),
+        "train_policy_interval_s": policy.policy.interval_s(),
+        "train_policy_cost_ms": (policy.policy.cost_s or 0.0) * 1000,
+        "train_every10_overhead_pct": overhead("every_10"),
+        "train_every10_accounted_pct": accounted(every),
+        "train_every10_cost_ms": (every.policy.cost_s or 0.0) * 1000,
+        "train_every10_saves": len(every.results),
+    }
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = [("state", "copy floor", "torch.save", "dcp.save", "dcp async block", "maitre block",
-             "block/floor", "maitre durable")]
+    rows = [
+        (
+            "state",
+            "copy floor",
+            "torch.save",
+            "dcp.save",
+            "dcp async block",
+            "maitre block",
+            "block/floor",
+            "maitre durable",
+        )
+    ]
     for r in results.values():
         if not isinstance(r, dict) or "state_mb" not in r:
             continue
-        rows.append((f"{r['state_mb']:.0f} MB", f"{r['copy_floor_s']:.3f} s",
-                     f"{r['torch_save_s']:.3f} s", f"{r['dcp_save_s']:.3f} s",
-                     f"{r['dcp_async_block_s']:.3f} s ({r['dcp_async_block_s'] / r['copy_floor_s']:.1f}x)",
-                     f"{r['maitre_block_s']:.3f} s", f"{r['maitre_block_s'] / r['copy_floor_s']:.2f}x",
-                     f"{r['maitre_durable_s']:.3f} s"))
+        rows.append(
+            (
+                f"{r['state_mb']:.0f} MB",
+                f"{r['copy_floor_s']:.3f} s",
+                f"{r['torch_save_s']:.3f} s",
+                f"{r['dcp_save_s']:.3f} s",
+                f"{r['dcp_async_block_s']:.3f} s ({r['dcp_async_block_s'] / r['copy_floor_s']:.1f}x)",
+                f"{r['maitre_block_s']:.3f} s",
+                f"{r['maitre_block_s'] / r['copy_floor_s']:.2f}x",
+                f"{r['maitre_durable_s']:.3f} s",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines.append("")
-    lines.append(f"training ({results['train_steps_per_mode']} steps of examples/train.py per "
-                 f"mode, {results['train_none_s']:.1f} s without checkpoints): policy interval "
-                 f"{results['train_policy_interval_s']:.1f} s (cost {results['train_policy_cost_ms']:.1f} "
-                 f"ms, MTBF 1 h), {results['train_policy_saves']:.0f} saves, overhead "
-                 f"{results['train_overhead_pct']:+.2f}% measured, "
-                 f"{results['train_overhead_accounted_pct']:.2f}% accounted; every 10 steps: "
-                 f"{results['train_every10_saves']:.0f} saves, overhead "
-                 f"{results['train_every10_overhead_pct']:+.2f}% measured, "
-                 f"{results['train_every10_accounted_pct']:.2f}% accounted")
+    lines.append(
+        f"training ({results['train_steps_per_mode']} steps of examples/train.py per "
+        f"mode, {results['train_none_s']:.1f} s without checkpoints): policy interval "
+        f"{results['train_policy_interval_s']:.1f} s (cost {results['train_policy_cost_ms']:.1f} "
+        f"ms, MTBF 1 h), {results['train_policy_saves']:.0f} saves, overhead "
+        f"{results['train_overhead_pct']:+.2f}% measured, "
+        f"{results['train_overhead_accounted_pct']:.2f}% accounted; every 10 steps: "
+        f"{results['train_every10_saves']:.0f} saves, overhead "
+        f"{results['train_every10_overhead_pct']:+.2f}% measured, "
+        f"{results['train_every10_accounted_pct']:.2f}% accounted"
+    )
     return "\n".join(lines)
 
 
@@ -308,8 +342,7 @@ def main() -> None:
         results.update(bench_training(args.segment, args.rounds, scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    results["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads()}
+    results["machine"] = {"cpus": os.cpu_count(), "torch": torch.__version__, "threads": torch.get_num_threads()}
     print(table(results))
     write_results(args.out, results, smoke=args.smoke)
 

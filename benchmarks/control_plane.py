@@ -111,6 +111,7 @@ def serve_coordinator(state_dir: str) -> None:
     from maitre.control.store import Store
     from maitre.scheduling.model import Queue
     from maitre.scheduling.policy import PolicyConfig
+
     try:
         from maitre.control.api import CoordinatorServer
     except ImportError:  # the coordinator of 5913ed4
@@ -119,15 +120,24 @@ def serve_coordinator(state_dir: str) -> None:
     root = Path(state_dir)
     db = Store(root / "state.db")
     token = secrets.token_urlsafe(32)
-    cluster = ClusterState([Queue("default")], run_dir=root, policy=PolicyConfig(),
-                           phi=PhiConfig(), detector=DetectorConfig(), max_restarts=3)
-    server = CoordinatorServer(host="127.0.0.1", port=0, store_port=0,
-                               on_event=lambda job, event: None,
-                               token=token, cluster=cluster, db=db)
+    cluster = ClusterState(
+        [Queue("default")],
+        run_dir=root,
+        policy=PolicyConfig(),
+        phi=PhiConfig(),
+        detector=DetectorConfig(),
+        max_restarts=3,
+    )
+    server = CoordinatorServer(
+        host="127.0.0.1", port=0, store_port=0, on_event=lambda job, event: None, token=token, cluster=cluster, db=db
+    )
     server.start()
-    print(json.dumps({"address": server.address, "token": token, "pid": os.getpid(),
-                      "maitre": maitre.__file__}), flush=True)
+    print(
+        json.dumps({"address": server.address, "token": token, "pid": os.getpid(), "maitre": maitre.__file__}),
+        flush=True,
+    )
     import gc
+
     pauses: list[float] = []
     started: list[float] = []
 
@@ -140,8 +150,11 @@ def serve_coordinator(state_dir: str) -> None:
     gc.callbacks.append(gc_timer)
     sys.stdin.read()  # until the parent closes it
     if pauses:
-        print(f"coordinator gc: {len(pauses)} collections, max {max(pauses) * 1000:.1f} ms, "
-              f"total {sum(pauses):.2f} s", file=sys.stderr, flush=True)
+        print(
+            f"coordinator gc: {len(pauses)} collections, max {max(pauses) * 1000:.1f} ms, total {sum(pauses):.2f} s",
+            file=sys.stderr,
+            flush=True,
+        )
     server.stop()
     db.close()
 
@@ -151,9 +164,13 @@ class Coordinator:
         self.dir = tempfile.TemporaryDirectory(prefix=f"maitre-cp-{which}-")
         src = NEW_SRC if which == "new" else BEFORE_SRC
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", self.dir.name],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", self.dir.name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the {which} coordinator did not start")
@@ -164,13 +181,17 @@ class Coordinator:
 
     def call(self, method: str, path: str, body: Any = None, timeout_s: float = 30.0) -> Any:
         import http.client
+
         host, port = self.address.rsplit(":", 1)
         conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
         try:
             data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, "/v1" + path, body=data,
-                         headers={"Authorization": f"Bearer {self.token}",
-                                  "Content-Type": "application/json"})
+            conn.request(
+                method,
+                "/v1" + path,
+                body=data,
+                headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+            )
             reply = conn.getresponse()
             out = json.loads(reply.read() or b"{}")
             if reply.status != 200:
@@ -210,9 +231,13 @@ class Conn:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         data = json.dumps(body).encode()
-        self.writer.write((f"POST /v1{path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}"
-                           f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-                           ).encode() + data)
+        self.writer.write(
+            (
+                f"POST /v1{path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+            ).encode()
+            + data
+        )
         head = await self.reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split()[1])
@@ -292,13 +317,16 @@ class Generator:
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             sent = time.monotonic()
             if self.new:
-                body = {"slots": SLOTS, "labels": node.labels, "since": node.version,
-                        "workers": [self.worker_beat(w, sent) for w in node.workers.values()]}
+                body = {
+                    "slots": SLOTS,
+                    "labels": node.labels,
+                    "since": node.version,
+                    "workers": [self.worker_beat(w, sent) for w in node.workers.values()],
+                }
             else:
                 body = {"slots": SLOTS, "labels": node.labels, "running": list(node.workers)}
             try:
-                status, reply = await node.beat_conn.post(f"/nodes/{node.name}/heartbeat", body,
-                                                          10.0)
+                status, reply = await node.beat_conn.post(f"/nodes/{node.name}/heartbeat", body, 10.0)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
                 self.error("node_beat")
                 status, reply = 0, {}
@@ -317,16 +345,23 @@ class Generator:
     @staticmethod
     def worker_beat(w: SimWorker, now: float) -> dict[str, Any]:
         step, trained = w.progress(now)
-        return {"id": w.wid, "step": step, "stalled": False, "trained_s": trained,
-                "silent_s": round(random.random() * 0.1, 4), "gap_mean_s": 0.1,
-                "gap_std_s": 0.01}
+        return {
+            "id": w.wid,
+            "step": step,
+            "stalled": False,
+            "trained_s": trained,
+            "silent_s": round(random.random() * 0.1, 4),
+            "gap_mean_s": 0.1,
+            "gap_std_s": 0.01,
+        }
 
     async def watch_loop(self, node: SimNode) -> None:
         self.counters[3] += 1
         while not self.stop:
             try:
                 status, reply = await node.watch_conn.post(
-                    f"/nodes/{node.name}/watch", {"since": node.version, "wait_s": 30.0}, 45.0)
+                    f"/nodes/{node.name}/watch", {"since": node.version, "wait_s": 30.0}, 45.0
+                )
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
                 self.error("watch")
                 await asyncio.sleep(0.5)
@@ -365,8 +400,7 @@ class Generator:
         elif view.get("leave") and w.state == "train":
             self.remove(node, wid)
             asyncio.ensure_future(self.once(f"/workers/{wid}/left", {}))
-        elif w.state == "train" and view.get("member_epoch") == w.epoch and (
-                view.get("closed") or view.get("change")):
+        elif w.state == "train" and view.get("member_epoch") == w.epoch and (view.get("closed") or view.get("change")):
             w.state = "rdv"
             self.counters[1] -= 1
             w.task = asyncio.ensure_future(self.rendezvous(w, w.epoch))
@@ -395,8 +429,11 @@ class Generator:
     # -- workers -----------------------------------------------------------------------------
     async def rendezvous(self, w: SimWorker, from_epoch: int) -> None:
         c = self.conn()
-        rec = self.rdv.setdefault(w.wid, {"job": w.job, "first": None, "first_wall": None, "train": None,
-                                          "epoch": None}) if from_epoch == 0 else None
+        rec = (
+            self.rdv.setdefault(w.wid, {"job": w.job, "first": None, "first_wall": None, "train": None, "epoch": None})
+            if from_epoch == 0
+            else None
+        )
         try:
             while not self.stop and w.state == "rdv":
                 sent = time.monotonic()
@@ -405,9 +442,14 @@ class Generator:
                 try:
                     status, reply = await c.post(
                         f"/workers/{w.wid}/rendezvous",
-                        {"from_epoch": from_epoch, "step": w.progress(sent)[0],
-                         "reason": "joining" if from_epoch == 0 else "membership change",
-                         "wait_s": 30.0}, 60.0)
+                        {
+                            "from_epoch": from_epoch,
+                            "step": w.progress(sent)[0],
+                            "reason": "joining" if from_epoch == 0 else "membership change",
+                            "wait_s": 30.0,
+                        },
+                        60.0,
+                    )
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
                     self.error("rendezvous")
                     await asyncio.sleep(0.5)
@@ -439,9 +481,9 @@ class Generator:
                 sent = time.monotonic()
                 step, trained = w.progress(sent)
                 try:
-                    status, reply = await c.post(f"/workers/{w.wid}/heartbeat",
-                                                 {"step": step, "stalled": False,
-                                                  "trained_s": trained}, 10.0)
+                    status, reply = await c.post(
+                        f"/workers/{w.wid}/heartbeat", {"step": step, "stalled": False, "trained_s": trained}, 10.0
+                    )
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError):
                     self.error("worker_beat")
                     status, reply = 0, {}
@@ -466,10 +508,16 @@ class Generator:
         self.stop = True
         for t in tasks:
             t.cancel()
-        return {"node_beats": self.node_beats, "worker_beats": self.worker_beats,
-                "starts": self.starts, "rdv": self.rdv, "errors": self.errors,
-                "cpu_s": cpu_s(os.getpid()) - cpu0, "wall_s": time.monotonic() - t0,
-                "window": window}
+        return {
+            "node_beats": self.node_beats,
+            "worker_beats": self.worker_beats,
+            "starts": self.starts,
+            "rdv": self.rdv,
+            "errors": self.errors,
+            "cpu_s": cpu_s(os.getpid()) - cpu0,
+            "wall_s": time.monotonic() - t0,
+            "window": window,
+        }
 
 
 def generator_main(cfg: dict[str, Any], pipe: Any, counters: Any) -> None:
@@ -489,22 +537,33 @@ def wait_for(pred: Any, timeout_s: float, what: str) -> float:
 
 
 def manifest(name: str, lo: int, hi: int) -> dict[str, Any]:
-    return {"manifest": {"name": name, "queue": "default", "minReplicas": lo, "maxReplicas": hi,
-                         "gpusPerReplica": 1, "command": ["python", "train.py"]}}
+    return {
+        "manifest": {
+            "name": name,
+            "queue": "default",
+            "minReplicas": lo,
+            "maxReplicas": hi,
+            "gpusPerReplica": 1,
+            "command": ["python", "train.py"],
+        }
+    }
 
 
-def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
-             log: Any) -> dict[str, Any]:
+def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int, log: Any) -> dict[str, Any]:
     """Fill a cluster of ``num_nodes`` x 8, measure; returns the row (raises nothing)."""
-    row: dict[str, Any] = {"hb_p50_ms": None, "hb_p99_ms": None, "cpu_s_per_s": None,
-                           "epoch_open_256_s": None, "grow_to_start_s": None}
+    row: dict[str, Any] = {
+        "hb_p50_ms": None,
+        "hb_p99_ms": None,
+        "cpu_s_per_s": None,
+        "epoch_open_256_s": None,
+        "grow_to_start_s": None,
+    }
     notes: list[str] = []
     slots = num_nodes * SLOTS
     gang = min(GANG, slots // 2)  # a small cluster gets gangs of half its slots
     row["gang"] = gang
     gangs = slots // gang - 1
-    jobs = [(f"fill-{i}", gang, gang) for i in range(gangs)] + \
-        [("fill-rest", gang - 16, gang - 16)]
+    jobs = [(f"fill-{i}", gang, gang) for i in range(gangs)] + [("fill-rest", gang - 16, gang - 16)]
     expected = slots - 8
     overflows0 = listen_overflows()
     co = Coordinator(which)
@@ -514,8 +573,12 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         for g in range(num_gens):
             parent, child = ctx.Pipe()
             counters = ctx.Array("l", 4, lock=False)  # started, training, errors, nodes up
-            cfg = {"protocol": which, "address": co.address, "token": co.token,
-                   "nodes": list(range(g, num_nodes, num_gens))}
+            cfg = {
+                "protocol": which,
+                "address": co.address,
+                "token": co.token,
+                "nodes": list(range(g, num_nodes, num_gens)),
+            }
             proc = ctx.Process(target=generator_main, args=(cfg, child, counters), daemon=True)
             proc.start()
             gens.append((proc, parent, counters))
@@ -531,23 +594,23 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         for name, lo, hi in jobs:
             co.call("POST", "/jobs", manifest(name, lo, hi))
         try:
-            t_full = wait_for(lambda: total(1) >= expected, 60 + num_nodes * 0.1,
-                              f"{expected} workers training")
+            t_full = wait_for(lambda: total(1) >= expected, 60 + num_nodes * 0.1, f"{expected} workers training")
         except TimeoutError as exc:
             notes.append(f"{exc} ({total(0)} started, {total(1)} training)")
             row["survived"] = False
             try:  # which jobs did not get there, as the coordinator sees them
-                stuck = {j["job_id"]: f"{j['state']} epoch {j['epoch']} members "
-                         f"{len(j['members'])}/{j.get('max_workers')} {j.get('waiting_for', '')}"
-                         for j in co.call("GET", "/jobs", timeout_s=30)["jobs"]}
+                stuck = {
+                    j["job_id"]: f"{j['state']} epoch {j['epoch']} members "
+                    f"{len(j['members'])}/{j.get('max_workers')} {j.get('waiting_for', '')}"
+                    for j in co.call("GET", "/jobs", timeout_s=30)["jobs"]
+                }
                 notes.append(f"jobs: {stuck}")
             except Exception as exc2:  # noqa: BLE001
                 notes.append(f"jobs: {exc2}")
             t_full = None
         if t_full is not None:
             row["fill_s"] = round(t_full - t_submit, 2)
-            log(f"  {which} {num_nodes}: {expected} workers training {row['fill_s']} s after "
-                f"submitting")
+            log(f"  {which} {num_nodes}: {expected} workers training {row['fill_s']} s after submitting")
             time.sleep(3.0)  # let the last epochs' views settle
             w0, c0 = time.monotonic(), cpu_s(co.pid)
             gen_c0 = [cpu_s(p.pid) for p, _, _ in gens]
@@ -555,8 +618,7 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
             w1, c1 = time.monotonic(), cpu_s(co.pid)
             gen_c1 = [cpu_s(p.pid) for p, _, _ in gens]
             row["cpu_s_per_s"] = round((c1 - c0) / (w1 - w0), 3)
-            row["gen_cpu_s_per_s"] = [round((b - a) / (w1 - w0), 3)
-                                      for a, b in zip(gen_c0, gen_c1)]
+            row["gen_cpu_s_per_s"] = [round((b - a) / (w1 - w0), 3) for a, b in zip(gen_c0, gen_c1)]
             # grow: 8 -> 16 on the idle slots
             t_scale = time.monotonic()
             wall_scale = time.time()
@@ -632,16 +694,13 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
         opens, spreads = [], []
         again = [r for r in rdv.values() if r["job"] == "again"]
         if len(again) == gang and all(r["train"] is not None for r in again):
-            row["epoch_open_256_s"] = round(min(r["train"] for r in again) -
-                                            max(r["first"] for r in again), 4)
-            row["arrival_spread_again_s"] = round(max(r["first"] for r in again) -
-                                                  min(r["first"] for r in again), 4)
+            row["epoch_open_256_s"] = round(min(r["train"] for r in again) - max(r["first"] for r in again), 4)
+            row["arrival_spread_again_s"] = round(max(r["first"] for r in again) - min(r["first"] for r in again), 4)
             try:  # the coordinator's own clock: when the epoch opened, after the last arrival
                 ev = co.call("GET", "/jobs/again", timeout_s=30).get("events", [])
                 ep = [e["t"] for e in ev if e.get("kind") == "epoch"]
                 if ep:
-                    row["epoch_open_256_coordinator_again_s"] = round(
-                        ep[0] - max(r["first_wall"] for r in again), 4)
+                    row["epoch_open_256_coordinator_again_s"] = round(ep[0] - max(r["first_wall"] for r in again), 4)
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"again events: {exc}")
         for name, lo, _ in jobs:
@@ -668,30 +727,38 @@ def run_size(which: str, num_nodes: int, steady_s: float, num_gens: int,
             row["epoch_open_256_fill_median_s"] = round(statistics.median(opens), 4)
             row["epoch_open_256_fill_jobs"] = len(opens)
         # grow
-        grow = sorted(t for res in results for (job, _, t, _) in res["starts"]
-                      if job == "grow" and t >= t_scale > 0)
+        grow = sorted(t for res in results for (job, _, t, _) in res["starts"] if job == "grow" and t >= t_scale > 0)
         if grow:
             row["grow_to_start_s"] = round(grow[0] - t_scale, 4)
             row["grow_to_last_start_s"] = round(grow[-1] - t_scale, 4)
             row["grow_scale_call_s"] = round(t_scaled - t_scale, 4)
             row["grow_starts"] = len(grow)
-            joined = [r["train"] for r in rdv.values() if r["job"] == "grow" and r["train"]
-                      and r["first"] >= t_scale]
+            joined = [r["train"] for r in rdv.values() if r["job"] == "grow" and r["train"] and r["first"] >= t_scale]
             if joined:
                 row["grow_to_joiners_train_s"] = round(max(joined) - t_scale, 4)
             try:
                 events = co.call("GET", "/jobs/grow", timeout_s=30).get("events", [])
-                placed = [e for e in events if isinstance(e.get("t"), (int, float))
-                          and e["t"] >= wall_scale and e.get("kind") not in ("max_replicas",)]
+                placed = [
+                    e
+                    for e in events
+                    if isinstance(e.get("t"), (int, float))
+                    and e["t"] >= wall_scale
+                    and e.get("kind") not in ("max_replicas",)
+                ]
                 if placed:
                     first = min(placed, key=lambda e: e["t"])
-                    row["grow_first_event"] = {"kind": first.get("kind"),
-                                               "after_scale_s": round(first["t"] - wall_scale, 4)}
+                    row["grow_first_event"] = {
+                        "kind": first.get("kind"),
+                        "after_scale_s": round(first["t"] - wall_scale, 4),
+                    }
             except Exception as exc:  # noqa: BLE001
                 notes.append(f"grow events: {exc}")
         if row.get("survived") is None:
-            row["survived"] = bool(row["hb_p99_ms"] is not None and row["hb_p99_ms"] <= 1000 and
-                                   (not wb or (row.get("worker_hb_p99_ms") or 1e9) <= 1000))
+            row["survived"] = bool(
+                row["hb_p99_ms"] is not None
+                and row["hb_p99_ms"] <= 1000
+                and (not wb or (row.get("worker_hb_p99_ms") or 1e9) <= 1000)
+            )
         if notes:
             row["notes"] = "; ".join(notes)
         return row
@@ -718,16 +785,19 @@ def table(result: dict[str, Any]) -> str:
     """The results (this script's JSON) in Markdown, a row per size and coordinator ("before":
     the coordinator of 5913ed4, "now": this tree's). The last column is the load generators' own
     lag: a figure is the coordinator's only while it stays small."""
+
     def ms(v: float | None) -> str:
         return "-" if v is None else (f"{v:.1f} ms" if v < 100 else f"{v:,.0f} ms")
 
     def sec(v: float | None) -> str:
-        return "-" if v is None else (f"{v:.3f} s" if v < 1 else f"{v:.2f} s" if v < 10
-                                      else f"{v:.1f} s")
+        return "-" if v is None else (f"{v:.3f} s" if v < 1 else f"{v:.2f} s" if v < 10 else f"{v:.1f} s")
 
-    lines = ["| nodes x 8 | coordinator | beat p50 | beat p99 | CPU-s/s | gang of 256 opens "
-             "(steady) | gangs open while filling (worst) | grow to start order | "
-             "load generators' lag p99 |", "|---" * 9 + "|"]
+    lines = [
+        "| nodes x 8 | coordinator | beat p50 | beat p99 | CPU-s/s | gang of 256 opens "
+        "(steady) | gangs open while filling (worst) | grow to start order | "
+        "load generators' lag p99 |",
+        "|---" * 9 + "|",
+    ]
     sizes = sorted({int(s) for s in result["nodes"]} | {int(s) for s in result["before"]})
     for size in sizes:
         for label, key in (("before", "before"), ("now", "nodes")):
@@ -740,26 +810,31 @@ def table(result: dict[str, Any]) -> str:
             opens = r.get("epoch_open_256_s")
             if opens is None:
                 lag = r.get("gen_lag_p99_ms")
-                opens = "never filled" + (f" (its load generator {lag / 1000:.0f} s behind)"
-                                          if lag is not None and lag > 1000 else "")
+                opens = "never filled" + (
+                    f" (its load generator {lag / 1000:.0f} s behind)" if lag is not None and lag > 1000 else ""
+                )
             else:
-                opens = sec(opens) + ("" if r.get("gang", 256) == 256 else
-                                      f" (gang of {r['gang']})")
+                opens = sec(opens) + ("" if r.get("gang", 256) == 256 else f" (gang of {r['gang']})")
             if not r.get("survived", True):
                 label += ", did not survive"
             cpu = r.get("cpu_s_per_s")
-            lines.append(f"| {size:,} | {label} | {ms(r.get('hb_p50_ms'))} | {p99} | "
-                         f"{'-' if cpu is None else f'{cpu:.3f}'} | {opens} | "
-                         f"{sec(r.get('epoch_open_256_fill_s'))} | "
-                         f"{sec(r.get('grow_to_start_s'))} | {ms(r.get('gen_lag_p99_ms'))} |")
+            lines.append(
+                f"| {size:,} | {label} | {ms(r.get('hb_p50_ms'))} | {p99} | "
+                f"{'-' if cpu is None else f'{cpu:.3f}'} | {opens} | "
+                f"{sec(r.get('epoch_open_256_fill_s'))} | "
+                f"{sec(r.get('grow_to_start_s'))} | {ms(r.get('gen_lag_p99_ms'))} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="16,64,256,1024")
-    p.add_argument("--before-sizes", default="16,32,64,256,1024",
-                   help="sizes for the coordinator of 5913ed4 (stops at the first it fails)")
+    p.add_argument(
+        "--before-sizes",
+        default="16,32,64,256,1024",
+        help="sizes for the coordinator of 5913ed4 (stops at the first it fails)",
+    )
     p.add_argument("--steady-s", type=float, default=25.0)
     p.add_argument("--generators", type=int, default=2)
     p.add_argument("--serve", help=argparse.SUPPRESS)
@@ -782,8 +857,7 @@ def main() -> None:
                 notes.append(f"before: did not survive {size} nodes; larger sizes not run")
                 break
     else:
-        notes.append(f"before: {BEFORE_SRC} missing (git archive 5913ed4 src | tar -x -C "
-                     f"/tmp/maitre-before)")
+        notes.append(f"before: {BEFORE_SRC} missing (git archive 5913ed4 src | tar -x -C /tmp/maitre-before)")
     big = result["nodes"].get("1024")
     if big is not None:
         met = {}
@@ -791,16 +865,14 @@ def main() -> None:
             v = big.get(key)
             met[key] = None if v is None else v <= limit
         result["targets_1024"] = met
-    result["machine"] = {"cpus": os.cpu_count(), "generators": args.generators,
-                         "steady_s": args.steady_s}
+    result["machine"] = {"cpus": os.cpu_count(), "generators": args.generators, "steady_s": args.steady_s}
     if notes:
         result["notes"] = "; ".join(notes)
     print(table(result))
     if "targets_1024" in result:
         for key, ok in result["targets_1024"].items():
             verdict = "not measured" if ok is None else ("met" if ok else "NOT met")
-            print(f"target at 1,024 nodes: {key} <= {TARGETS[key]:g}: {verdict} "
-                  f"({fmt(big.get(key))})")
+            print(f"target at 1,024 nodes: {key} <= {TARGETS[key]:g}: {verdict} ({fmt(big.get(key))})")
     write_results(args.out, result, smoke=args.smoke)
 
 

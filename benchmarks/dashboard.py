@@ -47,10 +47,10 @@ VIEWS = ["scaling", "rendezvous", "checkpoints", "spot"]
 TOKEN = "benchmark"
 
 
-def big_log(out: Path, nodes: int, events: int, jobs: int = 3000
-            ) -> tuple[Path, dict[str, int]]:
-    opts = sim_run.SimOptions(workload="philly", policies=["maitre"], cluster=(nodes, 8),
-                              spot=0.05, spot_life_h=48.0, limit=jobs, plots=False)
+def big_log(out: Path, nodes: int, events: int, jobs: int = 3000) -> tuple[Path, dict[str, int]]:
+    opts = sim_run.SimOptions(
+        workload="philly", policies=["maitre"], cluster=(nodes, 8), spot=0.05, spot_life_h=48.0, limit=jobs, plots=False
+    )
     sim_run.main(opts, out / "sim", progress=False)
     lines = (out / "sim" / "events-maitre.jsonl").read_text().splitlines()[:events]
     path = out / "events.jsonl"
@@ -75,15 +75,20 @@ def load_times(browser, url: str, repeats: int) -> dict[str, dict[str, float]]:
             assert not errors and not page.evaluate("window.__maitre.failed"), errors
             loads.append(page.evaluate("window.__maitre.loadedMs") / 1000)
             parts.append(page.evaluate("window.__maitre.timings"))
-            renders.append(page.evaluate("""(() => { const t = performance.now();
+            renders.append(
+                page.evaluate("""(() => { const t = performance.now();
                 window.dispatchEvent(new HashChangeEvent('hashchange'));
-                return (performance.now() - t) / 1000; })()"""))
+                return (performance.now() - t) / 1000; })()""")
+            )
             page.close()
-        out[view] = {"load_s": statistics.median(loads), "load_worst_s": max(loads),
-                     "render_s": statistics.median(renders),
-                     "fetched_s": statistics.median(p["fetchedMs"] for p in parts) / 1000,
-                     "model_s": statistics.median(p["modelMs"] for p in parts) / 1000,
-                     "first_render_s": statistics.median(p["renderMs"] for p in parts) / 1000}
+        out[view] = {
+            "load_s": statistics.median(loads),
+            "load_worst_s": max(loads),
+            "render_s": statistics.median(renders),
+            "fetched_s": statistics.median(p["fetchedMs"] for p in parts) / 1000,
+            "model_s": statistics.median(p["modelMs"] for p in parts) / 1000,
+            "first_render_s": statistics.median(p["renderMs"] for p in parts) / 1000,
+        }
     return out
 
 
@@ -98,8 +103,7 @@ def live_latency(browser, tmp: Path, changes: int = 40) -> dict[str, float]:
             for k in range(changes):
                 c.post(f"http://{srv.address}/v1/nodes/n{k}/heartbeat", json={"slots": 8})
                 time.sleep(0.05)
-        page.wait_for_function(f"window.__maitre.model().nodes.size === {changes}",
-                               timeout=30000)
+        page.wait_for_function(f"window.__maitre.model().nodes.size === {changes}", timeout=30000)
         time.sleep(0.3)
         lags = page.evaluate("""(() => { const seen = window.__maitre.seen; const out = [];
             for (const n of window.__maitre.model().nodes.values()) for (const e of n.events)
@@ -114,18 +118,31 @@ def table(result: dict[str, Any]) -> str:
     """The results (this script's JSON) in Markdown, medians. load: from the navigation's start
     to the first complete render; fetched: the page and the events in; model: the events
     reduced; drawn: the view's first render; redraw: a render alone."""
-    lines = [f"{result['nodes']:,} nodes, {result['events']:,} events "
-             f"({result['log_bytes'] / 1e6:.1f} MB of JSON lines), {result['repeats']} fresh pages "
-             "a view:", "",
-             "| view | load | worst | fetched | model | drawn | redraw |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{result['nodes']:,} nodes, {result['events']:,} events "
+        f"({result['log_bytes'] / 1e6:.1f} MB of JSON lines), {result['repeats']} fresh pages "
+        "a view:",
+        "",
+        "| view | load | worst | fetched | model | drawn | redraw |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for view, v in result["views"].items():
-        lines.append(f"| {view} | " + " | ".join(f"{v[k]:.3f} s" for k in (
-            "load_s", "load_worst_s", "fetched_s", "model_s", "first_render_s", "render_s")) + " |")
+        lines.append(
+            f"| {view} | "
+            + " | ".join(
+                f"{v[k]:.3f} s"
+                for k in ("load_s", "load_worst_s", "fetched_s", "model_s", "first_render_s", "render_s")
+            )
+            + " |"
+        )
     live = result.get("live")
     if live:
-        lines += ["", f"live: {live['changes']} changes, each in the page a median "
-                  f"{1000 * live['median_s']:.0f} ms (worst {1000 * live['worst_s']:.0f} ms) after its "
-                  "event"]
+        lines += [
+            "",
+            f"live: {live['changes']} changes, each in the page a median "
+            f"{1000 * live['median_s']:.0f} ms (worst {1000 * live['worst_s']:.0f} ms) after its "
+            "event",
+        ]
     return "\n".join(lines)
 
 
@@ -136,8 +153,7 @@ def main() -> None:
     p.add_argument("--events", type=int, default=10_000)
     p.add_argument("--jobs", type=int, default=3000, help="the Philly trace's first JOBS jobs")
     p.add_argument("--changes", type=int, default=40, help="nodes registering, for the live part")
-    args = parse(p, "dashboard", smoke={"repeats": 1, "nodes": 20, "events": 400, "jobs": 50,
-                                         "changes": 3})
+    args = parse(p, "dashboard", smoke={"repeats": 1, "nodes": 20, "events": 400, "jobs": 50, "changes": 3})
     if CHROMIUM is None:
         sys.exit("benchmarks/dashboard.py needs chromium (apt-get install chromium)")
     from playwright.sync_api import sync_playwright
@@ -161,19 +177,30 @@ def main() -> None:
         size = path.stat().st_size
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    result = {"nodes": args.nodes, "events": total, "log_bytes": size, "kinds": kinds,
-              "repeats": args.repeats, "views": loads, "live": live,
-              "targets": {"load_s": 1.0, "live_s": 1.0}}
-    print(f"{args.nodes} nodes, {total} events ({size / 1e6:.1f} MB of JSON lines), "
-          f"median of {args.repeats} fresh pages:")
-    print(f"{'view':<12} {'load':>8} {'worst':>8} {'fetched':>8} {'model':>8} {'drawn':>8} "
-          f"{'redraw':>8}")
+    result = {
+        "nodes": args.nodes,
+        "events": total,
+        "log_bytes": size,
+        "kinds": kinds,
+        "repeats": args.repeats,
+        "views": loads,
+        "live": live,
+        "targets": {"load_s": 1.0, "live_s": 1.0},
+    }
+    print(
+        f"{args.nodes} nodes, {total} events ({size / 1e6:.1f} MB of JSON lines), median of {args.repeats} fresh pages:"
+    )
+    print(f"{'view':<12} {'load':>8} {'worst':>8} {'fetched':>8} {'model':>8} {'drawn':>8} {'redraw':>8}")
     for view, v in loads.items():
-        print(f"{view:<12} {v['load_s']:>7.3f}s {v['load_worst_s']:>7.3f}s "
-              f"{v['fetched_s']:>7.3f}s {v['model_s']:>7.3f}s {v['first_render_s']:>7.3f}s "
-              f"{v['render_s']:>7.3f}s")
-    print(f"live: {live['changes']} changes, median {live['median_s'] * 1000:.0f} ms, "
-          f"worst {live['worst_s'] * 1000:.0f} ms from the coordinator's event to the page")
+        print(
+            f"{view:<12} {v['load_s']:>7.3f}s {v['load_worst_s']:>7.3f}s "
+            f"{v['fetched_s']:>7.3f}s {v['model_s']:>7.3f}s {v['first_render_s']:>7.3f}s "
+            f"{v['render_s']:>7.3f}s"
+        )
+    print(
+        f"live: {live['changes']} changes, median {live['median_s'] * 1000:.0f} ms, "
+        f"worst {live['worst_s'] * 1000:.0f} ms from the coordinator's event to the page"
+    )
     write_results(args.out, result, smoke=args.smoke)
 
 

@@ -98,8 +98,9 @@ def a_loop(dataset: Dataset, batch: int, state: dict | None = None) -> maitre.El
     sampler = maitre.ElasticSampler.of(dataset, batch, seed=0)
     if state is not None:
         sampler.load_state_dict(state)
-    return maitre.ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.0), sampler,
-                              env=WorkerEnv.from_environ({}))
+    return maitre.ElasticLoop(
+        model, torch.optim.SGD(model.parameters(), lr=0.0), sampler, env=WorkerEnv.from_environ({})
+    )
 
 
 def step_body(batch: Any, data: Any, model: torch.nn.Module, compute_s: float) -> None:
@@ -109,8 +110,9 @@ def step_body(batch: Any, data: Any, model: torch.nn.Module, compute_s: float) -
 
 
 # -- throughput ------------------------------------------------------------------------------------
-def rate(kind: str, dataset: Dataset, args: argparse.Namespace, steps: int,
-         make: Callable[..., Any] | None = None) -> float:
+def rate(
+    kind: str, dataset: Dataset, args: argparse.Namespace, steps: int, make: Callable[..., Any] | None = None
+) -> float:
     """Samples per second through ``steps`` steps of the same ElasticLoop, the data from
     maitre's loader (``kind == "maitre"``) or from ``make``'s loader (DataLoader,
     StatefulDataLoader) over a random sampler: the loop's own cost is in both, the loader is
@@ -121,8 +123,14 @@ def rate(kind: str, dataset: Dataset, args: argparse.Namespace, steps: int,
         loader: Any = Loader(dataset, loop, num_workers=args.workers, prefetch_factor=prefetch)
     else:
         assert make is not None
-        loader = make(dataset, batch_size=args.batch, sampler=RandomSampler(dataset),
-                      num_workers=args.workers, prefetch_factor=prefetch, drop_last=True)
+        loader = make(
+            dataset,
+            batch_size=args.batch,
+            sampler=RandomSampler(dataset),
+            num_workers=args.workers,
+            prefetch_factor=prefetch,
+            drop_last=True,
+        )
         it = iter(loader)
     t0, n = 0.0, 0
     for b in loop.run(max_steps=steps + 1):
@@ -155,17 +163,16 @@ def throughput(dataset: Dataset, args: argparse.Namespace, steps: int) -> dict[s
         runs["stateful_dataloader"] = []
     makers: dict[str, Callable[[], float]] = {
         "dataloader": lambda: rate("torch", dataset, args, steps, DataLoader),
-        "maitre": lambda: rate("maitre", dataset, args, steps)}
+        "maitre": lambda: rate("maitre", dataset, args, steps),
+    }
     if stateful is not None:
         makers["stateful_dataloader"] = lambda: rate("torch", dataset, args, steps, stateful)
     names = list(makers)
     for rep in range(args.reps):  # interleaved: the machine's drift hits every loader alike,
-        for name in names[rep % len(names):] + names[:rep % len(names)]:  # each first in turn
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:  # each first in turn
             runs[name].append(makers[name]())
-    out: dict[str, Any] = {f"{k}_samples_s": round(statistics.median(v), 1)
-                           for k, v in runs.items()}
-    out["maitre_vs_dataloader"] = round(statistics.median(runs["maitre"]) /
-                                        statistics.median(runs["dataloader"]), 3)
+    out: dict[str, Any] = {f"{k}_samples_s": round(statistics.median(v), 1) for k, v in runs.items()}
+    out["maitre_vs_dataloader"] = round(statistics.median(runs["maitre"]) / statistics.median(runs["dataloader"]), 3)
     if stateful is None:
         out["stateful_dataloader_samples_s"] = None  # (torchdata is not installed)
     out["raw"] = runs
@@ -186,9 +193,12 @@ def wait_share(dataset: Dataset, args: argparse.Namespace, steps: int) -> dict[s
         began.append(time.perf_counter())
     step_s = [b - a for a, b in zip(began, began[1:])][2:]  # (the workers' start apart)
     wait_s = waited[2:]
-    return {"compute_ms": args.compute_ms, "step_ms": round(1000 * statistics.median(step_s), 2),
-            "wait_ms_mean": round(1000 * statistics.mean(wait_s), 3),
-            "wait_fraction_of_step": round(sum(wait_s) / sum(step_s), 4)}
+    return {
+        "compute_ms": args.compute_ms,
+        "step_ms": round(1000 * statistics.median(step_s), 2),
+        "wait_ms_mean": round(1000 * statistics.mean(wait_s), 3),
+        "wait_fraction_of_step": round(sum(wait_s) / sum(step_s), 4),
+    }
 
 
 # -- first batch after a resume or a new plan ------------------------------------------------------
@@ -202,8 +212,7 @@ def first_batch(dataset: Dataset, args: argparse.Namespace, step_ms: float) -> d
         for _ in range(args.reps):
             loop = a_loop(dataset, args.batch, state)
             t0 = time.perf_counter()
-            with Loader(dataset, loop, num_workers=args.workers,
-                        prefetch_factor=args.prefetch) as loader:
+            with Loader(dataset, loop, num_workers=args.workers, prefetch_factor=args.prefetch) as loader:
                 for b in loop.run(max_steps=1):
                     next(iter(loader(b)))
                     times.append(time.perf_counter() - t0)
@@ -243,21 +252,31 @@ def table(r: dict[str, Any]) -> str:
     for name in ("jpeg", "tokens"):
         t = r[name]["throughput"]
         sdl = t["stateful_dataloader_samples_s"]
-        rows.append(f"| {name} | {t['dataloader_samples_s']:,.0f} | {t['maitre_samples_s']:,.0f} "
-                    f"| {t['maitre_vs_dataloader']:.3f} | "
-                    f"{'-' if sdl is None else f'{sdl:,.0f}'} |")
+        rows.append(
+            f"| {name} | {t['dataloader_samples_s']:,.0f} | {t['maitre_samples_s']:,.0f} "
+            f"| {t['maitre_vs_dataloader']:.3f} | "
+            f"{'-' if sdl is None else f'{sdl:,.0f}'} |"
+        )
     w, f = r["wait"], r["first_batch"]
-    return "\n\n".join([  # (the lines under the table: paragraphs of their own in Markdown)
-        "\n".join(["| data | DataLoader samples/s | maitre samples/s | maitre / DataLoader | "
-                   "StatefulDataLoader samples/s |", "|---|---|---|---|---|", *rows]),
-        f"waiting for data: {100 * w['wait_fraction_of_step']:.2f}% of a {w['step_ms']:.1f} ms "
-        f"step ({w['compute_ms']:g} ms of compute)",
-        f"first batch after a resume at the start / middle / end of a data epoch: "
-        f"{f['resume_at_start_ms']:.0f} / {f['resume_at_middle_ms']:.0f} / "
-        f"{f['resume_at_end_ms']:.0f} ms; after a new plan (a resize): {f['new_plan_ms']:.0f} ms "
-        f"(a step: {f['step_ms']:.0f} ms; worst {f['worst_vs_step']:.2f} steps)",
-        f"sampler state: {r['state_bytes']['1000']} bytes at 1 k samples, "
-        f"{r['state_bytes']['1000000']} at 1 M"])
+    return "\n\n".join(
+        [  # (the lines under the table: paragraphs of their own in Markdown)
+            "\n".join(
+                [
+                    "| data | DataLoader samples/s | maitre samples/s | maitre / DataLoader | "
+                    "StatefulDataLoader samples/s |",
+                    "|---|---|---|---|---|",
+                    *rows,
+                ]
+            ),
+            f"waiting for data: {100 * w['wait_fraction_of_step']:.2f}% of a {w['step_ms']:.1f} ms "
+            f"step ({w['compute_ms']:g} ms of compute)",
+            f"first batch after a resume at the start / middle / end of a data epoch: "
+            f"{f['resume_at_start_ms']:.0f} / {f['resume_at_middle_ms']:.0f} / "
+            f"{f['resume_at_end_ms']:.0f} ms; after a new plan (a resize): {f['new_plan_ms']:.0f} ms "
+            f"(a step: {f['step_ms']:.0f} ms; worst {f['worst_vs_step']:.2f} steps)",
+            f"sampler state: {r['state_bytes']['1000']} bytes at 1 k samples, {r['state_bytes']['1000000']} at 1 M",
+        ]
+    )
 
 
 def main() -> None:
@@ -267,11 +286,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--steps", type=int, default=60, help="batches timed per throughput run")
-    p.add_argument("--compute-ms", type=float, default=150.0,
-                   help="each training step's compute in the wait run (default 150)")
+    p.add_argument(
+        "--compute-ms", type=float, default=150.0, help="each training step's compute in the wait run (default 150)"
+    )
     p.add_argument("--reps", type=int, default=5)
-    args = parse(p, "data", smoke={"images": 128, "batch": 16, "steps": 4, "reps": 1,
-                                   "compute_ms": 40.0})
+    args = parse(p, "data", smoke={"images": 128, "batch": 16, "steps": 4, "reps": 1, "compute_ms": 40.0})
     for name in ("images", "batch", "workers", "steps", "reps"):
         if getattr(args, name) < (0 if name == "workers" else 1):
             p.error(f"--{name} must be at least {0 if name == 'workers' else 1}")
@@ -286,23 +305,32 @@ def main() -> None:
         t0 = time.perf_counter()
         make_jpegs(root / "jpeg", args.images)
         make_shards(root / "tokens", args.images * (SEQ + 1))
-        print(f"data: {args.images} JPEGs and {args.images} sequences of {SEQ} tokens made in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"data: {args.images} JPEGs and {args.images} sequences of {SEQ} tokens made in "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
         jpegs, tokens = Jpegs(root / "jpeg"), TokenShards(root / "tokens", SEQ)
         result: dict[str, Any] = {
-            "setup": {"images": args.images, "side": SIDE, "batch": args.batch,
-                      "workers": args.workers, "prefetch_factor": args.prefetch,
-                      "steps": args.steps, "reps": args.reps, "seq_len": SEQ,
-                      "cpus": os.cpu_count()}}
+            "setup": {
+                "images": args.images,
+                "side": SIDE,
+                "batch": args.batch,
+                "workers": args.workers,
+                "prefetch_factor": args.prefetch,
+                "steps": args.steps,
+                "reps": args.reps,
+                "seq_len": SEQ,
+                "cpus": os.cpu_count(),
+            }
+        }
         for name, ds in (("jpeg", jpegs), ("tokens", tokens)):
             result[name] = {"throughput": throughput(ds, args, args.steps)}
-            print(f"{name}: {result[name]['throughput']['maitre_vs_dataloader']:.3f}x "
-                  "DataLoader", flush=True)
+            print(f"{name}: {result[name]['throughput']['maitre_vs_dataloader']:.3f}x DataLoader", flush=True)
         result["wait"] = wait_share(jpegs, args, min(args.steps, len(jpegs) // args.batch - 1))
         result["first_batch"] = first_batch(jpegs, args, result["wait"]["step_ms"])
         result["state_bytes"] = state_bytes()
-        result["dataloader_throughput_ratio"] = result["jpeg"]["throughput"][
-            "maitre_vs_dataloader"]
+        result["dataloader_throughput_ratio"] = result["jpeg"]["throughput"]["maitre_vs_dataloader"]
         result["wait_fraction"] = result["wait"]["wait_fraction_of_step"]
     write_results(args.out, result, smoke=args.smoke)
     print(table(result))

@@ -52,8 +52,9 @@ GB = 1e9
 
 
 # -- 1. overhead ---------------------------------------------------------------------------------
-def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: int,
-             steps: int, micro: int = 1) -> dict[str, Any]:
+def overhead(
+    variant: str, dim: int, layers: int, batch: int, seq: int, warmup: int, steps: int, micro: int = 1
+) -> dict[str, Any]:
     """One variant's median step time (run in a process of its own)."""
     import torch
     import torch.nn.functional as F
@@ -68,9 +69,9 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
         def __init__(self) -> None:
             super().__init__()
             self.embed = nn.Embedding(vocab, dim)
-            layer = nn.TransformerEncoderLayer(dim, dim // 128, 4 * dim, dropout=0.0,
-                                               activation="gelu", batch_first=True,
-                                               norm_first=True)
+            layer = nn.TransformerEncoderLayer(
+                dim, dim // 128, 4 * dim, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+            )
             self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
             self.head = nn.Linear(dim, vocab, bias=False)
 
@@ -79,15 +80,15 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
 
     model = Decoder().to(device)
     params = sum(p.numel() for p in model.parameters())
-    tokens = torch.randint(0, vocab, (4 * batch * micro, seq + 1), device=device,
-                           generator=torch.Generator(device).manual_seed(1))
+    tokens = torch.randint(
+        0, vocab, (4 * batch * micro, seq + 1), device=device, generator=torch.Generator(device).manual_seed(1)
+    )
 
     def loss_of(net: nn.Module, first: int, count: int) -> torch.Tensor:
-        chunk = tokens[first:first + count]  # (no host-to-device copy: that waits for the GPU)
+        chunk = tokens[first : first + count]  # (no host-to-device copy: that waits for the GPU)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = net(chunk[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, vocab), chunk[:, 1:].reshape(-1),
-                               reduction="sum") / seq
+        return F.cross_entropy(logits.float().reshape(-1, vocab), chunk[:, 1:].reshape(-1), reduction="sum") / seq
 
     times: list[float] = []
     last = [time.perf_counter()]
@@ -100,6 +101,7 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
     total = warmup + steps
     if variant.startswith("maitre"):
         import maitre
+
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         sampler = maitre.ElasticSampler(4 * batch * micro, batch * micro, shuffle=False)
         loop = maitre.ElasticLoop(model, opt, sampler, micro_batch_size=batch)
@@ -112,6 +114,7 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
         net: nn.Module = model
         if variant == "ddp":
             import torch.distributed as dist
+
             dist.init_process_group("nccl")
             net = nn.parallel.DistributedDataParallel(model, device_ids=[0])
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -132,9 +135,14 @@ def overhead(variant: str, dim: int, layers: int, batch: int, seq: int, warmup: 
         if variant == "ddp":
             torch.distributed.destroy_process_group()
     timed = times[1:][warmup:]
-    return {"step_s": statistics.median(timed), "steps_s": timed, "params": params,
-            "tokens_per_step": batch * seq * micro, "micro_batches": micro,
-            "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB}
+    return {
+        "step_s": statistics.median(timed),
+        "steps_s": timed,
+        "params": params,
+        "tokens_per_step": batch * seq * micro,
+        "micro_batches": micro,
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / GB,
+    }
 
 
 # -- 2. checkpoint -------------------------------------------------------------------------------
@@ -155,9 +163,13 @@ def checkpoint(size_gb: float, saves: int) -> dict[str, Any]:
         p.grad = torch.randn_like(p)
     opt.step()
     state = TrainState(model=model, optimizer=opt)
-    nbytes = sum(t.numel() * t.element_size() for t in
-                 [*model.parameters(), *(v for s in opt.state.values() for v in s.values()
-                                         if isinstance(v, torch.Tensor))])
+    nbytes = sum(
+        t.numel() * t.element_size()
+        for t in [
+            *model.parameters(),
+            *(v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)),
+        ]
+    )
     torch.cuda.synchronize()
     floor_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     floor_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -176,8 +188,7 @@ def checkpoint(size_gb: float, saves: int) -> dict[str, Any]:
         ck.wait()
         for i in range(saves + 1):  # the first one is not counted
             state.step = i + 1
-            blocked = ck.save(state.state_dict, step=state.step, rank=0, world_size=1,
-                              token=i + 1)
+            blocked = ck.save(state.state_dict, step=state.step, rank=0, world_size=1, token=i + 1)
             result = ck.wait()[-1]
             if result.error:
                 raise RuntimeError(f"save {i + 1} failed: {result.error}")
@@ -187,26 +198,54 @@ def checkpoint(size_gb: float, saves: int) -> dict[str, Any]:
         ck.close()
     floor = min(floors)
     block = statistics.median(blocks)
-    return {"state_bytes": nbytes, "floor_s": floor, "floor_gb_per_s": nbytes / floor / GB,
-            "block_s": block, "blocks_s": blocks, "ratio_to_floor": block / floor,
-            "persist_s": statistics.median(persists)}
+    return {
+        "state_bytes": nbytes,
+        "floor_s": floor,
+        "floor_gb_per_s": nbytes / floor / GB,
+        "block_s": block,
+        "blocks_s": blocks,
+        "ratio_to_floor": block / floor,
+        "persist_s": statistics.median(persists),
+    }
 
 
 # -- 3. llm --------------------------------------------------------------------------------------
 def llm(args: argparse.Namespace) -> dict[str, Any]:
-    cmd = [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--device", "cuda",
-           "--precision", "bf16", "--d-model", str(args.llm_dim), "--layers",
-           str(args.llm_layers), "--heads", str(args.llm_dim // 128), "--block", "1024",
-           "--global-batch", "32", "--micro-batch", "8", "--steps", str(args.llm_steps),
-           "--log-every", "10", "--clip", "1.0"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout_s,
-                          env=_env(), cwd=ROOT)
+    cmd = [
+        sys.executable,
+        str(ROOT / "examples" / "train_llm.py"),
+        "--device",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--d-model",
+        str(args.llm_dim),
+        "--layers",
+        str(args.llm_layers),
+        "--heads",
+        str(args.llm_dim // 128),
+        "--block",
+        "1024",
+        "--global-batch",
+        "32",
+        "--micro-batch",
+        "8",
+        "--steps",
+        str(args.llm_steps),
+        "--log-every",
+        "10",
+        "--clip",
+        "1.0",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout_s, env=_env(), cwd=ROOT)
     m = re.search(r"([\d.]+) tokens/s", done.stdout)
     if done.returncode != 0 or m is None:
         raise RuntimeError(f"exit {done.returncode}: {done.stdout[-1500:]}{done.stderr[-2500:]}")
-    return {"tokens_per_s": float(m.group(1)),
-            "command": " ".join([str(Path(cmd[1]).relative_to(ROOT)), *cmd[2:]]),
-            "output": done.stdout[-1500:]}
+    return {
+        "tokens_per_s": float(m.group(1)),
+        "command": " ".join([str(Path(cmd[1]).relative_to(ROOT)), *cmd[2:]]),
+        "output": done.stdout[-1500:],
+    }
 
 
 # -- 4. nccl -------------------------------------------------------------------------------------
@@ -216,8 +255,7 @@ def nccl_rebuild() -> dict[str, Any]:
 
     from maitre.runtime.group import EpochGroup
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     dev = torch.device("cuda", 0)
     out = {}
     for epoch in (1, 2):
@@ -239,19 +277,16 @@ def nccl_hung() -> dict[str, Any]:
 
     from maitre.runtime.group import EpochGroup, EpochLost
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
     dev = torch.device("cuda", 0)
     closed_at = time.monotonic() + 2.0
     t0 = time.monotonic()
     try:  # the communicator is built eagerly with the group: that wait is what is abandoned
-        g = EpochGroup.create(store, "job/x/e9/", 0, 2, dev,
-                              lambda: "closed" if time.monotonic() > closed_at else None)
+        g = EpochGroup.create(store, "job/x/e9/", 0, 2, dev, lambda: "closed" if time.monotonic() > closed_at else None)
         g.allreduce(torch.ones(4, device=dev))
         return {"abandoned": False, "note": "the group of 2 was built with 1 member"}
     except EpochLost as exc:
-        return {"abandoned": True, "after_s": time.monotonic() - t0, "reason": exc.reason,
-                "closed_after_s": 2.0}
+        return {"abandoned": True, "after_s": time.monotonic() - t0, "reason": exc.reason, "closed_after_s": 2.0}
 
 
 # -- the driver ----------------------------------------------------------------------------------
@@ -266,15 +301,14 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def in_process(name: str, kwargs: dict[str, Any], timeout_s: float,
-               env: dict[str, str] | None = None) -> dict[str, Any]:
+def in_process(
+    name: str, kwargs: dict[str, Any], timeout_s: float, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``name(**kwargs)`` in a fresh process of this script, with a deadline."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        cmd = [sys.executable, __file__, "--child", name, "--kwargs", json.dumps(kwargs),
-               "--result", f.name]
+        cmd = [sys.executable, __file__, "--child", name, "--kwargs", json.dumps(kwargs), "--result", f.name]
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                                  env=env or _env(), cwd=ROOT)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env or _env(), cwd=ROOT)
         except subprocess.TimeoutExpired:
             return {"error": f"no result within {timeout_s:.0f} s"}
         text = Path(f.name).read_text()
@@ -290,8 +324,11 @@ def child() -> None:
     p.add_argument("--result", required=True)
     a = p.parse_args()
     fns: dict[str, Callable[..., dict[str, Any]]] = {
-        "overhead": overhead, "checkpoint": checkpoint, "nccl_rebuild": nccl_rebuild,
-        "nccl_hung": nccl_hung}
+        "overhead": overhead,
+        "checkpoint": checkpoint,
+        "nccl_rebuild": nccl_rebuild,
+        "nccl_hung": nccl_hung,
+    }
     result = fns[a.child](**json.loads(a.kwargs))
     Path(a.result).write_text(json.dumps(result))
     sys.stdout.flush()
@@ -301,49 +338,66 @@ def child() -> None:
 def table(result: dict[str, Any]) -> str:
     """The results (this script's JSON) in Markdown: each part that ran (medians), and the
     commit of a part measured apart from the rest."""
-    lines = [f"One {result['device']} (torch {result['torch']}, CUDA {result['cuda']}, NCCL "
-             f"{result['nccl_version']})."]
+    lines = [f"One {result['device']} (torch {result['torch']}, CUDA {result['cuda']}, NCCL {result['nccl_version']})."]
     overhead = result.get("overhead")
     if overhead:
         runs = list(overhead.values())
         first = runs[0]["plain"]
-        lines += ["", f"| world size 1, a bf16 decoder of {first['params'] / 1e9:.2f} B parameters, "
-                  "AdamW | plain torch | DDP | maitre | maitre alone |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"| world size 1, a bf16 decoder of {first['params'] / 1e9:.2f} B parameters, "
+            "AdamW | plain torch | DDP | maitre | maitre alone |",
+            "|---|---|---|---|---|",
+        ]
         for run in runs:
             plain = run["plain"]
             cells = [f"{1000 * plain['step_s']:.1f} ms"]
-            cells += [f"{1000 * run[v]['step_s']:.1f} ms ({run[v]['ratio_to_plain']:.3f}x)"
-                      if v in run else "-" for v in VARIANTS[1:]]
+            cells += [
+                f"{1000 * run[v]['step_s']:.1f} ms ({run[v]['ratio_to_plain']:.3f}x)" if v in run else "-"
+                for v in VARIANTS[1:]
+            ]
             many = plain["micro_batches"] > 1
-            lines.append(f"| {plain['micro_batches']} micro-batch{'es' if many else ''} a step "
-                         f"({plain['tokens_per_step'] // 1024} k tokens) | " + " | ".join(cells) + " |")
+            lines.append(
+                f"| {plain['micro_batches']} micro-batch{'es' if many else ''} a step "
+                f"({plain['tokens_per_step'] // 1024} k tokens) | " + " | ".join(cells) + " |"
+            )
         last = runs[-1]
-        lines.append(f"| peak memory, {last['plain']['micro_batches']} micro-batches | "
-                     + " | ".join(f"{last[v]['peak_memory_gb']:.1f} GB" if v in last else "-"
-                                  for v in VARIANTS) + " |")
+        lines.append(
+            f"| peak memory, {last['plain']['micro_batches']} micro-batches | "
+            + " | ".join(f"{last[v]['peak_memory_gb']:.1f} GB" if v in last else "-" for v in VARIANTS)
+            + " |"
+        )
     ckpt = result.get("checkpoint")
     if ckpt:
-        lines += ["", f"| checkpoint of a {ckpt['state_bytes'] / GB:.2f} GB state (model and AdamW "
-                  "moments on the GPU) | |", "|---|---|",
-                  f"| device-to-pinned copy floor | {ckpt['floor_s']:.3f} s "
-                  f"({ckpt['floor_gb_per_s']:.1f} GB/s) |",
-                  f"| maitre's save blocks training | {ckpt['block_s']:.3f} s "
-                  f"({ckpt['ratio_to_floor']:.2f}x the floor; target 1.1x) |",
-                  f"| persist (write, fsync, rename; in the background) | {ckpt['persist_s']:.1f} s |"]
+        lines += [
+            "",
+            f"| checkpoint of a {ckpt['state_bytes'] / GB:.2f} GB state (model and AdamW moments on the GPU) | |",
+            "|---|---|",
+            f"| device-to-pinned copy floor | {ckpt['floor_s']:.3f} s ({ckpt['floor_gb_per_s']:.1f} GB/s) |",
+            f"| maitre's save blocks training | {ckpt['block_s']:.3f} s "
+            f"({ckpt['ratio_to_floor']:.2f}x the floor; target 1.1x) |",
+            f"| persist (write, fsync, rename; in the background) | {ckpt['persist_s']:.1f} s |",
+        ]
     llm = result.get("llm")
     if llm and llm.get("tokens_per_s") is not None:
         lines += ["", f"`{llm['command']}`: {llm['tokens_per_s']:,.0f} tokens/s."]
     nccl = result.get("nccl")
     if nccl:
         rb, hung = nccl["rebuild"], nccl["hung"]
-        lines += ["", f"NCCL epoch groups: the first built and used in "
-                  f"{rb['epoch1_build_and_allreduce_s']:.2f} s, the next on a fresh prefix in "
-                  f"{rb['epoch2_build_and_allreduce_s']:.3f} s, retired (aborted off the path) in "
-                  f"{1000 * rb['epoch1_retire_s']:.1f} ms; a group whose second member never comes "
-                  + (f"is abandoned {hung['after_s']:.3f} s after the build began, "
-                     f"{1000 * (hung['after_s'] - hung['closed_after_s']):.0f} ms after its epoch "
-                     f"was closed (at {hung['closed_after_s']:.1f} s)." if hung.get("abandoned")
-                     else "was not abandoned.")]
+        lines += [
+            "",
+            f"NCCL epoch groups: the first built and used in "
+            f"{rb['epoch1_build_and_allreduce_s']:.2f} s, the next on a fresh prefix in "
+            f"{rb['epoch2_build_and_allreduce_s']:.3f} s, retired (aborted off the path) in "
+            f"{1000 * rb['epoch1_retire_s']:.1f} ms; a group whose second member never comes "
+            + (
+                f"is abandoned {hung['after_s']:.3f} s after the build began, "
+                f"{1000 * (hung['after_s'] - hung['closed_after_s']):.0f} ms after its epoch "
+                f"was closed (at {hung['closed_after_s']:.1f} s)."
+                if hung.get("abandoned")
+                else "was not abandoned."
+            ),
+        ]
     apart = {}
     for part in PARTS:
         stamp = result[part].get("measured") if isinstance(result.get(part), dict) else None
@@ -351,8 +405,7 @@ def table(result: dict[str, Any]) -> str:
             apart.setdefault((stamp["commit"][:7], stamp["date"][:10]), []).append(part)
     for (commit, date), parts in apart.items():
         names = " and ".join({"nccl": "NCCL"}.get(x, x) for x in parts)
-        lines += ["", f"The {names} part{'s' if len(parts) > 1 else ''}: measured on commit "
-                  f"`{commit}`, {date}."]
+        lines += ["", f"The {names} part{'s' if len(parts) > 1 else ''}: measured on commit `{commit}`, {date}."]
     return "\n".join(lines)
 
 
@@ -366,8 +419,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=16, help="overhead: its layers")
     p.add_argument("--batch", type=int, default=8, help="overhead: sequences a step")
     p.add_argument("--seq", type=int, default=1024, help="overhead: tokens a sequence")
-    p.add_argument("--micro", default="1,4", help="overhead: micro-batches a step, each "
-                   "setting a run (comma-separated)")
+    p.add_argument(
+        "--micro", default="1,4", help="overhead: micro-batches a step, each setting a run (comma-separated)"
+    )
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--checkpoint-gb", type=float, default=10.0)
@@ -376,20 +430,37 @@ def main() -> None:
     p.add_argument("--llm-layers", type=int, default=16)
     p.add_argument("--llm-steps", type=int, default=25)
     p.add_argument("--part-timeout-s", type=float, default=150.0)
-    args = parse(p, "gpu", {"dim": 256, "layers": 2, "batch": 2, "seq": 64, "warmup": 1,
-                            "steps": 2, "checkpoint_gb": 0.05, "saves": 1, "llm_dim": 256,
-                            "llm_layers": 2, "llm_steps": 8})
+    args = parse(
+        p,
+        "gpu",
+        {
+            "dim": 256,
+            "layers": 2,
+            "batch": 2,
+            "seq": 64,
+            "warmup": 1,
+            "steps": 2,
+            "checkpoint_gb": 0.05,
+            "saves": 1,
+            "llm_dim": 256,
+            "llm_layers": 2,
+            "llm_steps": 8,
+        },
+    )
     parts = args.parts.split(",")
     if unknown := [x for x in parts if x not in PARTS]:
         p.error(f"unknown part(s) {', '.join(unknown)}: choose from {', '.join(PARTS)}")
     import torch
+
     if not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device here (this script is for a GPU machine)")
     doc: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
-        "figures": "GPU, one device"}
+        "figures": "GPU, one device",
+    }
 
     def save() -> None:
         write_results(args.out, doc, smoke=args.smoke)
@@ -398,18 +469,29 @@ def main() -> None:
     if "overhead" in parts:
         doc["overhead"] = {}
         for micro in (int(m) for m in args.micro.split(",")):
-            kw = {"dim": args.dim, "layers": args.layers, "batch": args.batch,
-                  "seq": args.seq, "warmup": args.warmup, "steps": args.steps, "micro": micro}
+            kw = {
+                "dim": args.dim,
+                "layers": args.layers,
+                "batch": args.batch,
+                "seq": args.seq,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "micro": micro,
+            }
             rows: dict[str, Any] = {}
             for variant in VARIANTS:
                 env = _env()
                 if variant in ("ddp", "maitre"):  # a one-rank group, as torchrun sets it up
-                    env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-                rows[variant] = in_process("overhead", {"variant": variant, **kw},
-                                           args.part_timeout_s, env)
-                print(f"overhead x{micro} {variant}: "
-                      f"{rows[variant].get('step_s', rows[variant])}", flush=True)
+                    env.update(
+                        RANK="0",
+                        WORLD_SIZE="1",
+                        LOCAL_RANK="0",
+                        LOCAL_WORLD_SIZE="1",
+                        MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT=str(_free_port()),
+                    )
+                rows[variant] = in_process("overhead", {"variant": variant, **kw}, args.part_timeout_s, env)
+                print(f"overhead x{micro} {variant}: {rows[variant].get('step_s', rows[variant])}", flush=True)
             plain = rows["plain"].get("step_s")
             for row in rows.values():
                 if plain and "step_s" in row:
@@ -417,9 +499,9 @@ def main() -> None:
             doc["overhead"][f"micro_batches_{micro}"] = rows
             save()
     if "checkpoint" in parts:
-        doc["checkpoint"] = in_process("checkpoint", {"size_gb": args.checkpoint_gb,
-                                                      "saves": args.saves},
-                                       2 * args.part_timeout_s)
+        doc["checkpoint"] = in_process(
+            "checkpoint", {"size_gb": args.checkpoint_gb, "saves": args.saves}, 2 * args.part_timeout_s
+        )
         print(f"checkpoint: {doc['checkpoint']}", flush=True)
         save()
     if "llm" in parts:
@@ -430,9 +512,10 @@ def main() -> None:
         print(f"llm: {doc['llm'].get('tokens_per_s', doc['llm'])}", flush=True)
         save()
     if "nccl" in parts:
-        doc["nccl"] = {"rebuild": in_process("nccl_rebuild", {}, 60),
-                       "hung": in_process("nccl_hung", {}, 60,
-                                          _env(TORCH_NCCL_USE_COMM_NONBLOCKING="1"))}
+        doc["nccl"] = {
+            "rebuild": in_process("nccl_rebuild", {}, 60),
+            "hung": in_process("nccl_hung", {}, 60, _env(TORCH_NCCL_USE_COMM_NONBLOCKING="1")),
+        }
         print(f"nccl: {doc['nccl']}", flush=True)
     doc["wall_s"] = time.monotonic() - started
     save()

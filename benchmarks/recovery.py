@@ -78,8 +78,7 @@ def step_interval(cs: list[dict[str, Any]]) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
-def after_failure(cs: list[dict[str, Any]], t_fault: float, new_round: Callable[[dict], bool]
-                  ) -> tuple[float, int]:
+def after_failure(cs: list[dict[str, Any]], t_fault: float, new_round: Callable[[dict], bool]) -> tuple[float, int]:
     """(seconds to the next completed step, committed steps rolled back) after a fault."""
     before = max(c["step"] for c in cs if c["t"] <= t_fault)
     nxt = next(c for c in cs if c["t"] > t_fault and new_round(c))
@@ -88,10 +87,19 @@ def after_failure(cs: list[dict[str, Any]], t_fault: float, new_round: Callable[
 
 # -- maitre -------------------------------------------------------------------------------------
 def maitre_run(run_dir: Path, *, nodes: int, max_nodes: int, steps: int, ledger: bool = True) -> Run:
-    run = Run(RunConfig(command=[sys.executable, str(WORKLOAD), "--steps", str(steps),
-                                 "--run-dir", str(run_dir)],
-                        min_nodes=1, max_nodes=max_nodes, local_nodes=nodes, max_restarts=100,
-                        run_dir=run_dir, quiet_workers=True, ledger=ledger), out=lambda s: None)
+    run = Run(
+        RunConfig(
+            command=[sys.executable, str(WORKLOAD), "--steps", str(steps), "--run-dir", str(run_dir)],
+            min_nodes=1,
+            max_nodes=max_nodes,
+            local_nodes=nodes,
+            max_restarts=100,
+            run_dir=run_dir,
+            quiet_workers=True,
+            ledger=ledger,
+        ),
+        out=lambda s: None,
+    )
     return run.start()
 
 
@@ -107,8 +115,9 @@ def wait_for(run: Run, pred: Callable[[dict], bool], timeout_s: float = 120.0) -
     raise TimeoutError("the job did not reach the expected state")
 
 
-def maitre_faults(signals: list[signal.Signals], reps: int, work: Path, settle: int = 30,
-                  workers: int = 3) -> dict[signal.Signals, list[tuple[float, int]]]:
+def maitre_faults(
+    signals: list[signal.Signals], reps: int, work: Path, settle: int = 30, workers: int = 3
+) -> dict[signal.Signals, list[tuple[float, int]]]:
     """``reps`` faults of each kind in ``signals`` (SIGKILL: a crash, SIGSTOP: a hang), one job
     for all, taken in turn once the job is whole again and has trained ``settle`` steps."""
     run = maitre_run(work, nodes=workers, max_nodes=workers, steps=100_000)
@@ -129,8 +138,9 @@ def maitre_faults(signals: list[signal.Signals], reps: int, work: Path, settle: 
     finally:
         run.shutdown()
     cs = commits(work / "ledger")
-    return {sig: [after_failure(cs, t, lambda c, e=e: c["epoch"] > e)
-                  for s, t, e in faults if s == sig] for sig in signals}
+    return {
+        sig: [after_failure(cs, t, lambda c, e=e: c["epoch"] > e) for s, t, e in faults if s == sig] for sig in signals
+    }
 
 
 def maitre_joins(reps: int, work: Path, settle: int = 30, workers: int = 3) -> list[float]:
@@ -177,7 +187,7 @@ def steady_step(work: Path) -> float:
     dts = []
     for path in work.glob("steps-*.jsonl"):
         recs = [json.loads(line) for line in path.read_text().splitlines()]
-        dts += [r["dt"] for r in recs[len(recs) // 5:]]  # skip warm-up
+        dts += [r["dt"] for r in recs[len(recs) // 5 :]]  # skip warm-up
     return statistics.median(dts)
 
 
@@ -191,8 +201,9 @@ def free_port() -> int:
 class Torchrun:
     """torchrun agents on one machine, each a node of one c10d rendezvous."""
 
-    def __init__(self, work: Path, nnodes: str, steps: int, plain: bool = False,
-                 standalone_nproc: int = 0, last_call_s: int = 30) -> None:
+    def __init__(
+        self, work: Path, nnodes: str, steps: int, plain: bool = False, standalone_nproc: int = 0, last_call_s: int = 30
+    ) -> None:
         self.work = work
         self.port = free_port()
         self.nnodes, self.steps, self.plain = nnodes, steps, plain
@@ -204,16 +215,40 @@ class Torchrun:
         if self.standalone_nproc:
             rdzv = ["--standalone", "--nproc-per-node", str(self.standalone_nproc)]
         else:
-            rdzv = ["--nnodes", self.nnodes, "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                    "--rdzv-endpoint", f"127.0.0.1:{self.port}", "--rdzv-id", "bench",
-                    "--max-restarts", "100", "--monitor-interval", "0.1",
-                    "--rdzv-conf", f"last_call_timeout={self.last_call_s}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *rdzv, str(WORKLOAD),
-               "--steps", str(self.steps), "--run-dir", str(self.work)]
+            rdzv = [
+                "--nnodes",
+                self.nnodes,
+                "--nproc-per-node",
+                "1",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{self.port}",
+                "--rdzv-id",
+                "bench",
+                "--max-restarts",
+                "100",
+                "--monitor-interval",
+                "0.1",
+                "--rdzv-conf",
+                f"last_call_timeout={self.last_call_s}",
+            ]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *rdzv,
+            str(WORKLOAD),
+            "--steps",
+            str(self.steps),
+            "--run-dir",
+            str(self.work),
+        ]
         cmd += ["--plain"] if self.plain else ["--ckpt-every", "10"]
         env = {**os.environ, **TORCHRUN_ENV, "MAITRE_LEDGER_DIR": str(self.work / "ledger")}
-        self.agents.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                            stderr=subprocess.DEVNULL, start_new_session=True))
+        self.agents.append(
+            subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        )
 
     def pid(self, rank: int) -> int:
         return int((self.work / f"pid-rank{rank}").read_text())
@@ -252,8 +287,7 @@ class Torchrun:
                 a.wait()
 
 
-def torchrun_crashes(reps: int, work: Path, settle: int = 30, workers: int = 3
-                     ) -> list[tuple[float, int]]:
+def torchrun_crashes(reps: int, work: Path, settle: int = 30, workers: int = 3) -> list[tuple[float, int]]:
     tr = Torchrun(work, str(workers), 100_000)
     faults = []
     try:
@@ -272,8 +306,7 @@ def torchrun_crashes(reps: int, work: Path, settle: int = 30, workers: int = 3
     return [after_failure(cs, t, lambda c, t=t: c["started"] > t) for t in faults]
 
 
-def torchrun_joins(reps: int, work: Path, settle: int = 30, workers: int = 3,
-                   last_call_s: int = 30) -> list[float]:
+def torchrun_joins(reps: int, work: Path, settle: int = 30, workers: int = 3, last_call_s: int = 30) -> list[float]:
     pauses = []
     for i in range(reps):
         d = work / f"join{i}"
@@ -306,11 +339,13 @@ def plain_steady(steps: int, work: Path) -> float:
 # -- the report ---------------------------------------------------------------------------------
 def stager(work: Path) -> Callable[[str, Callable[[Path], Any]], Any]:
     """``stage(name, fn)``: runs ``fn`` in its own directory under ``work``, prints its time."""
+
     def stage(name: str, fn: Callable[[Path], Any]) -> Any:
         t0 = time.monotonic()
         result = fn(work / name)
         print(f"  {name:<18} {time.monotonic() - t0:6.1f}s  {result}", flush=True)
         return result
+
     return stage
 
 
@@ -318,17 +353,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steady-steps", type=int, default=300)
-    p.add_argument("--settle", type=int, default=30,
-                   help="steps the job trains before each fault or join (default 30)")
-    p.add_argument("--workers", type=int, default=3,
-                   help="workers of the job a fault hits; joins go from one fewer (default 3)")
-    p.add_argument("--last-call-s", type=int, default=30,
-                   help="torchrun's last_call_timeout before a 2:3 job starts (default 30, "
-                   "torchrun's)")
-    p.add_argument("--steady-only", action="store_true",
-                   help="rerun only the steady-state pairs and update --out in place")
-    args = parse(p, "recovery", smoke={"reps": 1, "steady_steps": 10, "settle": 2, "workers": 2,
-                                       "last_call_s": 1})
+    p.add_argument("--settle", type=int, default=30, help="steps the job trains before each fault or join (default 30)")
+    p.add_argument(
+        "--workers", type=int, default=3, help="workers of the job a fault hits; joins go from one fewer (default 3)"
+    )
+    p.add_argument(
+        "--last-call-s",
+        type=int,
+        default=30,
+        help="torchrun's last_call_timeout before a 2:3 job starts (default 30, torchrun's)",
+    )
+    p.add_argument(
+        "--steady-only", action="store_true", help="rerun only the steady-state pairs and update --out in place"
+    )
+    args = parse(p, "recovery", smoke={"reps": 1, "steady_steps": 10, "settle": 2, "workers": 2, "last_call_s": 1})
     if args.workers < 2:
         p.error("--workers must be at least 2")
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-"))
@@ -351,24 +389,35 @@ def measure(args: argparse.Namespace, work: Path) -> None:
         report(result, args.out, args.smoke)
         return
     reps, settle, workers = args.reps, args.settle, args.workers
-    m_faults = stage("maitre-crash-hang", lambda d: maitre_faults(
-        [signal.SIGKILL, signal.SIGSTOP], reps, d, settle, workers))
+    m_faults = stage(
+        "maitre-crash-hang", lambda d: maitre_faults([signal.SIGKILL, signal.SIGSTOP], reps, d, settle, workers)
+    )
     m_crash, m_hang = m_faults[signal.SIGKILL], m_faults[signal.SIGSTOP]
     m_join = stage("maitre-join", lambda d: maitre_joins(reps, d, settle, workers))
     t_crash = stage("torchrun-crash", lambda d: torchrun_crashes(reps, d, settle, workers))
-    t_join = stage("torchrun-join",
-                   lambda d: torchrun_joins(reps, d, settle, workers, args.last_call_s))
+    t_join = stage("torchrun-join", lambda d: torchrun_joins(reps, d, settle, workers, args.last_call_s))
     result = {
-        "maitre": {"crash_to_step_s": med(x for x, _ in m_crash),
-                   "hang_to_step_s": med(x for x, _ in m_hang),
-                   "join_pause_s": med(m_join),
-                   "steps_lost": med(n for _, n in m_crash)},
-        "torchrun": {"crash_to_step_s": med(x for x, _ in t_crash),
-                     "join_pause_s": med(t_join),
-                     "steps_lost": med(n for _, n in t_crash)},
-        "raw": {"maitre_crash": m_crash, "maitre_hang": m_hang, "maitre_join": m_join,
-                "torchrun_crash": t_crash, "torchrun_join": t_join},
-        "reps": args.reps, "workers": workers, "machine": f"{os.cpu_count()} CPUs",
+        "maitre": {
+            "crash_to_step_s": med(x for x, _ in m_crash),
+            "hang_to_step_s": med(x for x, _ in m_hang),
+            "join_pause_s": med(m_join),
+            "steps_lost": med(n for _, n in m_crash),
+        },
+        "torchrun": {
+            "crash_to_step_s": med(x for x, _ in t_crash),
+            "join_pause_s": med(t_join),
+            "steps_lost": med(n for _, n in t_crash),
+        },
+        "raw": {
+            "maitre_crash": m_crash,
+            "maitre_hang": m_hang,
+            "maitre_join": m_join,
+            "torchrun_crash": t_crash,
+            "torchrun_join": t_join,
+        },
+        "reps": args.reps,
+        "workers": workers,
+        "machine": f"{os.cpu_count()} CPUs",
     }
     steady(result, args.reps, args.steady_steps, stage)
     report(result, args.out, args.smoke)
@@ -398,17 +447,31 @@ def table(result: dict[str, Any]) -> str:
     m, t = result["maitre"], result["torchrun"]
     plain_step_s = statistics.median(result["raw"]["plain_step_s"])
     rows = [
-        ("crash to next step (s)", f"{m['crash_to_step_s']:.3f}", f"{t['crash_to_step_s']:.2f}",
-         f"{t['crash_to_step_s'] / m['crash_to_step_s']:.0f}x"),
+        (
+            "crash to next step (s)",
+            f"{m['crash_to_step_s']:.3f}",
+            f"{t['crash_to_step_s']:.2f}",
+            f"{t['crash_to_step_s'] / m['crash_to_step_s']:.0f}x",
+        ),
         ("hang to next step (s)", f"{m['hang_to_step_s']:.2f}", "-", ""),
-        ("join pause (s)", f"{m['join_pause_s']:.3f}", f"{t['join_pause_s']:.2f}",
-         f"{t['join_pause_s'] / max(m['join_pause_s'], 1e-3):.0f}x"),
+        (
+            "join pause (s)",
+            f"{m['join_pause_s']:.3f}",
+            f"{t['join_pause_s']:.2f}",
+            f"{t['join_pause_s'] / max(m['join_pause_s'], 1e-3):.0f}x",
+        ),
         ("steps rolled back per crash", f"{m['steps_lost']:.0f}", f"{t['steps_lost']:.0f}", ""),
-        ("step overhead vs fixed gloo group", f"{m['step_overhead_ms']:+.2f} ms "
-         f"({m['step_overhead_pct']:+.1f}%)", f"(fixed: {plain_step_s * 1000:.1f} ms/step)", ""),
+        (
+            "step overhead vs fixed gloo group",
+            f"{m['step_overhead_ms']:+.2f} ms ({m['step_overhead_pct']:+.1f}%)",
+            f"(fixed: {plain_step_s * 1000:.1f} ms/step)",
+            "",
+        ),
     ]
-    lines = [f"| {'':<34} | {'maitre':>18} | {'torchrun':>24} | {'':>5} |",
-             f"|{'-' * 36}|{'-' * 20}|{'-' * 26}|{'-' * 7}|"]
+    lines = [
+        f"| {'':<34} | {'maitre':>18} | {'torchrun':>24} | {'':>5} |",
+        f"|{'-' * 36}|{'-' * 20}|{'-' * 26}|{'-' * 7}|",
+    ]
     lines += [f"| {a:<34} | {b:>18} | {c:>24} | {d:>5} |" for a, b, c, d in rows]
     return "\n".join(lines)
 

@@ -51,8 +51,14 @@ sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
 from _results import parse, write_results  # noqa: E402
-from recovery import (after_failure, commits, join_pause, stager, step_interval,  # noqa: E402
-                      wait_for)
+from recovery import (  # noqa: E402
+    after_failure,
+    commits,
+    join_pause,
+    stager,
+    step_interval,
+    wait_for,
+)
 
 from maitre.launch import Run, RunConfig  # noqa: E402
 
@@ -77,8 +83,7 @@ def worker(args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(n, args.width, generator=g), torch.randn(n, args.width, generator=g)
     mesh = maitre.replica_mesh(dp_shard=2, device_type="cpu")
-    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False)
-                                  for _ in range(args.layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
     for layer in model:
         fully_shard(layer, mesh=mesh["dp_shard"])
     fully_shard(model, mesh=mesh["dp_shard"])
@@ -91,11 +96,31 @@ def worker(args: argparse.Namespace) -> None:
 
 # -- joins ---------------------------------------------------------------------------------------
 def job(work: Path, *, layers: int, nodes: int, max_nodes: int, width: int = WIDTH) -> Run:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--layers", str(layers),
-               "--width", str(width), "--steps", "100000"]
-    return Run(RunConfig(command=command, min_nodes=1, max_nodes=max_nodes, local_nodes=nodes,
-                         nproc_per_node=2, nproc_per_replica=2, max_restarts=100, run_dir=work,
-                         quiet_workers=True), out=lambda s: None).start()
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--layers",
+        str(layers),
+        "--width",
+        str(width),
+        "--steps",
+        "100000",
+    ]
+    return Run(
+        RunConfig(
+            command=command,
+            min_nodes=1,
+            max_nodes=max_nodes,
+            local_nodes=nodes,
+            nproc_per_node=2,
+            nproc_per_replica=2,
+            max_restarts=100,
+            run_dir=work,
+            quiet_workers=True,
+        ),
+        out=lambda s: None,
+    ).start()
 
 
 def join(work: Path, state_mb: int, mode: str, width: int = WIDTH) -> dict[str, float]:
@@ -111,8 +136,7 @@ def join(work: Path, state_mb: int, mode: str, width: int = WIDTH) -> dict[str, 
         j = wait_for(run, lambda j: len(j["members"]) == 3, timeout_s=300)
         epoch = j["epoch"]
         if mode == "stream":
-            j = wait_for(run, lambda j: any(r["kind"] == "caught_up" for r in j["reports"]),
-                         timeout_s=300)
+            j = wait_for(run, lambda j: any(r["kind"] == "caught_up" for r in j["reports"]), timeout_s=300)
         j = wait_for(run, lambda j, s=j["step"]: j["step"] >= s + 5, timeout_s=300)
         reports = j["reports"]
     finally:
@@ -120,14 +144,19 @@ def join(work: Path, state_mb: int, mode: str, width: int = WIDTH) -> dict[str, 
         os.environ.pop("MAITRE_JOIN", None)
     cs = commits(work / "ledger")
     before = [c for c in cs if c["epoch"] < epoch]
-    out = {"pause_s": join_pause(cs, lambda c: c["epoch"] == epoch),
-           "step_s": step_interval(before[len(before) // 2:])}
+    out = {
+        "pause_s": join_pause(cs, lambda c: c["epoch"] == epoch),
+        "step_s": step_interval(before[len(before) // 2 :]),
+    }
     caught = [r for r in reports if r["kind"] == "caught_up"]
     if caught:
         r = caught[0]
-        out.update(listened_s=r["listened_s"], replayed=r["replayed"],
-                   stream_mb_s=r["state_bytes"] / 1e6 / max(r["transfer_s"], 1e-9),
-                   shard_mb=r["state_bytes"] / 1e6)
+        out.update(
+            listened_s=r["listened_s"],
+            replayed=r["replayed"],
+            stream_mb_s=r["state_bytes"] / 1e6 / max(r["transfer_s"], 1e-9),
+            shard_mb=r["state_bytes"] / 1e6,
+        )
     return out
 
 
@@ -139,21 +168,23 @@ def pair(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from maitre.runtime.group import EpochGroup
-    from maitre.runtime.transfer import (Packed, allocate, receive_flats, receive_header,
-                                         unpack)
+    from maitre.runtime.transfer import Packed, allocate, receive_flats, receive_header, unpack
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", args.port, 2, is_master=args.rank == 0)
     backend = dist.ProcessGroupGloo(store, args.rank, 2)
     group = EpochGroup(backend, args.rank, 2, torch.device("cpu"))
     per = args.width * args.width // 2  # a shard of one layer: its parameter, Adam's moments
-    tree = {"model": [torch.randn(per) for _ in range(args.layers)],
-            "optim": [{"exp_avg": torch.randn(per), "exp_avg_sq": torch.rand(per),
-                       "step": torch.tensor(7.0)} for _ in range(args.layers)]}
+    tree = {
+        "model": [torch.randn(per) for _ in range(args.layers)],
+        "optim": [
+            {"exp_avg": torch.randn(per), "exp_avg_sq": torch.rand(per), "step": torch.tensor(7.0)}
+            for _ in range(args.layers)
+        ],
+    }
     nbytes = sum(t.numel() * 4 for t in tree["model"]) * 3
     raw = torch.zeros(nbytes // 4)
-    lazy = {t.data_ptr() for t in tree["model"]} | {
-        v.data_ptr() for o in tree["optim"] for v in o.values()}
+    lazy = {t.data_ptr() for t in tree["model"]} | {v.data_ptr() for o in tree["optim"] for v in o.values()}
     times: dict[str, list[float]] = {"raw": [], "maitre": [], "whole": []}
     cpu = torch.device("cpu")
     for _ in range(args.reps):
@@ -191,19 +222,34 @@ def transfer_vs_raw(state_mb: int, reps: int, width: int = WIDTH) -> dict[str, f
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     layers = layers_for(state_mb, width)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--pair", "--port", str(port),
-           "--layers", str(layers), "--width", str(width), "--reps", str(reps)]
-    procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--pair",
+        "--port",
+        str(port),
+        "--layers",
+        str(layers),
+        "--width",
+        str(width),
+        "--reps",
+        str(reps),
+    ]
+    procs = [subprocess.Popen([*cmd, "--rank", str(r)], stdout=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"the transfer pair failed: {[p.returncode for p in procs]}")
     times = json.loads(outs[1])
     raw, maitre = statistics.median(times["raw"]), statistics.median(times["maitre"])
-    return {"bytes": times["bytes"], "raw_s": raw, "maitre_s": maitre,
-            "whole_s": statistics.median(times["whole"]),
-            "raw_mb_s": times["bytes"] / 1e6 / raw, "maitre_mb_s": times["bytes"] / 1e6 / maitre,
-            "ratio": raw / maitre}
+    return {
+        "bytes": times["bytes"],
+        "raw_s": raw,
+        "maitre_s": maitre,
+        "whole_s": statistics.median(times["whole"]),
+        "raw_mb_s": times["bytes"] / 1e6 / raw,
+        "maitre_mb_s": times["bytes"] / 1e6 / maitre,
+        "ratio": raw / maitre,
+    }
 
 
 # -- crashes -------------------------------------------------------------------------------------
@@ -234,13 +280,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", default="200,1000", help="state sizes in MB, comma-separated")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--settle", type=int, default=30,
-                   help="steps the job trains before each crash (default 30)")
+    p.add_argument("--settle", type=int, default=30, help="steps the job trains before each crash (default 30)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--pair", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--width", type=int, default=WIDTH,
-                   help=f"the MLP's width (default {WIDTH}: 48 MB of state a layer)")
+    p.add_argument(
+        "--width", type=int, default=WIDTH, help=f"the MLP's width (default {WIDTH}: 48 MB of state a layer)"
+    )
     p.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
@@ -261,24 +307,26 @@ def main() -> None:
     print(table(result))
 
 
-def measure(sizes: list[int], args: argparse.Namespace, stage: Any, work: Path
-            ) -> dict[str, Any]:
+def measure(sizes: list[int], args: argparse.Namespace, stage: Any, work: Path) -> dict[str, Any]:
     print(f"replicas benchmark, sizes {sizes} MB, work dir {work}")
     crash = stage("crash", lambda d: crashes(d, args.reps, args.settle))
-    result: dict[str, Any] = {"join_pause_s": {}, "join_pause_before_s": {}, "step_s": {},
-                              "transfer_vs_raw": {}, "stream_mb_s": {}, "crash_to_step_s":
-                              statistics.median(crash), "raw": {"crash": crash}}
+    result: dict[str, Any] = {
+        "join_pause_s": {},
+        "join_pause_before_s": {},
+        "step_s": {},
+        "transfer_vs_raw": {},
+        "stream_mb_s": {},
+        "crash_to_step_s": statistics.median(crash),
+        "raw": {"crash": crash},
+    }
     med = statistics.median
     for mb in sizes:
         key = str(mb)
-        raw = stage(f"transfer-{mb}",
-                    lambda d, mb=mb: transfer_vs_raw(mb, 3 * args.reps, args.width))
+        raw = stage(f"transfer-{mb}", lambda d, mb=mb: transfer_vs_raw(mb, 3 * args.reps, args.width))
         before, now = [], []
         for i in range(args.reps):  # alternately, so that the machine's drift hits both
-            before.append(stage(f"join-pause-{mb}-{i}",
-                                lambda d, mb=mb: join(d, mb, "pause", args.width)))
-            now.append(stage(f"join-stream-{mb}-{i}",
-                             lambda d, mb=mb: join(d, mb, "stream", args.width)))
+            before.append(stage(f"join-pause-{mb}-{i}", lambda d, mb=mb: join(d, mb, "pause", args.width)))
+            now.append(stage(f"join-stream-{mb}-{i}", lambda d, mb=mb: join(d, mb, "stream", args.width)))
         result["join_pause_s"][key] = med(r["pause_s"] for r in now)
         result["join_pause_before_s"][key] = med(r["pause_s"] for r in before)
         result["step_s"][key] = med(r["step_s"] for r in before + now)
@@ -291,15 +339,19 @@ def measure(sizes: list[int], args: argparse.Namespace, stage: Any, work: Path
 
 
 def table(r: dict[str, Any]) -> str:
-    lines = ["| state | step | join pause, before (`pause`) | join pause, now (`stream`) | "
-             "transfer / raw gloo | snapshot in the job |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| state | step | join pause, before (`pause`) | join pause, now (`stream`) | "
+        "transfer / raw gloo | snapshot in the job |",
+        "|---|---|---|---|---|---|",
+    ]
     for key in r["join_pause_s"]:
         stream = r["stream_mb_s"].get(key)
-        lines.append(f"| {key} MB | {r['step_s'][key]:.2f} s | "
-                     f"{r['join_pause_before_s'][key]:.2f} s | {r['join_pause_s'][key]:.2f} s | "
-                     f"{r['transfer_vs_raw'][key] * 100:.0f}% | "
-                     f"{'-' if stream is None else f'{stream:.0f} MB/s'} |")
+        lines.append(
+            f"| {key} MB | {r['step_s'][key]:.2f} s | "
+            f"{r['join_pause_before_s'][key]:.2f} s | {r['join_pause_s'][key]:.2f} s | "
+            f"{r['transfer_vs_raw'][key] * 100:.0f}% | "
+            f"{'-' if stream is None else f'{stream:.0f} MB/s'} |"
+        )
     lines.append(f"\ncrash to next step, replicas of 2 processes: {r['crash_to_step_s']:.3f} s")
     return "\n".join(lines)
 

@@ -45,8 +45,24 @@ from _results import parse, write_results  # noqa: E402
 from maitre.local import LocalCluster, UpConfig  # noqa: E402
 from maitre.scheduling.model import Queue  # noqa: E402
 
-TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
-        "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000"]
+TINY = [
+    "--dtype",
+    "float64",
+    "--d-model",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--block",
+    "16",
+    "--global-batch",
+    "12",
+    "--micro-batch",
+    "4",
+    "--log-every",
+    "1000",
+]
 PHASES = ("epoch_s", "caught_up_s", "step_s", "job_resumed_s")
 SMOKE = {"reps": 1}
 """:func:`measure`'s arguments for ``--smoke`` (here and in ``benchmarks/stragglers.py``)."""
@@ -80,22 +96,31 @@ def _first_trained(ledger: Path, worker: str, after: float) -> float | None:
     return None
 
 
-def one_failure(work: Path, *, spares: int, ms_per_sample: float = 4.0, join: str = "stream",
-                timeout_s: float = 120.0) -> dict[str, float]:
+def one_failure(
+    work: Path, *, spares: int, ms_per_sample: float = 4.0, join: str = "stream", timeout_s: float = 120.0
+) -> dict[str, float]:
     """One repetition: the join time and its phases (see the module docstring)."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     lines: list[str] = []
-    cluster = LocalCluster(UpConfig(state_dir=work / "state", queues=[Queue("q")]),
-                           out=lines.append).start()
+    cluster = LocalCluster(UpConfig(state_dir=work / "state", queues=[Queue("q")]), out=lines.append).start()
     co = cluster.coordinator
     ledger = work / "state" / "ledger" / "b"
     try:
         cluster.add_node(slots=2)
         cluster.add_node(slots=1)
-        command = [sys.executable, str(ROOT / "examples" / "train.py"), "--steps", "1000000",
-                   *TINY, "--device-ms-per-sample", str(ms_per_sample)]
-        co.submit({"name": "b", "queue": "q", "minReplicas": 2, "maxReplicas": 2,
-                   "spares": spares, "command": command}, env={"MAITRE_JOIN": join})
+        command = [
+            sys.executable,
+            str(ROOT / "examples" / "train.py"),
+            "--steps",
+            "1000000",
+            *TINY,
+            "--device-ms-per-sample",
+            str(ms_per_sample),
+        ]
+        co.submit(
+            {"name": "b", "queue": "q", "minReplicas": 2, "maxReplicas": 2, "spares": spares, "command": command},
+            env={"MAITRE_JOIN": join},
+        )
 
         def trained() -> dict[str, Any] | None:
             s = co.job_status("b")
@@ -106,8 +131,7 @@ def one_failure(work: Path, *, spares: int, ms_per_sample: float = 4.0, join: st
         time.sleep(0.5)  # a few steps in the steady state
         members = list(co.job_status("b")["members"])
         spare_nodes = {co.jobs["b"].workers[w].node for w in status["spares"]}
-        victim = next((m for m in members if co.jobs["b"].workers[m].node not in spare_nodes),
-                      members[0])
+        victim = next((m for m in members if co.jobs["b"].workers[m].node not in spare_nodes), members[0])
         survivor = next(m for m in members if m != victim)
         killed_at = time.time()
         os.kill(cluster.pid_of(victim), signal.SIGKILL)
@@ -129,19 +153,24 @@ def one_failure(work: Path, *, spares: int, ms_per_sample: float = 4.0, join: st
         except Exception:  # noqa: BLE001 (it may have ended)
             pass
         cluster.stop(drain_s=2)
-    detected = min(e["t"] for e in events if e["t"] >= killed_at - 0.01 and
-                   e["kind"] in ("worker_dead", "epoch_closed"))
+    detected = min(
+        e["t"] for e in events if e["t"] >= killed_at - 0.01 and e["kind"] in ("worker_dead", "epoch_closed")
+    )
     resumed = _first_trained(ledger, survivor, detected)
-    caught = next((e["t"] for e in events if e["kind"] == "caught_up" and
-                   e["worker"] == worker), opened["t"])
-    return {"join_s": stepped - detected, "epoch_s": opened["t"] - detected,
-            "caught_up_s": caught - opened["t"], "step_s": stepped - caught,
-            "job_resumed_s": (resumed - detected) if resumed is not None else float("nan"),
-            "kill_to_detect_s": detected - killed_at}
+    caught = next((e["t"] for e in events if e["kind"] == "caught_up" and e["worker"] == worker), opened["t"])
+    return {
+        "join_s": stepped - detected,
+        "epoch_s": opened["t"] - detected,
+        "caught_up_s": caught - opened["t"],
+        "step_s": stepped - caught,
+        "job_resumed_s": (resumed - detected) if resumed is not None else float("nan"),
+        "kill_to_detect_s": detected - killed_at,
+    }
 
 
-def measure(reps: int = 3, ms_per_sample: float = 4.0, join: str = "stream",
-            work: Path | None = None, **_: Any) -> dict[str, Any]:
+def measure(
+    reps: int = 3, ms_per_sample: float = 4.0, join: str = "stream", work: Path | None = None, **_: Any
+) -> dict[str, Any]:
     """Medians of ``spare_join_s`` and ``cold_join_s`` over ``reps`` repetitions, the raw
     lists (``*_all``) and each repetition's phases (``*_phases``). ``join``: how the
     replacement gets the state (``MAITRE_JOIN``: ``stream``, the default, while the survivor
@@ -150,8 +179,10 @@ def measure(reps: int = 3, ms_per_sample: float = 4.0, join: str = "stream",
     with tempfile.TemporaryDirectory(prefix="maitre-spares-") as tmp:
         base = Path(work or tmp)
         for name, spares in (("spare", 1), ("cold", 0)):
-            runs = [one_failure(base / f"{name}{k}", spares=spares, ms_per_sample=ms_per_sample,
-                                join=join) for k in range(reps)]
+            runs = [
+                one_failure(base / f"{name}{k}", spares=spares, ms_per_sample=ms_per_sample, join=join)
+                for k in range(reps)
+            ]
             out[f"{name}_join_s"] = round(statistics.median(r["join_s"] for r in runs), 3)
             out[f"{name}_join_s_all"] = [round(r["join_s"], 3) for r in runs]
             out[f"{name}_phases"] = [{k: round(v, 3) for k, v in r.items()} for r in runs]
@@ -162,6 +193,7 @@ def table(result: dict[str, Any]) -> str:
     """The results (this script's JSON) in Markdown: from the failure's detection to the
     replacement's first step, medians with their range, and the spare's phases (to its epoch,
     catching up, its first step; ``-`` where a phase did not happen, as with paused joins)."""
+
     def spread(values: list[float]) -> str:
         return f"{min(values):.2f}-{max(values):.2f}"
 
@@ -170,13 +202,16 @@ def table(result: dict[str, Any]) -> str:
         return f"{statistics.median(values):.3f} s" if values else "-"
 
     join = result.get("join", "stream")
-    return "\n".join([
-        "| joins (`MAITRE_JOIN`) | warm spare | cold start | spare: to its epoch, catching up, "
-        "first step |", "|---|---|---|---|",
-        f"| {join}{' (default)' if join == 'stream' else ''} | {result['spare_join_s']:.3f} s "
-        f"({spread(result['spare_join_s_all'])}) | {result['cold_join_s']:.3f} s "
-        f"({spread(result['cold_join_s_all'])}) | {phase('epoch_s')}, {phase('caught_up_s')}, "
-        f"{phase('step_s')} |"])
+    return "\n".join(
+        [
+            "| joins (`MAITRE_JOIN`) | warm spare | cold start | spare: to its epoch, catching up, first step |",
+            "|---|---|---|---|",
+            f"| {join}{' (default)' if join == 'stream' else ''} | {result['spare_join_s']:.3f} s "
+            f"({spread(result['spare_join_s_all'])}) | {result['cold_join_s']:.3f} s "
+            f"({spread(result['cold_join_s_all'])}) | {phase('epoch_s')}, {phase('caught_up_s')}, "
+            f"{phase('step_s')} |",
+        ]
+    )
 
 
 def main() -> None:
@@ -188,8 +223,10 @@ def main() -> None:
     if args.reps < 1:
         ap.error("--reps must be at least 1")
     result = measure(reps=args.reps, ms_per_sample=args.ms_per_sample, join=args.join)
-    print("from the failure's detection to the replacement's first step (medians; phases "
-          "from the detection: epoch, then the replacement's own)")
+    print(
+        "from the failure's detection to the replacement's first step (medians; phases "
+        "from the detection: epoch, then the replacement's own)"
+    )
     print(table(result))
     write_results(args.out, result, smoke=args.smoke)
 

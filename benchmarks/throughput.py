@@ -54,17 +54,19 @@ SAMPLES = 4096
 
 
 # -- the training process ------------------------------------------------------------------------
-def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, steps: int,
-           result: Path) -> None:
+def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, steps: int, result: Path) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(IN_DIM, width), *[
-        m for _ in range(layers) for m in (nn.Tanh(), nn.Linear(width, width))],
-        nn.Tanh(), nn.Linear(width, OUT_DIM))
+    model = nn.Sequential(
+        nn.Linear(IN_DIM, width),
+        *[m for _ in range(layers) for m in (nn.Tanh(), nn.Linear(width, width))],
+        nn.Tanh(),
+        nn.Linear(width, OUT_DIM),
+    )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(SAMPLES, IN_DIM, generator=g), torch.randn(SAMPLES, OUT_DIM, generator=g)
     times: list[float] = []
@@ -79,19 +81,22 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
     total = warmup + steps
     if mode.startswith("maitre"):
         import maitre
+
         if mode == "maitre-fsdp2":
             from torch.distributed.fsdp import fully_shard
-            mesh = maitre.replica_mesh(dp_shard=int(os.environ.get("WORLD_SIZE", "1")),
-                                       device_type="cpu")
+
+            mesh = maitre.replica_mesh(dp_shard=int(os.environ.get("WORLD_SIZE", "1")), device_type="cpu")
             for layer in model:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer, mesh=mesh["dp_shard"])
             fully_shard(model, mesh=mesh["dp_shard"])
-        buckets = maitre.Buckets(cap_mb=math.inf, first_cap_mb=math.inf, overlap=False) \
-            if mode == "maitre-flat" else maitre.Buckets()
+        buckets = (
+            maitre.Buckets(cap_mb=math.inf, first_cap_mb=math.inf, overlap=False)
+            if mode == "maitre-flat"
+            else maitre.Buckets()
+        )
         opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(SAMPLES, global_batch),
-                                  buckets=buckets)
+        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(SAMPLES, global_batch), buckets=buckets)
         for batch in loop.run(max_steps=total):
             tick()
             for idx in batch.micro_batches:
@@ -112,6 +117,7 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
             model = nn.parallel.DistributedDataParallel(model)
         elif mode == "fsdp2":
             from torch.distributed.fsdp import fully_shard
+
             for layer in model:
                 if isinstance(layer, nn.Linear):
                     fully_shard(layer)
@@ -123,8 +129,7 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
             if step == total:
                 break
             start = (step * global_batch + rank * share) % (SAMPLES - share)
-            loss = nn.functional.mse_loss(model(x[start:start + share]),
-                                          y[start:start + share], reduction="sum")
+            loss = nn.functional.mse_loss(model(x[start : start + share]), y[start : start + share], reduction="sum")
             loss.backward()
             float(loss)  # (the loop reads the loss too)
             opt.step()
@@ -133,27 +138,33 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
             dist.destroy_process_group()
     if rank == 0:
         step_times = times[1:][warmup:]  # from the first step's start on
-        result.write_text(json.dumps({"step_s": statistics.median(step_times),
-                                      "steps_s": step_times}))
+        result.write_text(json.dumps({"step_s": statistics.median(step_times), "steps_s": step_times}))
 
 
 # -- the runs ------------------------------------------------------------------------------------
 def run_loopback(mode: str, ranks: int, args: argparse.Namespace, work: Path) -> float:
     result = work / f"loopback-{mode}-{ranks}.json"
     script = [str(Path(__file__).resolve()), *worker_args(mode, args, result)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if mode == "maitre-run":
-        cmd = [sys.executable, "-m", "maitre.cli", "run", "--nnodes", str(ranks),
-               "--run-dir", str(work / f"run-{ranks}"), *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "maitre.cli",
+            "run",
+            "--nnodes",
+            str(ranks),
+            "--run-dir",
+            str(work / f"run-{ranks}"),
+            *script,
+        ]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(ranks), *script]
-    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=args.timeout_s)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script]
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0 or not result.exists():
-        raise RuntimeError(f"{mode} x{ranks} on loopback failed ({done.returncode}):\n"
-                           f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{mode} x{ranks} on loopback failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        )
     return float(json.loads(result.read_text())["step_s"])
 
 
@@ -163,12 +174,31 @@ def run_link(mode: str, hosts: list[Any], args: argparse.Namespace, work: Path) 
     port = 29400 + len(hosts)
     procs = []
     for i, host in enumerate(hosts):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(hosts)),
-               "--nproc-per-node", "1", "--node-rank", str(i), "--master-addr", hosts[0].ip,
-               "--master-port", str(port), *script]
-        procs.append(host.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              extra_env={"GLOO_SOCKET_IFNAME": "eth0",
-                                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(hosts)),
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(i),
+            "--master-addr",
+            hosts[0].ip,
+            "--master-port",
+            str(port),
+            *script,
+        ]
+        procs.append(
+            host.run(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                extra_env={"GLOO_SOCKET_IFNAME": "eth0", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+            )
+        )
     outputs, failed = [], False
     for proc in procs:
         try:
@@ -180,21 +210,34 @@ def run_link(mode: str, hosts: list[Any], args: argparse.Namespace, work: Path) 
         outputs.append(out or "")
         failed = failed or proc.returncode != 0
     if failed or not result.exists():
-        raise RuntimeError(f"{mode} x{len(hosts)} over the link failed:\n" +
-                           "\n".join(o[-2000:] for o in outputs))
+        raise RuntimeError(f"{mode} x{len(hosts)} over the link failed:\n" + "\n".join(o[-2000:] for o in outputs))
     return float(json.loads(result.read_text())["step_s"])
 
 
 def worker_args(mode: str, args: argparse.Namespace, result: Path) -> list[str]:
-    return ["--worker", mode, "--width", str(args.width), "--layers", str(args.layers),
-            "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
-            "--steps", str(args.steps), "--result", str(result)]
+    return [
+        "--worker",
+        mode,
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--global-batch",
+        str(args.global_batch),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--result",
+        str(result),
+    ]
 
 
 def _netns() -> Any:
     """tests/hosts.py: the test harness's network namespaces, shared."""
     sys.path.insert(0, str(ROOT / "tests"))
     import hosts  # noqa: PLC0415
+
     return hosts
 
 
@@ -206,8 +249,24 @@ def shaped_hosts(n: int, rate: str) -> tuple[Any, list[Any]]:
     try:
         made = net.add_hosts(n)
         for host in made:
-            netns._ip("netns", "exec", host.netns, "tc", "qdisc", "add", "dev", "eth0", "root",
-                      "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")
+            netns._ip(
+                "netns",
+                "exec",
+                host.netns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                "50ms",
+            )
     except BaseException:
         net.close()
         raise
@@ -226,25 +285,30 @@ def table(result: dict[str, Any]) -> str:
         if m is None:
             return "-"
         exposed = m.get("exposed_comm_s")
-        return f"{1000 * m['step_s']:.0f}" + ("" if exposed is None or mode == "local"
-                                               else f" ({1000 * exposed:.0f})")
+        return f"{1000 * m['step_s']:.0f}" + ("" if exposed is None or mode == "local" else f" ({1000 * exposed:.0f})")
 
     def ratio(row: dict[str, Any], mode: str, base: str) -> str:
         value = row.get(mode, {}).get(f"ratio_to_{base}")
         return "-" if value is None else f"**{value:.3f}**"
 
-    lines = ["| setting | ranks | local | DDP | maitre before | maitre | maitre / DDP | FSDP2 | "
-             "maitre on FSDP2 | / FSDP2 | maitre run (/ DDP) |", "|---" * 11 + "|"]
+    lines = [
+        "| setting | ranks | local | DDP | maitre before | maitre | maitre / DDP | FSDP2 | "
+        "maitre on FSDP2 | / FSDP2 | maitre run (/ DDP) |",
+        "|---" * 11 + "|",
+    ]
     for setting, label in (("loopback", "loopback"), ("link", f"{link} link")):
         for ranks, row in sorted(result.get(setting, {}).items(), key=lambda kv: int(kv[0])):
             run = row.get("maitre-run")
-            run_cell = "-" if run is None else (f"{1000 * run['step_s']:.0f} "
-                                                f"({run.get('ratio_to_ddp', float('nan')):.3f})")
-            lines.append(f"| {label} | {ranks} | {step(row, 'local')} | {step(row, 'ddp')} | "
-                         f"{step(row, 'maitre-flat')} | {step(row, 'maitre')} | "
-                         f"{ratio(row, 'maitre', 'ddp')} | {step(row, 'fsdp2')} | "
-                         f"{step(row, 'maitre-fsdp2')} | {ratio(row, 'maitre-fsdp2', 'fsdp2')} | "
-                         f"{run_cell} |")
+            run_cell = (
+                "-" if run is None else (f"{1000 * run['step_s']:.0f} ({run.get('ratio_to_ddp', float('nan')):.3f})")
+            )
+            lines.append(
+                f"| {label} | {ranks} | {step(row, 'local')} | {step(row, 'ddp')} | "
+                f"{step(row, 'maitre-flat')} | {step(row, 'maitre')} | "
+                f"{ratio(row, 'maitre', 'ddp')} | {step(row, 'fsdp2')} | "
+                f"{step(row, 'maitre-fsdp2')} | {ratio(row, 'maitre-fsdp2', 'fsdp2')} | "
+                f"{run_cell} |"
+            )
     return "\n".join(lines)
 
 
@@ -261,12 +325,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--setting", choices=("loopback", "link", "both"), default="both")
     p.add_argument("--ranks", default="2,4", help="world sizes, comma-separated")
-    p.add_argument("--modes", default=",".join(MODES), help="on loopback, comma-separated, of " +
-                   ", ".join(MODES))
-    p.add_argument("--link-modes", default=",".join(LINK_MODES),
-                   help="over the link, comma-separated, of " + ", ".join(LINK_MODES))
-    p.add_argument("--width", type=int, default=2048, help="hidden width (params ~ layers x "
-                   "width^2)")
+    p.add_argument("--modes", default=",".join(MODES), help="on loopback, comma-separated, of " + ", ".join(MODES))
+    p.add_argument(
+        "--link-modes", default=",".join(LINK_MODES), help="over the link, comma-separated, of " + ", ".join(LINK_MODES)
+    )
+    p.add_argument("--width", type=int, default=2048, help="hidden width (params ~ layers x width^2)")
     p.add_argument("--layers", type=int, default=12, help="hidden square layers")
     p.add_argument("--global-batch", type=int, default=256)
     p.add_argument("--warmup", type=int, default=2)
@@ -276,11 +339,21 @@ def main() -> None:
     # smoke: one rank (every mode's code, not its collectives' cost); not maitre-flat (maitre's
     # code with other Buckets) nor local (ddp's without the wrapper); over the link one mode
     # (the hosts, the shaping and torchrun across them are the same for every mode)
-    args = parse(p, "throughput", {"ranks": "1", "width": 64, "layers": 2, "global_batch": 16,
-                                   "warmup": 1, "steps": 2, "timeout_s": 120.0,
-                                   "modes": ",".join(m for m in MODES
-                                                     if m not in ("maitre-flat", "local")),
-                                   "link_modes": "maitre"})
+    args = parse(
+        p,
+        "throughput",
+        {
+            "ranks": "1",
+            "width": 64,
+            "layers": 2,
+            "global_batch": 16,
+            "warmup": 1,
+            "steps": 2,
+            "timeout_s": 120.0,
+            "modes": ",".join(m for m in MODES if m not in ("maitre-flat", "local")),
+            "link_modes": "maitre",
+        },
+    )
     try:
         world_sizes = [int(r) for r in args.ranks.split(",")]
     except ValueError:
@@ -288,19 +361,17 @@ def main() -> None:
     modes = {"loopback": args.modes.split(","), "link": args.link_modes.split(",")}
     for setting, allowed in (("loopback", MODES), ("link", LINK_MODES)):
         if unknown := [m for m in modes[setting] if m not in allowed]:
-            p.error(f"unknown mode(s) for {setting}: {', '.join(unknown)}: choose from "
-                    f"{', '.join(allowed)}")
+            p.error(f"unknown mode(s) for {setting}: {', '.join(unknown)}: choose from {', '.join(allowed)}")
     if any(r < 1 or args.global_batch % r for r in world_sizes):
         p.error(f"--global-batch {args.global_batch} must split evenly over every world size")
     for name in ("width", "layers", "warmup", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    params = IN_DIM * args.width + args.layers * args.width ** 2 + args.width * OUT_DIM
+    params = IN_DIM * args.width + args.layers * args.width**2 + args.width * OUT_DIM
     settings = ["loopback", "link"] if args.setting == "both" else [args.setting]
     if "link" in settings and (reason := _netns()._can_make_namespaces()) is not None:
         if not args.smoke:
-            p.error(f"the link setting needs network namespaces: {reason} (--setting loopback "
-                    "runs without)")
+            p.error(f"the link setting needs network namespaces: {reason} (--setting loopback runs without)")
         print(f"throughput: the link setting is skipped: {reason}", flush=True)
         settings.remove("link")
     results: dict[str, dict[str, dict[str, Any]]] = {}
@@ -315,11 +386,13 @@ def main() -> None:
                 try:
                     row: dict[str, dict[str, float]] = {}
                     for mode in modes[setting]:
-                        step = run_loopback(mode, ranks, args, work) if setting == "loopback" \
+                        step = (
+                            run_loopback(mode, ranks, args, work)
+                            if setting == "loopback"
                             else run_link(mode, made, args, work)
+                        )
                         row[mode] = {"step_s": step}
-                        print(f"{setting} x{ranks} {mode}: {1000 * step:.0f} ms/step",
-                              flush=True)
+                        print(f"{setting} x{ranks} {mode}: {1000 * step:.0f} ms/step", flush=True)
                 finally:
                     if net is not None:
                         net.close()
@@ -332,12 +405,25 @@ def main() -> None:
                         m["exposed_comm_s"] = max(0.0, m["step_s"] - row["local"]["step_s"])
                 results[setting][str(ranks)] = row
     print(table(results))
-    write_results(args.out, {
-        "job": {"params": params, "width": args.width, "layers": args.layers,
-                "global_batch": args.global_batch, "dtype": "float32", "optimizer": "SGD",
-                "warmup": args.warmup, "steps": args.steps, "link_rate": args.rate},
-        "machine": {"cpus": os.cpu_count(), "torch_threads_per_rank": 1}, **results},
-        smoke=args.smoke)
+    write_results(
+        args.out,
+        {
+            "job": {
+                "params": params,
+                "width": args.width,
+                "layers": args.layers,
+                "global_batch": args.global_batch,
+                "dtype": "float32",
+                "optimizer": "SGD",
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "link_rate": args.rate,
+            },
+            "machine": {"cpus": os.cpu_count(), "torch_threads_per_rank": 1},
+            **results,
+        },
+        smoke=args.smoke,
+    )
 
 
 if __name__ == "__main__":

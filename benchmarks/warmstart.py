@@ -33,8 +33,7 @@ COMMAND = [sys.executable, str(HERE.parent / "examples" / "train.py"), "--steps"
 
 def cold(n: int, env: dict[str, str]) -> float:
     start = time.perf_counter()
-    procs = [subprocess.Popen(COMMAND, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for _ in range(n)]
+    procs = [subprocess.Popen(COMMAND, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(n)]
     codes = [p.wait() for p in procs]
     assert codes == [0] * n, codes
     return time.perf_counter() - start
@@ -53,10 +52,10 @@ def warm(n: int, env: dict[str, str]) -> float:
 
 def table(result: dict[str, Any]) -> str:
     """The results (this script's JSON) in Markdown: medians of ``repeats`` starts."""
-    lines = ["| workers started at once | cold (exec) | warm (fork server) | speedup |",
-             "|---|---|---|---|"]
-    lines += [f"| {r['workers']} | {r['cold_s']:.3f} s | {r['warm_s']:.3f} s | {r['speedup']:.1f}x |"
-              for r in result["rows"]]
+    lines = ["| workers started at once | cold (exec) | warm (fork server) | speedup |", "|---|---|---|---|"]
+    lines += [
+        f"| {r['workers']} | {r['cold_s']:.3f} s | {r['warm_s']:.3f} s | {r['speedup']:.1f}x |" for r in result["rows"]
+    ]
     return "\n".join(lines)
 
 
@@ -76,15 +75,20 @@ def main() -> None:
             times["cold"].append(cold(n, env))
             times["warm"].append(warm(n, env))
         c, w = statistics.median(times["cold"]), statistics.median(times["warm"])
-        rows.append({"workers": n, "cold_s": round(c, 3), "warm_s": round(w, 3),
-                     "speedup": round(c / w, 1), "cold_all_s": times["cold"],
-                     "warm_all_s": times["warm"]})
+        rows.append(
+            {
+                "workers": n,
+                "cold_s": round(c, 3),
+                "warm_s": round(w, 3),
+                "speedup": round(c / w, 1),
+                "cold_all_s": times["cold"],
+                "warm_all_s": times["warm"],
+            }
+        )
     print(f"{'workers started at once':>24} | {'cold (exec) s':>13} | {'warm (fork) s':>13} | speedup")
     for r in rows:
-        print(f"{r['workers']:>24} | {r['cold_s']:>13.3f} | {r['warm_s']:>13.3f} | "
-              f"{r['speedup']:>6.1f}x")
-    result = {"command": "examples/train.py --steps 1", "cpus": os.cpu_count(),
-              "repeats": args.repeats, "rows": rows}
+        print(f"{r['workers']:>24} | {r['cold_s']:>13.3f} | {r['warm_s']:>13.3f} | {r['speedup']:>6.1f}x")
+    result = {"command": "examples/train.py --steps 1", "cpus": os.cpu_count(), "repeats": args.repeats, "rows": rows}
     write_results(args.out, result, smoke=args.smoke)
 
 

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 import maitre
 
 spec = importlib.util.spec_from_file_location(
-    "example", Path(__file__).resolve().parent.parent / "examples" / "train.py")
+    "example", Path(__file__).resolve().parent.parent / "examples" / "train.py"
+)
 example = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
 spec.loader.exec_module(example)  # type: ignore[union-attr]
 
@@ -56,8 +57,7 @@ def main() -> None:
         window = torch.tensor(idx)[:, None] * block + torch.arange(block + 1)
         chunk = ids[window]
         logits = model(chunk[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, len(vocab)), chunk[:, 1:].reshape(-1),
-                               reduction="sum") / block
+        return F.cross_entropy(logits.reshape(-1, len(vocab)), chunk[:, 1:].reshape(-1), reduction="sum") / block
 
     worker = os.environ.get("MAITRE_WORKER_ID") or f"rank{os.environ.get('RANK', '0')}"
     args.run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +109,7 @@ def run_plain(model, optimizer, sampler, loss_of, steps, record) -> None:
         flat /= slc.global_count
         offset = 0
         for p in params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         optimizer.step()
         sampler.advance(slc)

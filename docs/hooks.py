@@ -54,8 +54,9 @@ class DocsError(Exception):
 def committed_results() -> list[str]:
     """The names of the results JSONs git tracks (every one in the folder outside a checkout)."""
     try:
-        tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT, check=True,
-                                 capture_output=True, text=True, timeout=30).stdout.split()
+        tracked = subprocess.run(
+            ["git", "ls-files", "benchmarks/results"], cwd=ROOT, check=True, capture_output=True, text=True, timeout=30
+        ).stdout.split()
     except (OSError, subprocess.SubprocessError):
         tracked = []
     paths = [ROOT / p for p in tracked if p.endswith(".json")] or sorted(RESULTS.glob("*.json"))
@@ -91,7 +92,7 @@ def renderer(name: str) -> Callable[[dict[str, Any]], str]:
 
 
 def measured_line(name: str, result: dict[str, Any]) -> str:
-    """"`benchmarks/results/NAME.json`: measured on commit `abcdef1`, YYYY-MM-DD" from the
+    """ "`benchmarks/results/NAME.json`: measured on commit `abcdef1`, YYYY-MM-DD" from the
     result's ``measured`` stamp (``-dirty`` kept: the tree had uncommitted changes)."""
     stamp = result.get("measured")
     if not isinstance(stamp, dict) or "commit" not in stamp or "date" not in stamp:
@@ -117,40 +118,64 @@ def summary() -> str:
     gpu4 = gpu["overhead"]["micro_batches_4"]
     jpeg = data["jpeg"]["throughput"]
     m, t = rec["maitre"], rec["torchrun"]
-    big = max((r for r in ckpt.values() if isinstance(r, dict) and "state_mb" in r),
-              key=lambda r: r["state_mb"])
+    big = max((r for r in ckpt.values() if isinstance(r, dict) and "state_mb" in r), key=lambda r: r["state_mb"])
     jct = sim["load1_mean_avg_jct_s"]["maitre, goodput batch"]
     rows = [
-        ("step time, 4 ranks over a 1 Gbit link, MLP of 50.6 M parameters",
-         f"{1000 * link['maitre']['step_s']:,.0f} ms", f"DDP: {1000 * link['ddp']['step_s']:,.0f} ms",
-         link["maitre"]["step_s"] / link["ddp"]["step_s"]),
-        ("the same, sharded (maitre's loop on FSDP2)",
-         f"{1000 * link['maitre-fsdp2']['step_s']:,.0f} ms",
-         f"FSDP2: {1000 * link['fsdp2']['step_s']:,.0f} ms",
-         link["maitre-fsdp2"]["step_s"] / link["fsdp2"]["step_s"]),
-        (f"step time on one {gpu['device'].removeprefix('NVIDIA ')}, "
-         f"{gpu4['plain']['params'] / 1e9:.2f} B bf16 decoder, "
-         f"{gpu4['plain']['tokens_per_step'] // 1024} k tokens a step",
-         f"{1000 * gpu4['maitre']['step_s']:.1f} ms", f"DDP: {1000 * gpu4['ddp']['step_s']:.1f} ms",
-         gpu4["maitre"]["step_s"] / gpu4["ddp"]["step_s"]),
-        ("data loading, JPEGs, 2 workers (samples/s: higher is better)",
-         f"{jpeg['maitre_samples_s']:,.0f}", f"DataLoader: {jpeg['dataloader_samples_s']:,.0f}",
-         jpeg["maitre_samples_s"] / jpeg["dataloader_samples_s"]),
-        ("a worker killed: from the kill to the next step",
-         f"{m['crash_to_step_s']:.3f} s", f"torchrun: {t['crash_to_step_s']:.2f} s",
-         m["crash_to_step_s"] / t["crash_to_step_s"]),
-        ("a worker joins: the running workers pause",
-         f"{m['join_pause_s']:.3f} s", f"torchrun: {t['join_pause_s']:.2f} s",
-         m["join_pause_s"] / t["join_pause_s"]),
-        (f"a checkpoint of {big['state_mb']:,.0f} MB: training blocked",
-         f"{big['maitre_block_s']:.3f} s", f"`dcp.async_save`: {big['dcp_async_block_s']:.3f} s",
-         big["maitre_block_s"] / big["dcp_async_block_s"]),
-        ("scheduling, the 8 Pollux workloads (simulated): mean average JCT",
-         f"{jct['ours']:,.0f} s", f"Pollux (published): {jct['published']:,.0f} s",
-         jct["ours"] / jct["published"]),
+        (
+            "step time, 4 ranks over a 1 Gbit link, MLP of 50.6 M parameters",
+            f"{1000 * link['maitre']['step_s']:,.0f} ms",
+            f"DDP: {1000 * link['ddp']['step_s']:,.0f} ms",
+            link["maitre"]["step_s"] / link["ddp"]["step_s"],
+        ),
+        (
+            "the same, sharded (maitre's loop on FSDP2)",
+            f"{1000 * link['maitre-fsdp2']['step_s']:,.0f} ms",
+            f"FSDP2: {1000 * link['fsdp2']['step_s']:,.0f} ms",
+            link["maitre-fsdp2"]["step_s"] / link["fsdp2"]["step_s"],
+        ),
+        (
+            f"step time on one {gpu['device'].removeprefix('NVIDIA ')}, "
+            f"{gpu4['plain']['params'] / 1e9:.2f} B bf16 decoder, "
+            f"{gpu4['plain']['tokens_per_step'] // 1024} k tokens a step",
+            f"{1000 * gpu4['maitre']['step_s']:.1f} ms",
+            f"DDP: {1000 * gpu4['ddp']['step_s']:.1f} ms",
+            gpu4["maitre"]["step_s"] / gpu4["ddp"]["step_s"],
+        ),
+        (
+            "data loading, JPEGs, 2 workers (samples/s: higher is better)",
+            f"{jpeg['maitre_samples_s']:,.0f}",
+            f"DataLoader: {jpeg['dataloader_samples_s']:,.0f}",
+            jpeg["maitre_samples_s"] / jpeg["dataloader_samples_s"],
+        ),
+        (
+            "a worker killed: from the kill to the next step",
+            f"{m['crash_to_step_s']:.3f} s",
+            f"torchrun: {t['crash_to_step_s']:.2f} s",
+            m["crash_to_step_s"] / t["crash_to_step_s"],
+        ),
+        (
+            "a worker joins: the running workers pause",
+            f"{m['join_pause_s']:.3f} s",
+            f"torchrun: {t['join_pause_s']:.2f} s",
+            m["join_pause_s"] / t["join_pause_s"],
+        ),
+        (
+            f"a checkpoint of {big['state_mb']:,.0f} MB: training blocked",
+            f"{big['maitre_block_s']:.3f} s",
+            f"`dcp.async_save`: {big['dcp_async_block_s']:.3f} s",
+            big["maitre_block_s"] / big["dcp_async_block_s"],
+        ),
+        (
+            "scheduling, the 8 Pollux workloads (simulated): mean average JCT",
+            f"{jct['ours']:,.0f} s",
+            f"Pollux (published): {jct['published']:,.0f} s",
+            jct["ours"] / jct["published"],
+        ),
     ]
-    lines = ["| figure (2 CPU cores and gloo, unless it says a GPU) | maitre | instead | "
-             "maitre / instead |", "|---|---|---|---|"]
+    lines = [
+        "| figure (2 CPU cores and gloo, unless it says a GPU) | maitre | instead | maitre / instead |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {what} | {ours} | {theirs} | {ratio:.3f} |" for what, ours, theirs, ratio in rows]
     return "\n".join(lines)
 
@@ -162,8 +187,10 @@ def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction |
     return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
 
 
-def commands(parser: argparse.ArgumentParser, summary: str = "",
-             ) -> Iterator[tuple[argparse.ArgumentParser, str]]:
+def commands(
+    parser: argparse.ArgumentParser,
+    summary: str = "",
+) -> Iterator[tuple[argparse.ArgumentParser, str]]:
     """``parser`` and every subcommand below it, depth first, each with its one-line help."""
     yield parser, summary
     sub = _subparsers(parser)
@@ -180,12 +207,14 @@ def _text(s: str) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if action.required and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE,
-                                                argparse.REMAINDER):
+    if action.required and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE, argparse.REMAINDER):
         return "required"
     default = action.default
-    if default is None or default is argparse.SUPPRESS or isinstance(action, (
-            argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction)):
+    if (
+        default is None
+        or default is argparse.SUPPRESS
+        or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
+    ):
         return ""
     return f"`{default}`"
 
@@ -199,6 +228,7 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
     index, then a section per command with its usage and a table of its arguments."""
     if parser is None:
         from maitre.cli import build_parser
+
         parser = build_parser()
     found = list(commands(parser))
     out = ["| command | what it does |", "|---|---|"]
@@ -208,8 +238,7 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
         formatter.add_usage(p.usage, p._actions, p._mutually_exclusive_groups)
         level = "#" * min(2 + p.prog.count(" ") - 1, 4) if p is not parser else "##"
         out += ["", f"{level} {p.prog} {{#{_anchor(p.prog)}}}", ""]
-        about = " ".join(x for x in (text and text[0].upper() + text[1:] + ".",
-                                     p.description or "") if x)
+        about = " ".join(x for x in (text and text[0].upper() + text[1:] + ".", p.description or "") if x)
         if about:
             out += [_text(about), ""]
         out += ["```text", formatter.format_help().strip(), "```"]
@@ -224,8 +253,10 @@ def cli_reference(parser: argparse.ArgumentParser | None = None) -> str:
             rows.append(f"| `{invocation}` | {_text(help_text)} | {_default(action)} |")
         sub = _subparsers(p)
         if sub is not None and p is not parser:  # (the index above lists the top level's)
-            out += ["", "Its commands: " + ", ".join(f"[`{c.prog}`](#{_anchor(c.prog)})"
-                                                     for c in sub.choices.values()) + "."]
+            out += [
+                "",
+                "Its commands: " + ", ".join(f"[`{c.prog}`](#{_anchor(c.prog)})" for c in sub.choices.values()) + ".",
+            ]
         if rows:
             out += ["", "| argument | what it does | default |", "|---|---|---|", *rows]
     return "\n".join(out)
@@ -245,6 +276,7 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs
         return RESULTS_MARKER.sub(lambda m: render_results(m[1]), markdown)
     except (DocsError, KeyError, TypeError, ValueError) as exc:
         from mkdocs.exceptions import PluginError
+
         raise PluginError(f"docs/hooks.py: {page.file.src_uri}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -252,6 +284,5 @@ def on_page_content(html_text: str, **kwargs: Any) -> str:
     """Docstrings written for Sphinx, as mkdocstrings renders them, read as Sphinx shows them:
     ``:class:`~a.b.C``` (``:class:<code>~a.b.C</code>``) becomes ``<code>C</code>`` (``~``: the
     last name only), and the "::" that introduces a code block a single ":"."""
-    html_text = _ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>",
-                          html_text)
+    html_text = _ROLE.sub(lambda m: f"<code>{m[2].rsplit('.', 1)[-1] if m[1] else m[2]}</code>", html_text)
     return _LITERAL.sub(r":</p>\1", html_text)

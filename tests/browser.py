@@ -14,11 +14,18 @@ from typing import Any, Iterator
 
 import pytest
 
-CHROMIUM = os.environ.get("MAITRE_CHROMIUM") or shutil.which("chromium") or \
-    shutil.which("chromium-browser")
-ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        "--disable-dev-shm-usage"]
+CHROMIUM = os.environ.get("MAITRE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
 """Without the background-networking flags Chromium keeps trying hosts this machine cannot
 reach; ``--no-sandbox``: CI runs as root."""
 
@@ -51,8 +58,7 @@ class Page:
         self.ready(timeout_s)
 
     def ready(self, timeout_s: float = 30) -> None:
-        self.page.wait_for_function("window.__maitre && window.__maitre.ready",
-                                    timeout=timeout_s * 1000)
+        self.page.wait_for_function("window.__maitre && window.__maitre.ready", timeout=timeout_s * 1000)
 
     def view(self, name: str) -> None:
         """Go to a view (``scaling``, ``job/a-lm``...) of the page already open."""
@@ -105,8 +111,9 @@ def replay_page(tmp_path: Any, events: list[dict[str, Any]], token: str) -> Iter
     from maitre.dashboard.server import ReplayServer
 
     path = tmp_path / "events.jsonl"
-    path.write_text("".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n"
-                            for k, e in enumerate(events)))
+    path.write_text(
+        "".join(json.dumps({"seq": k + 1, "t": float(k), "job": None, **e}) + "\n" for k, e in enumerate(events))
+    )
     with ReplayServer(path, token) as srv, browser() as b:
         page = new_page(b)
         page.open(f"{srv.url}?token={token}")

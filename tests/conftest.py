@@ -16,8 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train.py"
 
-_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-              "MASTER_PORT")
+_DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)
@@ -31,15 +30,33 @@ def clean_dist_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # A tiny float64 configuration of the example: fast on 2 cores, exact enough for 1e-5 checks.
 # Buckets of 4 KiB: its gradients are reduced in several buckets, launched while backward runs.
-TINY = ["--dtype", "float64", "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16",
-        "--global-batch", "12", "--micro-batch", "4", "--log-every", "1000",
-        "--bucket-cap-mb", "0.004"]
+TINY = [
+    "--dtype",
+    "float64",
+    "--d-model",
+    "16",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--block",
+    "16",
+    "--global-batch",
+    "12",
+    "--micro-batch",
+    "4",
+    "--log-every",
+    "1000",
+    "--bucket-cap-mb",
+    "0.004",
+]
 
 
 def example_command(steps: int, out: Path | None = None, extra: tuple[str, ...] = ()) -> list[str]:
     """The example, TINY, for ``steps`` steps; ``extra`` flags come last (and win)."""
     cmd = [sys.executable, str(EXAMPLE), "--steps", str(steps), *TINY, *extra]
     return cmd + (["--out", str(out)] if out is not None else [])
+
 
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b|| over every finite entry of ``b`` (a must be finite in the same places)."""
@@ -100,9 +117,15 @@ class Procs:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
         env.update({TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **extra_env})
         log = open(self.tmp / f"{name}.log", "a")
-        proc = subprocess.Popen([sys.executable, "-m", "maitre.cli", *args], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "maitre.cli", *args],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         return proc
 
@@ -128,8 +151,9 @@ def run_tagged(cmd: list[str], timeout: float, **extra_env: str) -> subprocess.C
     tag = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
     env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1"}, **extra_env)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -170,14 +194,17 @@ def play(tmp_path: Path, command: list[str], events: str, **cfg: object) -> tupl
     from maitre.story import parse_events
 
     lines: list[str] = []
-    run = Run(RunConfig(command=command, events=parse_events(events), run_dir=tmp_path / "run",
-                        quiet_workers=True, **cfg), out=lines.append)  # type: ignore[arg-type]
+    run = Run(
+        RunConfig(command=command, events=parse_events(events), run_dir=tmp_path / "run", quiet_workers=True, **cfg),  # type: ignore[arg-type]
+        out=lines.append,
+    )
     done = threading.Event()
 
     def watchdog() -> None:
         if not done.wait(150):
-            print("still running after 150 s:\n" + "\n".join(lines) + f"\njob: {run.job()}",
-                  file=sys.stderr, flush=True)
+            print(
+                "still running after 150 s:\n" + "\n".join(lines) + f"\njob: {run.job()}", file=sys.stderr, flush=True
+            )
 
     threading.Thread(target=watchdog, daemon=True).start()
     try:

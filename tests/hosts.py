@@ -92,15 +92,13 @@ class Host:
     def __repr__(self) -> str:
         return f"Host({self.name}, {self.ip}, netns={self.netns})"
 
-    def run(self, cmd: list[str], *, extra_env: dict[str, str] | None = None,
-            **popen_kw: Any) -> subprocess.Popen:
+    def run(self, cmd: list[str], *, extra_env: dict[str, str] | None = None, **popen_kw: Any) -> subprocess.Popen:
         """Start ``cmd`` in this host's namespace and return its Popen (cwd: the repository,
         its own session, the test's environment without ``MAITRE_*`` unless ``env`` is given,
         plus ``extra_env``, tagged for clean-up)."""
         env = popen_kw.pop("env", None)
         if env is None:
-            env = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
             env.setdefault("OMP_NUM_THREADS", "1")
             env.setdefault("PYTHONUNBUFFERED", "1")
         env = {**env, **(extra_env or {}), TAG_VAR: self.net.tag}
@@ -172,8 +170,20 @@ class Network:
                 raise ValueError("at most 254 hosts on one bridge")
             host = Host(self, i, f"10.231.{self.subnet}.{i + 1}")
             self._netns(host.netns)
-            _ip("-n", host.netns, "link", "add", "eth0", "type", "veth", "peer", "name",
-                host.port, "netns", self.bridge_ns)
+            _ip(
+                "-n",
+                host.netns,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                host.port,
+                "netns",
+                self.bridge_ns,
+            )
             _ip("-n", host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
             _ip("-n", host.netns, "link", "set", "eth0", "up")
             _ip("-n", self.bridge_ns, "link", "set", host.port, "master", "br0", "up")
@@ -197,8 +207,7 @@ class Network:
         for _ in range(3):
             pids = _tagged_pids(self.tag)
             for ns in self.created:  # anything else in there (a process that dropped its env)
-                pids += [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()
-                         if p.isdigit()]
+                pids += [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split() if p.isdigit()]
             if not pids:
                 break
             _kill(pids)

@@ -46,8 +46,10 @@ def missing(accounting: bool = False) -> str | None:
     """Why a Slurm cluster (with accounting: slurmdbd on a MariaDB) cannot be started here."""
     absent = [d for d in DAEMONS + (ACCOUNTING if accounting else ()) if shutil.which(d) is None]
     if absent:
-        return (f"Slurm is not installed ({', '.join(absent)} missing): apt-get install "
-                f"slurm-wlm munge{' slurmdbd mariadb-server' if accounting else ''}, as root")
+        return (
+            f"Slurm is not installed ({', '.join(absent)} missing): apt-get install "
+            f"slurm-wlm munge{' slurmdbd mariadb-server' if accounting else ''}, as root"
+        )
     if os.geteuid() != 0:
         return "the test Slurm cluster's daemons run as root; this is not root"
     return None
@@ -114,8 +116,7 @@ class SlurmCluster:
             if sorted(last) == list(NODES) and all(s == "idle" for s in last.values()):
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"the test Slurm's nodes are not idle after {timeout_s:.0f} s: {last}; "
-                           f"logs in {self.root}")
+        raise RuntimeError(f"the test Slurm's nodes are not idle after {timeout_s:.0f} s: {last}; logs in {self.root}")
 
     def log(self, name: str) -> str:
         path = self.root / "log" / f"{name}.log"
@@ -150,8 +151,7 @@ class SlurmCluster:
                 except (RuntimeError, subprocess.TimeoutExpired):
                     break
                 time.sleep(0.5)
-        order = [n for n in self.pids if n.startswith("slurmd-")] + ["slurmctld", "slurmdbd",
-                                                                      "mariadbd"]
+        order = [n for n in self.pids if n.startswith("slurmd-")] + ["slurmctld", "slurmdbd", "mariadbd"]
         for name in order:
             pid = self.pids.pop(name, None)
             if pid is not None:
@@ -214,14 +214,17 @@ def write_config(root: Path, accounting: bool = False) -> Path:
     nodes = "\n".join(
         f"NodeName={n} NodeAddr=127.0.0.1 NodeHostname=localhost Port={p} CPUs=1 "
         f"RealMemory=500 Gres=gpu:1 Feature=rack{1 + i // 2}"
-        for i, (n, p) in enumerate(zip(NODES, node_ports)))
+        for i, (n, p) in enumerate(zip(NODES, node_ports))
+    )
     if accounting:
-        accounting_lines = (f"AccountingStorageType=accounting_storage/slurmdbd\n"
-                            f"AccountingStorageHost=localhost\nAccountingStoragePort={dbd_port}\n"
-                            # (with munge, the socket slurmdbd's clients sign with)
-                            f"AccountingStoragePass={root}/munge/munge.socket\n"
-                            "AccountingStorageEnforce=associations,qos\n"
-                            "JobAcctGatherType=jobacct_gather/linux\nJobAcctGatherFrequency=5")
+        accounting_lines = (
+            f"AccountingStorageType=accounting_storage/slurmdbd\n"
+            f"AccountingStorageHost=localhost\nAccountingStoragePort={dbd_port}\n"
+            # (with munge, the socket slurmdbd's clients sign with)
+            f"AccountingStoragePass={root}/munge/munge.socket\n"
+            "AccountingStorageEnforce=associations,qos\n"
+            "JobAcctGatherType=jobacct_gather/linux\nJobAcctGatherFrequency=5"
+        )
         dbd = root / "slurmdbd.conf"
         dbd.write_text(f"""\
 DbdHost=localhost
@@ -240,8 +243,7 @@ PidFile={root}/slurmdbd.pid
         dbd.chmod(0o600)  # (slurmdbd refuses a config others may read)
         (root / "db.port").write_text(str(db_port))
     else:
-        accounting_lines = ("AccountingStorageType=accounting_storage/none\n"
-                            "JobAcctGatherType=jobacct_gather/none")
+        accounting_lines = "AccountingStorageType=accounting_storage/none\nJobAcctGatherType=jobacct_gather/none"
     (root / "slurm.conf").write_text(f"""\
 ClusterName=maitretest
 SlurmctldHost=localhost(127.0.0.1)
@@ -280,11 +282,13 @@ InactiveLimit=0
 PartitionName=normal Nodes=ALL Default=YES PriorityTier=10 PreemptMode=OFF State=UP
 PartitionName=scavenger Nodes=ALL PriorityTier=1 PreemptMode=REQUEUE GraceTime={GRACE_S} State=UP
 """)
-    (root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
-        f"NodeName={n} Name=gpu Count=1 File=/dev/null\n" for n in NODES))
-    (root / "topology.conf").write_text("".join(
-        f"SwitchName={s} Nodes={','.join(ns)}\n" for s, ns in SWITCHES.items())
-        + f"SwitchName=top Switches={','.join(SWITCHES)}\n")
+    (root / "gres.conf").write_text(
+        "AutoDetect=off\n" + "".join(f"NodeName={n} Name=gpu Count=1 File=/dev/null\n" for n in NODES)
+    )
+    (root / "topology.conf").write_text(
+        "".join(f"SwitchName={s} Nodes={','.join(ns)}\n" for s, ns in SWITCHES.items())
+        + f"SwitchName=top Switches={','.join(SWITCHES)}\n"
+    )
     return root / "slurm.conf"
 
 
@@ -293,32 +297,62 @@ def _start_accounting(cluster: SlurmCluster) -> None:
     port), slurmdbd on it, and the cluster, account, QOS and root's association in it."""
     root = cluster.root
     db = root / "db"
-    subprocess.run(["mariadb-install-db", "--no-defaults", f"--datadir={db}", "--user=root",
-                    "--auth-root-authentication-method=normal", "--skip-test-db"],
-                   check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            "mariadb-install-db",
+            "--no-defaults",
+            f"--datadir={db}",
+            "--user=root",
+            "--auth-root-authentication-method=normal",
+            "--skip-test-db",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     port = (root / "db.port").read_text()
-    subprocess.Popen(["mariadbd", "--no-defaults", f"--datadir={db}", "--user=root",
-                      "--bind-address=127.0.0.1", f"--port={port}", f"--socket={root}/db.sock",
-                      f"--pid-file={root}/mariadb.pid", "--skip-grant-tables",
-                      "--innodb-buffer-pool-size=32M", f"--log-error={root}/log/mariadb.log"],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
+    subprocess.Popen(
+        [
+            "mariadbd",
+            "--no-defaults",
+            f"--datadir={db}",
+            "--user=root",
+            "--bind-address=127.0.0.1",
+            f"--port={port}",
+            f"--socket={root}/db.sock",
+            f"--pid-file={root}/mariadb.pid",
+            "--skip-grant-tables",
+            "--innodb-buffer-pool-size=32M",
+            f"--log-error={root}/log/mariadb.log",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     cluster.pids["mariadbd"] = _read_pid(root / "mariadb.pid", 60)
     subprocess.run(["slurmdbd"], check=True, capture_output=True, timeout=30, env=cluster.env)
     cluster.pids["slurmdbd"] = _read_pid(root / "slurmdbd.pid")
     deadline = time.monotonic() + 60
     while True:  # slurmdbd makes its tables first
-        done = subprocess.run(["sacctmgr", "-i", "add", "cluster", "maitretest"], env=cluster.env,
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["sacctmgr", "-i", "add", "cluster", "maitretest"],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode == 0 or "already exists" in done.stdout + done.stderr:
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"slurmdbd does not answer: {done.stderr or done.stdout}")
         time.sleep(0.5)
-    for cmd in (["add", "qos", QOS],
-                ["add", "account", ACCOUNT, "cluster=maitretest"],
-                ["add", "user", "root", f"account={ACCOUNT}", "cluster=maitretest"],
-                ["modify", "user", "root", "set", f"qos+={QOS}"]):
+    for cmd in (
+        ["add", "qos", QOS],
+        ["add", "account", ACCOUNT, "cluster=maitretest"],
+        ["add", "user", "root", f"account={ACCOUNT}", "cluster=maitretest"],
+        ["modify", "user", "root", "set", f"qos+={QOS}"],
+    ):
         cluster.run("sacctmgr", "-i", *cmd)
 
 
@@ -329,28 +363,39 @@ def start(root: Path, accounting: bool = False) -> SlurmCluster:
     cluster = SlurmCluster(root=root, conf=conf)
     m = root / "munge"
     try:
-        subprocess.run(["munged", "--force", f"--key-file={m}/munge.key",
-                        f"--socket={m}/munge.socket",
-                        f"--pid-file={m}/munged.pid", f"--log-file={root}/log/munged.log",
-                        f"--seed-file={m}/munged.seed"], check=True, capture_output=True,
-                       timeout=20, env=cluster.env)
+        subprocess.run(
+            [
+                "munged",
+                "--force",
+                f"--key-file={m}/munge.key",
+                f"--socket={m}/munge.socket",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={root}/log/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=20,
+            env=cluster.env,
+        )
         cluster.pids["munged"] = _read_pid(m / "munged.pid")
         if accounting:
             _start_accounting(cluster)
-        subprocess.run(["slurmctld", "-c", "-i"], check=True, capture_output=True, timeout=30,
-                       env=cluster.env)  # -c: a clean start, no state from another run
+        subprocess.run(
+            ["slurmctld", "-c", "-i"], check=True, capture_output=True, timeout=30, env=cluster.env
+        )  # -c: a clean start, no state from another run
         cluster.pids["slurmctld"] = _read_pid(root / "slurmctld.pid")
         for n in NODES:
             (root / "spool" / n).mkdir(parents=True, exist_ok=True)
-            subprocess.run(["slurmd", "-N", n], check=True, capture_output=True, timeout=30,
-                           env=cluster.env)
+            subprocess.run(["slurmd", "-N", n], check=True, capture_output=True, timeout=30, env=cluster.env)
             cluster.pids[f"slurmd-{n}"] = _read_pid(root / f"slurmd-{n}.pid")
         cluster.wait_idle()
     except BaseException as exc:
         cluster.stop()
         if isinstance(exc, subprocess.CalledProcessError):
-            raise RuntimeError(f"{exc.cmd[0]} did not start: {exc.stderr or exc.stdout}; "
-                               f"logs in {root / 'log'}") from exc
+            raise RuntimeError(
+                f"{exc.cmd[0]} did not start: {exc.stderr or exc.stdout}; logs in {root / 'log'}"
+            ) from exc
         raise
     return cluster
 
@@ -366,20 +411,52 @@ def maitre_up(cluster, tmp_path: Path, *flags: str):
 
     tag = os.urandom(8).hex()
     env = {k: v for k, v in cluster.env.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
-    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])})
+    env.update(
+        {
+            TAG_VAR: tag,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")]),
+        }
+    )
     state, log = tmp_path / "state", tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
-                           str(state), "--queue", "q", "--slots-per-node", "1", *flags],
-                          cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                          text=True, start_new_session=True)
+    up = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "maitre.cli",
+            "up",
+            "--slurm",
+            "--state-dir",
+            str(state),
+            "--queue",
+            "q",
+            "--slots-per-node",
+            "1",
+            *flags,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        address = wait_for(lambda: next((ln.split("coordinator at ")[1].split()[0]
-                                         for ln in log.read_text().splitlines()
-                                         if "coordinator at " in ln), None), 60,
-                           "the coordinator", log)
-        yield Client(address, timeout_s=5.0, token=(state / "token").read_text().strip()), \
-            state, log
+        address = wait_for(
+            lambda: next(
+                (
+                    ln.split("coordinator at ")[1].split()[0]
+                    for ln in log.read_text().splitlines()
+                    if "coordinator at " in ln
+                ),
+                None,
+            ),
+            60,
+            "the coordinator",
+            log,
+        )
+        yield Client(address, timeout_s=5.0, token=(state / "token").read_text().strip()), state, log
     finally:
         up.send_signal(signal.SIGINT)
         try:

@@ -61,11 +61,15 @@ def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once() -> 
             agent.beats["w1"][0].beat(heard, 3, False, 0.0)
         deadline = heard + 4.0  # well before the 5 s beat would be due
         while time.monotonic() < deadline and not any(
-                w.get("silent_s", 0) >= protocol.SILENT_S
-                for t, body in beats for w in body["workers"]):
+            w.get("silent_s", 0) >= protocol.SILENT_S for t, body in beats for w in body["workers"]
+        ):
             time.sleep(0.01)
-        late = [(t, w["silent_s"]) for t, body in beats for w in body["workers"]
-                if w.get("silent_s", 0) >= protocol.SILENT_S]
+        late = [
+            (t, w["silent_s"])
+            for t, body in beats
+            for w in body["workers"]
+            if w.get("silent_s", 0) >= protocol.SILENT_S
+        ]
         assert late, f"no beat reported the silence within 4 s: {beats}"
         at, silent = late[0]
         # Within urgent_s of crossing SILENT_S (a second of margin for a busy machine).
@@ -87,10 +91,10 @@ def test_a_start_order_that_comes_again_is_carried_out_once(monkeypatch) -> None
     try:
         order = {"worker_id": "j-w1", "job_id": "j"}
         for _ in range(3):  # a beat's answer and a watch's may both carry it
-            agent._apply({"version": 0, "views": None, "start": [order], "kill": []},
-                         time.monotonic())
-        agent._apply({"version": 1, "views": None, "start": [{**order, "worker_id": "j-w2"}],
-                      "kill": []}, time.monotonic())
+            agent._apply({"version": 0, "views": None, "start": [order], "kill": []}, time.monotonic())
+        agent._apply(
+            {"version": 1, "views": None, "start": [{**order, "worker_id": "j-w2"}], "kill": []}, time.monotonic()
+        )
         deadline = time.monotonic() + 5
         while len(spawned) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -108,18 +112,23 @@ def test_a_restarted_coordinators_views_are_taken_though_its_count_starts_again(
     agent = Agent("127.0.0.1:1", "n0", 1)
     try:
         view = {"member_epoch": 7, "closed": False, "stop": False}
-        agent._apply({"version": 800, "boot": "old", "views": {"j-w1": view}, "start": [],
-                      "kill": []}, time.monotonic())
+        agent._apply(
+            {"version": 800, "boot": "old", "views": {"j-w1": view}, "start": [], "kill": []}, time.monotonic()
+        )
         assert agent.version == 800 and agent.views["j-w1"]["member_epoch"] == 7
         agent._poke.clear()
-        agent._apply({"version": 3, "boot": "new", "views": None, "start": [], "kill": []},
-                     time.monotonic())  # "nothing changed since 800", in the new count
+        agent._apply(
+            {"version": 3, "boot": "new", "views": None, "start": [], "kill": []}, time.monotonic()
+        )  # "nothing changed since 800", in the new count
         assert agent.version == -1 and agent._poke.is_set()  # the next request: since -1
-        agent._apply({"version": 4, "boot": "new", "views": {"j-w1": {**view, "closed": True}},
-                      "start": [], "kill": []}, time.monotonic())
+        agent._apply(
+            {"version": 4, "boot": "new", "views": {"j-w1": {**view, "closed": True}}, "start": [], "kill": []},
+            time.monotonic(),
+        )
         assert agent.version == 4 and agent.views["j-w1"]["closed"] is True
-        agent._apply({"version": 2, "boot": "new", "views": {"j-w1": view}, "start": [],
-                      "kill": []}, time.monotonic())  # an older answer of the new one: dropped
+        agent._apply(
+            {"version": 2, "boot": "new", "views": {"j-w1": view}, "start": [], "kill": []}, time.monotonic()
+        )  # an older answer of the new one: dropped
         assert agent.version == 4 and agent.views["j-w1"]["closed"] is True
     finally:
         agent.stop(grace_s=0.5)

@@ -12,14 +12,20 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def cluster(nodes: int = 3, slots: int = 4) -> Cluster:
-    return Cluster.of([Node(f"n{i}", slots, rack=f"r{i // 2}") for i in range(nodes)],
-                      [Queue("q")])
+    return Cluster.of([Node(f"n{i}", slots, rack=f"r{i // 2}") for i in range(nodes)], [Queue("q")])
 
 
-def running(id: str, lo: int, hi: int, placement: dict[str, int], priority: int = 0,
-            submitted_at: float = 0.0) -> Job:
-    return Job(id=id, queue="q", priority=priority, min_replicas=lo, max_replicas=hi,
-               submitted_at=submitted_at, state=JobState.RUNNING, placement=dict(placement))
+def running(id: str, lo: int, hi: int, placement: dict[str, int], priority: int = 0, submitted_at: float = 0.0) -> Job:
+    return Job(
+        id=id,
+        queue="q",
+        priority=priority,
+        min_replicas=lo,
+        max_replicas=hi,
+        submitted_at=submitted_at,
+        state=JobState.RUNNING,
+        placement=dict(placement),
+    )
 
 
 def test_a_gang_below_its_minimum_gets_its_replicas_back_near_its_survivors() -> None:
@@ -45,9 +51,13 @@ def test_a_repair_that_does_not_fit_waits_and_the_first_in_line_goes_first() -> 
 
 
 def test_leavers_are_joiners_first_then_the_highest_ranks_on_the_nodes_given_up() -> None:
-    replicas = [Replica("a", "n0", True, 0), Replica("b", "n0", True, 3),
-                Replica("c", "n0", False, None), Replica("d", "n1", True, 1),
-                Replica("e", "n1", True, 2)]
+    replicas = [
+        Replica("a", "n0", True, 0),
+        Replica("b", "n0", True, 3),
+        Replica("c", "n0", False, None),
+        Replica("d", "n1", True, 1),
+        Replica("e", "n1", True, 2),
+    ]
     assert leavers(replicas, {"n0": 3, "n1": 2}, {"n0": 1, "n1": 2}) == ["c", "b"]
     assert leavers(replicas, {"n0": 3, "n1": 2}, {"n0": 3}) == ["e", "d"]
     assert leavers(replicas, {"n0": 3}, {"n0": 3}) == []

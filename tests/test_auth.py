@@ -48,21 +48,28 @@ def test_the_cli_reads_the_token_file(server: CoordinatorServer, tmp_path: Path)
     assert refused.stderr.strip().startswith("maitre: error: missing or wrong token")
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token\n")
-    ok = subprocess.run(cmd + ["--token-file", str(token_file)], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=30)
+    ok = subprocess.run(
+        cmd + ["--token-file", str(token_file)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
     assert ok.returncode == 0 and ok.stdout.startswith("JOB"), ok.stderr
-    via_env = subprocess.run(cmd, cwd=ROOT, env={**env, "MAITRE_TOKEN": "s3cret-token"},
-                             capture_output=True, text=True, timeout=30)
+    via_env = subprocess.run(
+        cmd, cwd=ROOT, env={**env, "MAITRE_TOKEN": "s3cret-token"}, capture_output=True, text=True, timeout=30
+    )
     assert via_env.returncode == 0, via_env.stderr
-    missing = subprocess.run(cmd + ["--token-file", str(tmp_path / "nope")], cwd=ROOT, env=env,
-                             capture_output=True, text=True, timeout=30)
+    missing = subprocess.run(
+        cmd + ["--token-file", str(tmp_path / "nope")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
     assert missing.returncode == 2 and "cannot read --token-file" in missing.stderr
 
 
 def test_maitre_run_writes_an_owner_only_token_file(tmp_path: Path) -> None:
     lines: list[str] = []
-    run = Run(RunConfig(command=[sys.executable, "-c", "pass"], min_nodes=1, max_nodes=1,
-                        local_nodes=0, run_dir=tmp_path / "run"), out=lines.append)
+    run = Run(
+        RunConfig(
+            command=[sys.executable, "-c", "pass"], min_nodes=1, max_nodes=1, local_nodes=0, run_dir=tmp_path / "run"
+        ),
+        out=lines.append,
+    )
     try:
         run.start()
         token_file = tmp_path / "run" / "token"

@@ -76,10 +76,10 @@ def _run(cmd: list[str], timeout: float, tmp: Path) -> subprocess.CompletedProce
     tag = uuid.uuid4().hex
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
     (tmp / "tmp").mkdir(exist_ok=True)  # (torchrun's agents leave torchelastic_* directories)
-    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                "TMPDIR": str(tmp / "tmp")})
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp / "tmp")})
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -110,17 +110,17 @@ class SmokeRuns:
         self.committed = _digest(RESULTS)
         self.pool = ThreadPoolExecutor(max_workers=AT_ONCE, thread_name_prefix="smoke")
         self.runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {
-            s: self.pool.submit(self._smoke, s)
-            for s in sorted(scripts, key=lambda s: -SMOKE[s])}
+            s: self.pool.submit(self._smoke, s) for s in sorted(scripts, key=lambda s: -SMOKE[s])
+        }
 
     def _smoke(self, script: str) -> subprocess.CompletedProcess[str]:
         if script == "dashboard.py":
             from browser import need_chromium
+
             need_chromium()  # (pytest's Skipped, raised again in the test that waits)
         out = self.folder / script.replace(".py", "")
         out.mkdir()
-        return _run([sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
-                    SMOKE[script], out)
+        return _run([sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)], SMOKE[script], out)
 
     def result(self, script: str) -> tuple[subprocess.CompletedProcess[str], Path]:
         return self.runs[script].result(), self.folder / script.replace(".py", "")
@@ -133,8 +133,13 @@ class SmokeRuns:
 
 @pytest.fixture(scope="module")
 def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    asked = sorted({item.callspec.params["script"] for item in request.session.items
-                    if getattr(item, "originalname", "") == "test_smoke"})
+    asked = sorted(
+        {
+            item.callspec.params["script"]
+            for item in request.session.items
+            if getattr(item, "originalname", "") == "test_smoke"
+        }
+    )
     runs = SmokeRuns(asked, tmp_path_factory.mktemp("smoke"))
     try:
         yield runs
@@ -167,8 +172,7 @@ def test_gpu_check_imports_and_parses_its_arguments(tmp_path: Path) -> None:
     assert callable(module.main)
     done = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--help"], 50, tmp_path)
     assert done.returncode == 0 and "usage: gpu_check.py" in done.stdout, done.stdout
-    bad = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--no-such-flag"], 50,
-               tmp_path)
+    bad = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--no-such-flag"], 50, tmp_path)
     assert bad.returncode == 2, bad.stdout
 
 
@@ -179,8 +183,7 @@ def test_smoke_results_never_go_to_the_committed_results(tmp_path: Path) -> None
     with pytest.raises(SystemExit):
         results.parse(argparse.ArgumentParser(), "x", {}, ["--smoke", "--out", str(RESULTS)])
     with pytest.raises(SystemExit):
-        results.parse(argparse.ArgumentParser(), "x", {},
-                      ["--smoke", "--out", str(RESULTS / "x.json")])
+        results.parse(argparse.ArgumentParser(), "x", {}, ["--smoke", "--out", str(RESULTS / "x.json")])
     p = argparse.ArgumentParser()
     p.add_argument("--reps", type=int, default=5)
     args = results.parse(p, "x", {"reps": 1}, ["--smoke"])
@@ -206,8 +209,9 @@ def test_committed_results_say_when_they_were_measured() -> None:
     spec.loader.exec_module(hooks)
     pages = "\n".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")))
     asked = set(hooks.RESULTS_MARKER.findall(pages))
-    tracked = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=ROOT,
-                             capture_output=True, text=True).stdout.split()
+    tracked = subprocess.run(
+        ["git", "ls-files", "benchmarks/results"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
     paths = [ROOT / p for p in tracked if p.endswith(".json")] or sorted(RESULTS.glob("*.json"))
     assert paths
     for path in paths:
@@ -216,10 +220,8 @@ def test_committed_results_say_when_they_were_measured() -> None:
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d", measured["date"])
         assert not measured.get("smoke"), f"{path.name} is a smoke run's"
         assert path.stem in asked, f"no page of docs/ has <!-- results: {path.stem} -->"
-        short = measured["commit"][:7] + ("-dirty" if measured["commit"].endswith("-dirty")
-                                          else "")
-        line = (f"`benchmarks/results/{path.name}`: measured on commit `{short}`, "
-                f"{measured['date'][:10]}")
+        short = measured["commit"][:7] + ("-dirty" if measured["commit"].endswith("-dirty") else "")
+        line = f"`benchmarks/results/{path.name}`: measured on commit `{short}`, {measured['date'][:10]}"
         rendered = hooks.render_results(path.stem)
         assert rendered.rstrip().endswith(line + "."), f"the docs' {path.stem} table lacks {line!r}"
         assert "|---" in rendered, f"the docs render no table for {path.name}"

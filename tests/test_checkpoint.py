@@ -45,8 +45,7 @@ def make_state(seed: int = 0, steps: int = 3) -> TrainState:
     sampler = ElasticSampler(100, 10, seed=0)
     scaling = LinearScaling(per_rank_batch_size=4, base_world_size=2, warmup_steps=5)
     extra = Counter()
-    state = TrainState(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler,
-                       scaling=scaling)
+    state = TrainState(model=model, optimizer=opt, lr_scheduler=sched, sampler=sampler, scaling=scaling)
     state.register("counter", extra)
     for _ in range(steps):
         slc = sampler.next_slice(0, 1)
@@ -66,8 +65,7 @@ def config(tmp_path: Path, **kw) -> CheckpointConfig:
     return CheckpointConfig(directory=tmp_path / "ckpt", **kw)
 
 
-def save(state: TrainState, ck: Checkpointer, *, rank: int = 0, world: int = 1,
-         token: int = 7) -> None:
+def save(state: TrainState, ck: Checkpointer, *, rank: int = 0, world: int = 1, token: int = 7) -> None:
     ck.save(state.state_dict, step=state.step, rank=rank, world_size=world, token=token)
 
 
@@ -313,8 +311,7 @@ def test_keeps_the_newest_k(tmp_path: Path) -> None:
         state.step = step
         save(state, ck, token=step)
     ck.close()
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000004",
-                                                                      "step-000000005"]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000004", "step-000000005"]
 
 
 def test_a_rank_that_never_reports_fails_the_save_not_training(tmp_path: Path) -> None:
@@ -329,8 +326,7 @@ def test_a_rank_that_never_reports_fails_the_save_not_training(tmp_path: Path) -
     assert list((tmp_path / "ckpt").iterdir()) == []
 
 
-def test_a_rank_killed_mid_save_holds_the_commit_only_as_long_as_parts_take(
-        tmp_path: Path, monkeypatch) -> None:
+def test_a_rank_killed_mid_save_holds_the_commit_only_as_long_as_parts_take(tmp_path: Path, monkeypatch) -> None:
     """Ranks write their parts at once: one that takes far longer than the committer's own is
     gone (killed mid-save, its part never comes). The commit gives up after max(floor, 20x its
     own part's time), not ``commit_timeout_s``, which would skip every save meanwhile (a busy
@@ -360,8 +356,7 @@ def test_a_save_whose_epoch_was_lost_is_given_up_at_once(tmp_path: Path) -> None
     ck.abandon("peer failed")
     result = ck.wait()[0]
     assert time.monotonic() - started < 10
-    assert result.path is None and "given up waiting for rank 1's part: peer failed" in (
-        result.error or ""), result
+    assert result.path is None and "given up waiting for rank 1's part: peer failed" in (result.error or ""), result
     state.step = 3  # the writer is free for the next one, which waits for nothing old
     ck.save(state.state_dict, step=3, rank=0, world_size=1, token=2)
     again = ck.wait()[-1]
@@ -391,13 +386,12 @@ def test_daly_interval() -> None:
 
 
 def test_policy_uses_measured_cost_and_failure_history() -> None:
-    policy = IntervalPolicy(IntervalConfig(min_interval_s=1, max_interval_s=10_000,
-                                           prior_mtbf_s=3600), now=0.0)
+    policy = IntervalPolicy(IntervalConfig(min_interval_s=1, max_interval_s=10_000, prior_mtbf_s=3600), now=0.0)
     assert policy.interval_s() == 1  # nothing measured: the first save measures the cost
     for _ in range(10):
         policy.record_step(0.1, writer_busy=False)
     policy.started(step=10, now=5.0, block_s=0.2)
-    policy.record_step(0.4, writer_busy=True)   # 0.3 s slower while the writer ran
+    policy.record_step(0.4, writer_busy=True)  # 0.3 s slower while the writer ran
     policy.record_step(0.1, writer_busy=True)
     policy.finished()
     assert policy.cost_s == pytest.approx(0.5)
@@ -416,12 +410,10 @@ def test_policy_bounds_and_fixed_steps() -> None:
     bounded.finished()
     assert bounded.interval_s() == 600
     fixed = IntervalPolicy(IntervalConfig(every_steps=5), now=0.0)
-    assert [s for s in range(1, 16) if fixed.due(s, 0.0) and fixed.started(s, 0.0, 0.0) is None] \
-        == [5, 10, 15]
+    assert [s for s in range(1, 16) if fixed.due(s, 0.0) and fixed.started(s, 0.0, 0.0) is None] == [5, 10, 15]
 
 
-@pytest.mark.parametrize("bad", [dict(every_steps=0), dict(mtbf_s=0), dict(min_interval_s=5,
-                                                                         max_interval_s=1)])
+@pytest.mark.parametrize("bad", [dict(every_steps=0), dict(mtbf_s=0), dict(min_interval_s=5, max_interval_s=1)])
 def test_interval_config_rejects_bad_values(bad: dict) -> None:
     with pytest.raises(ValueError):
         IntervalConfig(**bad)
@@ -429,9 +421,14 @@ def test_interval_config_rejects_bad_values(bad: dict) -> None:
 
 def test_checkpoint_config_from_environment(tmp_path: Path) -> None:
     assert CheckpointConfig.from_environ({}) is None
-    cfg = CheckpointConfig.from_environ({"MAITRE_CHECKPOINT_DIR": str(tmp_path),
-                                         "MAITRE_CHECKPOINT_EVERY": "7", "MAITRE_MTBF_S": "60",
-                                         "MAITRE_CHECKPOINT_KEEP": "5"})
+    cfg = CheckpointConfig.from_environ(
+        {
+            "MAITRE_CHECKPOINT_DIR": str(tmp_path),
+            "MAITRE_CHECKPOINT_EVERY": "7",
+            "MAITRE_MTBF_S": "60",
+            "MAITRE_CHECKPOINT_KEEP": "5",
+        }
+    )
     assert cfg is not None and cfg.directory == tmp_path and cfg.keep == 5
     assert cfg.interval.every_steps == 7 and cfg.interval.mtbf_s == 60
     with pytest.raises(ValueError):

@@ -29,8 +29,7 @@ EVERY = 5
 
 
 def checkpointed(directory: Path, out: Path | None = None, every: int = EVERY) -> list[str]:
-    return example_command(STEPS, out) + ["--checkpoint-dir", str(directory),
-                                          "--checkpoint-every", str(every)]
+    return example_command(STEPS, out) + ["--checkpoint-dir", str(directory), "--checkpoint-every", str(every)]
 
 
 def assert_all_complete(directory: Path) -> list[int]:
@@ -42,24 +41,27 @@ def assert_all_complete(directory: Path) -> list[int]:
     return steps
 
 
-def resume_and_compare(directory: Path, tmp_path: Path, reference: dict[str, torch.Tensor],
-                       expected_step: int) -> None:
+def resume_and_compare(directory: Path, tmp_path: Path, reference: dict[str, torch.Tensor], expected_step: int) -> None:
     out = tmp_path / "resumed.pt"
     result = run_tagged(checkpointed(directory, out), timeout=200)
     assert result.returncode == 0, result.stderr
-    assert f"resumed from {directory / fmt.step_dir_name(expected_step)} at step {expected_step}" \
-        in result.stdout, result.stdout
+    assert f"resumed from {directory / fmt.step_dir_name(expected_step)} at step {expected_step}" in result.stdout, (
+        result.stdout
+    )
     got = torch.load(out, weights_only=True)
-    assert all(torch.equal(got[k], reference[k]) for k in reference), \
+    assert all(torch.equal(got[k], reference[k]) for k in reference), (
         "the resumed run diverged from the uninterrupted one"
+    )
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", [  # (two phases like the others' kept for -m slow: time)
-    pytest.param(p, marks=pytest.mark.slow) if p in ("between_files", "before_manifest") else p
-    for p in PHASES])
-def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str,
-                                      reference) -> None:
+@pytest.mark.parametrize(
+    "phase",
+    [  # (two phases like the others' kept for -m slow: time)
+        pytest.param(p, marks=pytest.mark.slow) if p in ("between_files", "before_manifest") else p for p in PHASES
+    ],
+)
+def test_kill_at_each_phase_of_a_save(tmp_path: Path, phase: str, reference) -> None:
     directory = tmp_path / "ckpt"
     crashed = run_tagged(checkpointed(directory), timeout=200, **{FAULT_ENV: f"{phase}@3"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
@@ -87,12 +89,21 @@ def test_kill_at_random_moments(tmp_path: Path, reference) -> None:
     kills = 0
     for _ in range(4):
         before = max((s for s, _ in fmt.list_steps(directory)), default=0)
-        proc = subprocess.Popen(checkpointed(directory, every=1), cwd=ROOT, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            checkpointed(directory, every=1),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + 60
-            while max((s for s, _ in fmt.list_steps(directory)), default=0) <= before \
-                    and proc.poll() is None and time.monotonic() < deadline:
+            while (
+                max((s for s, _ in fmt.list_steps(directory)), default=0) <= before
+                and proc.poll() is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 0.12))  # a few steps in: mid-save or between saves
             proc.kill()
@@ -144,8 +155,7 @@ def test_full_disk_fails_the_save_not_training(tmp_path: Path) -> None:
     assert f"trained 20 steps; limited after {first} ; loads: {first}" in result.stdout
     failures = [line for line in result.stderr.splitlines() if "checkpoint at step" in line]
     # the saves due after the first (every 5 steps, a busy writer may delay one by a step)
-    assert failures and all("File too large" in line and "training goes on" in line
-                            for line in failures), result.stderr
+    assert failures and all("File too large" in line and "training goes on" in line for line in failures), result.stderr
     assert assert_all_complete(directory) == [first]
     assert not list(directory.glob(".tmp-*"))
 
@@ -156,8 +166,9 @@ def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference) -> None:
     directory = tmp_path / "ckpt"
     cmd = checkpointed(directory, every=1000)
     cmd[cmd.index("--log-every") + 1] = "1"
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -178,16 +189,29 @@ def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference) -> None:
 
 @pytest.mark.slow  # (a different world size at resume: test_job_checkpoints.py, by default)
 @pytest.mark.timeout(420)
-def test_saved_by_three_ranks_resumed_by_two_under_torchrun(
-        tmp_path: Path, reference) -> None:
+def test_saved_by_three_ranks_resumed_by_two_under_torchrun(tmp_path: Path, reference) -> None:
     directory = tmp_path / "ckpt"
 
     def torchrun(nproc: int, out: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), str(EXAMPLE), "--steps", str(STEPS), *TINY,
-               "--checkpoint-dir", str(directory), "--checkpoint-every", str(EVERY)]
-        return run_tagged(cmd + (["--out", str(out)] if out else []), timeout=300,
-                          TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(nproc),
+            str(EXAMPLE),
+            "--steps",
+            str(STEPS),
+            *TINY,
+            "--checkpoint-dir",
+            str(directory),
+            "--checkpoint-every",
+            str(EVERY),
+        ]
+        return run_tagged(
+            cmd + (["--out", str(out)] if out else []), timeout=300, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **env
+        )
 
     crashed = torchrun(3, **{FAULT_ENV: "after_rename@2"})  # rank 0 dies after its 2nd commit
     assert crashed.returncode != 0

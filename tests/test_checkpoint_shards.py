@@ -24,10 +24,19 @@ SHARD0, SHARD1, REPLICATE = ["shard", 0], ["shard", 1], ["replicate"]
 
 
 # -- the arithmetic ------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape,sizes,placements", [
-    ((8, 3), (2,), [SHARD0]), ((7, 3), (3,), [SHARD0]), ((1, 32), (2,), [SHARD0]),
-    ((2,), (4,), [SHARD0]), ((5, 6), (2, 3), [SHARD0, SHARD1]), ((9, 4), (2, 2), [SHARD0, SHARD0]),
-    ((5, 6), (2, 2), [SHARD1, REPLICATE]), ((), (2,), [REPLICATE])])
+@pytest.mark.parametrize(
+    "shape,sizes,placements",
+    [
+        ((8, 3), (2,), [SHARD0]),
+        ((7, 3), (3,), [SHARD0]),
+        ((1, 32), (2,), [SHARD0]),
+        ((2,), (4,), [SHARD0]),
+        ((5, 6), (2, 3), [SHARD0, SHARD1]),
+        ((9, 4), (2, 2), [SHARD0, SHARD0]),
+        ((5, 6), (2, 2), [SHARD1, REPLICATE]),
+        ((), (2,), [REPLICATE]),
+    ],
+)
 def test_boxes_are_torchs_local_shards(shape, sizes, placements) -> None:
     """Each coordinate's box is the local shape and global offset DTensor gives it (uneven and
     empty chunks, two mesh dims on one tensor dim, replication)."""
@@ -36,8 +45,7 @@ def test_boxes_are_torchs_local_shards(shape, sizes, placements) -> None:
 
     torch_placements = [Replicate() if p == REPLICATE else Shard(p[1]) for p in placements]
     for coordinate in itertools.product(*(range(k) for k in sizes)):
-        local, offset = _compute_local_shape_and_global_offset(shape, sizes, list(coordinate),
-                                                               torch_placements)
+        local, offset = _compute_local_shape_and_global_offset(shape, sizes, list(coordinate), torch_placements)
         box = reshard.box_of(shape, placements, sizes, coordinate)
         assert box[1] == tuple(local), coordinate
         if reshard.numel(box):
@@ -45,8 +53,7 @@ def test_boxes_are_torchs_local_shards(shape, sizes, placements) -> None:
 
 
 def boxes(shape, sizes, placements):
-    return [reshard.box_of(shape, placements, sizes, c)
-            for c in itertools.product(*(range(k) for k in sizes))]
+    return [reshard.box_of(shape, placements, sizes, c) for c in itertools.product(*(range(k) for k in sizes))]
 
 
 def test_cover_is_exact() -> None:
@@ -63,19 +70,19 @@ def test_cover_is_exact() -> None:
 def test_cut_reshards_any_layout_onto_any_other() -> None:
     full = torch.arange(5 * 6, dtype=torch.float64).view(5, 6)
     saved = boxes((5, 6), (2, 3), [SHARD0, SHARD1])
-    pieces = [(b, full[b[0][0]:b[0][0] + b[1][0], b[0][1]:b[0][1] + b[1][1]].clone())
-              for b in saved]
-    for target in [reshard.whole((5, 6)), *boxes((5, 6), (3,), [SHARD1]),
-                   *boxes((5, 6), (4,), [SHARD0])]:
+    pieces = [(b, full[b[0][0] : b[0][0] + b[1][0], b[0][1] : b[0][1] + b[1][1]].clone()) for b in saved]
+    for target in [reshard.whole((5, 6)), *boxes((5, 6), (3,), [SHARD1]), *boxes((5, 6), (4,), [SHARD0])]:
         (r, c), (h, w) = target
-        assert torch.equal(reshard.cut(target, pieces, torch.float64), full[r:r + h, c:c + w])
+        assert torch.equal(reshard.cut(target, pieces, torch.float64), full[r : r + h, c : c + w])
     assert reshard.cut(saved[0], pieces, torch.float64) is pieces[0][1]  # no copy
 
 
 # -- saves and loads on fake meshes ----------------------------------------------------------------
-FULL = {"w": torch.arange(7 * 3, dtype=torch.float64).view(7, 3),   # uneven over 2 and 3
-        "b": torch.arange(3, dtype=torch.float32),                   # an empty piece over 4
-        "m": torch.arange(4 * 6, dtype=torch.float64).view(4, 6)}    # sharded on dim 1
+FULL = {
+    "w": torch.arange(7 * 3, dtype=torch.float64).view(7, 3),  # uneven over 2 and 3
+    "b": torch.arange(3, dtype=torch.float32),  # an empty piece over 4
+    "m": torch.arange(4 * 6, dtype=torch.float64).view(4, 6),
+}  # sharded on dim 1
 PLACED = {"w": [SHARD0], "b": [SHARD0], "m": [SHARD1]}
 
 
@@ -89,8 +96,7 @@ class FakeMesh:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", store=FakeStore(), rank=self.rank,
-                                world_size=self.sizes[0] * self.sizes[1])
+        dist.init_process_group("fake", store=FakeStore(), rank=self.rank, world_size=self.sizes[0] * self.sizes[1])
         return init_device_mesh("cpu", self.sizes, mesh_dim_names=("dp_shard", "tp"))
 
     def __exit__(self, *exc) -> None:
@@ -106,21 +112,22 @@ def sharded_state(mesh, step: int = 6, **override) -> dict:
     for name, full in FULL.items():
         placements = [Shard(p[1]) for p in PLACED[name]] + [Replicate()]
         model[name] = distribute_tensor(full, mesh, placements, src_data_rank=None)
-        model[name].to_local().copy_(reshard.cut(
-            reshard.box_of(full.shape, PLACED[name] + [REPLICATE], mesh.shape,
-                           mesh.get_coordinate()), [(reshard.whole(full.shape), full)], full.dtype))
-    state = {"model": model, "plain": torch.tensor([1.5, 2.5]), "step": step,
-             "sampler": {"cursor": 48}}
+        model[name].to_local().copy_(
+            reshard.cut(
+                reshard.box_of(full.shape, PLACED[name] + [REPLICATE], mesh.shape, mesh.get_coordinate()),
+                [(reshard.whole(full.shape), full)],
+                full.dtype,
+            )
+        )
+    state = {"model": model, "plain": torch.tensor([1.5, 2.5]), "step": step, "sampler": {"cursor": 48}}
     state.update(override)
     return state
 
 
-def save_sharded(root: Path, sizes: tuple[int, int], step: int = 6, state=sharded_state,
-                 **cfg) -> list:
+def save_sharded(root: Path, sizes: tuple[int, int], step: int = 6, state=sharded_state, **cfg) -> list:
     """Every rank of a mesh of ``sizes`` saves its part (rank 0 last: it commits)."""
     world = sizes[0] * sizes[1]
-    ckpts = [Checkpointer(CheckpointConfig(directory=root, **cfg), log=lambda _: None)
-             for _ in range(world)]
+    ckpts = [Checkpointer(CheckpointConfig(directory=root, **cfg), log=lambda _: None) for _ in range(world)]
     for rank in [*range(1, world), 0]:
         with FakeMesh(sizes, rank) as mesh:
             ckpts[rank].save(state(mesh, step), step=step, rank=rank, world_size=world, token=3)
@@ -131,8 +138,7 @@ def save_sharded(root: Path, sizes: tuple[int, int], step: int = 6, state=sharde
 
 
 def expected_piece(name: str, mesh) -> torch.Tensor:
-    box = reshard.box_of(FULL[name].shape, PLACED[name] + [REPLICATE], mesh.shape,
-                         mesh.get_coordinate())
+    box = reshard.box_of(FULL[name].shape, PLACED[name] + [REPLICATE], mesh.shape, mesh.get_coordinate())
     return reshard.cut(box, [(reshard.whole(FULL[name].shape), FULL[name])], FULL[name].dtype)
 
 
@@ -215,8 +221,11 @@ def test_shards_that_do_not_cover_a_tensor_are_refused_not_skipped(tmp_path: Pat
 
     rewrite(newest, drop_a_piece)
     with FakeMesh((2, 1), 0) as mesh:
-        with pytest.raises(UnusableCheckpoint, match=r"is refused: its shards do not cover "
-                           r"model\.w \(shape \[7, 3\]\): its pieces hold 12 of its 21 elements"):
+        with pytest.raises(
+            UnusableCheckpoint,
+            match=r"is refused: its shards do not cover "
+            r"model\.w \(shape \[7, 3\]\): its pieces hold 12 of its 21 elements",
+        ):
             load_latest(tmp_path / "ckpt", mesh_of=lambda names: mesh[names], log=pytest.fail)
 
 
@@ -224,6 +233,7 @@ def test_a_piece_outside_its_tensor_or_a_foreign_mesh_is_refused(tmp_path: Path)
     save_sharded(tmp_path / "ckpt", (2, 1))
     path = tmp_path / "ckpt" / "step-000000006"
     with FakeMesh((2, 1), 0) as mesh:
+
         def foreign(names):
             raise KeyError(f"no mesh dims {names}")
 
@@ -263,8 +273,7 @@ def test_the_processes_of_a_replica_agree_on_the_checkpoint(tmp_path: Path) -> N
         return ok and len(votes) > 1
 
     with FakeMesh((2, 1), 0) as mesh:
-        loaded = load_latest(tmp_path / "ckpt", mesh_of=lambda names: mesh[names],
-                             agree=agree, log=warnings.append)
+        loaded = load_latest(tmp_path / "ckpt", mesh_of=lambda names: mesh[names], agree=agree, log=warnings.append)
     assert loaded is not None and loaded.step == 4 and votes == [True, True]
     assert len(warnings) == 1 and "another process of this replica could not load it" in warnings[0]
 

@@ -50,22 +50,27 @@ class Cli:
 
     def env(self, **extra: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MAITRE_")}
-        env.update({TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-                    "TMPDIR": str(self.tmpdir)}, **extra)
+        env.update(
+            {TAG_VAR: self.tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TMPDIR": str(self.tmpdir)}, **extra
+        )
         return env
 
-    def __call__(self, *args: str, timeout: float = 60, **extra_env: str
-                 ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.Popen([*MAITRE, *args], cwd=ROOT, env=self.env(**extra_env),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+    def __call__(self, *args: str, timeout: float = 60, **extra_env: str) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.Popen(
+            [*MAITRE, *args],
+            cwd=ROOT,
+            env=self.env(**extra_env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill_leftovers()
             out, err = proc.communicate()
-            pytest.fail(f"maitre {' '.join(args)} ran past {timeout} s\nstdout:\n{out}\n"
-                        f"stderr:\n{err}")
+            pytest.fail(f"maitre {' '.join(args)} ran past {timeout} s\nstdout:\n{out}\nstderr:\n{err}")
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     def leftovers(self) -> list[int]:
@@ -223,8 +228,9 @@ def test_agent_coordinator_not_listening(cli: Cli) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("address", ["notanaddress", "127.0.0.1", ":80", "127.0.0.1:0",
-                                     "127.0.0.1:65536", "127.0.0.1:port"])
+@pytest.mark.parametrize(
+    "address", ["notanaddress", "127.0.0.1", ":80", "127.0.0.1:0", "127.0.0.1:65536", "127.0.0.1:port"]
+)
 def test_agent_bad_address(cli: Cli, address: str) -> None:
     line = assert_rejected(cli("agent", "--coordinator", address), cli)
     assert "HOST:PORT" in line and repr(address) in line, line
@@ -238,8 +244,7 @@ def test_agent_bad_address_from_environment(cli: Cli) -> None:
 
 @pytest.mark.timeout(60)
 def test_agent_nproc_per_node_zero(cli: Cli) -> None:
-    line = assert_rejected(cli("agent", "--coordinator", f"127.0.0.1:{free_port()}",
-                               "--nproc-per-node", "0"), cli)
+    line = assert_rejected(cli("agent", "--coordinator", f"127.0.0.1:{free_port()}", "--nproc-per-node", "0"), cli)
     assert "--nproc-per-node" in line, line
 
 
@@ -270,8 +275,9 @@ def test_console_script_rejects_the_same_way(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("maitre")
     if not script.exists():
         pytest.skip(f"no console script at {script}")
-    result = subprocess.run([str(script), "run", "--nnodes", "4:2", str(EXAMPLE)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(script), "run", "--nnodes", "4:2", str(EXAMPLE)], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 2
     assert "minimum" in one_line(result.stderr) and result.stdout == ""
 
@@ -306,14 +312,24 @@ def job_failed_line(stdout: str) -> str:
     return lines[0]
 
 
-def run_script(cli: Cli, tmp_path: Path, name: str, source: str, *, restarts: int,
-               timeout: float) -> tuple[Path, subprocess.CompletedProcess[str], float]:
+def run_script(
+    cli: Cli, tmp_path: Path, name: str, source: str, *, restarts: int, timeout: float
+) -> tuple[Path, subprocess.CompletedProcess[str], float]:
     """``maitre run --nnodes 2`` of a script written from ``source`` under a unique name."""
     script = tmp_path / f"{name}_{uuid.uuid4().hex}.py"
     script.write_text(source)
     started = time.monotonic()
-    result = cli("run", "--nnodes", "2", "--max-restarts", str(restarts), "--run-dir",
-                 str(tmp_path / "run"), str(script), timeout=timeout)
+    result = cli(
+        "run",
+        "--nnodes",
+        "2",
+        "--max-restarts",
+        str(restarts),
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(script),
+        timeout=timeout,
+    )
     return script, result, time.monotonic() - started
 
 
@@ -330,8 +346,7 @@ def test_worker_dies_before_joining(cli: Cli, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(180)
 def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> None:
-    script, result, elapsed = run_script(cli, tmp_path, "same_bug", SAME_BUG, restarts=5,
-                                         timeout=150)
+    script, result, elapsed = run_script(cli, tmp_path, "same_bug", SAME_BUG, restarts=5, timeout=150)
     assert result.returncode == 1, result.stdout
     failed = job_failed_line(result.stdout)
     assert "ValueError: same bug everywhere" in failed, failed
@@ -339,8 +354,11 @@ def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> No
     assert "exceeded --max-restarts" not in failed, failed
     # Not one restart: the only epoch is the first, and its loss is the only failure event.
     assert not re.search(r"epoch [2-9]\d* opened", result.stdout), result.stdout
-    summary = re.search(r"maitre: job \S+ FAILED at step \d+ after (\d+) membership epoch\(s\), "
-                        r"(\d+) failure\(s\)", result.stdout)
+    summary = re.search(
+        r"maitre: job \S+ FAILED at step \d+ after (\d+) membership epoch\(s\), "
+        r"(\d+) failure\(s\)",
+        result.stdout,
+    )
     assert summary, result.stdout
     assert int(summary.group(1)) == 1 and int(summary.group(2)) == 1, summary.group(0)
     assert "finished" not in result.stdout
@@ -350,15 +368,18 @@ def test_same_exception_on_every_rank_fails_fast(cli: Cli, tmp_path: Path) -> No
 
 # -- checkpoint flags ----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("flags, words", [
-    (["--resume"], "--resume needs --checkpoint-dir"),
-    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
-    (["--checkpoint-dir", "CK", "--checkpoint-every", "0"], "--checkpoint-every must be"),
-    (["--checkpoint-dir", "CK", "--mtbf", "-3"], "--mtbf must be"),
-    (["--checkpoint-dir", "CK", "--checkpoint-keep", "0"], "--checkpoint-keep must be"),
-    (["--checkpoint-dir", "CK", "--grace-period", "0"], "--grace-period must be"),
-    (["--checkpoint-dir", "FILE"], "is not a directory"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+        (["--checkpoint-dir", "CK", "--checkpoint-every", "0"], "--checkpoint-every must be"),
+        (["--checkpoint-dir", "CK", "--mtbf", "-3"], "--mtbf must be"),
+        (["--checkpoint-dir", "CK", "--checkpoint-keep", "0"], "--checkpoint-keep must be"),
+        (["--checkpoint-dir", "CK", "--grace-period", "0"], "--grace-period must be"),
+        (["--checkpoint-dir", "FILE"], "is not a directory"),
+    ],
+)
 def test_bad_checkpoint_flags(cli: Cli, tmp_path: Path, flags: list[str], words: str) -> None:
     (tmp_path / "FILE").write_text("x")
     flags = [str(tmp_path / f) if f in ("CK", "FILE") else f for f in flags]
@@ -384,25 +405,32 @@ def test_submit_names_every_problem_of_a_manifest(cli: Cli, tmp_path: Path) -> N
     manifest = tmp_path / "job.yaml"
     manifest.write_text("name: Bad_Name\nqueue: q\nminReplicas: 0\nmaxReplica: 4\n")
     line = assert_rejected(cli("submit", str(manifest)), cli)
-    for words in ("Bad_Name", "minReplicas must be at least 1", "unknown field 'maxReplica' "
-                  "(did you mean 'maxReplicas'?)", "command is required"):
+    for words in (
+        "Bad_Name",
+        "minReplicas must be at least 1",
+        "unknown field 'maxReplica' (did you mean 'maxReplicas'?)",
+        "command is required",
+    ):
         assert words in line, line
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args,words", [
-    (("up", "--queue", "a:x"), "--queue 'a:x'"),
-    (("up", "--queue", "a:1", "--queue", "a:2"), "given twice"),
-    (("up", "--nodes", "-1"), "--nodes"),
-    (("up", "--slots-per-node", "0"), "--slots-per-node"),
-    (("up", "--resize-cooldown", "-5"), "--resize-cooldown must be a number of seconds >= 0"),
-    (("up", "--resize-cooldown", "nan"), "--resize-cooldown must be a number of seconds >= 0"),
-    (("up", "--max-restarts", "-1"), "--max-restarts must be >= 0, got -1"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--label", "color=red"), "--label 'color=red'"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--label", "capacity_type=cheap"), "on-demand or spot"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--label", "reserved_for=a job"), "names a job"),
-    (("submit", "/nonexistent/job.yaml"), "cannot read /nonexistent/job.yaml"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("up", "--queue", "a:x"), "--queue 'a:x'"),
+        (("up", "--queue", "a:1", "--queue", "a:2"), "given twice"),
+        (("up", "--nodes", "-1"), "--nodes"),
+        (("up", "--slots-per-node", "0"), "--slots-per-node"),
+        (("up", "--resize-cooldown", "-5"), "--resize-cooldown must be a number of seconds >= 0"),
+        (("up", "--resize-cooldown", "nan"), "--resize-cooldown must be a number of seconds >= 0"),
+        (("up", "--max-restarts", "-1"), "--max-restarts must be >= 0, got -1"),
+        (("agent", "--coordinator", "127.0.0.1:1", "--label", "color=red"), "--label 'color=red'"),
+        (("agent", "--coordinator", "127.0.0.1:1", "--label", "capacity_type=cheap"), "on-demand or spot"),
+        (("agent", "--coordinator", "127.0.0.1:1", "--label", "reserved_for=a job"), "names a job"),
+        (("submit", "/nonexistent/job.yaml"), "cannot read /nonexistent/job.yaml"),
+    ],
+)
 def test_cluster_commands_reject_bad_flags(cli: Cli, args: tuple[str, ...], words: str) -> None:
     line = assert_rejected(cli(*args), cli)
     assert words in line, line
@@ -428,21 +456,39 @@ def test_cancel_and_resume_coordinator_not_listening(cli: Cli, args: tuple[str, 
 def test_up_submit_status_cancel(cli: Cli, tmp_path: Path) -> None:
     """A cluster from the command line: jobs, nodes and queues as tables, a job cancelled."""
     state = tmp_path / "state"
-    up = subprocess.Popen([*MAITRE, "up", "--state-dir", str(state), "--nodes", "1",
-                           "--slots-per-node", "2", "--queue", "team-a:2", "--queue", "team-b:0:1"],
-                          cwd=ROOT, env=cli.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, start_new_session=True)
+    up = subprocess.Popen(
+        [
+            *MAITRE,
+            "up",
+            "--state-dir",
+            str(state),
+            "--nodes",
+            "1",
+            "--slots-per-node",
+            "2",
+            "--queue",
+            "team-a:2",
+            "--queue",
+            "team-b:0:1",
+        ],
+        cwd=ROOT,
+        env=cli.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lines = []
         while not any("coordinator at " in line for line in lines) and len(lines) < 50:
             lines.append(up.stdout.readline())  # event lines may come first
-        export = next(line for line in iter(up.stdout.readline, "")
-                      if line.startswith("maitre: export")).split()
+        export = next(line for line in iter(up.stdout.readline, "") if line.startswith("maitre: export")).split()
         env = dict(kv.split("=", 1) for kv in export if "=" in kv)
         assert set(env) == {"MAITRE_COORDINATOR", "MAITRE_TOKEN_FILE"}, export
         assert (state / "token").stat().st_mode & 0o777 == 0o600
         manifest = tmp_path / "job.yaml"
-        manifest.write_text(textwrap.dedent(f"""\
+        manifest.write_text(
+            textwrap.dedent(f"""\
             name: long
             queue: team-a
             priorityClassName: high
@@ -451,7 +497,8 @@ def test_up_submit_status_cancel(cli: Cli, tmp_path: Path) -> None:
             command: [{sys.executable}, {EXAMPLE}, --steps, "100000", --d-model, "16",
                       --layers, "1", --heads, "2", --block, "16", --global-batch, "4",
                       --device-ms-per-sample, "20"]
-            """))
+            """)
+        )
         result = cli("submit", str(manifest), **env)
         assert result.returncode == 0, result.stderr
         assert "job long submitted to queue team-a (priority 1000)" in result.stdout
@@ -467,10 +514,12 @@ def test_up_submit_status_cancel(cli: Cli, tmp_path: Path) -> None:
                 break
             time.sleep(0.5)
         assert re.search(r"long\s+team-a\s+1000\s+RUNNING", status.stdout), status.stdout
-        assert re.search(r"node-0\s+alive\s+2\s+2\s+rack-0\s+on-demand\s+2\.5\s", status.stdout), \
-            status.stdout  # with its price per slot-hour
-        assert re.search(r"\(all\)\s+\d+\.\d{3}\s+0\.000\s+\d+\.\d{4}\s+\d+\.\d{4}",
-                         status.stdout), status.stdout  # the cost table: nothing on spot
+        assert re.search(r"node-0\s+alive\s+2\s+2\s+rack-0\s+on-demand\s+2\.5\s", status.stdout), (
+            status.stdout
+        )  # with its price per slot-hour
+        assert re.search(r"\(all\)\s+\d+\.\d{3}\s+0\.000\s+\d+\.\d{4}\s+\d+\.\d{4}", status.stdout), (
+            status.stdout
+        )  # the cost table: nothing on spot
         assert re.search(r"team-a\s+2\s+any\s+1\s+2\s+1", status.stdout), status.stdout
         assert re.search(r"team-b\s+0\s+1\s+1\s+0\s+0", status.stdout), status.stdout
 

@@ -17,8 +17,7 @@ from maitre.wire import Client, CoordinatorUnreachable
 
 @pytest.mark.chaos  # (about half a minute: in .ci/run's chaos stage, not the default suite)
 @pytest.mark.timeout(300)
-def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
-        tmp_path: Path, reference) -> None:
+def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(tmp_path: Path, reference) -> None:
     from conftest import example_command
 
     state = tmp_path / "state"
@@ -26,27 +25,52 @@ def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
     steps = 300
     out = tmp_path / "final.pt"
     try:
-        procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state),
-                    "--queue", "q")
+        procs.start("coordinator", "up", "--nodes", "0", "--state-dir", str(state), "--queue", "q")
         log = tmp_path / "coordinator.log"
-        address = wait_for(lambda: next((line.split("coordinator at ")[1].split()[0]
-                                      for line in log.read_text().splitlines()
-                                      if "coordinator at " in line), None)
-                        if log.exists() else None, 60, "the coordinator", log)
+        address = wait_for(
+            lambda: (
+                next(
+                    (
+                        line.split("coordinator at ")[1].split()[0]
+                        for line in log.read_text().splitlines()
+                        if "coordinator at " in line
+                    ),
+                    None,
+                )
+                if log.exists()
+                else None
+            ),
+            60,
+            "the coordinator",
+            log,
+        )
         token = (state / "token").read_text().strip()
         client = Client(address, timeout_s=5.0, token=token)
         for node in ("n0", "n1"):
-            procs.start(f"agent-{node}", "agent", "--coordinator", address, "--token-file",
-                        str(state / "token"), "--nproc-per-node", "1", "--node-id", node)
+            procs.start(
+                f"agent-{node}",
+                "agent",
+                "--coordinator",
+                address,
+                "--token-file",
+                str(state / "token"),
+                "--nproc-per-node",
+                "1",
+                "--node-id",
+                node,
+            )
         command = example_command(steps, out) + ["--device-ms-per-sample", "8"]
-        client.post("/jobs", {"manifest": {"name": "fixed", "queue": "q", "minReplicas": 2,
-                                           "maxReplicas": 2, "command": command}})
+        client.post(
+            "/jobs",
+            {"manifest": {"name": "fixed", "queue": "q", "minReplicas": 2, "maxReplicas": 2, "command": command}},
+        )
 
         def job() -> dict:
             return client.get("/jobs/fixed")
 
-        before = wait_for(lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 30 and j,
-                       120, "the job to train", log)
+        before = wait_for(
+            lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 30 and j, 120, "the job to train", log
+        )
         procs.procs[0].send_signal(signal.SIGKILL)  # the coordinator, without a word
         procs.procs[0].wait(timeout=10)
         with pytest.raises(CoordinatorUnreachable):
@@ -57,10 +81,15 @@ def test_a_coordinator_killed_with_sigkill_restarts_and_its_job_trains_on(
         after = wait_for(lambda: _try(job), 60, "the restarted coordinator", log)
         assert after["state"] == "RUNNING", after
         assert after["epoch"] == before["epoch"] and after["members"] == before["members"]
-        progressed = wait_for(lambda: (j := _try(job)) and j["step"] > before["step"] + 10 and j,
-                           10, "the job's steps after the restart", log)
-        final = wait_for(lambda: (j := _try(job)) and j["state"] in ("COMPLETED", "FAILED") and j,
-                      150, "the job to finish", log)
+        progressed = wait_for(
+            lambda: (j := _try(job)) and j["step"] > before["step"] + 10 and j,
+            10,
+            "the job's steps after the restart",
+            log,
+        )
+        final = wait_for(
+            lambda: (j := _try(job)) and j["state"] in ("COMPLETED", "FAILED") and j, 150, "the job to finish", log
+        )
     finally:
         procs.cleanup()
     assert final["state"] == "COMPLETED", final
@@ -83,8 +112,7 @@ def _try(fn):
 
 
 @pytest.mark.timeout(300)
-def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_stopped(
-        tmp_path: Path, reference) -> None:
+def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_stopped(tmp_path: Path, reference) -> None:
     """A fixed gang cannot shrink, so a higher-priority gang suspends it: its workers checkpoint
     and stop, the newcomer runs, and the suspended job resumes from its checkpoint (a new
     incarnation) and ends with the parameters of a run that was never interrupted."""
@@ -96,17 +124,34 @@ def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_sto
 
     steps, out = 240, tmp_path / "low.pt"
     lines: list[str] = []
-    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=1, slots_per_node=2,
-                                    queues=[Queue("q")]), out=lines.append).start()
+    cluster = LocalCluster(
+        UpConfig(state_dir=tmp_path / "state", nodes=1, slots_per_node=2, queues=[Queue("q")]), out=lines.append
+    ).start()
     co = cluster.coordinator
     try:
-        co.submit({"name": "low", "queue": "q", "priorityClassName": "low", "minReplicas": 2,
-                   "maxReplicas": 2, "checkpointDir": str(tmp_path / "ck"),
-                   "command": example_command(steps, out) + ["--device-ms-per-sample", "8"]})
+        co.submit(
+            {
+                "name": "low",
+                "queue": "q",
+                "priorityClassName": "low",
+                "minReplicas": 2,
+                "maxReplicas": 2,
+                "checkpointDir": str(tmp_path / "ck"),
+                "command": example_command(steps, out) + ["--device-ms-per-sample", "8"],
+            }
+        )
         wait_for(lambda: co.job_status("low")["step"] >= 40, 120, "low to train", lines)
-        co.submit({"name": "high", "queue": "q", "priorityClassName": "high", "minReplicas": 2,
-                   "maxReplicas": 2, "preemptible": False,
-                   "command": example_command(60) + ["--device-ms-per-sample", "8"]})
+        co.submit(
+            {
+                "name": "high",
+                "queue": "q",
+                "priorityClassName": "high",
+                "minReplicas": 2,
+                "maxReplicas": 2,
+                "preemptible": False,
+                "command": example_command(60) + ["--device-ms-per-sample", "8"],
+            }
+        )
         wait_for(lambda: co.job_status("low")["state"] == "COMPLETED", 240, "low to finish", lines)
         high = co.job_status("high")
         low = co.job_status("low")
@@ -117,12 +162,13 @@ def test_a_preempted_job_is_suspended_with_a_checkpoint_and_resumes_where_it_sto
     assert high["state"] == "COMPLETED", log
     assert low["incarnation"] == 2, log
     kinds = [(e["kind"], e.get("job")) for e in events]
-    order = [k for k in kinds if k in {("suspend", "low"), ("job_suspended", "low"),
-                                       ("admit", "high"), ("job_completed", "high")}]
-    assert order == [("suspend", "low"), ("job_suspended", "low"), ("admit", "high"),
-                     ("job_completed", "high")], order
-    resumed = next(e for e in events if e["kind"] == "admit" and e.get("job") == "low"
-                   and e["incarnation"] == 2)
+    order = [
+        k
+        for k in kinds
+        if k in {("suspend", "low"), ("job_suspended", "low"), ("admit", "high"), ("job_completed", "high")}
+    ]
+    assert order == [("suspend", "low"), ("job_suspended", "low"), ("admit", "high"), ("job_completed", "high")], order
+    resumed = next(e for e in events if e["kind"] == "admit" and e.get("job") == "low" and e["incarnation"] == 2)
     assert resumed["resumes"] is True
     # The second run's groups never met the first run's store keys (it counts epochs from 1).
     assert not [e for e in events if e["kind"] == "epoch_closed" and e.get("job") == "low"], log

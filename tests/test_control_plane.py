@@ -31,8 +31,15 @@ pytestmark = pytest.mark.timeout(60)
 class Sim:
     """A coordinator plus simulated agents (``nodes``) and workers, stepped by :meth:`advance`."""
 
-    def __init__(self, tmp: Path, nodes: dict[str, int], queues: list[Queue],
-                 cooldown_s: float = 10.0, db: Store | None = None, t: float = 1000.0) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        nodes: dict[str, int],
+        queues: list[Queue],
+        cooldown_s: float = 10.0,
+        db: Store | None = None,
+        t: float = 1000.0,
+    ) -> None:
         self.t = t
         self.tmp = tmp
         self.slots = dict(nodes)
@@ -60,21 +67,35 @@ class Sim:
         died with a watch pending, a link dropped it): the agent never sees it."""
 
     def _coordinator(self) -> Coordinator:
-        cluster = ClusterState(list(self.queues), run_dir=self.tmp,
-                               policy=PolicyConfig(resize_cooldown_s=self.cooldown_s))
-        return Coordinator("127.0.0.1:1", clock=lambda: self.t, cluster=cluster, store=self.db,
-                           pass_s=0.5)
+        cluster = ClusterState(
+            list(self.queues), run_dir=self.tmp, policy=PolicyConfig(resize_cooldown_s=self.cooldown_s)
+        )
+        return Coordinator("127.0.0.1:1", clock=lambda: self.t, cluster=cluster, store=self.db, pass_s=0.5)
 
     def restart(self) -> None:
         """A new coordinator process on the same store (the old one is gone without a word)."""
         self.co = self._coordinator()
         self.version = {n: -1 for n in self.slots}  # a new coordinator counts anew
 
-    def submit(self, name: str, queue: str, lo: int, hi: int, priority: str = "normal",
-               checkpoint: bool = True, preemptible: bool = True) -> None:
-        manifest = {"name": name, "queue": queue, "minReplicas": lo, "maxReplicas": hi,
-                    "priorityClassName": priority, "preemptible": preemptible,
-                    "command": ["python", "train.py"]}
+    def submit(
+        self,
+        name: str,
+        queue: str,
+        lo: int,
+        hi: int,
+        priority: str = "normal",
+        checkpoint: bool = True,
+        preemptible: bool = True,
+    ) -> None:
+        manifest = {
+            "name": name,
+            "queue": queue,
+            "minReplicas": lo,
+            "maxReplicas": hi,
+            "priorityClassName": priority,
+            "preemptible": preemptible,
+            "command": ["python", "train.py"],
+        }
         if checkpoint:
             manifest["checkpointDir"] = str(self.tmp / "ck" / name)
         self.co.submit(manifest)
@@ -93,13 +114,17 @@ class Sim:
             for node in self.slots:
                 if node in self.down:
                     continue
-                beat = p.NodeBeat(slots=self.slots[node], since=self.version[node],
-                                  labels=p.Labels(**self.labels.get(node, {})),
-                                  notice=self.notices.get(node),
-                                  health=self.health.get(node),
-                                  agent=self.agents.get(node, ""), workers=[
-                    p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0)
-                    for w in sorted(self.running[node])])
+                beat = p.NodeBeat(
+                    slots=self.slots[node],
+                    since=self.version[node],
+                    labels=p.Labels(**self.labels.get(node, {})),
+                    notice=self.notices.get(node),
+                    health=self.health.get(node),
+                    agent=self.agents.get(node, ""),
+                    workers=[
+                        p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0) for w in sorted(self.running[node])
+                    ],
+                )
                 reply = self.co.node_heartbeat(node, beat)
                 if reply["start"] and node in self.lose_starts:
                     self.lose_starts.discard(node)
@@ -128,10 +153,12 @@ class Sim:
             self._exit(node, wid, 0)
             return
         news = hb["member_epoch"] == w.epoch  # as the loop reads it: older views are stale
-        if w.state in (WorkerState.STARTING, WorkerState.READY) or \
-                (news and (hb["closed"] or hb["change"] or hb["leave"])):
-            answer = self.co.rendezvous(wid, p.RendezvousRequest(
-                from_epoch=w.epoch, wait_s=0, step=self.steps.get(wid, 0)))
+        if w.state in (WorkerState.STARTING, WorkerState.READY) or (
+            news and (hb["closed"] or hb["change"] or hb["leave"])
+        ):
+            answer = self.co.rendezvous(
+                wid, p.RendezvousRequest(from_epoch=w.epoch, wait_s=0, step=self.steps.get(wid, 0))
+            )
             if answer["action"] == "leave":
                 self.co.worker_left(wid)
                 self._exit(node, wid, 0)
@@ -156,8 +183,12 @@ class Sim:
 
 
 def two_teams(tmp_path: Path, **kw) -> Sim:
-    return Sim(tmp_path, {"n0": 2, "n1": 2, "n2": 2, "n3": 2},
-               [Queue("team-a", guaranteed=4), Queue("team-b", guaranteed=2)], **kw)
+    return Sim(
+        tmp_path,
+        {"n0": 2, "n1": 2, "n2": 2, "n3": 2},
+        [Queue("team-a", guaranteed=4), Queue("team-b", guaranteed=2)],
+        **kw,
+    )
 
 
 def test_elastic_jobs_fill_the_cluster_then_shrink_for_a_high_priority_gang(tmp_path: Path) -> None:
@@ -222,8 +253,7 @@ def test_a_start_order_lost_on_its_way_is_sent_again(tmp_path: Path) -> None:
     assert sim.job("a")["epoch"] == 1
 
 
-def test_a_restarted_agents_first_beat_ends_the_workers_of_the_one_before(
-        tmp_path: Path) -> None:
+def test_a_restarted_agents_first_beat_ends_the_workers_of_the_one_before(tmp_path: Path) -> None:
     """An agent SIGKILLed and started again within a beat or two: the node never went silent,
     but its workers went with the old agent. The new agent's first beat (another agent id)
     makes them dead at once, and the job recovers and grows back there within seconds rather
@@ -323,11 +353,9 @@ def test_a_user_suspension_holds_until_resume_and_cancel_ends_a_job(tmp_path: Pa
 def test_an_invalid_manifest_names_every_problem_and_stores_nothing(tmp_path: Path) -> None:
     sim = Sim(tmp_path, {"n0": 2}, [Queue("q")])
     with pytest.raises(BadRequest) as err:
-        sim.co.submit({"name": "Bad_Name", "queue": "nope", "minReplicas": 3, "maxReplicas": 2,
-                       "command": []})
+        sim.co.submit({"name": "Bad_Name", "queue": "nope", "minReplicas": 3, "maxReplicas": 2, "command": []})
     text = str(err.value)
-    for problem in ("Bad_Name", "no queue 'nope'", "maxReplicas 2 is less than minReplicas 3",
-                    "command is empty"):
+    for problem in ("Bad_Name", "no queue 'nope'", "maxReplicas 2 is less than minReplicas 3", "command is empty"):
         assert problem in text
     assert sim.db.jobs() == []
     with pytest.raises(BadRequest, match="manifest"):
@@ -380,8 +408,7 @@ def test_a_gang_that_loses_a_node_below_its_minimum_is_placed_again(tmp_path: Pa
     assert any(e["kind"] == "repair" for e in sim.db.events())
 
 
-def test_a_job_without_checkpoints_is_never_suspended_and_a_reused_name_gets_a_new_ledger(
-        tmp_path: Path) -> None:
+def test_a_job_without_checkpoints_is_never_suspended_and_a_reused_name_gets_a_new_ledger(tmp_path: Path) -> None:
     sim = Sim(tmp_path, {"n0": 2}, [Queue("q")])
     sim.submit("plain", "q", 2, 2, checkpoint=False)  # preemptible: true, but nothing to resume
     sim.advance(2)
@@ -415,8 +442,7 @@ def test_a_node_that_comes_back_with_fewer_slots_is_never_over_committed(tmp_pat
     assert any(e["kind"] == "node_shrunk" for e in sim.db.events())
 
 
-def test_throughput_is_timed_by_when_steps_were_reached_not_by_when_beats_arrive(
-        tmp_path: Path) -> None:
+def test_throughput_is_timed_by_when_steps_were_reached_not_by_when_beats_arrive(tmp_path: Path) -> None:
     """A node beats every 2 s, carrying each worker's step as of its last heartbeat to the
     agent (at most 0.1 s old); then the members wait in a collective, their step standing
     still while they go on beating (their agents at once and often, as for a stall). The job trains
@@ -441,9 +467,14 @@ def test_throughput_is_timed_by_when_steps_were_reached_not_by_when_beats_arrive
         for node in sim.slots:
             if (tick + phase[node]) % 40 and not stalled:
                 continue
-            beat = p.NodeBeat(slots=1, since=sim.version[node], workers=[
-                p.WorkerBeat(id=w, step=step, stalled=stalled, silent_s=round(sim.t - heard, 4))
-                for w in sorted(sim.running[node])])
+            beat = p.NodeBeat(
+                slots=1,
+                since=sim.version[node],
+                workers=[
+                    p.WorkerBeat(id=w, step=step, stalled=stalled, silent_s=round(sim.t - heard, 4))
+                    for w in sorted(sim.running[node])
+                ],
+            )
             sim.version[node] = sim.co.node_heartbeat(node, beat)["version"]
         sim.co.tick()
     assert ms.state.value == "RUNNING" and ms.epoch == epoch  # one stretch of training
@@ -497,7 +528,17 @@ def test_a_job_moves_through_one_state_machine(tmp_path: Path, monkeypatch) -> N
 
     path = [to for jid, _, to in moves if jid == "a"]
     S = JobState
-    assert path == [S.ADMITTED, S.RUNNING, S.RENDEZVOUS, S.RUNNING, *path[4:-5],
-                    S.SUSPENDING, S.SUSPENDED, S.ADMITTED, S.RUNNING, S.COMPLETED], path
+    assert path == [
+        S.ADMITTED,
+        S.RUNNING,
+        S.RENDEZVOUS,
+        S.RUNNING,
+        *path[4:-5],
+        S.SUSPENDING,
+        S.SUSPENDED,
+        S.ADMITTED,
+        S.RUNNING,
+        S.COMPLETED,
+    ], path
     assert set(path[4:-5]) <= {S.RENDEZVOUS, S.RUNNING}  # the replacement joining
     assert [to for jid, _, to in moves if jid == "fixed"] == [S.ADMITTED, S.RUNNING, S.COMPLETED]

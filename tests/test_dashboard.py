@@ -41,15 +41,17 @@ def server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def _beat(srv: CoordinatorServer, node: str, **labels: str) -> None:
-    r = httpx.post(f"http://{srv.address}/v1/nodes/{node}/heartbeat", headers=AUTH,
-                   json={"slots": 2, "labels": labels}, timeout=10)
+    r = httpx.post(
+        f"http://{srv.address}/v1/nodes/{node}/heartbeat", headers=AUTH, json={"slots": 2, "labels": labels}, timeout=10
+    )
     assert r.status_code == 200, r.text
 
 
 def small_simulation(out: Path) -> Path:
     """A simulation of 20 jobs on 4 x 4 GPUs, half of them spot (a few seconds)."""
-    opts = sim_run.SimOptions(workload="pollux-6", policies=["maitre"], cluster=(4, 4),
-                              spot=0.5, spot_life_h=0.5, limit=20, plots=False)
+    opts = sim_run.SimOptions(
+        workload="pollux-6", policies=["maitre"], cluster=(4, 4), spot=0.5, spot_life_h=0.5, limit=20, plots=False
+    )
     sim_run.main(opts, out, progress=False)
     return out / "events-maitre.jsonl"
 
@@ -66,10 +68,11 @@ def test_events_come_in_pages_after_a_seq_and_name_their_node(server: Coordinato
     assert [e["seq"] for e in page["events"]] == sorted(e["seq"] for e in page["events"])
     assert page["last"] == page["events"][-1]["seq"]
     first = page["events"][0]["seq"]
-    assert httpx.get(base, params={"since": first, "limit": 1}, headers=AUTH,
-                     timeout=10).json()["events"] == page["events"][1:2]
-    assert httpx.get(base, params={"since": page["last"]}, headers=AUTH,
-                     timeout=10).json()["events"] == []
+    assert (
+        httpx.get(base, params={"since": first, "limit": 1}, headers=AUTH, timeout=10).json()["events"]
+        == page["events"][1:2]
+    )
+    assert httpx.get(base, params={"since": page["last"]}, headers=AUTH, timeout=10).json()["events"] == []
     for bad in ({"since": -1}, {"limit": 0}, {"limit": 10**6}, {"job": "no/such"}):
         r = httpx.get(base, params=bad, headers=AUTH, timeout=10)
         assert r.status_code == 400 and r.json()["problems"], (bad, r.text)
@@ -83,8 +86,9 @@ def test_the_stream_brings_a_new_event_as_it_happens(server: CoordinatorServer) 
     opened = threading.Event()
 
     def listen() -> None:
-        with httpx.stream("GET", f"http://{server.address}/v1/events/stream",
-                          params={"since": last}, headers=AUTH, timeout=20) as r:
+        with httpx.stream(
+            "GET", f"http://{server.address}/v1/events/stream", params={"since": last}, headers=AUTH, timeout=20
+        ) as r:
             assert r.headers["content-type"].startswith("text/event-stream")
             opened.set()
             for line in r.iter_lines():
@@ -103,8 +107,7 @@ def test_the_stream_brings_a_new_event_as_it_happens(server: CoordinatorServer) 
 
 
 @pytest.mark.timeout(60)
-def test_the_log_keeps_its_numbering_across_a_restart_and_reads_old_events_from_disk(
-        tmp_path: Path) -> None:
+def test_the_log_keeps_its_numbering_across_a_restart_and_reads_old_events_from_disk(tmp_path: Path) -> None:
     db = Store(tmp_path / "state.db")
     log = EventLog(db, keep=3)
     for k in range(5):
@@ -121,8 +124,7 @@ def test_the_log_keeps_its_numbering_across_a_restart_and_reads_old_events_from_
 
 # -- the token at the door -------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_the_page_needs_the_token_and_the_cookie_opens_reads_only(
-        server: CoordinatorServer) -> None:
+def test_the_page_needs_the_token_and_the_cookie_opens_reads_only(server: CoordinatorServer) -> None:
     base = f"http://{server.address}"
     with httpx.Client(base_url=base, timeout=10) as c:
         r = c.get("/dashboard/")
@@ -131,9 +133,12 @@ def test_the_page_needs_the_token_and_the_cookie_opens_reads_only(
         assert c.get("/v1/events").status_code == 401
         wrong = c.get("/dashboard/", params={"token": "nope"})
         assert wrong.status_code == 401 and "not this coordinator" in wrong.text
-        assert c.post("/dashboard/login", content="token=nope",
-                      headers={"Content-Type": "application/x-www-form-urlencoded"}
-                      ).status_code == 401
+        assert (
+            c.post(
+                "/dashboard/login", content="token=nope", headers={"Content-Type": "application/x-www-form-urlencoded"}
+            ).status_code
+            == 401
+        )
         assert not c.cookies
         r = c.get("/dashboard/", params={"token": TOKEN})
         assert r.status_code == 303 and r.headers["location"] == "/dashboard/"
@@ -148,12 +153,18 @@ def test_the_page_needs_the_token_and_the_cookie_opens_reads_only(
         assert c.get("/dashboard/logout").status_code == 303
         assert c.get("/dashboard/").status_code == 303
     with httpx.Client(base_url=base, timeout=10) as c:
-        r = c.post("/dashboard/login", content=f"token={TOKEN}&next=/dashboard/%23/spot",
-                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+        r = c.post(
+            "/dashboard/login",
+            content=f"token={TOKEN}&next=/dashboard/%23/spot",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
         assert r.status_code == 303 and "maitre_token" in r.headers["set-cookie"]
         assert c.get("/dashboard/").status_code == 200
-        evil = c.post("/dashboard/login", content=f"token={TOKEN}&next=https://elsewhere/",
-                      headers={"Content-Type": "application/x-www-form-urlencoded"})
+        evil = c.post(
+            "/dashboard/login",
+            content=f"token={TOKEN}&next=https://elsewhere/",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+        )
         assert evil.headers["location"] == "/dashboard/"
 
 
@@ -163,8 +174,12 @@ def test_what_does_not_exist_is_a_404(server: CoordinatorServer) -> None:
     with httpx.Client(base_url=base, timeout=10, headers=AUTH) as c:
         assert c.get("/dashboard/assets/app.js").status_code == 200
         assert c.get("/dashboard/assets/app.css").status_code == 200
-        for path in ("/dashboard/assets/nope.js", "/dashboard/assets/sub/app.js",
-                     "/dashboard/jobs/x", "/dashboard/nope.html"):
+        for path in (
+            "/dashboard/assets/nope.js",
+            "/dashboard/assets/sub/app.js",
+            "/dashboard/jobs/x",
+            "/dashboard/nope.html",
+        ):
             assert c.get(path).status_code == 404, path
         assert c.get("/nope").status_code == 404
         assert c.get("/", follow_redirects=False).headers["location"] == "/dashboard/"
@@ -177,8 +192,17 @@ def test_a_simulation_replays_with_the_live_logs_shapes(tmp_path: Path) -> None:
     assert find(tmp_path / "sim") == path
     events = load(path)
     kinds = {e["kind"] for e in events}
-    assert {"prices", "node_registered", "submitted", "admit", "epoch", "job_completed",
-            "spot_notice", "node_drained", "node_reclaimed"} <= kinds
+    assert {
+        "prices",
+        "node_registered",
+        "submitted",
+        "admit",
+        "epoch",
+        "job_completed",
+        "spot_notice",
+        "node_drained",
+        "node_reclaimed",
+    } <= kinds
     jobs = {e["job"] for e in events if e["kind"] == "submitted"}
     assert jobs == {e["job"] for e in events if e["kind"] == "job_completed"} and len(jobs) == 20
     slots = {e["node"]: e["slots"] for e in events if e["kind"] == "node_registered"}
@@ -194,11 +218,13 @@ def test_a_simulation_replays_with_the_live_logs_shapes(tmp_path: Path) -> None:
             assert page.json()["events"] == events
             meta = c.get(srv.url + "meta.json").json()
             assert meta["live"] is False and meta["source"] == str(path)
-            with c.stream("GET", srv.url.replace("/dashboard/", "/v1/events/stream"),
-                          params={"since": events[-3]["seq"]}) as r:
+            with c.stream(
+                "GET", srv.url.replace("/dashboard/", "/v1/events/stream"), params={"since": events[-3]["seq"]}
+            ) as r:
                 lines = [line for line in r.iter_lines() if line]
-            assert [json.loads(line[6:])["seq"] for line in lines if line.startswith("data: {\"")] \
-                == [e["seq"] for e in events[-2:]]
+            assert [json.loads(line[6:])["seq"] for line in lines if line.startswith('data: {"')] == [
+                e["seq"] for e in events[-2:]
+            ]
             assert "event: end" in lines
             assert c.get(srv.url, headers={"Authorization": ""}).status_code == 303
             # The file goes bad under the running replay: a 422 that says why, not a blank page.
@@ -209,8 +235,7 @@ def test_a_simulation_replays_with_the_live_logs_shapes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_coordinators_state_db_replays_its_events(server: CoordinatorServer,
-                                                    tmp_path: Path) -> None:
+def test_a_coordinators_state_db_replays_its_events(server: CoordinatorServer, tmp_path: Path) -> None:
     _beat(server, "n0", capacity_type="spot")
     server.coordinator.db.flush()
     log = ReplayLog(find(tmp_path))
@@ -221,11 +246,13 @@ def test_a_coordinators_state_db_replays_its_events(server: CoordinatorServer,
 BAD = {
     "not-json.jsonl": ('{"seq": 1, "t": 0, "job": null, "kind": "a"}\n{nope\n', "line 2: not JSON"),
     "cut.jsonl": ('{"seq": 1, "t": 0, "job": null, "kind": "a"}\n{"seq": 2, "t"', "cut short"),
-    "seq.jsonl": ('{"seq": 2, "t": 0, "kind": "a"}\n{"seq": 2, "t": 1, "kind": "b"}\n',
-                  "line 2: 'seq' must be an integer above"),
+    "seq.jsonl": (
+        '{"seq": 2, "t": 0, "kind": "a"}\n{"seq": 2, "t": 1, "kind": "b"}\n',
+        "line 2: 'seq' must be an integer above",
+    ),
     "kind.jsonl": ('{"seq": 1, "t": 0}\n', "'kind' must be"),
     "time.jsonl": ('{"seq": 1, "t": "soon", "kind": "a"}\n', "'t' must be a finite number"),
-    "array.jsonl": ('[1, 2]\n', "an event is a JSON object"),
+    "array.jsonl": ("[1, 2]\n", "an event is a JSON object"),
     "empty.jsonl": ("", "no events"),
     "state.db": ("SQLite format 3\x00 but nothing else", "not a coordinator's state database"),
 }
@@ -246,13 +273,16 @@ def test_maitre_dashboard_refuses_what_it_cannot_replay(tmp_path: Path) -> None:
     (tmp_path / "cut.jsonl").write_text('{"seq": 1, "t": 0, "kind": "a"}\n{"seq"')
     (tmp_path / "sim").mkdir()
     (tmp_path / "sim" / "events-fifo.jsonl").write_text('{"seq": 1, "t": 0, "kind": "a"}\n')
-    cases = [([str(tmp_path / "cut.jsonl")], "line 2 is cut short"),
-             ([str(tmp_path / "nowhere")], "no such file"),
-             ([str(tmp_path)], "no event log in it"),
-             ([str(tmp_path / "sim"), "--policy", "maitre"], "the policies there: fifo"),
-             ([str(tmp_path / "sim"), "--port", "70000"], "--port must be in")]
+    cases = [
+        ([str(tmp_path / "cut.jsonl")], "line 2 is cut short"),
+        ([str(tmp_path / "nowhere")], "no such file"),
+        ([str(tmp_path)], "no event log in it"),
+        ([str(tmp_path / "sim"), "--policy", "maitre"], "the policies there: fifo"),
+        ([str(tmp_path / "sim"), "--port", "70000"], "--port must be in"),
+    ]
     for args, why in cases:
-        run = subprocess.run([sys.executable, "-m", "maitre.cli", "dashboard", *args],
-                             capture_output=True, text=True, timeout=60)
+        run = subprocess.run(
+            [sys.executable, "-m", "maitre.cli", "dashboard", *args], capture_output=True, text=True, timeout=60
+        )
         assert run.returncode == 2 and why in run.stderr, (args, run.stderr)
         assert "dashboard at" not in run.stdout

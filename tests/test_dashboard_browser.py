@@ -66,12 +66,10 @@ def test_a_simulations_replay_renders_every_view_with_no_console_error(tmp_path:
         assert "no view" in page.page.inner_text("main")
         # Back in time: the slider's middle shows the cluster as it was then.
         page.view("scaling")
-        done_at_end = page.js("[...window.__maitre.model().jobs.values()]"
-                              ".filter(j => j.state === 'COMPLETED').length")
+        done_at_end = page.js("[...window.__maitre.model().jobs.values()].filter(j => j.state === 'COMPLETED').length")
         page.page.locator("#slider").fill("300")
         page.page.wait_for_function("!document.querySelector('#follow').checked")
-        done_then = page.js("[...window.__maitre.model().jobs.values()]"
-                            ".filter(j => j.state === 'COMPLETED').length")
+        done_then = page.js("[...window.__maitre.model().jobs.values()].filter(j => j.state === 'COMPLETED').length")
         assert done_then < done_at_end == 20
         assert page.page_errors() == []
 
@@ -92,12 +90,10 @@ def test_a_log_that_goes_bad_shows_the_error_not_a_blank_page(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(120)
-def test_the_browser_signs_in_with_the_token_and_the_stream_shows_new_events(
-        tmp_path: Path) -> None:
+def test_the_browser_signs_in_with_the_token_and_the_stream_shows_new_events(tmp_path: Path) -> None:
     import httpx
 
-    with CoordinatorServer(ClusterState([], run_dir=tmp_path), token=TOKEN) as srv, \
-            browser() as b:
+    with CoordinatorServer(ClusterState([], run_dir=tmp_path), token=TOKEN) as srv, browser() as b:
         page = new_page(b)
         page.page.goto(f"http://{srv.address}/dashboard/")
         assert page.page.locator("input[name=token]").count() == 1  # the login form
@@ -115,17 +111,20 @@ def test_the_browser_signs_in_with_the_token_and_the_stream_shows_new_events(
         page.view("scaling")
         assert "No node has registered" in page.page.inner_text("#scaling")
         sent = time.time()
-        r = httpx.post(f"http://{srv.address}/v1/nodes/n-new/heartbeat", timeout=10,
-                       headers={"Authorization": f"Bearer {TOKEN}"},
-                       json={"slots": 4, "labels": {"capacity_type": "spot"}})
+        r = httpx.post(
+            f"http://{srv.address}/v1/nodes/n-new/heartbeat",
+            timeout=10,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            json={"slots": 4, "labels": {"capacity_type": "spot"}},
+        )
         assert r.status_code == 200
         # The event reaches the model first and the page on the next animation frame: waited
         # for the render that shows it, not just the model.
         page.page.wait_for_function(
-            "window.__maitre.model().nodes.has('n-new') && "
-            "window.__maitre.renderedSeq >= window.__maitre.model().seq", timeout=10000)
-        seen = page.js("window.__maitre.seen[window.__maitre.model().seq] ?? "
-                       "window.__maitre.renderedAt") / 1000
+            "window.__maitre.model().nodes.has('n-new') && window.__maitre.renderedSeq >= window.__maitre.model().seq",
+            timeout=10000,
+        )
+        seen = page.js("window.__maitre.seen[window.__maitre.model().seq] ?? window.__maitre.renderedAt") / 1000
         print(f"a node's registration showed in the page {seen - sent:.3f} s after its beat")
         assert page.page.locator("#scaling-canvas").count() == 1
         assert page.page_errors() == []
@@ -152,9 +151,21 @@ def test_the_demo_story_watched_live(tmp_path: Path) -> None:
 
     # 300 steps: the story's stages (urgent, the kill, the notice) wait on wall-clock time too,
     # and must all come before the elastic jobs end, on a slow machine as well.
-    demo = Demo(DemoConfig(run_dir=tmp_path, nodes=2, slots_per_node=2, steps=300,
-                           urgent_at_step=50, urgent_steps=60, cooldown_s=5.0, timeout_s=300,
-                           device_ms_per_sample=4.0, reclaim_after_s=2.0), out=out)
+    demo = Demo(
+        DemoConfig(
+            run_dir=tmp_path,
+            nodes=2,
+            slots_per_node=2,
+            steps=300,
+            urgent_at_step=50,
+            urgent_steps=60,
+            cooldown_s=5.0,
+            timeout_s=300,
+            device_ms_per_sample=4.0,
+            reclaim_after_s=2.0,
+        ),
+        out=out,
+    )
     result: list[int | str] = []
 
     def play() -> None:
@@ -165,6 +176,7 @@ def test_the_demo_story_watched_live(tmp_path: Path) -> None:
 
             result.append(traceback.format_exc())
             raise
+
     runner = threading.Thread(target=play, daemon=True)
     runner.start()
     with browser_if_any() as b:
@@ -179,25 +191,29 @@ def test_the_demo_story_watched_live(tmp_path: Path) -> None:
     assert result == [0], f"{result}\n{log[-6000:]}"  # (the end of the story says what failed)
     report = json.loads((tmp_path / "report.json").read_text())
     assert {j: v["state"] for j, v in report["jobs"].items()} == {
-        "a-lm": "COMPLETED", "b-lm": "COMPLETED", "urgent": "COMPLETED"}, log
+        "a-lm": "COMPLETED",
+        "b-lm": "COMPLETED",
+        "urgent": "COMPLETED",
+    }, log
     assert all("exactly once" in a for a in report["audits"].values()), report["audits"]
     causes = [r["cause"] for r in report["recoveries"]]
     assert any("shrink (preempted by urgent)" in c for c in causes), causes
     assert any(c.startswith("SIGKILL") for c in causes), causes
     # A spot node's reclaim notice: its workers left at a step boundary (or, for a job whose
     # only live state was there, checkpointed and resumed elsewhere), a reclaim, no failure.
-    assert any("shrink (spot notice on node-1)" in c or "suspend (spot notice on node-1" in c
-               for c in causes), causes
+    assert any("shrink (spot notice on node-1)" in c or "suspend (spot notice on node-1" in c for c in causes), causes
     assert report["reclaims"] == 1 and "spot: node-1 drained in" in log, log
     assert report["cost"] < report["on_demand_cost"], report
     # No restart but one: a job whose only live state was on the noticed node (where the
     # scheduler happened to leave it) checkpoints within the notice and resumes from it.
     for job in ("a-lm", "b-lm"):
-        resumes = [c for r, c in zip(report["recoveries"], causes)
-                   if r["job"] == job and r.get("incarnation", 1) > 1 and r["epoch"] == 1]
+        resumes = [
+            c
+            for r, c in zip(report["recoveries"], causes)
+            if r["job"] == job and r.get("incarnation", 1) > 1 and r["epoch"] == 1
+        ]
         assert report["jobs"][job]["incarnations"] == 1 + len(resumes), (job, causes)
-        assert all(c.startswith("resume after suspend (spot notice on node-1: ")
-                   for c in resumes), (job, causes)
+        assert all(c.startswith("resume after suspend (spot notice on node-1: ") for c in resumes), (job, causes)
         assert len(resumes) <= 1, (job, causes)
     assert 0 < report["allocation"] <= 1 and 0 < report["utilization"] <= 1
     assert "maitre demo: report" in log
@@ -213,13 +229,16 @@ def test_the_demo_names_what_a_new_incarnation_resumes_after(tmp_path: Path) -> 
 
     demo = Demo(DemoConfig(run_dir=tmp_path), out=lambda line: None)
     why = "spot notice on node-1: it would be left below its minimum of 1; it checkpoints first"
-    demo.decisions = {"a-lm": [{"t": 10.0, "kind": "shrink", "reason": "preempted by urgent"},
-                               {"t": 17.7, "kind": "suspend", "reason": why},
-                               {"t": 18.7, "kind": "admit"}]}
+    demo.decisions = {
+        "a-lm": [
+            {"t": 10.0, "kind": "shrink", "reason": "preempted by urgent"},
+            {"t": 17.7, "kind": "suspend", "reason": why},
+            {"t": 18.7, "kind": "admit"},
+        ]
+    }
     first = {"reason": "join", "epoch": 1, "detected_at": 19.0}
     assert demo._cause("a-lm", {}, {**first, "incarnation": 1}) == ("start", None)
-    assert demo._cause("a-lm", {}, {**first, "incarnation": 2}) == (
-        f"resume after suspend ({why})", None)
+    assert demo._cause("a-lm", {}, {**first, "incarnation": 2}) == (f"resume after suspend ({why})", None)
     assert demo._cause("b-lm", {}, {**first, "incarnation": 2}) == ("resume", None)
 
 
@@ -234,12 +253,13 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
     # a resize: urgent arrives and the elastic jobs shrink to make room
     page.page.wait_for_function(
         "(() => { const j = window.__maitre.model().jobs.get('b-lm');"
-        " return j && j.states.some(s => s.to === 'RESIZING'); })()", timeout=240_000)
+        " return j && j.states.some(s => s.to === 'RESIZING'); })()",
+        timeout=240_000,
+    )
     assert page.page.locator("#scaling-canvas").count() == 1
     assert "b-lm" in page.page.inner_text(".legend")
     # ... and the epoch it opens (the page may have been faster than the rendezvous)
-    page.page.wait_for_function(
-        "window.__maitre.model().jobs.get('b-lm').epochs.length >= 2", timeout=60_000)
+    page.page.wait_for_function("window.__maitre.model().jobs.get('b-lm').epochs.length >= 2", timeout=60_000)
     page.view("rendezvous")
     card = page.page.locator("#rendezvous .card[data-job='b-lm']")
     assert card.locator("table.epochs tr[data-epoch]").count() >= 2
@@ -260,8 +280,7 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
     assert "saved" in page.page.inner_text("#cost-summary")
     shot(page, "spot")
     runner.join(300)
-    page.page.wait_for_function(
-        "window.__maitre.model().jobs.get('a-lm').state === 'COMPLETED'", timeout=30_000)
+    page.page.wait_for_function("window.__maitre.model().jobs.get('a-lm').state === 'COMPLETED'", timeout=30_000)
     page.view("scaling")
     shot(page, "scaling")
     page.view("checkpoints")
@@ -276,8 +295,10 @@ def watch_the_demo(b, url: list[str], lines: list[str], runner: threading.Thread
         return out; })()""")
     assert lag, "no event was seen live"
     lag.sort()
-    print(f"{len(lag)} job events seen live: median {lag[len(lag) // 2]:.3f} s, "
-          f"worst {lag[-1]:.3f} s from the coordinator's event to the page")
+    print(
+        f"{len(lag)} job events seen live: median {lag[len(lag) // 2]:.3f} s, "
+        f"worst {lag[-1]:.3f} s from the coordinator's event to the page"
+    )
     # The coordinator has stopped with the demo: the stream's reconnects fail, and only that
     # may be on the console.
     gone = ("ERR_CONNECTION_REFUSED", "ERR_INCOMPLETE_CHUNKED_ENCODING")
@@ -291,10 +312,18 @@ def test_a_slow_rank_is_marked_on_its_job_and_node(tmp_path: Path) -> None:
         {"kind": "node_registered", "node": "n1", "slots": 2, "labels": {}, "price": None},
         {"kind": "submitted", "job": "lm", "queue": "q", "priority": 0, "replicas": [1, 4]},
         {"kind": "admit", "job": "lm", "placement": {"n0": 2, "n1": 2}},
-        {"kind": "epoch", "job": "lm", "epoch": 1, "members": ["w1", "w2", "w3", "w4"],
-         "reason": "start"},
-        {"kind": "straggler", "job": "lm", "worker": "w3", "rank": 2, "node": "n1",
-         "ratio": 1.62, "since_step": 1, "step": 10, "policy": "report"},
+        {"kind": "epoch", "job": "lm", "epoch": 1, "members": ["w1", "w2", "w3", "w4"], "reason": "start"},
+        {
+            "kind": "straggler",
+            "job": "lm",
+            "worker": "w3",
+            "rank": 2,
+            "node": "n1",
+            "ratio": 1.62,
+            "since_step": 1,
+            "step": 10,
+            "policy": "report",
+        },
     ]
     with replay_page(tmp_path, events, TOKEN) as page:
         assert "1 slow rank" in page.page.inner_text("#stat-stragglers")
@@ -311,12 +340,30 @@ def test_an_unhealthy_and_a_suspect_node_are_marked_with_why(tmp_path: Path) -> 
     events = [
         {"kind": "node_registered", "node": "n0", "slots": 1, "labels": {}, "price": None},
         {"kind": "node_registered", "node": "n1", "slots": 1, "labels": {}, "price": None},
-        {"kind": "node_health", "node": "n0", "ok": True, "detail": "ok: cpu 0.050s",
-         "seconds": 0.6, "probe": "builtin"},
-        {"kind": "node_health", "node": "n1", "ok": False, "detail": "gpu 3: ECC error",
-         "seconds": 0.4, "probe": "command"},
-        {"kind": "node_suspect", "node": "n0", "reason": "straggler: w2 at 2.00x the median",
-         "until": 600.0, "job": "lm", "worker": "w2"},
+        {
+            "kind": "node_health",
+            "node": "n0",
+            "ok": True,
+            "detail": "ok: cpu 0.050s",
+            "seconds": 0.6,
+            "probe": "builtin",
+        },
+        {
+            "kind": "node_health",
+            "node": "n1",
+            "ok": False,
+            "detail": "gpu 3: ECC error",
+            "seconds": 0.4,
+            "probe": "command",
+        },
+        {
+            "kind": "node_suspect",
+            "node": "n0",
+            "reason": "straggler: w2 at 2.00x the median",
+            "until": 600.0,
+            "job": "lm",
+            "worker": "w2",
+        },
     ]
     with replay_page(tmp_path, events, TOKEN) as page:
         page.view("scaling")

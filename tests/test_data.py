@@ -26,8 +26,10 @@ from maitre.data import DataError, Loader, TokenShards
 from maitre.runtime.env import WorkerEnv
 from maitre.runtime.ledger import audit
 
-pytestmark = [pytest.mark.timeout(120),  # (4 data workers on 2 cores: torch warns, rightly)
-              pytest.mark.filterwarnings("ignore:This DataLoader will create")]
+pytestmark = [
+    pytest.mark.timeout(120),  # (4 data workers on 2 cores: torch warns, rightly)
+    pytest.mark.filterwarnings("ignore:This DataLoader will create"),
+]
 
 
 class Recorded(torch.utils.data.Dataset):
@@ -52,18 +54,21 @@ class Recorded(torch.utils.data.Dataset):
         return [int(x) for x in self.log.read_text().split()] if self.log.exists() else []
 
 
-def a_loop(n: int, batch: int, micro: int | None = None, state: dict | None = None
-           ) -> maitre.ElasticLoop:
+def a_loop(n: int, batch: int, micro: int | None = None, state: dict | None = None) -> maitre.ElasticLoop:
     model = torch.nn.Linear(1, 1)
     sampler = maitre.ElasticSampler(n, batch, seed=3)
     if state is not None:
         sampler.load_state_dict(state)
-    return maitre.ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), sampler,
-                              micro_batch_size=micro, env=WorkerEnv.from_environ({}))
+    return maitre.ElasticLoop(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        sampler,
+        micro_batch_size=micro,
+        env=WorkerEnv.from_environ({}),
+    )
 
 
-def train(loop: maitre.ElasticLoop, loader: Loader, steps: int, compute: float = 0.0
-          ) -> list[list[int]]:
+def train(loop: maitre.ElasticLoop, loader: Loader, steps: int, compute: float = 0.0) -> list[list[int]]:
     """Runs ``steps`` steps; checks each micro-batch's data against its indices. ``compute``:
     seconds each micro-batch holds the main thread, as a model's forward would."""
     model = loop.model
@@ -79,8 +84,7 @@ def train(loop: maitre.ElasticLoop, loader: Loader, steps: int, compute: float =
 
 
 @pytest.mark.parametrize("workers", [0, 2, 4])
-def test_each_step_gets_the_samples_the_loop_gave_it_with_workers_loading_ahead(
-        tmp_path: Path, workers: int) -> None:
+def test_each_step_gets_the_samples_the_loop_gave_it_with_workers_loading_ahead(tmp_path: Path, workers: int) -> None:
     data = Recorded(50, tmp_path / "reads")
     loop = a_loop(50, 8, micro=3)
     with Loader(data, loop, num_workers=workers) as loader:
@@ -95,8 +99,7 @@ def test_each_step_gets_the_samples_the_loop_gave_it_with_workers_loading_ahead(
 
 
 @pytest.mark.parametrize("compute", [0.0, 0.2])
-def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(
-        tmp_path: Path, compute: float) -> None:
+def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(tmp_path: Path, compute: float) -> None:
     """``compute`` 0.2 s: the worker dies while the script computes, not while it waits in
     the loader (torch's SIGCHLD handler would raise its error there, in the script's code);
     its batch still queued then cannot be received from it (its shared memory's sender is
@@ -112,8 +115,7 @@ def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(
     assert sorted(i for m in trained for i in m) == list(range(40))
 
 
-def test_a_resume_at_another_worker_count_reads_none_of_the_skipped_samples(
-        tmp_path: Path) -> None:
+def test_a_resume_at_another_worker_count_reads_none_of_the_skipped_samples(tmp_path: Path) -> None:
     first = Recorded(400, tmp_path / "first")
     loop = a_loop(400, 16)
     with Loader(first, loop, num_workers=2) as loader:
@@ -186,19 +188,21 @@ def test_a_truncated_shard_is_named_with_its_byte_offset(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_corrupt_token_stops_the_step_naming_file_and_offset(tmp_path: Path,
-                                                               workers: int) -> None:
+def test_a_corrupt_token_stops_the_step_naming_file_and_offset(tmp_path: Path, workers: int) -> None:
     folder = shards(tmp_path / "c", [200])
     raw = bytearray((folder / "shard-000.bin").read_bytes())
-    raw[2 * 57:2 * 58] = (65000).to_bytes(2, "little")  # token 57: out of the vocabulary
+    raw[2 * 57 : 2 * 58] = (65000).to_bytes(2, "little")  # token 57: out of the vocabulary
     (folder / "shard-000.bin").write_bytes(bytes(raw))
     ds = TokenShards(folder, seq_len=10, vocab_size=1000)
     loop = a_loop(len(ds), 4)
     loop.sampler = maitre.ElasticSampler.of(ds, 4, seed=3)
     model = loop.model
     with Loader(ds, loop, num_workers=workers) as loader:
-        with pytest.raises(DataError, match=r"shard-000\.bin: at byte 114: token id 65000 is "
-                                            "not below the vocabulary size 1000") as caught:
+        with pytest.raises(
+            DataError,
+            match=r"shard-000\.bin: at byte 114: token id 65000 is "
+            "not below the vocabulary size 1000",
+        ) as caught:
             for batch in loop.run(max_steps=10):
                 for x in loader(batch):
                     batch.backward(model(x[:, :1].float()).sum())
@@ -209,13 +213,14 @@ def test_a_corrupt_token_stops_the_step_naming_file_and_offset(tmp_path: Path,
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_with_on_error_skip_a_corrupt_record_is_left_out_of_the_mean_and_counted(
-        tmp_path: Path, workers: int, capsys) -> None:
+    tmp_path: Path, workers: int, capsys
+) -> None:
     """The corrupt token of the test above, with ``on_error="skip"``: its sequence is left out,
     the step's gradient is the mean over the samples trained (SGD's update says so), the skip is
     printed with the file and offset and counted; every other sample trains once."""
     folder = shards(tmp_path / "c", [200])
     raw = bytearray((folder / "shard-000.bin").read_bytes())
-    raw[2 * 57:2 * 58] = (65000).to_bytes(2, "little")  # token 57: in sequence 5
+    raw[2 * 57 : 2 * 58] = (65000).to_bytes(2, "little")  # token 57: in sequence 5
     (folder / "shard-000.bin").write_bytes(bytes(raw))
     ds = TokenShards(folder, seq_len=10, vocab_size=1000)
     loop = a_loop(len(ds), 4, micro=2)
@@ -238,17 +243,21 @@ def test_with_on_error_skip_a_corrupt_record_is_left_out_of_the_mean_and_counted
         assert torch.allclose(model.weight.detach(), expected)
         assert loader.skipped == 1
     assert loop.skipped == 1
-    steps = sorted(loop.sampler.order(0)[:len(ds) // 4 * 4])
+    steps = sorted(loop.sampler.order(0)[: len(ds) // 4 * 4])
     assert 5 in steps and sorted(trained) == [i for i in steps if i != 5]
     err = capsys.readouterr().err
-    assert re.search(r"skipped sample 5: DataError: .*shard-000\.bin: at byte 114: token id "
-                     "65000", err), err
+    assert re.search(
+        r"skipped sample 5: DataError: .*shard-000\.bin: at byte 114: token id "
+        "65000",
+        err,
+    ), err
     with pytest.raises(ValueError, match="on_error must be 'raise' or 'skip'"):
         Loader(ds, loop, on_error="ignore")
 
 
 def test_past_max_skipped_the_error_stops_the_job(tmp_path: Path) -> None:
     """A dataset that fails every record (a bug, not a bad record) is not trained around."""
+
     class Broken(torch.utils.data.Dataset):
         def __len__(self) -> int:
             return 40
@@ -258,8 +267,11 @@ def test_past_max_skipped_the_error_stops_the_job(tmp_path: Path) -> None:
 
     loop = a_loop(40, 4)
     with Loader(Broken(), loop, on_error="skip", max_skipped=5) as loader:
-        with pytest.raises(RuntimeError, match=r"KeyError: \"no column 'text' in record \d+\" "
-                                               r"\(and 5 records skipped before it"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"KeyError: \"no column 'text' in record \d+\" "
+            r"\(and 5 records skipped before it",
+        ):
             for batch in loop.run(max_steps=10):
                 for x in loader(batch):
                     assert x is None
@@ -270,16 +282,20 @@ def test_past_max_skipped_the_error_stops_the_job(tmp_path: Path) -> None:
 def test_a_shard_directory_that_changed_is_refused_on_resume(tmp_path: Path) -> None:
     folder = shards(tmp_path / "d", [300, 300, 300])
     state = maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8).state_dict()
-    assert maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8).load_state_dict(
-        state) is None  # unchanged: fine
+    assert (
+        maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8).load_state_dict(state) is None
+    )  # unchanged: fine
     (folder / "shard-002.bin").unlink()
     shards(tmp_path / "other", [300, 310, 300, 50])
     for name in ("shard-001.bin", "shard-003.bin"):
         os.replace(tmp_path / "other" / name, folder / name)
     now = maitre.ElasticSampler.of(TokenShards(folder, seq_len=10), 8)
-    with pytest.raises(ValueError, match=r"the data changed since this state was saved: shards "
-                       r"in .*: added: shard-003\.bin; removed: shard-002\.bin; resized: "
-                       r"shard-001\.bin \(600 -> 620 bytes\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the data changed since this state was saved: shards "
+        r"in .*: added: shard-003\.bin; removed: shard-002\.bin; resized: "
+        r"shard-001\.bin \(600 -> 620 bytes\)",
+    ):
         now.load_state_dict(state)
     with pytest.raises(ValueError, match=r"seq_len 10 -> 12"):
         maitre.ElasticSampler.of(TokenShards(folder, seq_len=12), 8).load_state_dict(state)
@@ -294,8 +310,11 @@ def test_an_empty_source_or_a_batch_larger_than_it_is_refused_up_front(tmp_path:
     with pytest.raises(ValueError, match="the data set is empty"):
         maitre.ElasticSampler.of(tiny, 1)
     ds = TokenShards(shards(tmp_path / "s", [41]), seq_len=4)
-    with pytest.raises(ValueError, match=r"the global batch \(11\) is larger than the data set "
-                                         r"\(10 samples\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"the global batch \(11\) is larger than the data set "
+        r"\(10 samples\)",
+    ):
         maitre.ElasticSampler.of(ds, 11)
 
 
@@ -309,8 +328,11 @@ def parquet(folder: Path, rows: list[int], group: int = 30) -> Path:
     start = 0
     for k, n in enumerate(rows):
         ids = list(range(start, start + n))
-        pq.write_table(pa.table({"id": ids, "text": [f"record {i}" for i in ids]}),
-                       folder / f"part-{k:03d}.parquet", row_group_size=group)
+        pq.write_table(
+            pa.table({"id": ids, "text": [f"record {i}" for i in ids]}),
+            folder / f"part-{k:03d}.parquet",
+            row_group_size=group,
+        )
         start += n
     return folder
 
@@ -330,7 +352,7 @@ def test_parquet_rows_train_once_in_blocks_of_one_file(tmp_path: Path, workers: 
     assert len(ds) == 220 and ds[105] == 105
     order = ds.order(seed=3, data_epoch=0)
     assert sorted(order) == list(range(220)) and order != ds.order(seed=3, data_epoch=1)
-    blocks = [order[i:i + 16] for i in range(0, 220, 16)]
+    blocks = [order[i : i + 16] for i in range(0, 220, 16)]
     assert all(b == list(range(b[0], b[0] + len(b))) for b in blocks[:3])  # consecutive rows
     loop = a_loop(len(ds), 20, micro=10)
     loop.sampler = maitre.ElasticSampler.of(ds, 20, seed=3)
@@ -344,43 +366,50 @@ def test_parquet_rows_train_once_in_blocks_of_one_file(tmp_path: Path, workers: 
                 batch.backward(model(ids.float()[:, None]).sum())
     assert sorted(trained) == list(range(220))
     state = loop.sampler.state_dict()
-    assert ParquetShards(folder, columns=["id"], block=16).changes(state["source"]) == \
-        f"shards in {folder}: columns None -> ['id']"
+    assert (
+        ParquetShards(folder, columns=["id"], block=16).changes(state["source"])
+        == f"shards in {folder}: columns None -> ['id']"
+    )
     (folder / "part-003.parquet").write_bytes((folder / "part-002.parquet").read_bytes())
     with pytest.raises(ValueError, match=r"added: part-003\.parquet"):
-        maitre.ElasticSampler.of(ParquetShards(folder, block=16), 20, seed=3
-                                 ).load_state_dict(state)
+        maitre.ElasticSampler.of(ParquetShards(folder, block=16), 20, seed=3).load_state_dict(state)
 
 
-def test_a_file_that_is_not_parquet_or_a_row_group_that_does_not_decode_is_named(
-        tmp_path: Path) -> None:
+def test_a_file_that_is_not_parquet_or_a_row_group_that_does_not_decode_is_named(tmp_path: Path) -> None:
     pytest.importorskip("pyarrow")
     from maitre.data import ParquetShards
 
     folder = parquet(tmp_path / "p", [60, 60])
     whole = (folder / "part-001.parquet").read_bytes()
-    (folder / "part-001.parquet").write_bytes(whole[:len(whole) // 2])  # a copy cut short
+    (folder / "part-001.parquet").write_bytes(whole[: len(whole) // 2])  # a copy cut short
     with pytest.raises(DataError, match=r"part-001\.parquet: at byte \d+: not a Parquet file"):
         ParquetShards(folder)
-    with pytest.raises(DataError, match=r"part-000\.parquet: at byte \d+: no column\(s\) "
-                                        r"label \(it has id, text\)"):
+    with pytest.raises(
+        DataError,
+        match=r"part-000\.parquet: at byte \d+: no column\(s\) "
+        r"label \(it has id, text\)",
+    ):
         ParquetShards(folder, columns=["label"], pattern="part-000.parquet")
     # The footer intact, a row group's pages overwritten: found when a sample in it is read.
     raw = bytearray(whole)
     ds = ParquetShards(parquet(tmp_path / "q", [60, 60]))
     start = ds._offsets[1][1]
-    raw[start:start + 64] = b"\xff" * 64
+    raw[start : start + 64] = b"\xff" * 64
     (tmp_path / "q" / "part-001.parquet").write_bytes(bytes(raw))
     ds = ParquetShards(tmp_path / "q")
     assert ds[59]["id"] == 59 and ds[60]["id"] == 60  # the first group of the second file
-    with pytest.raises(DataError, match=rf"part-001\.parquet: at byte {start}: row group 1 "
-                                        "does not decode"):
+    with pytest.raises(
+        DataError,
+        match=rf"part-001\.parquet: at byte {start}: row group 1 "
+        "does not decode",
+    ):
         ds[95]
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_hugging_face_dataset_from_local_parquet_trains_every_row_once(
-        tmp_path: Path, monkeypatch, workers: int) -> None:
+    tmp_path: Path, monkeypatch, workers: int
+) -> None:
     """A ``datasets.Dataset`` loaded from local files is a map-style dataset like any other
     (its ``__getitems__`` is what the DataLoader calls): every row once, across a resume at
     another worker count."""
@@ -388,8 +417,9 @@ def test_a_hugging_face_dataset_from_local_parquet_trains_every_row_once(
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     folder = parquet(tmp_path / "p", [60, 40])
-    ds = datasets.Dataset.from_parquet(sorted(str(p) for p in folder.glob("*.parquet")),
-                                       cache_dir=str(tmp_path / "hf-cache"))
+    ds = datasets.Dataset.from_parquet(
+        sorted(str(p) for p in folder.glob("*.parquet")), cache_dir=str(tmp_path / "hf-cache")
+    )
     ds = ds.with_format("torch", columns=["id"])
     loop = a_loop(len(ds), 10, micro=5)
     loop.sampler = maitre.ElasticSampler.of(ds, 10, seed=3)
@@ -419,21 +449,26 @@ STEPS = 300
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("workers", [0, 2, 4])
 def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
-        tmp_path: Path, reference, workers: int) -> None:
+    tmp_path: Path, reference, workers: int
+) -> None:
     """A job of 2 workers loses one (world 1), gets a replacement and a third (world 3), each
     rank's data workers loading ahead all along, and then one data worker is SIGKILLed (as the
     OOM killer would): the loader replaces it, the job does not notice. The ledger shows every
     sample once, and the parameters are a fixed-size run's."""
     cmd = example_command(STEPS, tmp_path / "final.pt", ("--data-workers", str(workers)))
     story = "kill@30,join@60" + (",kill-data@120" if workers else "")
-    code, lines, run = play(tmp_path, cmd, story, min_nodes=1, max_nodes=3,
-                            local_nodes=2, max_restarts=5)
+    code, lines, run = play(tmp_path, cmd, story, min_nodes=1, max_nodes=3, local_nodes=2, max_restarts=5)
     assert code == 0, "\n".join(lines)
     if workers:  # every data worker gone with its training process, the SIGKILLed one's too
-        wait_for(lambda: not pids_with_env(protocol.COORDINATOR, run.server.address), 15,
-                 "the data workers to end with their training processes", lines)
-        assert any(re.search(r"story: step \d+: SIGKILL data worker \d+ of worker", line)
-                   for line in lines), "\n".join(lines)
+        wait_for(
+            lambda: not pids_with_env(protocol.COORDINATOR, run.server.address),
+            15,
+            "the data workers to end with their training processes",
+            lines,
+        )
+        assert any(re.search(r"story: step \d+: SIGKILL data worker \d+ of worker", line) for line in lines), "\n".join(
+            lines
+        )
         # The only failure is the story's kill of a training worker: its data worker's was
         # absorbed by the loader, inside the step.
         assert run.job()["failures"] == 1, "\n".join(lines)
@@ -446,8 +481,7 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
 
 
 # -- maitre data prepare, and a decoder trained from its shards -------------------------------------
-def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(
-        tmp_path: Path) -> None:
+def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
@@ -457,23 +491,40 @@ def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(
     from maitre.data.prepare import open_shards
 
     out = tmp_path / "shards"
-    assert main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000",
-                 "--vocab-size", "512", "--quiet"]) == 0
+    assert (
+        main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]) == 0
+    )
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 512 and meta["dtype"] == "uint16" and len(meta["shards"]) > 2
     assert meta["inputs"][0].endswith("macbeth.txt")  # the text shipped with maitre
     ds, _ = open_shards(out, seq_len=32)
     assert len(ds) == sum(c for c in ds.counts) > 100 and int(ds[5].max()) < 512
     from tokenizers import Tokenizer
+
     text = Tokenizer.from_file(str(out / "tokenizer.json")).decode(ds[0].tolist())
     assert text and text in (ROOT / "src/maitre/data/text/macbeth.txt").read_text()
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data",
-                           str(out), "--data-workers", "2", "--steps", "12", "--block", "32",
-                           "--log-every", "4"], capture_output=True, text=True, timeout=100,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_llm.py"),
+            "--data",
+            str(out),
+            "--data-workers",
+            "2",
+            "--steps",
+            "12",
+            "--block",
+            "32",
+            "--log-every",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    losses = [float(line.split()[3]) for line in done.stdout.splitlines()
-              if line.startswith("step")]
+    losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step")]
     assert len(losses) >= 2 and losses[-1] < losses[0], done.stdout
 
 
@@ -500,8 +551,7 @@ def test_prepare_refuses_bad_input_and_leaves_nothing_behind(tmp_path: Path, cap
 
 
 @pytest.mark.timeout(300)
-def test_a_resume_from_a_checkpoint_at_another_world_size_and_worker_count(
-        tmp_path: Path, reference) -> None:
+def test_a_resume_from_a_checkpoint_at_another_world_size_and_worker_count(tmp_path: Path, reference) -> None:
     """Suspended at 2 workers with 2 data workers each, resumed from its checkpoint at 3 workers
     with 4 each: every sample once across both runs, the parameters a fixed-size run's."""
     import threading
@@ -512,10 +562,21 @@ def test_a_resume_from_a_checkpoint_at_another_world_size_and_worker_count(
     def start(nodes: int, workers: int, resume: bool) -> tuple[Run, list[str]]:
         lines: list[str] = []
         cmd = example_command(STEPS, tmp_path / "final.pt", ("--data-workers", str(workers)))
-        run = Run(RunConfig(command=cmd, min_nodes=1, max_nodes=3, local_nodes=nodes,
-                            max_restarts=3, run_dir=tmp_path / "run", quiet_workers=True,
-                            checkpoint_dir=tmp_path / "ckpt", resume=resume,
-                            grace_period_s=60), out=lines.append)
+        run = Run(
+            RunConfig(
+                command=cmd,
+                min_nodes=1,
+                max_nodes=3,
+                local_nodes=nodes,
+                max_restarts=3,
+                run_dir=tmp_path / "run",
+                quiet_workers=True,
+                checkpoint_dir=tmp_path / "ckpt",
+                resume=resume,
+                grace_period_s=60,
+            ),
+            out=lines.append,
+        )
         return run.start(), lines
 
     run, lines = start(2, 2, resume=False)

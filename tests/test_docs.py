@@ -22,9 +22,10 @@ from conftest import ROOT
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-SETUP = ["python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && "
-         ".venv/bin/maitre demo",
-         ".venv/bin/python -m pytest"]
+SETUP = [
+    "python3 -m venv .venv && .venv/bin/pip install torch==2.13.0 -e '.[test]' && .venv/bin/maitre demo",
+    ".venv/bin/python -m pytest",
+]
 FENCE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[ \t]*$", re.S | re.M)
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 
@@ -55,7 +56,7 @@ def test_readme_is_a_landing_page_that_starts_with_the_set_up_commands() -> None
     assert first is not None, "README.md has no code block"
     assert first.group(0).startswith("```bash\n"), "the first code block is not the set-up block"
     assert first.group(0).splitlines()[1:-1] == SETUP
-    before = [line for line in text[:first.start()].splitlines() if line.strip()]
+    before = [line for line in text[: first.start()].splitlines() if line.strip()]
     assert before == ["# maitre"], f"README.md has {before} before its set-up commands"
     assert "](#" not in _prose(text), "README.md links to a section it no longer has"
     assert not re.search(r"\bissues? \d", text), "the README's status names issue numbers"
@@ -148,14 +149,13 @@ def test_a_marker_that_cannot_be_rendered_stops_the_build() -> None:
 
     with pytest.raises(PluginError, match="no benchmarks/results/nothing.json"):
         hooks.on_page_markdown("<!-- results: nothing -->\n", page=Page, config=None, files=None)
-    out = hooks.on_page_markdown("a\n<!-- results: scheduler -->\nb\n", page=Page, config=None,
-                                 files=None)
+    out = hooks.on_page_markdown("a\n<!-- results: scheduler -->\nb\n", page=Page, config=None, files=None)
     assert "<!-- results" not in out and "| pass p50 |" in out and "measured on commit" in out
-    html = hooks.on_page_content("a :class:<code>~maitre.data.Loader</code> and :func:"
-                                 "<code>maitre.runtime.replica.replica_mesh</code>")
+    html = hooks.on_page_content(
+        "a :class:<code>~maitre.data.Loader</code> and :func:<code>maitre.runtime.replica.replica_mesh</code>"
+    )
     assert html == "a <code>Loader</code> and <code>maitre.runtime.replica.replica_mesh</code>"
-    assert hooks.on_page_content("<p>then iterates::</p>\n<pre><code>x") == \
-        "<p>then iterates:</p>\n<pre><code>x"
+    assert hooks.on_page_content("<p>then iterates::</p>\n<pre><code>x") == "<p>then iterates:</p>\n<pre><code>x"
 
 
 @pytest.mark.timeout(300)
@@ -165,13 +165,23 @@ def test_mkdocs_build_strict_passes(tmp_path: Path) -> None:
     pytest.importorskip("mkdocstrings_handlers.python")
     site = tmp_path / "site"
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d",
-                           str(site)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     built = {p.relative_to(site).as_posix() for p in site.rglob("index.html")}
-    assert {"index.html", "reference/cli/index.html", "reference/api/index.html",
-            "benchmarks/index.html", "changelog/index.html"} <= built
+    assert {
+        "index.html",
+        "reference/cli/index.html",
+        "reference/api/index.html",
+        "benchmarks/index.html",
+        "changelog/index.html",
+    } <= built
     for page in site.rglob("*.html"):
         text = page.read_text()
         assert "<!-- results" not in text and "<!-- cli-reference" not in text, page

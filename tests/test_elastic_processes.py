@@ -22,17 +22,29 @@ from maitre.runtime.ledger import audit
 STEPS = 400
 
 
+def run_story(
+    tmp_path: Path,
+    events: str,
+    *,
+    nodes: int,
+    min_nodes: int = 1,
+    max_nodes: int = 4,
+    max_restarts: int = 5,
+    steps: int = STEPS,
+    extra: tuple[str, ...] = (),
+) -> tuple[int, list[str], Run]:
+    return play(  # type: ignore[return-value]
+        tmp_path,
+        example_command(steps, tmp_path / "final.pt", extra),
+        events,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        local_nodes=nodes,
+        max_restarts=max_restarts,
+    )
 
-def run_story(tmp_path: Path, events: str, *, nodes: int, min_nodes: int = 1, max_nodes: int = 4,
-              max_restarts: int = 5, steps: int = STEPS, extra: tuple[str, ...] = ()
-              ) -> tuple[int, list[str], Run]:
-    return play(tmp_path, example_command(steps, tmp_path / "final.pt", extra), events,
-                min_nodes=min_nodes, max_nodes=max_nodes, local_nodes=nodes,
-                max_restarts=max_restarts)  # type: ignore[return-value]
 
-
-def check(tmp_path: Path, code: int, lines: list[str], reference: dict[str, torch.Tensor],
-          steps: int = STEPS) -> float:
+def check(tmp_path: Path, code: int, lines: list[str], reference: dict[str, torch.Tensor], steps: int = STEPS) -> float:
     assert code == 0, "\n".join(lines)
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok, result.describe()
@@ -53,8 +65,7 @@ def test_kill9_worker_mid_run(tmp_path: Path, reference) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_sigstop_worker_is_detected_and_removed(tmp_path: Path,
-                                                reference) -> None:
+def test_sigstop_worker_is_detected_and_removed(tmp_path: Path, reference) -> None:
     code, lines, run = run_story(tmp_path, "hang@40", nodes=3)
     check(tmp_path, code, lines, reference(STEPS))
     assert any("hung" in e.get("reason", "") for e in run.job()["events"])
@@ -89,8 +100,7 @@ def test_several_events_in_one_run(tmp_path: Path, reference) -> None:
     # Long enough that a joiner started under load (6-9 s on 2 busy cores) arrives before the
     # job ends: at 900 steps the story lost that race in 1 of 5 runs.
     steps = 1500
-    code, lines, run = run_story(tmp_path, "kill@25,join@50,hang@150,leave@250", nodes=3,
-                                 steps=steps)
+    code, lines, run = run_story(tmp_path, "kill@25,join@50,hang@150,leave@250", nodes=3, steps=steps)
     check(tmp_path, code, lines, reference(steps), steps)
     assert run.job()["failures"] == 2
 
@@ -137,25 +147,23 @@ def test_clipping_by_the_global_norm_under_a_crash_and_a_leave(tmp_path: Path, r
 
 
 @pytest.mark.timeout(180)
-def test_fp16_loss_scaling_and_clipping_under_a_crash_and_a_leave(tmp_path: Path,
-                                                                  reference) -> None:
+def test_fp16_loss_scaling_and_clipping_under_a_crash_and_a_leave(tmp_path: Path, reference) -> None:
     code, lines, run = run_story(tmp_path, "kill@40,leave@150", nodes=3, extra=FP16)
     check(tmp_path, code, lines, reference(STEPS, *FP16))
-    skips = [x for x in (tmp_path / "run" / "ledger").glob("*.jsonl")
-             if '"k":"x"' in x.read_text()]
+    skips = [x for x in (tmp_path / "run" / "ledger").glob("*.jsonl") if '"k":"x"' in x.read_text()]
     assert skips, "no step overflowed: the scaler's skip was not exercised"
 
 
 @pytest.mark.timeout(180)
-def test_a_joiner_replays_the_steps_trained_while_its_state_streamed(tmp_path: Path, reference,
-                                                                     monkeypatch) -> None:
+def test_a_joiner_replays_the_steps_trained_while_its_state_streamed(tmp_path: Path, reference, monkeypatch) -> None:
     """The snapshot lands 1.5 s late: the joiner hears dozens of steps meanwhile and replays
     them (clipping and the fp16 scaler included) before it trains; the result is exact."""
     monkeypatch.setenv("MAITRE_TRANSFER_DELAY_S", "1.5")
     # 2 ms of "device" a sample: at 150 steps/s the members used to finish all 400 steps before
     # the snapshot landed (the joiner then left; see the test below). The math is the same.
-    code, lines, run = run_story(tmp_path, "join@20", nodes=2, max_nodes=3,
-                                 extra=FP16 + ("--device-ms-per-sample", "2"))
+    code, lines, run = run_story(
+        tmp_path, "join@20", nodes=2, max_nodes=3, extra=FP16 + ("--device-ms-per-sample", "2")
+    )
     check(tmp_path, code, lines, reference(STEPS, *FP16))
     caught_up = [r for r in run.job()["reports"] if r["kind"] == "caught_up"]
     assert len(caught_up) == 1 and caught_up[0]["replayed"] >= 10, "\n".join(lines)
@@ -163,7 +171,8 @@ def test_a_joiner_replays_the_steps_trained_while_its_state_streamed(tmp_path: P
 
 @pytest.mark.timeout(180)
 def test_a_job_that_finishes_while_a_joiners_state_streams_completes_without_it(
-        tmp_path: Path, reference, monkeypatch) -> None:
+    tmp_path: Path, reference, monkeypatch
+) -> None:
     """The snapshot would land long after the last step: the joiner hears the members commit
     it and leaves, holding none of the state; the job completes. It used to wait for the
     joiner, whose broken stream then made it the only member, with no state: the job trained

@@ -18,10 +18,8 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def store():
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
-    yield lambda: dist.TCPStore("127.0.0.1", master.port, is_master=False,
-                                timeout=timedelta(seconds=30))
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield lambda: dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
 
 
 def closes_after(seconds: float):
@@ -97,6 +95,8 @@ def test_a_process_exits_at_once_with_a_retired_group_whose_collective_is_in_fli
     hung at its exit so)."""
     import subprocess
     import sys
-    done = subprocess.run([sys.executable, "-c", _EXIT_WITH_A_COLLECTIVE_IN_FLIGHT],
-                          capture_output=True, text=True, timeout=45)
+
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITH_A_COLLECTIVE_IN_FLIGHT], capture_output=True, text=True, timeout=45
+    )
     assert done.returncode == 0 and "exiting" in done.stdout, done.stderr

@@ -35,26 +35,41 @@ def test_the_scaler_backs_off_on_an_overflow_and_grows_after_a_run_of_good_steps
     assert (again.scale, again.good_steps, again.skipped) == (8.0, 0, 1)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"init_scale": 0.0}, "init_scale"), ({"init_scale": float("inf")}, "init_scale"),
-    ({"growth_factor": 1.0}, "growth_factor"), ({"backoff_factor": 1.0}, "backoff_factor"),
-    ({"growth_interval": 0}, "growth_interval")])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"init_scale": 0.0}, "init_scale"),
+        ({"init_scale": float("inf")}, "init_scale"),
+        ({"growth_factor": 1.0}, "growth_factor"),
+        ({"backoff_factor": 1.0}, "backoff_factor"),
+        ({"growth_interval": 0}, "growth_interval"),
+    ],
+)
 def test_bad_scaler_settings_are_refused(kwargs, message) -> None:
     with pytest.raises(ValueError, match=message):
         LossScaler(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"precision": "fp8"}, "precision must be one of bf16, fp16"),
-    ({"clip_grad_norm": 0.0}, "clip_grad_norm must be a positive number"),
-    ({"clip_grad_norm": float("nan")}, "clip_grad_norm must be a positive number"),
-    ({"on_reduced_grads": 3}, "on_reduced_grads must be callable"),
-    ({"loss_scaler": LossScaler()}, "a loss_scaler is for precision='fp16'")])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"precision": "fp8"}, "precision must be one of bf16, fp16"),
+        ({"clip_grad_norm": 0.0}, "clip_grad_norm must be a positive number"),
+        ({"clip_grad_norm": float("nan")}, "clip_grad_norm must be a positive number"),
+        ({"on_reduced_grads": 3}, "on_reduced_grads must be callable"),
+        ({"loss_scaler": LossScaler()}, "a loss_scaler is for precision='fp16'"),
+    ],
+)
 def test_bad_hook_settings_are_refused_before_anything_runs(kwargs, message) -> None:
     model = torch.nn.Linear(2, 1)
     with pytest.raises(ValueError, match=message):
-        ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1),
-                    ElasticSampler(N, BATCH), env=WorkerEnv.from_environ({}), **kwargs)
+        ElasticLoop(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            ElasticSampler(N, BATCH),
+            env=WorkerEnv.from_environ({}),
+            **kwargs,
+        )
 
 
 def data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +88,15 @@ def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     return torch.nn.functional.mse_loss(model(x).float(), y.float(), reduction="sum")
 
 
-def reference(steps: int, dtype: torch.dtype, *, clip: float | None = None, halve: bool = False,
-              scale: float | None = None, autocast: torch.dtype | None = None) -> tuple[dict, int]:
+def reference(
+    steps: int,
+    dtype: torch.dtype,
+    *,
+    clip: float | None = None,
+    halve: bool = False,
+    scale: float | None = None,
+    autocast: torch.dtype | None = None,
+) -> tuple[dict, int]:
     """The recipe written by hand on one process: the same global batches and micro-batches;
     the mean gradient, unscaled, clipped to the global norm, optionally halved; an overflow
     skips the step and trains the same batch again at half the scale."""
@@ -88,7 +110,7 @@ def reference(steps: int, dtype: torch.dtype, *, clip: float | None = None, halv
         idx = slc.local_indices
         opt.zero_grad(set_to_none=False)
         for i in range(0, len(idx), MICRO):
-            part = idx[i:i + MICRO]
+            part = idx[i : i + MICRO]
             with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                 out = model(x[part])
             loss = torch.nn.functional.mse_loss(out.float(), y[part].float(), reduction="sum")
@@ -116,14 +138,14 @@ def reference(steps: int, dtype: torch.dtype, *, clip: float | None = None, halv
 def train(steps: int, dtype: torch.dtype, **hooks) -> tuple[dict, ElasticLoop]:
     model, opt = make(dtype)
     x, y = data(dtype)
-    loop = ElasticLoop(model, opt, ElasticSampler(N, BATCH), micro_batch_size=MICRO,
-                       env=WorkerEnv.from_environ(), **hooks)
+    loop = ElasticLoop(
+        model, opt, ElasticSampler(N, BATCH), micro_batch_size=MICRO, env=WorkerEnv.from_environ(), **hooks
+    )
     for batch in loop.run(max_steps=steps):
         for idx in batch.micro_batches:
             with batch.autocast():
                 out = model(x[idx])
-            batch.backward(torch.nn.functional.mse_loss(out.float(), y[idx].float(),
-                                                        reduction="sum"))
+            batch.backward(torch.nn.functional.mse_loss(out.float(), y[idx].float(), reduction="sum"))
     return copy.deepcopy(model.state_dict()), loop
 
 
@@ -133,8 +155,7 @@ def close(a: dict, b: dict, tol: float) -> bool:
 
 def test_clipping_is_by_the_norm_of_the_global_mean_gradient() -> None:
     norms: list[float] = []
-    got, _ = train(12, torch.float64, clip_grad_norm=0.3,
-                   on_reduced_grads=lambda batch: norms.append(batch.grad_norm))
+    got, _ = train(12, torch.float64, clip_grad_norm=0.3, on_reduced_grads=lambda batch: norms.append(batch.grad_norm))
     want, _ = reference(12, torch.float64, clip=0.3)
     assert close(got, want, 1e-12)
     assert len(norms) == 12 and max(norms) > 0.3, "the clip was active"
@@ -151,8 +172,14 @@ def test_the_callback_sees_and_may_change_the_reduced_gradients() -> None:
     model, opt = make(torch.float64)
     params = list(model.parameters())
     x, y = data(torch.float64)
-    loop = ElasticLoop(model, opt, ElasticSampler(N, BATCH), micro_batch_size=MICRO,
-                       env=WorkerEnv.from_environ({}), on_reduced_grads=halve)
+    loop = ElasticLoop(
+        model,
+        opt,
+        ElasticSampler(N, BATCH),
+        micro_batch_size=MICRO,
+        env=WorkerEnv.from_environ({}),
+        on_reduced_grads=halve,
+    )
     for batch in loop.run(max_steps=10):
         for idx in batch.micro_batches:
             batch.backward(loss_of(model, x[idx], y[idx]))
@@ -165,10 +192,10 @@ def test_fp16_overflows_skip_the_step_which_commits_nothing(tmp_path: Path, monk
     at half the scale each time: the same parameters as the hand-written rule, and the ledger
     shows every sample trained once, in the steps that committed."""
     monkeypatch.setenv("MAITRE_LEDGER_DIR", str(tmp_path / "ledger"))
-    got, loop = train(8, torch.float32, precision="fp16", loss_scaler=LossScaler(2.0 ** 40))
-    want, skipped = reference(8, torch.float32, scale=2.0 ** 40, autocast=torch.float16)
+    got, loop = train(8, torch.float32, precision="fp16", loss_scaler=LossScaler(2.0**40))
+    want, skipped = reference(8, torch.float32, scale=2.0**40, autocast=torch.float16)
     assert skipped > 3 and loop.scaler.skipped == skipped and loop.step == 8
-    assert loop.scaler.scale == 2.0 ** 40 * 0.5 ** skipped
+    assert loop.scaler.scale == 2.0**40 * 0.5**skipped
     assert close(got, want, 1e-6)
     result = audit(tmp_path / "ledger")
     assert result.ok and result.steps == 8 and result.samples == 8 * BATCH, result.describe()
@@ -186,5 +213,4 @@ def test_bf16_autocasts_the_forward_and_keeps_the_parameters_in_their_dtype() ->
             seen.append(out.dtype)
             batch.backward(torch.nn.functional.mse_loss(out.float(), y[idx], reduction="sum"))
     assert seen == [torch.bfloat16, torch.bfloat16] and loop.scaler is None
-    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32
-               for p in model.parameters())
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())

@@ -31,14 +31,24 @@ from maitre.runtime.ledger import audit
 STEPS = 600
 
 
-def start_run(tmp_path: Path, *, nodes: int, resume: bool = False,
-              every: int | None = None) -> tuple[Run, list[str]]:
+def start_run(tmp_path: Path, *, nodes: int, resume: bool = False, every: int | None = None) -> tuple[Run, list[str]]:
     lines: list[str] = []
-    run = Run(RunConfig(command=example_command(STEPS, tmp_path / "final.pt"), min_nodes=1,
-                        max_nodes=4, local_nodes=nodes, max_restarts=3, run_dir=tmp_path / "run",
-                        quiet_workers=True, checkpoint_dir=tmp_path / "ckpt",
-                        checkpoint_every=every, resume=resume, grace_period_s=60),
-              out=lines.append)
+    run = Run(
+        RunConfig(
+            command=example_command(STEPS, tmp_path / "final.pt"),
+            min_nodes=1,
+            max_nodes=4,
+            local_nodes=nodes,
+            max_restarts=3,
+            run_dir=tmp_path / "run",
+            quiet_workers=True,
+            checkpoint_dir=tmp_path / "ckpt",
+            checkpoint_every=every,
+            resume=resume,
+            grace_period_s=60,
+        ),
+        out=lines.append,
+    )
     return run.start(), lines
 
 
@@ -60,8 +70,7 @@ def resume_points(tmp_path: Path) -> list[int]:
     """The steps that workers resumed from, as their ledgers recorded."""
     points = []
     for path in (tmp_path / "run" / "ledger").glob("*.jsonl"):
-        points += [json.loads(line)["s"] for line in path.read_text().splitlines()
-                   if json.loads(line)["k"] == "r"]
+        points += [json.loads(line)["s"] for line in path.read_text().splitlines() if json.loads(line)["k"] == "r"]
     return points
 
 
@@ -95,8 +104,7 @@ def test_suspend_then_resume_on_more_workers(tmp_path: Path, reference) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_whole_job_lost_resumes_from_the_newest_checkpoint(
-        tmp_path: Path, reference) -> None:
+def test_whole_job_lost_resumes_from_the_newest_checkpoint(tmp_path: Path, reference) -> None:
     run, lines = start_run(tmp_path, nodes=2, every=25)
 
     def kill_everyone() -> None:
@@ -112,8 +120,10 @@ def test_whole_job_lost_resumes_from_the_newest_checkpoint(
     assert points and all(p % 25 == 0 and 125 <= p for p in points), points
     # What the coordinator heard: rank 0's restore from disk, and members that say so.
     restores = [r for r in job["reports"] if r["kind"] == "restore"]
-    assert restores and all(r["source"] == "disk" and r["step"] in points and r["seconds"] > 0
-                            for r in restores), job["reports"]
-    assert any(r["kind"] == "recovery" and r["epoch"] > 1 and r["state_source"] == "disk"
-               for r in job["reports"]), job["reports"]
+    assert restores and all(r["source"] == "disk" and r["step"] in points and r["seconds"] > 0 for r in restores), job[
+        "reports"
+    ]
+    assert any(r["kind"] == "recovery" and r["epoch"] > 1 and r["state_source"] == "disk" for r in job["reports"]), job[
+        "reports"
+    ]
     check_end(tmp_path, code, lines, reference(STEPS))

@@ -69,8 +69,12 @@ def _manifests() -> list[Path]:
 
 
 def _named(kind: str, name: str | None = None) -> dict[str, Any]:
-    found = [d for p in _manifests() for d in _docs(p)
-             if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    found = [
+        d
+        for p in _manifests()
+        for d in _docs(p)
+        if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, (kind, name, len(found))
     return found[0]
 
@@ -88,9 +92,13 @@ def _validate(doc: dict[str, Any]) -> None:
 def _token_secret() -> dict[str, Any]:
     """The Secret kustomization.yaml's secretGenerator makes (from a token file git ignores)."""
     gen = yaml.safe_load((BASE / "kustomization.yaml").read_text())["secretGenerator"][0]
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": gen["name"], "namespace": "maitre"},
-            "data": {name: "ZHVtbXkK" for name in gen["files"]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": gen["name"], "namespace": "maitre"},
+        "data": {name: "ZHVtbXkK" for name in gen["files"]},
+    }
 
 
 # -- every manifest, as written and as kustomize renders the base ---------------------------
@@ -118,8 +126,7 @@ def test_kustomization_lists_every_file_of_the_base_and_the_token_is_never_commi
     assert ignored.returncode == 0, "git would commit deploy/kubernetes/base/token"
     for kind in ("StatefulSet", "DaemonSet"):  # both read the token from that Secret
         volumes = _named(kind)["spec"]["template"]["spec"]["volumes"]
-        assert {"name": "token", "secret": {"secretName": secret, "defaultMode": 0o440}} \
-            in volumes, (kind, volumes)
+        assert {"name": "token", "secret": {"secretName": secret, "defaultMode": 0o440}} in volumes, (kind, volumes)
 
 
 def test_kustomize_renders_the_base_into_manifests_that_validate(tmp_path: Path) -> None:
@@ -131,28 +138,27 @@ def test_kustomize_renders_the_base_into_manifests_that_validate(tmp_path: Path)
     base = tmp_path / "base"
     shutil.copytree(BASE, base)
     (base / "token").write_text("a-test-token\n")
-    done = subprocess.run([kubectl, "kustomize", str(base)], capture_output=True, text=True,
-                          timeout=30)
+    done = subprocess.run([kubectl, "kustomize", str(base)], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     docs = [d for d in yaml.safe_load_all(done.stdout) if d is not None]
-    written = [d for p in sorted(BASE.glob("*.yaml")) if p.name != "kustomization.yaml"
-               for d in _docs(p)]
+    written = [d for p in sorted(BASE.glob("*.yaml")) if p.name != "kustomization.yaml" for d in _docs(p)]
     assert len(docs) == len(written) + 1  # and the Secret
     for doc in docs:
         _validate(doc)
         if doc["kind"] not in ("Namespace", "PriorityClass", "CustomResourceDefinition"):
             assert doc["metadata"]["namespace"] == "maitre", doc["metadata"]
-    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet",
-                                                                          "DaemonSet")]
+    pods = [d["spec"]["template"]["spec"] for d in docs if d["kind"] in ("StatefulSet", "DaemonSet")]
     assert {c["image"] for p in pods for c in p["containers"]} == {"maitre:0.1.0"}
 
 
 # -- the MaitreJob resource -----------------------------------------------------------------
 def test_the_committed_crd_is_the_one_generated_from_the_manifest_model() -> None:
-    assert CRD.read_text() == k8s.crd_yaml(), \
+    assert CRD.read_text() == k8s.crd_yaml(), (
         f"{CRD.relative_to(ROOT)} is not the generated CRD: regenerate it with\n    {REGENERATE}"
-    done = subprocess.run([sys.executable, "-m", "maitre.engines.kubernetes", "crd"],
-                          capture_output=True, text=True, timeout=30)
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "maitre.engines.kubernetes", "crd"], capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0 and done.stdout == CRD.read_text(), done.stderr
 
 
@@ -164,13 +170,28 @@ def test_the_crd_spec_has_every_manifest_field_but_the_name() -> None:
     assert set(spec["properties"]) == fields - {"name"}
     assert spec["required"] == ["queue", "command"]
     assert spec["properties"]["command"] == {
-        "type": "array", "items": {"type": "string"},
-        "description": f"{JobManifest.model_fields['command'].description} In a MaitreJob: "
-                       "a list."}
+        "type": "array",
+        "items": {"type": "string"},
+        "description": f"{JobManifest.model_fields['command'].description} In a MaitreJob: a list.",
+    }
 
 
-_STRUCTURAL = {"type", "description", "default", "enum", "pattern", "minLength", "maxLength",
-               "minimum", "maximum", "minItems", "maxItems", "items", "properties", "required"}
+_STRUCTURAL = {
+    "type",
+    "description",
+    "default",
+    "enum",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minimum",
+    "maximum",
+    "minItems",
+    "maxItems",
+    "items",
+    "properties",
+    "required",
+}
 _TYPES = {"object", "array", "string", "integer", "number", "boolean"}
 
 
@@ -183,8 +204,7 @@ def _structural_problems(node: dict[str, Any], at: str) -> list[str]:
     problems = [f"{at}: {key}" for key in sorted(set(node) - _STRUCTURAL)]
     if node.get("type") not in _TYPES:
         problems.append(f"{at}: type {node.get('type')!r}")
-    bounds = {k: v for k, v in node.items() if k not in ("default", "description", "items",
-                                                         "properties", "required")}
+    bounds = {k: v for k, v in node.items() if k not in ("default", "description", "items", "properties", "required")}
     checks = [("default", node["default"], bounds)] if "default" in node else []
     checks += [("enum", value, {"type": node.get("type")}) for value in node.get("enum", [])]
     for key, value, schema in checks:
@@ -207,12 +227,22 @@ def test_the_crd_schema_is_structural() -> None:
     assert _structural_problems(version["schema"]["openAPIV3Schema"], "") == []
     scale = version["subresources"]["scale"]  # kubectl scale: maxReplicas, as maitre scale
     assert scale["specReplicasPath"] == ".spec.maxReplicas"
-    assert _structural_problems({"type": "object", "properties": {
-        "a": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        "b": {"type": "object", "additionalProperties": False},
-        "c": {"type": "integer", "default": "2"}}}, "") == [
-        ".a: anyOf", ".a: type None", ".b: additionalProperties",
-        ".c: default '2': '2' is not of type 'integer'"]  # the check itself can fail
+    assert _structural_problems(
+        {
+            "type": "object",
+            "properties": {
+                "a": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "b": {"type": "object", "additionalProperties": False},
+                "c": {"type": "integer", "default": "2"},
+            },
+        },
+        "",
+    ) == [
+        ".a: anyOf",
+        ".a: type None",
+        ".b: additionalProperties",
+        ".c: default '2': '2' is not of type 'integer'",
+    ]  # the check itself can fail
 
 
 def test_a_field_no_structural_schema_can_hold_fails_the_generation() -> None:
@@ -227,8 +257,13 @@ def test_the_sample_maitrejob_fits_the_crd_and_is_a_valid_manifest() -> None:
     assert manifest.name == job["metadata"]["name"] == "bert-large"
     assert (manifest.min_replicas, manifest.max_replicas, manifest.priority) == (2, 8, 1000)
     assert manifest.stragglers is not None and manifest.stragglers.policy == "evict"
-    done = subprocess.run([sys.executable, "-m", "maitre.engines.kubernetes", "manifest", "-"],
-                          input=SAMPLE.read_text(), capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-m", "maitre.engines.kubernetes", "manifest", "-"],
+        input=SAMPLE.read_text(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0, done.stderr
     assert yaml.safe_load(done.stdout) == k8s.manifest_of(job)
 
@@ -268,8 +303,12 @@ BROKEN = [
     ("PersistentVolumeClaim", None, "spec.resources.requests", "1Ti"),
     ("CustomResourceDefinition", None, "spec.versions.0.served", DELETE),
     ("CustomResourceDefinition", None, "spec.names.plural", DELETE),
-    ("CustomResourceDefinition", None, "spec.versions.0.schema.openAPIV3Schema.properties.spec"
-     ".properties.queue.minLength", "1"),
+    (
+        "CustomResourceDefinition",
+        None,
+        "spec.versions.0.schema.openAPIV3Schema.properties.spec.properties.queue.minLength",
+        "1",
+    ),
     ("Job", None, "spec.template.spec.containers", "agent"),
     ("MaitreJob", None, "spec.queue", DELETE),
     ("MaitreJob", None, "spec.minReplicas", "2"),
@@ -280,8 +319,7 @@ BROKEN = [
 ]
 
 
-@pytest.mark.parametrize(("kind", "name", "path", "value"), BROKEN,
-                         ids=[f"{k}:{p}" for k, _, p, _ in BROKEN])
+@pytest.mark.parametrize(("kind", "name", "path", "value"), BROKEN, ids=[f"{k}:{p}" for k, _, p, _ in BROKEN])
 def test_a_manifest_with_a_missing_or_wrong_field_is_rejected(kind, name, path, value) -> None:
     jsonschema, kv = _jsonschema(), _kv()
     good = _named(kind, name)
@@ -290,16 +328,20 @@ def test_a_manifest_with_a_missing_or_wrong_field_is_rejected(kind, name, path, 
         _validate(_set(good, path, value))
 
 
-@pytest.mark.parametrize(("path", "value", "says"), [
-    ("spec.maxReplica", 4, "unknown field 'maxReplica' (did you mean 'maxReplicas'?)"),
-    ("spec.maxReplicas", 1, "maxReplicas 1 is less than minReplicas 2"),
-    ("spec.priority", 5, "give priority or priorityClassName, not both"),
-    ("spec.name", "other", "spec.name: the job's name is metadata.name"),
-    ("metadata.name", DELETE, "metadata.name is required"),
-    ("kind", "Job", "not a MaitreJob of maitre.dev/v1alpha1"),
-])
-def test_what_the_crd_cannot_check_maitre_refuses_by_name(path: str, value: Any, says: str,
-                                                          capsys, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("path", "value", "says"),
+    [
+        ("spec.maxReplica", 4, "unknown field 'maxReplica' (did you mean 'maxReplicas'?)"),
+        ("spec.maxReplicas", 1, "maxReplicas 1 is less than minReplicas 2"),
+        ("spec.priority", 5, "give priority or priorityClassName, not both"),
+        ("spec.name", "other", "spec.name: the job's name is metadata.name"),
+        ("metadata.name", DELETE, "metadata.name is required"),
+        ("kind", "Job", "not a MaitreJob of maitre.dev/v1alpha1"),
+    ],
+)
+def test_what_the_crd_cannot_check_maitre_refuses_by_name(
+    path: str, value: Any, says: str, capsys, tmp_path: Path
+) -> None:
     """Unknown fields (which the API server prunes, and kubectl refuses) and checks across
     fields are maitre's: ``manifest`` names the problem before anything is submitted."""
     (job,) = _docs(SAMPLE)
@@ -331,8 +373,7 @@ def test_the_manifests_pass_flags_that_maitre_has_and_agree_with_each_other() ->
     assert ports == {"http": up.port, "store": up.store_port} and up.store_port
     mounts = {m["name"]: m["mountPath"] for m in co["volumeMounts"]}
     assert up.state_dir == mounts["state"]
-    assert [t["metadata"]["name"] for t in coordinator["spec"]["volumeClaimTemplates"]] == \
-        ["state"]
+    assert [t["metadata"]["name"] for t in coordinator["spec"]["volumeClaimTemplates"]] == ["state"]
     assert Path(up.token_file).parent == Path(mounts["token"])
 
     service = _named("Service", "maitre-coordinator")
@@ -349,21 +390,24 @@ def test_the_manifests_pass_flags_that_maitre_has_and_agree_with_each_other() ->
         host, port = agent.coordinator.rsplit(":", 1)
         assert (host, int(port)) == (service["metadata"]["name"], ports["http"])
         assert Path(agent.token_file).parent == Path(
-            {m["name"]: m["mountPath"] for m in agent_c["volumeMounts"]}["token"])
+            {m["name"]: m["mountPath"] for m in agent_c["volumeMounts"]}["token"]
+        )
         assert agent_c["resources"]["limits"]["nvidia.com/gpu"] == agent.nproc_per_node
         # SIGTERM drains the node within --sigterm-notice; the agent then needs a few seconds
         # to stop what is left (3 s) and say it goes, before the kubelet's SIGKILL
         assert agent.sigterm_notice is not None
         assert agent.sigterm_notice + 5 <= pod["terminationGracePeriodSeconds"], kind
-        assert pod["priorityClassName"] in {"maitre-agent"} | {f"maitre-{c}"
-                                                               for c in PRIORITY_CLASSES}
+        assert pod["priorityClassName"] in {"maitre-agent"} | {f"maitre-{c}" for c in PRIORITY_CLASSES}
 
 
 def test_the_priority_classes_carry_maitres_priorities() -> None:
     for name, value in PRIORITY_CLASSES.items():
         assert _named("PriorityClass", f"maitre-{name}")["value"] == value
-    assert _named("PriorityClass", "maitre-coordinator")["value"] > \
-        _named("PriorityClass", "maitre-agent")["value"] > max(PRIORITY_CLASSES.values())
+    assert (
+        _named("PriorityClass", "maitre-coordinator")["value"]
+        > _named("PriorityClass", "maitre-agent")["value"]
+        > max(PRIORITY_CLASSES.values())
+    )
     assert _named("PriorityClass", "maitre-agent")["preemptionPolicy"] == "Never"
     kueue = _named("Job")
     assert kueue["metadata"]["annotations"] == {"kueue.x-k8s.io/elastic-job": "true"}
@@ -381,8 +425,9 @@ def test_up_takes_its_token_and_store_port_from_flags(tmp_path: Path) -> None:
     with socket.socket() as s:  # a free port, for the store
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cluster = LocalCluster(UpConfig(state_dir=tmp_path, token="from-the-secret",
-                                    store_port=port), out=lambda line: None).start()
+    cluster = LocalCluster(
+        UpConfig(state_dir=tmp_path, token="from-the-secret", store_port=port), out=lambda line: None
+    ).start()
     try:
         assert cluster.token == "from-the-secret" and cluster.server.door.port == port
         assert (tmp_path / "token").read_text().strip() == "from-the-secret"
@@ -390,11 +435,14 @@ def test_up_takes_its_token_and_store_port_from_flags(tmp_path: Path) -> None:
         cluster.stop()
 
 
-@pytest.mark.parametrize(("args", "says"), [
-    (("--token-file", "/nonexistent/token"), "cannot read --token-file"),
-    (("--token-file", "EMPTY"), "is empty"),
-    (("--store-port", "70000"), "--store-port must be in 0..65535"),
-])
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--token-file", "/nonexistent/token"), "cannot read --token-file"),
+        (("--token-file", "EMPTY"), "is empty"),
+        (("--store-port", "70000"), "--store-port must be in 0..65535"),
+    ],
+)
 def test_up_refuses_a_bad_token_file_or_store_port(args, says, capsys, tmp_path: Path) -> None:
     from maitre.cli import main
 

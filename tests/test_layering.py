@@ -25,23 +25,45 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "maitre"
 _TOP = ("maitre.launch", "maitre.cli", "maitre.local", "maitre.demo")
 FORBIDDEN = {
     "runtime": ("maitre.control", "maitre.agent", *_TOP),
-    "checkpoint": ("maitre.control", "maitre.agent", *_TOP,
-                   "maitre.runtime.loop", "maitre.runtime.group", "maitre.runtime.heartbeat"),
+    "checkpoint": (
+        "maitre.control",
+        "maitre.agent",
+        *_TOP,
+        "maitre.runtime.loop",
+        "maitre.runtime.group",
+        "maitre.runtime.heartbeat",
+    ),
     "control": ("maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP),
     "agent": ("maitre.control", "maitre.checkpoint", *_TOP),
     # the input pipeline runs in the training process, beside the loop it feeds
     "data": ("maitre.control", "maitre.agent", "maitre.checkpoint", *_TOP),
-    "scheduling": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
-                   *_TOP, "torch"),
-    "sim": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP,
-            "torch"),
-    "engines": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
-                # of the scheduling package only the job manifest (a MaitreJob's fields)
-                "maitre.scheduling.policy", "maitre.scheduling.assign",
-                "maitre.scheduling.model", "maitre.scheduling.lifecycle",
-                "maitre.sim", "maitre.dashboard", *_TOP, "torch"),
-    "dashboard": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent",
-                  "maitre.scheduling", "maitre.sim", *_TOP, "torch"),
+    "scheduling": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP, "torch"),
+    "sim": ("maitre.control", "maitre.runtime", "maitre.checkpoint", "maitre.agent", *_TOP, "torch"),
+    "engines": (
+        "maitre.control",
+        "maitre.runtime",
+        "maitre.checkpoint",
+        "maitre.agent",
+        # of the scheduling package only the job manifest (a MaitreJob's fields)
+        "maitre.scheduling.policy",
+        "maitre.scheduling.assign",
+        "maitre.scheduling.model",
+        "maitre.scheduling.lifecycle",
+        "maitre.sim",
+        "maitre.dashboard",
+        *_TOP,
+        "torch",
+    ),
+    "dashboard": (
+        "maitre.control",
+        "maitre.runtime",
+        "maitre.checkpoint",
+        "maitre.agent",
+        "maitre.scheduling",
+        "maitre.sim",
+        *_TOP,
+        "torch",
+    ),
 }
 
 
@@ -70,8 +92,7 @@ def test_import_direction(package: str) -> None:
 @pytest.mark.timeout(30)
 def test_wire_imports_nothing_of_maitre_but_its_errors() -> None:
     """The CLI's and the worker's client stays stdlib (``maitre status`` starts fast)."""
-    assert not [n for n in imports(SRC / "wire.py")
-                if n.startswith("maitre") and not n.startswith("maitre.errors")]
+    assert not [n for n in imports(SRC / "wire.py") if n.startswith("maitre") and not n.startswith("maitre.errors")]
 
 
 @pytest.mark.timeout(30)
@@ -127,7 +148,7 @@ def _module_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom):
                 base = node.module or ""
                 if node.level:
-                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
                     base = ".".join(up + ([node.module] if node.module else []))
                 deps.update(owner(f"{base}.{alias.name}") for alias in node.names)
             elif isinstance(node, ast.Import):
@@ -150,7 +171,7 @@ def test_no_import_cycle_between_the_packages_modules() -> None:
     def walk(module: str, path: list[str]) -> None:
         for dep in sorted(graph[module]):
             if dep in path:
-                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+                cycles.append(" -> ".join(path[path.index(dep) :] + [dep]))
             elif dep not in done:
                 walk(dep, path + [dep])
         done.add(module)

@@ -15,9 +15,15 @@ pytestmark = pytest.mark.timeout(30)
 N, BATCH = 10, 4  # data epochs of 3 steps: 4 + 4 + 2 samples
 
 
-def write_run(directory: Path, *, lost_attempts: bool = True, truncate: bool = True,
-              drop_commit: int | None = None, duplicate_in: int | None = None,
-              recommit: int | None = None) -> dict[str, list]:
+def write_run(
+    directory: Path,
+    *,
+    lost_attempts: bool = True,
+    truncate: bool = True,
+    drop_commit: int | None = None,
+    duplicate_in: int | None = None,
+    recommit: int | None = None,
+) -> dict[str, list]:
     """Two workers, w1 and w2, with a committed sampler each.
 
     Epoch 1: w1 rank 0, w2 rank 1; steps 1-2 commit; step 3 is attempted by both and lost.

@@ -38,9 +38,17 @@ def test_every_state_is_reachable_from_pending() -> None:
     assert seen == set(JobState)
 
 
-@pytest.mark.parametrize("start,to", [(S.PENDING, S.RUNNING), (S.COMPLETED, S.RUNNING),
-                                      (S.SUSPENDED, S.RUNNING), (S.RUNNING, S.PENDING),
-                                      (S.SUSPENDING, S.RUNNING), (S.CANCELLED, S.ADMITTED)])
+@pytest.mark.parametrize(
+    "start,to",
+    [
+        (S.PENDING, S.RUNNING),
+        (S.COMPLETED, S.RUNNING),
+        (S.SUSPENDED, S.RUNNING),
+        (S.RUNNING, S.PENDING),
+        (S.SUSPENDING, S.RUNNING),
+        (S.CANCELLED, S.ADMITTED),
+    ],
+)
 def test_a_move_the_table_does_not_allow_raises_and_changes_nothing(start, to) -> None:
     job = Job(id="j", queue="q", state=start)
     with pytest.raises(IllegalMove, match=f"job j: no move from {start.value} to {to.value}"):

@@ -31,9 +31,11 @@ def loop_at_epoch(epoch: int, view: CoordinatorView) -> ElasticLoop:
 
 def later(loop: ElasticLoop, delay_s: float, **view) -> threading.Thread:
     """The heartbeat thread brings a view heard after now + ``delay_s``."""
+
     def bring() -> None:
         time.sleep(delay_s)
         loop._heartbeat.view = CoordinatorView(heard_at=time.monotonic(), **view)
+
     thread = threading.Thread(target=bring, daemon=True)
     thread.start()
     return thread
@@ -49,12 +51,10 @@ def test_a_short_step_commits_without_waiting() -> None:
 def test_a_long_step_of_a_removed_worker_is_dropped_once_the_coordinator_is_heard() -> None:
     """The cut-off rank: its collective completed when the link came back, on a view from
     before the cut; its agent then hears that it was removed."""
-    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING",
-                                            heard_at=time.monotonic() - 10))
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING", heard_at=time.monotonic() - 10))
     seen_stalled = []
     later(loop, 0.3, member_epoch=1, job_state="RUNNING", stop=True)
-    threading.Thread(target=lambda: (time.sleep(0.1), seen_stalled.append(loop._confirming)),
-                     daemon=True).start()
+    threading.Thread(target=lambda: (time.sleep(0.1), seen_stalled.append(loop._confirming)), daemon=True).start()
     t0 = time.monotonic()
     with pytest.raises(EpochLost, match="removed this worker"):
         loop._confirm_epoch(t0 - 9.0)
@@ -63,14 +63,12 @@ def test_a_long_step_of_a_removed_worker_is_dropped_once_the_coordinator_is_hear
 
 
 def test_a_long_step_is_dropped_if_its_epoch_was_closed_and_commits_if_not() -> None:
-    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING",
-                                            heard_at=time.monotonic() - 5))
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING", heard_at=time.monotonic() - 5))
     later(loop, 0.1, member_epoch=1, job_state="RENDEZVOUS", closed=True)
     with pytest.raises(EpochLost, match="closed the epoch"):
         loop._confirm_epoch(time.monotonic() - 2.0)
 
-    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING",
-                                            heard_at=time.monotonic() - 5))
+    loop = loop_at_epoch(1, CoordinatorView(member_epoch=1, job_state="RUNNING", heard_at=time.monotonic() - 5))
     later(loop, 0.1, member_epoch=1, job_state="RUNNING")
     loop._confirm_epoch(time.monotonic() - 2.0)  # still open: it commits
 
@@ -78,8 +76,7 @@ def test_a_long_step_is_dropped_if_its_epoch_was_closed_and_commits_if_not() -> 
 def test_the_last_step_stands_when_the_job_completed_meanwhile() -> None:
     """A faster member committed the last step and reported done: the job is over and every
     view is closed, but that step is the job's last, not one its peers dropped."""
-    loop = loop_at_epoch(3, CoordinatorView(member_epoch=3, job_state="RUNNING",
-                                            heard_at=time.monotonic() - 5))
+    loop = loop_at_epoch(3, CoordinatorView(member_epoch=3, job_state="RUNNING", heard_at=time.monotonic() - 5))
     later(loop, 0.1, member_epoch=3, job_state="COMPLETED", closed=True, stop=True)
     loop._confirm_epoch(time.monotonic() - 2.0)
 
@@ -87,11 +84,9 @@ def test_the_last_step_stands_when_the_job_completed_meanwhile() -> None:
 def test_a_process_left_behind_in_an_older_epoch_abandons_it() -> None:
     """A replica's processes share one worker: if one went on to a newer epoch while another
     still waits to build the old one's group, that wait ends (it would never complete)."""
-    loop = loop_at_epoch(2, CoordinatorView(member_epoch=3, job_state="RUNNING",
-                                            heard_at=time.monotonic()))
+    loop = loop_at_epoch(2, CoordinatorView(member_epoch=3, job_state="RUNNING", heard_at=time.monotonic()))
     assert loop._epoch_closed() == "the coordinator moved this worker to a newer epoch"
-    loop = loop_at_epoch(3, CoordinatorView(member_epoch=3, job_state="RUNNING",
-                                            heard_at=time.monotonic()))
+    loop = loop_at_epoch(3, CoordinatorView(member_epoch=3, job_state="RUNNING", heard_at=time.monotonic()))
     assert loop._epoch_closed() is None  # its own epoch, open
     loop = loop_at_epoch(0, CoordinatorView(member_epoch=1, job_state="RUNNING"))
     assert loop._epoch_closed() is None  # a joiner, before its first epoch

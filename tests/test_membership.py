@@ -14,8 +14,9 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def make(min_w: int = 2, max_w: int = 3, max_restarts: int = 3, **cfg: float) -> Membership:
-    spec = JobSpec(job_id="j", command=["python", "train.py"], min_workers=min_w,
-                   max_workers=max_w, max_restarts=max_restarts)
+    spec = JobSpec(
+        job_id="j", command=["python", "train.py"], min_workers=min_w, max_workers=max_w, max_restarts=max_restarts
+    )
     return Membership(spec, DetectorConfig(**cfg), now=0.0)
 
 
@@ -43,8 +44,7 @@ def heartbeat(m: Membership, wid: str, t: float, step: int, stalled: bool) -> di
     return m.view(wid, t)
 
 
-def beat(m: Membership, wids: list[str], t0: float, t1: float, *, stalled: bool = False,
-         dt: float = 0.1) -> float:
+def beat(m: Membership, wids: list[str], t0: float, t1: float, *, stalled: bool = False, dt: float = 0.1) -> float:
     """Regular heartbeats of wids from t0 up to t1; returns the time of the last beat."""
     t = t0
     while t <= t1 + 1e-9:
@@ -61,12 +61,16 @@ def state(m: Membership, wid: str) -> WorkerState:
 
 # -- JobSpec -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"command": []}, "no command"),
-    ({"min_workers": 0}, "at least 1"),
-    ({"min_workers": 3, "max_workers": 2}, "max workers 2 < min workers 3"),
-    ({"max_restarts": -1}, "max restarts"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"command": []}, "no command"),
+        ({"min_workers": 0}, "at least 1"),
+        ({"min_workers": 3, "max_workers": 2}, "max workers 2 < min workers 3"),
+        ({"max_restarts": -1}, "max restarts"),
+    ],
+)
 def test_job_spec_validation(kwargs, match):
     base = {"job_id": "j", "command": ["python", "x.py"], "min_workers": 1, "max_workers": 2}
     with pytest.raises(ValueError, match=match):
@@ -81,6 +85,7 @@ def test_job_spec_valid_defaults():
 
 # -- the first epoch ------------------------------------------------------------------------------
 
+
 def test_first_epoch_waits_for_min_workers():
     m = make(min_w=2, max_w=2)
     w1, w2 = add(m, [("n0", 0), ("n0", 1)])
@@ -93,20 +98,29 @@ def test_first_epoch_waits_for_min_workers():
     m.arrive(w2, 0, 0, "join", 101.0)
     assert m.try_open_epoch(101.0)
     assert (m.state, m.epoch, m.members) == (JobState.RUNNING, 1, [w1, w2])
-    assert m.assignment(w2, 0) == {"action": "train", "epoch": 1, "rank": 1, "world_size": 2,
-                                   "store_prefix": "job/j/e1/", "members": [w1, w2],
-                                   "state_lost": False}
+    assert m.assignment(w2, 0) == {
+        "action": "train",
+        "epoch": 1,
+        "rank": 1,
+        "world_size": 2,
+        "store_prefix": "job/j/e1/",
+        "members": [w1, w2],
+        "state_lost": False,
+    }
 
 
-@pytest.mark.parametrize("third,t_open,expect_members", [
-    # third worker still STARTING: wait first_round_grace_s (2.0) from when the minimum (2) was
-    # there, the second arrival at t=1.5
-    ("starting", [(1.5, False), (3.01, False), (3.49, False), (3.51, True)], 2),
-    # third worker arrives inside the grace: opens at once with everyone
-    ("arrives", [(1.5, False), (1.6, True)], 3),
-    # third worker died while starting: nobody left to wait for
-    ("dead", [(1.5, True)], 2),
-])
+@pytest.mark.parametrize(
+    "third,t_open,expect_members",
+    [
+        # third worker still STARTING: wait first_round_grace_s (2.0) from when the minimum (2) was
+        # there, the second arrival at t=1.5
+        ("starting", [(1.5, False), (3.01, False), (3.49, False), (3.51, True)], 2),
+        # third worker arrives inside the grace: opens at once with everyone
+        ("arrives", [(1.5, False), (1.6, True)], 3),
+        # third worker died while starting: nobody left to wait for
+        ("dead", [(1.5, True)], 2),
+    ],
+)
 def test_first_epoch_grace_for_starting_workers(third, t_open, expect_members):
     m = make(min_w=2, max_w=3)
     w1, w2, w3 = add(m, [("n0", 0), ("n0", 1), ("n0", 2)])
@@ -130,18 +144,21 @@ def test_first_epoch_grace_for_starting_workers(third, t_open, expect_members):
 
 def test_no_grace_when_nobody_is_starting():
     m = make(min_w=1, max_w=4)
-    w1, = add(m, [("n0", 0)])
+    (w1,) = add(m, [("n0", 0)])
     m.arrive(w1, 0, 0, "join", 0.5)
     assert m.try_open_epoch(0.5)
     assert m.members == [w1]
     assert m.wants_workers() == 3
 
 
-@pytest.mark.parametrize("placements,arrival_order,expected_ranks", [
-    ([("a", 0), ("b", 0), ("a", 1), ("b", 1)], [3, 2, 1, 0], [0, 2, 1, 3]),
-    ([("b", 1), ("a", 0), ("b", 0)], [0, 1, 2], [1, 2, 0]),  # node b was seen first
-    ([("x", 2), ("x", 0), ("x", 1)], [2, 0, 1], [2, 0, 1]),  # by slot within a node
-])
+@pytest.mark.parametrize(
+    "placements,arrival_order,expected_ranks",
+    [
+        ([("a", 0), ("b", 0), ("a", 1), ("b", 1)], [3, 2, 1, 0], [0, 2, 1, 3]),
+        ([("b", 1), ("a", 0), ("b", 0)], [0, 1, 2], [1, 2, 0]),  # node b was seen first
+        ([("x", 2), ("x", 0), ("x", 1)], [2, 0, 1], [2, 0, 1]),  # by slot within a node
+    ],
+)
 def test_ranks_ordered_by_node_then_slot(placements, arrival_order, expected_ranks):
     m = make(min_w=len(placements), max_w=len(placements))
     wids = add(m, placements)
@@ -156,6 +173,7 @@ def test_ranks_ordered_by_node_then_slot(placements, arrival_order, expected_ran
 
 
 # -- losing and reopening epochs --------------------------------------------------------------------
+
 
 def test_member_exit_closes_epoch_and_survivors_open_the_next():
     m = make(min_w=2, max_w=3)
@@ -175,9 +193,15 @@ def test_member_exit_closes_epoch_and_survivors_open_the_next():
     m.arrive(w1, 1, 5, "allreduce failed", 3.1)
     assert m.try_open_epoch(3.1)
     assert (m.state, m.epoch, m.members) == (JobState.RUNNING, 2, [w1, w3])
-    assert m.assignment(w3, 1) == {"action": "train", "epoch": 2, "rank": 1, "world_size": 2,
-                                   "store_prefix": "job/j/e2/", "members": [w1, w3],
-                                   "state_lost": False}
+    assert m.assignment(w3, 1) == {
+        "action": "train",
+        "epoch": 2,
+        "rank": 1,
+        "world_size": 2,
+        "store_prefix": "job/j/e2/",
+        "members": [w1, w3],
+        "state_lost": False,
+    }
     assert m.assignment(w1, 2) is None  # already in epoch 2: nothing new
     assert m.failures == 1
     assert m.wants_workers() == 1  # a replacement for w2
@@ -211,7 +235,7 @@ def test_failure_counted_once_per_lost_epoch(order):
     m.exited(w2, 1, "boom", 3.0)
     assert m.failures == 2 and m.state == JobState.RENDEZVOUS
     # a worker lost while starting (outside any epoch) is an event of its own
-    w5, = add(m, [("n1", 0)], now=3.1)
+    (w5,) = add(m, [("n1", 0)], now=3.1)
     m.exited(w5, 1, "ImportError", 3.2)
     assert m.failures == 3
 
@@ -231,11 +255,15 @@ def test_hung_member_detected_then_exit_report_counts_once():
 
 # -- failure detection ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("peers_stalled,checks", [
-    # silence since 12.0; floor 1.5 s; hard limit 15 s
-    (True, [(13.4, []), (13.6, ["w2"])]),
-    (False, [(13.6, []), (20.0, []), (26.9, []), (27.1, ["w2"])]),
-])
+
+@pytest.mark.parametrize(
+    "peers_stalled,checks",
+    [
+        # silence since 12.0; floor 1.5 s; hard limit 15 s
+        (True, [(13.4, []), (13.6, ["w2"])]),
+        (False, [(13.6, []), (20.0, []), (26.9, []), (27.1, ["w2"])]),
+    ],
+)
 def test_hang_rule(peers_stalled, checks):
     m = make(min_w=1, max_w=3)
     w1, w2, w3 = start(m, 3, now=10.0)
@@ -261,8 +289,7 @@ def vouch(m: Membership, wid: str, t: float, silent_s: float, interval_s: float 
     it: heard less than protocol.SILENT_S ago, the agent vouches for it until its next beat is
     due (plus the coordinator's slack of 0.5 s)."""
     fresh = silent_s < p.SILENT_S
-    m.progress(wid, t - silent_s, 0, False, 0.0, 0.1, 0.0,
-               t + interval_s + 0.5 if fresh else 0.0)
+    m.progress(wid, t - silent_s, 0, False, 0.0, 0.1, 0.0, t + interval_s + 0.5 if fresh else 0.0)
 
 
 def test_a_member_its_agent_vouches_for_is_not_hung_while_the_next_beat_is_due():
@@ -309,7 +336,7 @@ def test_hang_rule_needs_every_other_member_stalled():
 
 def test_single_member_is_never_declared_hung_before_dead_after():
     m = make(min_w=1, max_w=1)
-    w1, = start(m, 1, now=0.0)
+    (w1,) = start(m, 1, now=0.0)
     beat(m, [w1], 0.1, 1.0)
     assert m.detect_failures(15.9) == []
     assert m.detect_failures(16.1) == [w1]
@@ -332,7 +359,7 @@ def test_adaptive_suspect_timeout_for_irregular_heartbeats():
 
 def test_ready_joiner_silent_past_dead_after_is_dead_starting_is_not():
     m = make(min_w=1, max_w=3)
-    w1, = start(m, 1, now=0.0)
+    (w1,) = start(m, 1, now=0.0)
     w2, w3 = add(m, [("n1", 0), ("n1", 1)], now=1.0)
     m.arrive(w2, 0, 0, "join", 1.0)  # READY, then silent
     beat(m, [w1], 1.0, 17.0)
@@ -343,12 +370,17 @@ def test_ready_joiner_silent_past_dead_after_is_dead_starting_is_not():
 
 # -- resizing ---------------------------------------------------------------------------------------
 
+
 def test_scale_down_marks_highest_ranks_leaving():
     m = make(min_w=1, max_w=4)
     w1, w2, w3, w4 = start(m, 4)
     assert m.scale(2, 2.0) == [w3, w4]
     assert [state(m, w) for w in (w1, w2, w3, w4)] == [
-        WorkerState.ACTIVE, WorkerState.ACTIVE, WorkerState.LEAVING, WorkerState.LEAVING]
+        WorkerState.ACTIVE,
+        WorkerState.ACTIVE,
+        WorkerState.LEAVING,
+        WorkerState.LEAVING,
+    ]
     assert m.assignment(w4, 1) == {"action": "leave"}
     hb3, hb1 = heartbeat(m, w3, 2.1, 9, False), heartbeat(m, w1, 2.1, 9, False)
     assert (hb3["leave"], hb3["change"], hb3["closed"]) == (True, True, False)
@@ -382,7 +414,7 @@ def test_scale_out_of_range_raises():
 def test_scale_down_also_turns_away_unneeded_joiners():
     m = make(min_w=1, max_w=3)
     w1, w2 = start(m, 2)
-    w3, = add(m, [("n0", 2)], now=1.5)
+    (w3,) = add(m, [("n0", 2)], now=1.5)
     assert m.scale(2, 2.0) == []
     assert state(m, w3) == WorkerState.LEAVING
     assert m.assignment(w3, 0) == {"action": "leave"}
@@ -392,6 +424,7 @@ def test_scale_down_also_turns_away_unneeded_joiners():
 
 # -- heartbeat replies ------------------------------------------------------------------------------
 
+
 def test_heartbeat_change_when_a_ready_joiner_exists_and_members_below_target():
     m = make(min_w=2, max_w=3)
     w1, w2 = add(m, [("n0", 0), ("n0", 1)])
@@ -399,7 +432,7 @@ def test_heartbeat_change_when_a_ready_joiner_exists_and_members_below_target():
         m.arrive(w, 0, 0, "join", 1.0)
     assert m.try_open_epoch(1.0)  # nobody STARTING: no grace
     assert heartbeat(m, w1, 1.1, 1, False)["change"] is False
-    w3, = add(m, [("n1", 0)], now=1.2)
+    (w3,) = add(m, [("n1", 0)], now=1.2)
     assert heartbeat(m, w1, 1.3, 1, False)["change"] is False  # STARTING is not ready
     m.arrive(w3, 0, 0, "join", 1.4)
     assert state(m, w3) == WorkerState.READY
@@ -424,7 +457,7 @@ def test_heartbeat_no_change_when_members_at_target():
     m = make(min_w=1, max_w=4)
     m.scale(3, 0.5)
     w1, w2, w3 = start(m, 3)
-    w4, = add(m, [("n1", 0)], now=1.6)
+    (w4,) = add(m, [("n1", 0)], now=1.6)
     m.arrive(w4, 0, 0, "join", 1.7)  # arrive makes a STARTING worker READY
     assert state(m, w4) == WorkerState.READY
     assert m.change_pending() is False
@@ -445,6 +478,7 @@ def test_leaving_member_left_out_of_next_epoch_sees_stale_member_epoch():
 
 
 # -- job outcomes -----------------------------------------------------------------------------------
+
 
 def test_same_error_on_every_member_fails_the_job_with_it():
     m = make(min_w=1, max_w=2, max_restarts=5)
@@ -517,7 +551,7 @@ def test_below_min_with_no_restarts_left_fails_in_rendezvous():
 def test_exits_after_completion_are_not_failures():
     m = make(min_w=1, max_w=3, max_restarts=0)
     w1, w2 = start(m, 2)
-    w3, = add(m, [("n0", 2)], now=1.5)
+    (w3,) = add(m, [("n0", 2)], now=1.5)
     m.arrive(w3, 0, 0, "join", 1.6)  # READY joiner
     m.done(w1, 100, 2.0)
     assert m.state == JobState.RUNNING
@@ -527,8 +561,7 @@ def test_exits_after_completion_are_not_failures():
     m.exited(w2, 0, None, 2.2)
     m.exited(w3, -15, None, 2.3)  # killed because its job completed
     assert (m.state, m.failures, m.failure) == (JobState.COMPLETED, 0, None)
-    assert [state(m, w) for w in (w1, w2, w3)] == [WorkerState.DONE, WorkerState.DONE,
-                                                   WorkerState.DEAD]
+    assert [state(m, w) for w in (w1, w2, w3)] == [WorkerState.DONE, WorkerState.DONE, WorkerState.DEAD]
     assert m.assignment(w3, 0) == {"action": "stop", "reason": "job completed"}
     assert m.wants_workers() == 0
     assert m.summary()["step"] == 100
@@ -561,6 +594,7 @@ def test_unknown_worker_raises_key_error():
 
 
 # -- bugs found by these tests, fixed ------------------------------------------------------------
+
 
 def test_member_that_missed_a_short_lived_epoch_can_still_rendezvous():
     m = make(min_w=1, max_w=3, max_restarts=5)
@@ -621,7 +655,7 @@ def test_a_joiner_whose_peers_finished_the_last_step_does_not_wait_forever(repor
     could never open (fewer than the minimum left): a hang until someone cancelled the job."""
     m = make(min_w=2, max_w=3)
     w1, w2 = start(m, 2)
-    w3, = add(m, [("n0", 2)], now=1.5)
+    (w3,) = add(m, [("n0", 2)], now=1.5)
     m.arrive(w3, 0, 0, "join", 1.6)
     for w in (w1, w2):
         m.arrive(w, 1, 40, "resize", 1.7)
@@ -678,6 +712,7 @@ def test_leaver_that_exits_without_saying_so_ends_its_running_epoch() -> None:
 
 
 # -- suspend -----------------------------------------------------------------------------------------
+
 
 def test_suspend_waits_for_every_member_to_checkpoint():
     m = make(min_w=2, max_w=3)
@@ -756,8 +791,15 @@ def test_a_group_that_cannot_be_built_is_a_failure_and_ends_the_job_with_the_set
     w1, w2 = start(m, 2, now=1.0)
     for epoch in (1, 2):  # every member says so; it counts once per epoch
         for w in (w1, w2):
-            m.arrive(w, epoch, 0, "group not built: Gloo connectFullMesh failed", 2.0 * epoch,
-                     group_failed=True, unreachable=["127.0.0.1"])
+            m.arrive(
+                w,
+                epoch,
+                0,
+                "group not built: Gloo connectFullMesh failed",
+                2.0 * epoch,
+                group_failed=True,
+                unreachable=["127.0.0.1"],
+            )
         if epoch == 1:
             assert m.failures == 1 and m.try_open_epoch(2.5) and m.epoch == 2
     assert m.state == JobState.FAILED and m.failures == 2

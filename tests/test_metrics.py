@@ -49,10 +49,12 @@ def promtool_check(text: str) -> None:
         if os.environ.get("CI"):
             pytest.fail("promtool is missing (Debian package prometheus; .ci/run installs it)")
         pytest.skip("promtool is missing (apt-get install prometheus)")
-    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
-                          text=True, timeout=30)
-    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), \
-        (done.returncode, done.stdout, done.stderr)
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), (
+        done.returncode,
+        done.stdout,
+        done.stderr,
+    )
 
 
 def ok(response: Any) -> Any:
@@ -64,19 +66,30 @@ def ok(response: Any) -> Any:
 def world(tmp_path: Path):
     t = [1000.0]
     db = Store(tmp_path / "state.db")
-    co = Coordinator("127.0.0.1:1", clock=lambda: t[0],
-                     cluster=ClusterState([Queue("q")], run_dir=tmp_path), store=db, pass_s=0.5)
-    with TestClient(build_app(co, token=TOKEN),
-                    headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+    co = Coordinator(
+        "127.0.0.1:1", clock=lambda: t[0], cluster=ClusterState([Queue("q")], run_dir=tmp_path), store=db, pass_s=0.5
+    )
+    with TestClient(build_app(co, token=TOKEN), headers={"Authorization": f"Bearer {TOKEN}"}) as client:
         yield co, client, t
     db.close()
 
 
 def recovery(epoch: int, reason: str, source: str, to_next_step_s: float) -> dict[str, Any]:
-    return {"kind": "recovery", "epoch": epoch, "rank": 0, "world_size": 1, "step": 10,
-            "state_bytes": 0, "reason": reason, "detected_at": 0.0, "rendezvous_s": 0.1,
-            "group_s": 0.05, "state_s": 0.0, "to_next_step_s": to_next_step_s,
-            "state_source": source}
+    return {
+        "kind": "recovery",
+        "epoch": epoch,
+        "rank": 0,
+        "world_size": 1,
+        "step": 10,
+        "state_bytes": 0,
+        "reason": reason,
+        "detected_at": 0.0,
+        "rendezvous_s": 0.1,
+        "group_s": 0.05,
+        "state_s": 0.0,
+        "to_next_step_s": to_next_step_s,
+        "state_source": source,
+    }
 
 
 @pytest.mark.timeout(60)
@@ -87,64 +100,117 @@ def test_a_scrape_says_what_the_coordinator_saw(world) -> None:
         t[0] += 1.0
         co.tick()
 
-    ok(client.post("/v1/jobs", json={"manifest": {
-        "name": "a", "queue": "q", "minReplicas": 1, "maxReplicas": 2,
-        "command": ["python", "train.py"], "checkpointDir": "/nonexistent/a"}}))
+    ok(
+        client.post(
+            "/v1/jobs",
+            json={
+                "manifest": {
+                    "name": "a",
+                    "queue": "q",
+                    "minReplicas": 1,
+                    "maxReplicas": 2,
+                    "command": ["python", "train.py"],
+                    "checkpointDir": "/nonexistent/a",
+                }
+            },
+        )
+    )
     orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2}))
     tick()  # admits it on n0
-    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2,
-                                                            "since": orders["version"]}))
+    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2, "since": orders["version"]}))
     w1, w2 = sorted(o["worker_id"] for o in orders["start"])
-    ok(client.post("/v1/nodes/n0/heartbeat", json={
-        "slots": 2, "since": orders["version"],
-        "workers": [{"id": w, "silent_s": 0.0} for w in (w1, w2)]}))
+    ok(
+        client.post(
+            "/v1/nodes/n0/heartbeat",
+            json={"slots": 2, "since": orders["version"], "workers": [{"id": w, "silent_s": 0.0} for w in (w1, w2)]},
+        )
+    )
     for w in (w1, w2):
         client.post(f"/v1/workers/{w}/rendezvous", json={"from_epoch": 0, "wait_s": 0})
     for w in (w1, w2):
-        assert ok(client.post(f"/v1/workers/{w}/rendezvous",
-                              json={"from_epoch": 0, "wait_s": 0}))["action"] == "train"
-    ok(client.post("/v1/jobs", json={"manifest": {  # cannot fit: it waits
-        "name": "b", "queue": "q", "minReplicas": 3, "maxReplicas": 3,
-        "command": ["python", "train.py"]}}))
+        assert ok(client.post(f"/v1/workers/{w}/rendezvous", json={"from_epoch": 0, "wait_s": 0}))["action"] == "train"
+    ok(
+        client.post(
+            "/v1/jobs",
+            json={
+                "manifest": {  # cannot fit: it waits
+                    "name": "b",
+                    "queue": "q",
+                    "minReplicas": 3,
+                    "maxReplicas": 3,
+                    "command": ["python", "train.py"],
+                }
+            },
+        )
+    )
     tick()
 
     report = f"/v1/workers/{w1}/report"
     ok(client.post(report, json=recovery(1, "join", "none", 2.0)))  # the start: no recovery
     for step in (10, 20, 30):
         t[0] += 1.0
-        ok(client.post(report, json={"kind": "progress", "step": step, "loss": 2.5 - step / 100,
-                                     "world_size": 2, "steps_per_s": 10.0,
-                                     "samples_per_s": 120.0}))
+        ok(
+            client.post(
+                report,
+                json={
+                    "kind": "progress",
+                    "step": step,
+                    "loss": 2.5 - step / 100,
+                    "world_size": 2,
+                    "steps_per_s": 10.0,
+                    "samples_per_s": 120.0,
+                },
+            )
+        )
     t[0] += 0.1  # too soon after the last one: kept as the latest, no event
-    ok(client.post(report, json={"kind": "progress", "step": 31, "loss": None, "world_size": 2,
-                                 "steps_per_s": 9.0}))
+    ok(client.post(report, json={"kind": "progress", "step": 31, "loss": None, "world_size": 2, "steps_per_s": 9.0}))
     for bad in ('"steps_per_s": -1.0', '"loss": NaN', '"world_size": 0', '"loss": Infinity'):
         body = '{"kind": "progress", "step": 32, "world_size": 2, "steps_per_s": 1.0, ' + bad + "}"
-        assert client.post(report, content=body.encode(), headers={
-            "content-type": "application/json"}).status_code == 400, bad
-    ok(client.post(report, json={"kind": "checkpoint", "step": 25, "world_size": 2,
-                                 "snapshot_s": 0.004, "persist_s": 0.2, "bytes": 123456,
-                                 "interval_steps": None, "interval_s": 30.0, "ok": True,
-                                 "error": None}))
+        assert (
+            client.post(report, content=body.encode(), headers={"content-type": "application/json"}).status_code == 400
+        ), bad
+    ok(
+        client.post(
+            report,
+            json={
+                "kind": "checkpoint",
+                "step": 25,
+                "world_size": 2,
+                "snapshot_s": 0.004,
+                "persist_s": 0.2,
+                "bytes": 123456,
+                "interval_steps": None,
+                "interval_s": 30.0,
+                "ok": True,
+                "error": None,
+            },
+        )
+    )
     assert co.progress["a"]["step"] == 31
     assert [r["kind"] for r in co.reports["a"]] == ["recovery", "checkpoint"]  # no progress
 
     # w2 is killed: the epoch closes; w1 goes on alone from its own state.
     ok(client.post(f"/v1/workers/{w2}/exit", json={"code": -9}))
-    assert ok(client.post(f"/v1/workers/{w1}/rendezvous",
-                          json={"from_epoch": 1, "step": 30, "reason": "Connection closed by "
-                                "peer", "wait_s": 0}))["action"] == "train"
+    assert (
+        ok(
+            client.post(
+                f"/v1/workers/{w1}/rendezvous",
+                json={"from_epoch": 1, "step": 30, "reason": "Connection closed by peer", "wait_s": 0},
+            )
+        )["action"]
+        == "train"
+    )
     ok(client.post(report, json=recovery(2, "Connection closed by peer", "peer", 0.3)))
     tick()
-    co.cluster.log(t[0], "spot_notice", node="n0", notice_s=120.0, deadline=t[0] + 120.0,
-                   source="file:/tmp/notice")  # (as the spot handling emits them)
+    co.cluster.log(
+        t[0], "spot_notice", node="n0", notice_s=120.0, deadline=t[0] + 120.0, source="file:/tmp/notice"
+    )  # (as the spot handling emits them)
     co.cluster.log(t[0], "node_drained", node="n0", workers=[w1], seconds=4.5)
     co.cluster.log(t[0], "node_reclaimed", node="n0")
 
     assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     worker_token = orders["start"][0]["token"]
-    assert client.get("/metrics", headers={"Authorization": f"Bearer {worker_token}"}
-                      ).status_code == 403
+    assert client.get("/metrics", headers={"Authorization": f"Bearer {worker_token}"}).status_code == 403
     scraped = client.get("/metrics")
     assert scraped.status_code == 200
     assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -177,10 +243,10 @@ def test_a_scrape_says_what_the_coordinator_saw(world) -> None:
     assert sample(text, "maitre_recoveries_total", cause="crash") == 1
     assert sample(text, "maitre_recoveries_total", cause="start") is None
     assert sample(text, "maitre_recovery_duration_seconds_count", cause="crash") == 1
-    assert sample(text, "maitre_recovery_duration_seconds_sum", cause="crash") == \
-        pytest.approx(0.3)
-    assert sample(text, "maitre_recovery_phase_duration_seconds_sum", cause="crash",
-                  phase="rendezvous") == pytest.approx(0.1)
+    assert sample(text, "maitre_recovery_duration_seconds_sum", cause="crash") == pytest.approx(0.3)
+    assert sample(
+        text, "maitre_recovery_phase_duration_seconds_sum", cause="crash", phase="rendezvous"
+    ) == pytest.approx(0.1)
     assert sample(text, "maitre_resizes_total", kind="grow") == 0
     assert sample(text, "maitre_spot_notices_total") == 1
     assert sample(text, "maitre_spot_reclaims_total") == 1

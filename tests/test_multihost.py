@@ -46,11 +46,28 @@ class Cluster:
         self.env = {"MAITRE_COORDINATOR": self.address, "MAITRE_TOKEN_FILE": token_file}
         for i, host in enumerate(self.agent_hosts, start=1):
             self.agents[f"n{i}"] = host.run(
-                [*CLI, "agent", "--coordinator", self.address, "--token-file", token_file,
-                 "--nproc-per-node", "1", "--node-id", f"n{i}", *agent_args],
-                stdout=self._log(f"agent-n{i}"), stderr=subprocess.STDOUT)
-        _wait(lambda: len([n for n in self.status()["nodes"] if n["alive"]])
-              == len(self.agent_hosts), 60, "every agent to join", self)
+                [
+                    *CLI,
+                    "agent",
+                    "--coordinator",
+                    self.address,
+                    "--token-file",
+                    token_file,
+                    "--nproc-per-node",
+                    "1",
+                    "--node-id",
+                    f"n{i}",
+                    *agent_args,
+                ],
+                stdout=self._log(f"agent-n{i}"),
+                stderr=subprocess.STDOUT,
+            )
+        _wait(
+            lambda: len([n for n in self.status()["nodes"] if n["alive"]]) == len(self.agent_hosts),
+            60,
+            "every agent to join",
+            self,
+        )
         return self
 
     def start_coordinator(self, name: str) -> tuple[str, str]:
@@ -58,11 +75,25 @@ class Cluster:
         (logging to ``<name>.log``); returns the address and token file its export line gives."""
         log = self.tmp / f"{name}.log"
         self.coordinator = self.coordinator_host.run(
-            [*CLI, "up", "--nodes", "0", "--state-dir", str(self.state), "--host",
-             self.coordinator_host.ip, "--queue", "q", *self.up_args],
-            stdout=self._log(name), stderr=subprocess.STDOUT)
-        match = _wait(lambda: log.exists() and _EXPORT.search(log.read_text()), 60,
-                      "the coordinator's export line", self)
+            [
+                *CLI,
+                "up",
+                "--nodes",
+                "0",
+                "--state-dir",
+                str(self.state),
+                "--host",
+                self.coordinator_host.ip,
+                "--queue",
+                "q",
+                *self.up_args,
+            ],
+            stdout=self._log(name),
+            stderr=subprocess.STDOUT,
+        )
+        match = _wait(
+            lambda: log.exists() and _EXPORT.search(log.read_text()), 60, "the coordinator's export line", self
+        )
         return match.group(1), match.group(2)
 
     def cli(self, *args: str, host: Host | None = None) -> str:
@@ -73,8 +104,9 @@ class Cluster:
 
     def submit(self, name: str, lo: int, hi: int, command: list[str]) -> None:
         manifest = self.tmp / f"{name}.yaml"  # JSON is YAML
-        manifest.write_text(json.dumps({"name": name, "queue": "q", "minReplicas": lo,
-                                        "maxReplicas": hi, "command": command}))
+        manifest.write_text(
+            json.dumps({"name": name, "queue": "q", "minReplicas": lo, "maxReplicas": hi, "command": command})
+        )
         out = self.cli("submit", str(manifest), host=self.agent_hosts[0])
         assert f"job {name} submitted" in out, out
 
@@ -82,13 +114,16 @@ class Cluster:
         """Poll ``maitre status JOB --json`` until ``predicate(job)``; fail at once, with the
         evidence, when the job opens epoch after epoch without a step (a group that cannot be
         built)."""
+
         def check():
             job = self.status(name)
             if job["step"] == 0 and job["epoch"] > 10:
-                raise AssertionError(f"{name}: epoch {job['epoch']} and still no step (state "
-                                     f"{job['state']}, failures {job['failures']})\n"
-                                     + self.evidence())
+                raise AssertionError(
+                    f"{name}: epoch {job['epoch']} and still no step (state "
+                    f"{job['state']}, failures {job['failures']})\n" + self.evidence()
+                )
             return job if predicate(job) else None
+
         return _wait(check, timeout, what, self, interval=1.0)
 
     def jobs(self) -> str:
@@ -106,14 +141,17 @@ class Cluster:
         for log in sorted(self.tmp.glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()
             trouble = [line for line in lines if _TROUBLE.search(line)]
-            parts.append(f"--- {log.name}: {len(lines)} lines, {len(trouble)} of trouble, "
-                         "the first:\n" + "\n".join(t[:400] for t in trouble[:limit])
-                         + "\n--- its tail:\n" + "\n".join(t[:400] for t in lines[-8:]))
+            parts.append(
+                f"--- {log.name}: {len(lines)} lines, {len(trouble)} of trouble, "
+                "the first:\n"
+                + "\n".join(t[:400] for t in trouble[:limit])
+                + "\n--- its tail:\n"
+                + "\n".join(t[:400] for t in lines[-8:])
+            )
         return "\n".join(parts)[-12000:]
 
 
-def _wait(predicate, timeout: float, what: str, cluster: Cluster | None = None,
-          interval: float = 0.2):
+def _wait(predicate, timeout: float, what: str, cluster: Cluster | None = None, interval: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -121,8 +159,10 @@ def _wait(predicate, timeout: float, what: str, cluster: Cluster | None = None,
             return value
         time.sleep(interval)
     # The verdict last, after the logs (a long message is often shown by its ends only).
-    raise AssertionError((cluster.evidence() + "\n" + cluster.jobs() if cluster else "")
-                         + f"\ntimed out after {timeout} s waiting for {what}")
+    raise AssertionError(
+        (cluster.evidence() + "\n" + cluster.jobs() if cluster else "")
+        + f"\ntimed out after {timeout} s waiting for {what}"
+    )
 
 
 def _done(job: dict) -> bool:
@@ -138,26 +178,27 @@ def test_the_harness_isolates_cuts_restores_and_leaves_nothing_behind() -> None:
     try:
         a, b = net.add_hosts(2)
         assert a.ip != b.ip and a.ip.startswith("10.231.")
-        server = b.run([sys.executable, "-c", "import socket, time\n"
-                        "s = socket.create_server(('0.0.0.0', 7000))\n"
-                        "while True: s.accept()[0].close()"])
-        probe = ("import socket, sys\ntry:\n"
-                 f" socket.create_connection(('{b.ip}', 7000), timeout=1).close(); print('ok')\n"
-                 "except OSError as e: print(type(e).__name__)")
-        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20,
-              "b's server")
+        server = b.run(
+            [
+                sys.executable,
+                "-c",
+                "import socket, time\ns = socket.create_server(('0.0.0.0', 7000))\nwhile True: s.accept()[0].close()",
+            ]
+        )
+        probe = (
+            "import socket, sys\ntry:\n"
+            f" socket.create_connection(('{b.ip}', 7000), timeout=1).close(); print('ok')\n"
+            "except OSError as e: print(type(e).__name__)"
+        )
+        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20, "b's server")
         b.cut()
-        assert a.check_output([sys.executable, "-c", probe]).strip() in ("timeout",
-                                                                         "TimeoutError")
+        assert a.check_output([sys.executable, "-c", probe]).strip() in ("timeout", "TimeoutError")
         b.restore()
-        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20,
-              "b back on the network")
+        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20, "b back on the network")
         b.cut_from(a)  # b's answers to a are dropped
-        assert a.check_output([sys.executable, "-c", probe]).strip() in ("timeout",
-                                                                         "TimeoutError")
+        assert a.check_output([sys.executable, "-c", probe]).strip() in ("timeout", "TimeoutError")
         b.restore_to(a)
-        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20,
-              "b back toward a")
+        _wait(lambda: a.check_output([sys.executable, "-c", probe]).strip() == "ok", 20, "b back toward a")
         assert server.poll() is None
     finally:
         net.close()
@@ -167,7 +208,8 @@ def test_the_harness_isolates_cuts_restores_and_leaves_nothing_behind() -> None:
 
 @pytest.mark.timeout(300)
 def test_a_fixed_gang_on_three_hosts_trains_every_sample_once_to_the_reference(
-        hosts, tmp_path: Path, reference) -> None:  # noqa: F811
+    hosts, tmp_path: Path, reference
+) -> None:
     """Each agent's workers advertise the interface that reaches the coordinator, so their
     group builds across hosts (with gloo's default they advertise 127.0.0.1 and every epoch
     fails in connectFullMesh)."""
@@ -185,8 +227,10 @@ def test_a_fixed_gang_on_three_hosts_trains_every_sample_once_to_the_reference(
     error = relative_error(torch.load(out, weights_only=True), expected)
     assert error < 1e-5, f"final parameters {error:.3g} away from the fixed-size run's"
     for i in range(1, 4):  # each agent says what its workers advertise: its own veth
-        assert "workers advertise GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0" in (
-            tmp_path / f"agent-n{i}.log").read_text()
+        assert (
+            "workers advertise GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0"
+            in (tmp_path / f"agent-n{i}.log").read_text()
+        )
 
 
 def _commits(ledger: Path) -> dict[str, list[dict]]:
@@ -197,7 +241,8 @@ def _commits(ledger: Path) -> dict[str, list[dict]]:
 @pytest.mark.chaos  # (about a minute: in .ci/run's chaos stage, not the default suite)
 @pytest.mark.timeout(300)
 def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows_back_onto_it(
-        hosts, tmp_path: Path, reference) -> None:  # noqa: F811
+    hosts, tmp_path: Path, reference
+) -> None:
     """n3's link goes down mid-step: the coordinator drops its worker (a hang), the other two
     train on, n3 is seen dead; the link comes back while the job still trains, toward the other
     agents' hosts 8 s before the coordinator's: n3 rejoins as a node, its old worker is removed,
@@ -215,8 +260,12 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows
     # clearly faster than two (with 8 ms, on a loaded 2-core machine, a job measured too little
     # gain from its third replica for the policy to grow it back before the run ended).
     cluster.submit("cut", 2, 3, example_command(steps, out) + ["--device-ms-per-sample", "14"])
-    before = cluster.wait_job("cut", lambda j: j["state"] == "RUNNING" and len(j["members"]) == 3
-                              and j["step"] >= 40, 120, "three workers training")
+    before = cluster.wait_job(
+        "cut",
+        lambda j: j["state"] == "RUNNING" and len(j["members"]) == 3 and j["step"] >= 40,
+        120,
+        "three workers training",
+    )
     victim_host = agents[2]
     nodes = {n["node"]: n for n in cluster.status()["nodes"]}
     victim_workers = set(nodes["n3"]["workers"])
@@ -225,8 +274,13 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows
     cut_at = time.time()
     victim_host.cut()
     after = cluster.wait_job(
-        "cut", lambda j: j["epoch"] > before["epoch"] and not victim_workers & set(j["members"])
-        and j["step"] >= before["step"] + 30, 90, "the others to train on without n3")
+        "cut",
+        lambda j: (
+            j["epoch"] > before["epoch"] and not victim_workers & set(j["members"]) and j["step"] >= before["step"] + 30
+        ),
+        90,
+        "the others to train on without n3",
+    )
     assert after["state"] == "RUNNING" and len(after["members"]) == 2, after
     _wait(lambda: not _nodes_alive(cluster)["n3"], 60, "the coordinator to see n3 dead", cluster)
     time.sleep(2.0)  # the cut-off worker has every chance to go on on its own
@@ -237,17 +291,21 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows
     victim_host.restore()
     time.sleep(8.0)
     victim_host.restore_to(coordinator)
-    _wait(lambda: (n3 := _node(cluster, "n3"))["alive"]
-          and not victim_workers & set(n3["workers"]), 60, "n3 back, without its worker", cluster)
+    _wait(
+        lambda: (n3 := _node(cluster, "n3"))["alive"] and not victim_workers & set(n3["workers"]),
+        60,
+        "n3 back, without its worker",
+        cluster,
+    )
 
     def grown_back() -> dict | None:  # three members again, the new one on n3
         job = cluster.status("cut")
         joined = set(job["members"]) - set(before["members"])
-        return job if len(job["members"]) == 3 and joined and joined <= set(
-            _node(cluster, "n3")["workers"]) else None
+        return job if len(job["members"]) == 3 and joined and joined <= set(_node(cluster, "n3")["workers"]) else None
+
     regrown = _wait(grown_back, 90, "the job to grow back onto n3", cluster)
     assert regrown["state"] == "RUNNING" and regrown["epoch"] > after["epoch"], regrown
-    joiner, = set(regrown["members"]) - set(before["members"])
+    (joiner,) = set(regrown["members"]) - set(before["members"])
 
     final = cluster.wait_job("cut", _done, 200, "the job to finish")
     assert final["state"] == "COMPLETED", f"{final}\n{cluster.evidence()}"
@@ -261,10 +319,10 @@ def test_a_host_cut_off_mid_run_is_dropped_without_split_brain_and_the_job_grows
     # No split brain: after the cut, the victim committed nothing the others did not commit too
     # (a step finished just before the cut may land in its ledger a moment after it).
     commits = _commits(ledger)
-    others = {(r["e"], r["s"]) for w, recs in commits.items() if w not in victim_workers
-              for r in recs}
-    alone = [r for w in victim_workers for r in commits.get(w, [])
-             if r["t"] >= cut_at and (r["e"], r["s"]) not in others]
+    others = {(r["e"], r["s"]) for w, recs in commits.items() if w not in victim_workers for r in recs}
+    alone = [
+        r for w in victim_workers for r in commits.get(w, []) if r["t"] >= cut_at and (r["e"], r["s"]) not in others
+    ]
     assert not alone, alone[:5]
     error = relative_error(torch.load(out, weights_only=True), expected)
     assert error < 1e-5, f"final parameters {error:.3g} away from the fixed-size run's"
@@ -287,7 +345,8 @@ def _ledger(ledger: Path) -> dict[str, list[dict]]:
 @pytest.mark.slow  # (45 s; the coordinator's SIGKILL and restart: also test_cluster_e2e.py)
 @pytest.mark.timeout(300)
 def test_the_coordinator_killed_on_its_host_and_restarted_takes_its_job_back_where_it_was(
-        hosts, tmp_path: Path, reference) -> None:  # noqa: F811
+    hosts, tmp_path: Path, reference
+) -> None:
     """``maitre up`` is SIGKILLed while an elastic job (2..3) trains on three hosts, stays away
     for longer than an agent beat, and is started again on the same host and state directory:
     it is at the same address (the port is in the store), it reloads the job and its
@@ -299,9 +358,12 @@ def test_the_coordinator_killed_on_its_host_and_restarted_takes_its_job_back_whe
     coordinator, *agents = hosts(4)
     cluster = Cluster(tmp_path, coordinator, agents).start()
     cluster.submit("phoenix", 2, 3, example_command(steps, out) + ["--device-ms-per-sample", "8"])
-    before = cluster.wait_job("phoenix", lambda j: j["state"] == "RUNNING"
-                              and len(j["members"]) == 3 and j["step"] >= 40, 120,
-                              "three workers training")
+    before = cluster.wait_job(
+        "phoenix",
+        lambda j: j["state"] == "RUNNING" and len(j["members"]) == 3 and j["step"] >= 40,
+        120,
+        "three workers training",
+    )
 
     first = cluster.coordinator
     killed_at = time.time()
@@ -313,11 +375,11 @@ def test_the_coordinator_killed_on_its_host_and_restarted_takes_its_job_back_whe
     restarted_at = time.time()
     address, _ = cluster.start_coordinator("coordinator-restarted")
     assert address == cluster.address, "the restarted coordinator moved"
-    after = cluster.wait_job("phoenix", lambda j: j["step"] > before["step"], 60,
-                             "the job back in the restarted coordinator, with its steps")
+    after = cluster.wait_job(
+        "phoenix", lambda j: j["step"] > before["step"], 60, "the job back in the restarted coordinator, with its steps"
+    )
     assert after["state"] == "RUNNING", f"{after}\n{cluster.evidence()}"
-    assert after["epoch"] == before["epoch"] and after["members"] == before["members"], (
-        before, after)
+    assert after["epoch"] == before["epoch"] and after["members"] == before["members"], (before, after)
 
     final = cluster.wait_job("phoenix", _done, 200, "the job to finish")
     assert final["state"] == "COMPLETED", f"{final}\n{cluster.evidence()}"
@@ -331,10 +393,10 @@ def test_the_coordinator_killed_on_its_host_and_restarted_takes_its_job_back_whe
     # The same three processes from start to end (one header each: none was restarted)...
     assert set(records) == set(before["members"]), sorted(records)
     assert all(sum(r["k"] == "h" for r in recs) == 1 for recs in records.values()), {
-        w: [r for r in recs if r["k"] == "h"] for w, recs in records.items()}
+        w: [r for r in recs if r["k"] == "h"] for w, recs in records.items()
+    }
     # ... which trained on, with their live state, while no coordinator was there.
-    away = {r["s"] for recs in records.values() for r in recs
-            if r["k"] == "c" and killed_at < r["t"] < restarted_at}
+    away = {r["s"] for recs in records.values() for r in recs if r["k"] == "c" and killed_at < r["t"] < restarted_at}
     assert away and min(away) > before["step"], sorted(away)[:5]
     error = relative_error(torch.load(out, weights_only=True), expected)
     assert error < 1e-5, f"final parameters {error:.3g} away from the fixed-size run's"

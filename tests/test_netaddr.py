@@ -49,8 +49,7 @@ def test_on_loopback_nothing_is_set_unless_the_agent_names_an_interface() -> Non
     assert netaddr.detect("127.0.0.1:9") is None
     assert netaddr.worker_env("127.0.0.1:9", {}) == {}
     assert netaddr.worker_env("localhost:9", {}) == {}
-    assert netaddr.worker_env("127.0.0.1:9", {}, "eth7") == {
-        "GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7"}
+    assert netaddr.worker_env("127.0.0.1:9", {}, "eth7") == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": "eth7"}
 
 
 @pytest.mark.timeout(30)
@@ -60,7 +59,8 @@ def test_the_user_env_wins_over_the_flag_which_wins_over_detection(monkeypatch) 
     assert netaddr.worker_env("10.1.1.1:9", {}) == dict.fromkeys(both, "detected0")
     assert netaddr.worker_env("10.1.1.1:9", {}, "flag0") == dict.fromkeys(both, "flag0")
     assert netaddr.worker_env("10.1.1.1:9", {"GLOO_SOCKET_IFNAME": "user0"}, "flag0") == {
-        "NCCL_SOCKET_IFNAME": "flag0"}  # each variable on its own
+        "NCCL_SOCKET_IFNAME": "flag0"
+    }  # each variable on its own
     user = {"GLOO_SOCKET_IFNAME": "", "NCCL_SOCKET_IFNAME": "ib0"}  # empty: keep the default
     assert netaddr.worker_env("10.1.1.1:9", user) == {}
 
@@ -68,8 +68,7 @@ def test_the_user_env_wins_over_the_flag_which_wins_over_detection(monkeypatch) 
 @pytest.mark.timeout(30)
 def test_detection_runs_once_per_coordinator(monkeypatch) -> None:
     calls = []
-    monkeypatch.setattr(netaddr, "detect",
-                        lambda c: calls.append(c) or netaddr.Route("eth0", "10.9.9.9"))
+    monkeypatch.setattr(netaddr, "detect", lambda c: calls.append(c) or netaddr.Route("eth0", "10.9.9.9"))
     for _ in range(5):
         netaddr.worker_env("10.1.1.1:9", {})
     netaddr.worker_env("10.1.1.2:9", {})
@@ -123,8 +122,10 @@ def test_in_a_network_namespace_the_veth_is_detected_not_lo(hosts) -> None:  # n
 def test_an_agent_given_an_interface_this_machine_lacks_is_refused_in_one_line() -> None:
     from conftest import run_tagged
 
-    result = run_tagged([sys.executable, "-m", "maitre.cli", "agent", "--coordinator",
-                         "127.0.0.1:1", "--iface", "nosuchif0"], timeout=50)
+    result = run_tagged(
+        [sys.executable, "-m", "maitre.cli", "agent", "--coordinator", "127.0.0.1:1", "--iface", "nosuchif0"],
+        timeout=50,
+    )
     assert result.returncode == 2, (result.returncode, result.stdout, result.stderr)
     expected = "maitre: error: --iface nosuchif0: no such network interface on this machine"
     assert result.stderr.strip() == expected, result.stderr

@@ -15,8 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from maitre.agent.notices import (FileSource, HttpSource, NoticeError, NoticeWatcher, parse_aws,
-                                  parse_file, parse_time, source)
+from maitre.agent.notices import (
+    FileSource,
+    HttpSource,
+    NoticeError,
+    NoticeWatcher,
+    parse_aws,
+    parse_file,
+    parse_time,
+    source,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -104,8 +112,7 @@ def test_aws_imdsv2_gets_a_session_token_and_a_new_one_when_it_stops_working() -
         assert w.poll() is None and w.status.endswith("no notice"), w.status
         assert w.poll() is None and server.tokens == ["t0"], "one token, kept"
         server.revoked.add("t0")  # type: ignore[attr-defined]
-        server.answer = (200, json.dumps(  # type: ignore[attr-defined]
-            {"action": "stop", "time": "2026-12-01T21:00:00Z"}))
+        server.answer = (200, json.dumps({"action": "stop", "time": "2026-12-01T21:00:00Z"}))  # type: ignore[attr-defined]
         notice = w.poll()
         assert notice is not None and notice.action == "stop" and server.tokens == ["t0", "t1"]
         assert notice.remaining_s(now[0]) == pytest.approx(60.0)
@@ -136,13 +143,17 @@ def test_gce_preempted_true_gives_the_default_notice_from_when_it_was_first_seen
 
 
 def test_garbage_and_unreachable_sources_are_logged_once_per_change_and_give_no_notice(
-        metadata, caplog: pytest.LogCaptureFixture) -> None:
+    metadata, caplog: pytest.LogCaptureFixture
+) -> None:
     url = f"http://127.0.0.1:{metadata.server_port}/x"
     now = [0.0]
     w = _watcher(HttpSource(url, timeout_s=1.0), now)
     caplog.set_level(logging.INFO, logger="maitre.agent.notices")
-    for answer in [(200, "<html>oops</html>")] * 3 + [(500, "boom")] * 2 + \
-            [(200, json.dumps({"action": "reboot", "time": "2026-12-01T21:00:00Z"}))]:
+    for answer in (
+        [(200, "<html>oops</html>")] * 3
+        + [(500, "boom")] * 2
+        + [(200, json.dumps({"action": "reboot", "time": "2026-12-01T21:00:00Z"}))]
+    ):
         metadata.answer = answer
         assert w.poll() is None
     garbage = [r.getMessage() for r in caplog.records]
@@ -177,8 +188,14 @@ def test_file_shapes() -> None:
     assert parse_file('{"notice_s": 30, "action": "stop"}', 100.0) == ("stop", 130.0)
     aws = '{"action": "stop", "time": "2026-12-01T21:00:00Z"}'
     assert parse_file(aws, 0.0) == parse_aws(aws) == ("stop", parse_time("2026-12-01T21:00:00Z"))
-    for bad in ('{"notice_s": -1}', '{"notice_s": "30"}', '{"deadline": 1, "notice_s": 2}',
-                '[]', '{"notice_s": true}', '{"time": "2026-12-01T21:00:00"}'):
+    for bad in (
+        '{"notice_s": -1}',
+        '{"notice_s": "30"}',
+        '{"deadline": 1, "notice_s": 2}',
+        "[]",
+        '{"notice_s": true}',
+        '{"time": "2026-12-01T21:00:00"}',
+    ):
         with pytest.raises(NoticeError):
             parse_file(bad, 0.0)
     with pytest.raises(NoticeError, match="time zone"):
@@ -203,13 +220,18 @@ def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_pat
     from maitre.agent.agent import Agent
 
     beats: list[tuple[float, dict]] = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Recorder", (_Coordinator,),
-                                                        {"beats": beats}))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Recorder", (_Coordinator,), {"beats": beats}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     path = tmp_path / "notice.json"
     watcher = NoticeWatcher(source(f"file:{path}"), interval_s=0.05)
-    agent = Agent(f"127.0.0.1:{server.server_port}", "spot-0", 1, heartbeat_s=5.0,
-                  labels={"capacity_type": "spot"}, notices=watcher)
+    agent = Agent(
+        f"127.0.0.1:{server.server_port}",
+        "spot-0",
+        1,
+        heartbeat_s=5.0,
+        labels={"capacity_type": "spot"},
+        notices=watcher,
+    )
     try:
         agent.start()
         deadline = time.monotonic() + 10
@@ -234,8 +256,7 @@ def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_pat
         server.server_close()
 
 
-def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(caplog: pytest.LogCaptureFixture) -> None:
     from test_agent_beats import _Coordinator
 
     import socket
@@ -246,13 +267,10 @@ def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     beats: list[tuple[float, dict]] = []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Recorder", (_Coordinator,),
-                                                        {"beats": beats}))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Recorder", (_Coordinator,), {"beats": beats}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    watcher = NoticeWatcher(source(f"http://127.0.0.1:{dead}/latest/meta-data/spot/"
-                                   "instance-action"), interval_s=0.05)
-    agent = Agent(f"127.0.0.1:{server.server_port}", "spot-1", 1, heartbeat_s=0.1,
-                  notices=watcher)
+    watcher = NoticeWatcher(source(f"http://127.0.0.1:{dead}/latest/meta-data/spot/instance-action"), interval_s=0.05)
+    agent = Agent(f"127.0.0.1:{server.server_port}", "spot-1", 1, heartbeat_s=0.1, notices=watcher)
     caplog.set_level(logging.WARNING, logger="maitre.agent.notices")
     try:
         agent.start()
@@ -297,29 +315,51 @@ def test_an_agent_with_sigterm_notice_drains_and_leaves_as_a_reclaim(tmp_path: P
     up = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=0), out=lambda line: None)
     up.start()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MAITRE_")}
-    base = [sys.executable, "-m", "maitre.cli", "agent", "--coordinator", up.address,
-            "--token-file", str(up.token_file), "--node-id", "held", "--health-interval", "0"]
+    base = [
+        sys.executable,
+        "-m",
+        "maitre.cli",
+        "agent",
+        "--coordinator",
+        up.address,
+        "--token-file",
+        str(up.token_file),
+        "--node-id",
+        "held",
+        "--health-interval",
+        "0",
+    ]
     try:
-        for bad, says in ((["--sigterm-notice", "0"], "--sigterm-notice must be a positive"),
-                          (["--sigterm-notice", "5", "--spot-notice", "file:/x"], "one notice")):
-            done = subprocess.run(base + bad, cwd=ROOT, env=env, capture_output=True, text=True,
-                                  timeout=30)
+        for bad, says in (
+            (["--sigterm-notice", "0"], "--sigterm-notice must be a positive"),
+            (["--sigterm-notice", "5", "--spot-notice", "file:/x"], "one notice"),
+        ):
+            done = subprocess.run(base + bad, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
             assert done.returncode != 0 and says in done.stderr, done.stderr
         client = Client(up.address, token=up.token)
-        proc = subprocess.Popen(base + ["--sigterm-notice", "20"], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            base + ["--sigterm-notice", "20"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
-            wait_for(lambda: any(n["node"] == "held" and n["alive"]
-                                 for n in client.get("/nodes")["nodes"]), 30, "the agent")
+            wait_for(
+                lambda: any(n["node"] == "held" and n["alive"] for n in client.get("/nodes")["nodes"]), 30, "the agent"
+            )
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=10) == 0, proc.stdout.read() if proc.stdout else ""
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        node = wait_for(lambda: next((n for n in client.get("/nodes")["nodes"]
-                                      if n["node"] == "held" and n["reclaimed"]), None), 10,
-                        "the reclaim")
+        node = wait_for(
+            lambda: next((n for n in client.get("/nodes")["nodes"] if n["node"] == "held" and n["reclaimed"]), None),
+            10,
+            "the reclaim",
+        )
         assert not node["alive"]
         kinds = [e["kind"] for e in client.get("/events")["events"]]
         assert "spot_notice" in kinds and "node_reclaimed" in kinds and "node_dead" not in kinds

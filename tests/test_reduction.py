@@ -46,8 +46,9 @@ def params(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def ranks(world: int, body: Callable[[EpochGroup], Any],
-          closed: Callable[[int], str | None] = lambda rank: None) -> list[Any]:
+def ranks(
+    world: int, body: Callable[[EpochGroup], Any], closed: Callable[[int], str | None] = lambda rank: None
+) -> list[Any]:
     """Run ``body(group)`` on ``world`` threads, each a rank of one gloo group (its own store
     client); returns each rank's result, or raises the first rank's exception."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
@@ -56,10 +57,8 @@ def ranks(world: int, body: Callable[[EpochGroup], Any],
 
     def run(rank: int) -> None:
         try:
-            store = dist.TCPStore("127.0.0.1", server.port, is_master=False,
-                                  timeout=timedelta(seconds=30))
-            group = EpochGroup.create(store, "t/", rank, world, torch.device("cpu"),
-                                      lambda: closed(rank))
+            store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+            group = EpochGroup.create(store, "t/", rank, world, torch.device("cpu"), lambda: closed(rank))
             try:
                 results[rank] = body(group)
             finally:  # (a group with a collective in flight is never destroyed)
@@ -82,8 +81,7 @@ def ranks(world: int, body: Callable[[EpochGroup], Any],
 # -- the layout ----------------------------------------------------------------------------------
 def test_buckets_are_laid_out_in_reverse_order_with_a_small_first_one_and_a_cap() -> None:
     ps = [torch.zeros(256) for _ in range(8)]  # 1 KiB each, float32
-    assert plan(ps, Buckets(cap_mb=3 * KB, first_cap_mb=1 * KB)) == [
-        (7,), (6, 5, 4), (3, 2, 1), (0,)]
+    assert plan(ps, Buckets(cap_mb=3 * KB, first_cap_mb=1 * KB)) == [(7,), (6, 5, 4), (3, 2, 1), (0,)]
     assert plan(ps, Buckets(cap_mb=math.inf, first_cap_mb=math.inf)) == [tuple(range(7, -1, -1))]
     # DDP's defaults: a model of 8 KiB is one bucket; a parameter larger than the cap is alone
     assert plan(ps, Buckets()) == [tuple(range(7, -1, -1))]
@@ -92,8 +90,13 @@ def test_buckets_are_laid_out_in_reverse_order_with_a_small_first_one_and_a_cap(
 
 
 def test_each_dtype_has_buckets_of_its_own_in_a_deterministic_order() -> None:
-    ps = [torch.zeros(256), torch.zeros(256, dtype=torch.float64), torch.zeros(256),
-          torch.zeros(256, dtype=torch.bfloat16), torch.zeros(256)]
+    ps = [
+        torch.zeros(256),
+        torch.zeros(256, dtype=torch.float64),
+        torch.zeros(256),
+        torch.zeros(256, dtype=torch.bfloat16),
+        torch.zeros(256),
+    ]
     layout = plan(ps, Buckets(cap_mb=2 * KB, first_cap_mb=1 * KB))
     # in the order they close: float32's first (1 KiB), float64's (2 KiB at once), float32's
     # second (2 KiB), and bfloat16's (512 B) still open at the end
@@ -101,17 +104,30 @@ def test_each_dtype_has_buckets_of_its_own_in_a_deterministic_order() -> None:
     assert layout == plan([p.clone() for p in ps], Buckets(cap_mb=2 * KB, first_cap_mb=1 * KB))
 
 
-@pytest.mark.parametrize("kwargs", [{"cap_mb": 0}, {"cap_mb": -1.0}, {"first_cap_mb": 0.0},
-                                    {"cap_mb": float("nan")}, {"cap_mb": True},
-                                    {"first_cap_mb": "25"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"cap_mb": 0},
+        {"cap_mb": -1.0},
+        {"first_cap_mb": 0.0},
+        {"cap_mb": float("nan")},
+        {"cap_mb": True},
+        {"first_cap_mb": "25"},
+    ],
+)
 def test_a_cap_that_is_not_a_positive_size_is_refused(kwargs) -> None:
     with pytest.raises(ValueError, match="must be a positive number of MiB"):
         Buckets(**kwargs)
 
 
 # -- the reduction, ranks as threads -------------------------------------------------------------
-def step(reducer: Reducer, model: torch.nn.Module, group: EpochGroup | None, xs: list[torch.Tensor],
-         launched_after: list[int] | None = None) -> None:
+def step(
+    reducer: Reducer,
+    model: torch.nn.Module,
+    group: EpochGroup | None,
+    xs: list[torch.Tensor],
+    launched_after: list[int] | None = None,
+) -> None:
     """One step of ``len(xs)`` micro-batches; ``launched_after`` gets how many buckets had
     been launched after each backward pass."""
     reducer.begin(len(xs), group)
@@ -123,8 +139,9 @@ def step(reducer: Reducer, model: torch.nn.Module, group: EpochGroup | None, xs:
     reducer.finish(group)
 
 
-def reference_grads(world: int, xs_of: Callable[[int], list[torch.Tensor]],
-                    first: torch.dtype | None = None) -> list[torch.Tensor]:
+def reference_grads(
+    world: int, xs_of: Callable[[int], list[torch.Tensor]], first: torch.dtype | None = None
+) -> list[torch.Tensor]:
     """Each rank's gradients summed, computed on one thread with plain autograd (``first``:
     the first layer in that dtype)."""
     model = mlp()
@@ -153,8 +170,7 @@ def test_buckets_go_out_while_backward_runs_and_only_on_the_last_micro_batch() -
         reducer = Reducer(model, params(model), cfg, control=3)
         launched: list[int] = []
         step(reducer, model, group, inputs(group.rank), launched)
-        return launched, [p.grad.clone() for p in model.parameters()], len(reducer.layout), \
-            float(reducer.control[0])
+        return launched, [p.grad.clone() for p in model.parameters()], len(reducer.layout), float(reducer.control[0])
 
     results = ranks(2, body)
     want = reference_grads(2, inputs)
@@ -177,9 +193,13 @@ def test_fsdp2_shards_go_out_layer_by_layer_while_backward_runs(tmp_path) -> Non
     import json
     import os
 
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "fsdp2_buckets.py")],
-                            capture_output=True, text=True, timeout=100,
-                            env={**os.environ, "STORE_FILE": str(tmp_path / "store")})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "fsdp2_buckets.py")],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "STORE_FILE": str(tmp_path / "store")},
+    )
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout.strip().splitlines()[-1])
     buckets = out["buckets"]
@@ -240,8 +260,7 @@ def test_mixed_dtypes_reduce_exactly_and_half_precision_last_gets_its_own_contro
         model[4](model[3](model[2](h)).float()).sum().backward()
         reducer.control[1] = 7.0
         reducer.finish(group)
-        return [p.grad.clone() for p in model.parameters()], float(reducer.control[1]), \
-            reducer.control.dtype.itemsize
+        return [p.grad.clone() for p in model.parameters()], float(reducer.control[1]), reducer.control.dtype.itemsize
 
     results = ranks(2, body)
     (a, count, size), (b, _, _) = results
@@ -254,11 +273,11 @@ def test_mixed_dtypes_reduce_exactly_and_half_precision_last_gets_its_own_contro
 def test_gradients_divided_on_the_way_in_reduce_to_the_mean_and_the_rest_after() -> None:
     """``divide_early``: the float32 buckets are divided by the step's count as the gradients
     are copied in (no pass over them after the reduction); a bfloat16 one only in scatter()."""
+
     def body(group: EpochGroup) -> list[torch.Tensor]:
         model = mlp()
         model[0].to(torch.bfloat16)
-        reducer = Reducer(model, params(model), Buckets(cap_mb=4 * KB, first_cap_mb=KB), 3,
-                          divide_early=True)
+        reducer = Reducer(model, params(model), Buckets(cap_mb=4 * KB, first_cap_mb=KB), 3, divide_early=True)
         reducer.begin(2, group, count=20)
         for x in inputs(group.rank, 2):
             h = model[1](model[0](x.bfloat16())).float()
@@ -342,8 +361,7 @@ def test_a_step_lost_with_buckets_in_flight_never_hands_their_buffers_on() -> No
         reducer.renew()
         return before, {g.data_ptr() for g in reducer.grads()}
 
-    result = ranks(2, body, closed=lambda rank: "the coordinator closed the epoch"
-                   if gate.is_set() else None)[0]
+    result = ranks(2, body, closed=lambda rank: "the coordinator closed the epoch" if gate.is_set() else None)[0]
     assert result is not None
     before, after = result
     assert not before & after
@@ -351,8 +369,9 @@ def test_a_step_lost_with_buckets_in_flight_never_hands_their_buffers_on() -> No
 
 # -- the loop ------------------------------------------------------------------------------------
 def loop_for(model: torch.nn.Module, **kw: Any) -> ElasticLoop:
-    return ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1), ElasticSampler(24, 6),
-                       env=WorkerEnv.from_environ({}), **kw)
+    return ElasticLoop(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), ElasticSampler(24, 6), env=WorkerEnv.from_environ({}), **kw
+    )
 
 
 def test_parameters_added_after_the_loop_was_built_are_refused_before_the_first_step() -> None:
@@ -382,7 +401,11 @@ def test_a_bad_cap_is_refused_before_the_loop_is_built() -> None:
 
 @pytest.mark.parametrize("script", ["train.py", "train_llm.py"])
 def test_the_examples_refuse_a_bucket_cap_that_is_not_a_size(script: str) -> None:
-    done = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--bucket-cap-mb",
-                           "-1"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--bucket-cap-mb", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2, done.stderr
     assert "--bucket-cap-mb must be a positive number of MiB, got -1.0" in done.stderr

@@ -24,8 +24,16 @@ HALF, STEPS = 6, 12
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), str(SCRIPT), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        *args,
+    ]
 
 
 def run(cmd: list[str]) -> str:
@@ -45,8 +53,19 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The checkpoint of step 6 by two replicas of two processes (dp_shard=2) under torchrun."""
     root = tmp_path_factory.mktemp("saved")
-    run(torchrun(4, "--dp-shard", "2", "--steps", str(HALF), "--checkpoint-dir",
-                 str(root / "ckpt"), "--out", str(root / "half.pt")))
+    run(
+        torchrun(
+            4,
+            "--dp-shard",
+            "2",
+            "--steps",
+            str(HALF),
+            "--checkpoint-dir",
+            str(root / "ckpt"),
+            "--out",
+            str(root / "half.pt"),
+        )
+    )
     return root / "ckpt" / fmt.step_dir_name(HALF)
 
 
@@ -68,14 +87,16 @@ RESUMES = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("where", [  # (onto one process by default; the others: -m slow)
-    pytest.param(w, marks=pytest.mark.slow) if w != "alone" else w for w in RESUMES])
-def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path: Path, saved: Path, alone,
-                                                      where: str) -> None:
+@pytest.mark.parametrize(
+    "where",
+    [  # (onto one process by default; the others: -m slow)
+        pytest.param(w, marks=pytest.mark.slow) if w != "alone" else w for w in RESUMES
+    ],
+)
+def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path: Path, saved: Path, alone, where: str) -> None:
     shutil.copytree(saved, tmp_path / "ckpt" / saved.name)
     out = tmp_path / "final.pt"
-    stdout = run(RESUMES[where](["--steps", str(STEPS), "--checkpoint-dir",
-                                 str(tmp_path / "ckpt"), "--out", str(out)]))
+    stdout = run(RESUMES[where](["--steps", str(STEPS), "--checkpoint-dir", str(tmp_path / "ckpt"), "--out", str(out)]))
     assert f"resumed from {tmp_path / 'ckpt' / saved.name} at step {HALF}" in stdout, stdout
     assert stdout.count("maitre: resumed from") == 1, stdout  # one line, not one per process
     error = relative_error(torch.load(out, weights_only=True), alone)
@@ -83,8 +104,7 @@ def test_a_sharded_checkpoint_resumes_on_another_mesh(tmp_path: Path, saved: Pat
 
 
 @pytest.mark.timeout(60)
-def test_shards_that_do_not_cover_the_model_stop_the_job_before_it_trains(
-        tmp_path: Path, saved: Path) -> None:
+def test_shards_that_do_not_cover_the_model_stop_the_job_before_it_trains(tmp_path: Path, saved: Path) -> None:
     """A checkpoint whose every checksum is right but whose pieces leave out half of a weight
     (rank 1's shard is gone, and the manifest and state.json say nothing of it): one clear
     error, a non-zero exit, and nothing written."""
@@ -104,12 +124,24 @@ def test_shards_that_do_not_cover_the_model_stop_the_job_before_it_trains(
     before = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
 
     out = tmp_path / "final.pt"
-    result = run_tagged([sys.executable, str(SCRIPT), "--steps", str(STEPS), "--checkpoint-dir",
-                         str(tmp_path / "ckpt"), "--out", str(out)], timeout=60)
+    result = run_tagged(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--steps",
+            str(STEPS),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(out),
+        ],
+        timeout=60,
+    )
     assert result.returncode != 0
-    assert f"UnusableCheckpoint: {ckpt} is refused: its shards do not cover model.0.weight " \
-           "(shape [32, 8]): its pieces hold 128 of its 256 elements" in result.stderr, \
-        result.stderr
+    assert (
+        f"UnusableCheckpoint: {ckpt} is refused: its shards do not cover model.0.weight "
+        "(shape [32, 8]): its pieces hold 128 of its 256 elements" in result.stderr
+    ), result.stderr
     assert "skipping" not in result.stderr and "resumed" not in result.stdout
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == before
     assert not out.exists()
@@ -123,14 +155,34 @@ def start_run(tmp_path: Path, *, nodes: int, resume: bool = False, every: int | 
     from maitre.launch import Run, RunConfig
 
     lines: list[str] = []
-    command = [sys.executable, str(SCRIPT), "--dp-shard", "2", "--steps", str(MAITRE_STEPS),
-               "--out", str(tmp_path / "final.pt")]
-    run = Run(RunConfig(command=command, min_nodes=1, max_nodes=3, local_nodes=nodes,
-                        nproc_per_node=2, nproc_per_replica=2, max_restarts=3,
-                        run_dir=tmp_path / "run", quiet_workers=True,
-                        checkpoint_dir=tmp_path / "ckpt", checkpoint_every=every,
-                        resume=resume, grace_period_s=60),
-              out=lines.append)
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--dp-shard",
+        "2",
+        "--steps",
+        str(MAITRE_STEPS),
+        "--out",
+        str(tmp_path / "final.pt"),
+    ]
+    run = Run(
+        RunConfig(
+            command=command,
+            min_nodes=1,
+            max_nodes=3,
+            local_nodes=nodes,
+            nproc_per_node=2,
+            nproc_per_replica=2,
+            max_restarts=3,
+            run_dir=tmp_path / "run",
+            quiet_workers=True,
+            checkpoint_dir=tmp_path / "ckpt",
+            checkpoint_every=every,
+            resume=resume,
+            grace_period_s=60,
+        ),
+        out=lines.append,
+    )
     return run.start(), lines
 
 
@@ -143,13 +195,16 @@ def alone_60(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor
 
 def ledger_resumes(tmp_path: Path) -> list[int]:
     """The steps that processes resumed from, as their ledgers recorded."""
-    return [json.loads(line)["s"] for path in (tmp_path / "run" / "ledger").glob("*.jsonl")
-            for line in path.read_text().splitlines() if json.loads(line)["k"] == "r"]
+    return [
+        json.loads(line)["s"]
+        for path in (tmp_path / "run" / "ledger").glob("*.jsonl")
+        for line in path.read_text().splitlines()
+        if json.loads(line)["k"] == "r"
+    ]
 
 
 @pytest.mark.timeout(180)
-def test_suspended_fsdp_replicas_resume_on_fewer_with_every_sample_once(tmp_path: Path,
-                                                                         alone_60) -> None:
+def test_suspended_fsdp_replicas_resume_on_fewer_with_every_sample_once(tmp_path: Path, alone_60) -> None:
     import threading
     import time
 
@@ -186,8 +241,7 @@ def test_suspended_fsdp_replicas_resume_on_fewer_with_every_sample_once(tmp_path
 
 
 @pytest.mark.timeout(180)
-def test_fsdp_replicas_lost_whole_resume_from_their_newest_sharded_checkpoint(
-        tmp_path: Path, alone_60) -> None:
+def test_fsdp_replicas_lost_whole_resume_from_their_newest_sharded_checkpoint(tmp_path: Path, alone_60) -> None:
     """Two replicas of two save every 10 steps; every process is killed at once; the
     replacements have no live state, so they load the newest complete checkpoint and train the
     lost steps again: every sample once, and one process's parameters."""
@@ -216,8 +270,9 @@ def test_fsdp_replicas_lost_whole_resume_from_their_newest_sharded_checkpoint(
     points = ledger_resumes(tmp_path)
     assert points and all(p % 10 == 0 and p >= 20 for p in points), (points, "\n".join(lines))
     # every 10 steps, as the writing replica's interval says (the other asks for none)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == \
-        [fmt.step_dir_name(s) for s in (40, 50, 60)], "\n".join(lines)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [fmt.step_dir_name(s) for s in (40, 50, 60)], (
+        "\n".join(lines)
+    )
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == MAITRE_STEPS, result.describe()
     error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), alone_60)

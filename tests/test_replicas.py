@@ -20,8 +20,16 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc-per-node", str(nproc), str(SCRIPT), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        *args,
+    ]
 
 
 class MaxOverThreads:
@@ -73,13 +81,13 @@ def test_a_replicas_processes_told_different_epochs_meet_in_the_newer_one() -> N
         t.start()
     for t in threads:
         t.join(20)
-    assert said == {"ahead": [None], "behind": [
-        "another process of this replica is in epoch 4 already", None]}
+    assert said == {"ahead": [None], "behind": ["another process of this replica is in epoch 4 already", None]}
     assert reduce_max.rounds == 2
     reduce_max = MaxOverThreads(2)
     lost: list[str | None] = []
-    threads = [threading.Thread(target=lambda ok=ok: lost.append(same_epoch(ok, 5, reduce_max)))
-               for ok in (True, False)]
+    threads = [
+        threading.Thread(target=lambda ok=ok: lost.append(same_epoch(ok, 5, reduce_max))) for ok in (True, False)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -95,35 +103,43 @@ def alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     return torch.load(out, weights_only=True)
 
 
-@pytest.mark.parametrize("nproc,dp_shard", [
-    pytest.param(4, 2, marks=pytest.mark.slow), pytest.param(2, 2, marks=pytest.mark.slow),
-    pytest.param(2, 1, marks=pytest.mark.slow)],  # (the default suite's time: FSDP2 replicas
-    ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"])  # under maitre run below, and
+@pytest.mark.parametrize(
+    "nproc,dp_shard",
+    [
+        pytest.param(4, 2, marks=pytest.mark.slow),
+        pytest.param(2, 2, marks=pytest.mark.slow),
+        pytest.param(2, 1, marks=pytest.mark.slow),
+    ],  # (the default suite's time: FSDP2 replicas
+    ids=["2 replicas of 2", "1 replica of 2", "2 replicas of 1"],
+)  # under maitre run below, and
 # under torchrun in test_replica_checkpoints.py's saved checkpoint)
-def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, nproc: int,
-                                                        dp_shard: int) -> None:
+def test_fsdp_replicas_under_torchrun_match_one_process(tmp_path: Path, alone, nproc: int, dp_shard: int) -> None:
     out = tmp_path / "final.pt"
-    result = run_tagged(torchrun(nproc, "--dp-shard", str(dp_shard), "--out", str(out)),
-                        timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    result = run_tagged(
+        torchrun(nproc, "--dp-shard", str(dp_shard), "--out", str(out)),
+        timeout=240,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     error = relative_error(torch.load(out, weights_only=True), alone)
     assert error <= 1e-12, error
 
 
 @pytest.mark.slow  # (the default suite: fp16 over FSDP2 replicas under maitre run, below)
-def test_fp16_overflows_are_decided_alike_by_every_process_of_every_replica(
-        tmp_path: Path) -> None:
+def test_fp16_overflows_are_decided_alike_by_every_process_of_every_replica(tmp_path: Path) -> None:
     """The loss scaler over sharded gradients: each process checks its own shards, the replica
     adds up the verdicts, so a step that overflowed anywhere is skipped everywhere (float64, a
     scale that overflows the first steps: the same skips and parameters as one process)."""
     alone, two = tmp_path / "alone.pt", tmp_path / "two.pt"
-    result = run_tagged([sys.executable, str(SCRIPT), "--loss-scale", "1e308", "--out",
-                         str(alone)], timeout=120)
+    result = run_tagged([sys.executable, str(SCRIPT), "--loss-scale", "1e308", "--out", str(alone)], timeout=120)
     assert result.returncode == 0, result.stderr
     skipped = result.stdout.strip().rsplit(", ", 1)[1]
     assert skipped != "0 skipped", result.stdout
-    result = run_tagged(torchrun(4, "--dp-shard", "2", "--loss-scale", "1e308", "--out",
-                                 str(two)), timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    result = run_tagged(
+        torchrun(4, "--dp-shard", "2", "--loss-scale", "1e308", "--out", str(two)),
+        timeout=240,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.strip().endswith(skipped), result.stdout
     error = relative_error(torch.load(two, weights_only=True), torch.load(alone, weights_only=True))
@@ -131,43 +147,63 @@ def test_fp16_overflows_are_decided_alike_by_every_process_of_every_replica(
 
 
 def test_a_world_that_does_not_split_into_replicas_is_refused(tmp_path: Path) -> None:
-    result = run_tagged(torchrun(3, "--dp-shard", "2", "--out", str(tmp_path / "x.pt")),
-                        timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    result = run_tagged(
+        torchrun(3, "--dp-shard", "2", "--out", str(tmp_path / "x.pt")),
+        timeout=240,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
     assert result.returncode != 0
     assert "a world of 3 processes does not split into replicas of 2" in result.stderr
     assert not (tmp_path / "x.pt").exists()
 
 
 def test_a_mesh_larger_than_one_process_is_refused_alone(tmp_path: Path) -> None:
-    result = run_tagged([sys.executable, str(SCRIPT), "--dp-shard", "2",
-                         "--out", str(tmp_path / "x.pt")], timeout=120)
+    result = run_tagged([sys.executable, str(SCRIPT), "--dp-shard", "2", "--out", str(tmp_path / "x.pt")], timeout=120)
     assert result.returncode != 0
     assert "a mesh of 2 processes (dp_shard=2,tp=1) needs as many processes" in result.stderr
 
 
 def test_the_mesh_spec_reads_and_checks_its_sizes() -> None:
     from maitre.runtime.replica import MeshSpec
+
     assert MeshSpec.parse("dp_shard=4,tp=2") == MeshSpec(4, 2)
     assert MeshSpec.parse("tp=2").nproc == 2 and str(MeshSpec(4, 2)) == "dp_shard=4,tp=2"
     for bad in ("dp=4", "dp_shard=x", "dp_shard=0"):
         with pytest.raises(ValueError, match="mesh"):
             MeshSpec.parse(bad)
-    with pytest.raises(ValueError, match="the mesh dp_shard=4,tp=2 has 8 processes, the "
-                                         "replica has 4"):
+    with pytest.raises(ValueError, match="the mesh dp_shard=4,tp=2 has 8 processes, the replica has 4"):
         MeshSpec(4, 2).check(4)
 
 
 # -- under maitre: replicas of two processes that crash, hang, join and leave ------------------------
-def run_replicas(tmp_path: Path, events: str, steps: int, *, nodes: int,
-                 max_nodes: int = 3, extra: tuple[str, ...] = ()) -> tuple[int, list[str], object]:
-    command = [sys.executable, str(SCRIPT), "--dp-shard", "2", "--steps", str(steps),
-               "--out", str(tmp_path / "final.pt"), *extra]
-    return play(tmp_path, command, events, min_nodes=1, max_nodes=max_nodes, local_nodes=nodes,
-                nproc_per_node=2, nproc_per_replica=2, max_restarts=5)
+def run_replicas(
+    tmp_path: Path, events: str, steps: int, *, nodes: int, max_nodes: int = 3, extra: tuple[str, ...] = ()
+) -> tuple[int, list[str], object]:
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--dp-shard",
+        "2",
+        "--steps",
+        str(steps),
+        "--out",
+        str(tmp_path / "final.pt"),
+        *extra,
+    ]
+    return play(
+        tmp_path,
+        command,
+        events,
+        min_nodes=1,
+        max_nodes=max_nodes,
+        local_nodes=nodes,
+        nproc_per_node=2,
+        nproc_per_replica=2,
+        max_restarts=5,
+    )
 
 
-def check_replicas(tmp_path: Path, code: int, lines: list[str], run: object,
-                   alone: dict[str, torch.Tensor]) -> dict:
+def check_replicas(tmp_path: Path, code: int, lines: list[str], run: object, alone: dict[str, torch.Tensor]) -> dict:
     """The story's job completed, every sample once, and one process's parameters (1e-10)."""
     from maitre.runtime.ledger import audit
 
@@ -182,22 +218,19 @@ def check_replicas(tmp_path: Path, code: int, lines: list[str], run: object,
 @pytest.fixture(scope="module")
 def alone_400(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("alone") / "final.pt"
-    result = run_tagged([sys.executable, str(SCRIPT), "--steps", "400", "--out", str(out)],
-                        timeout=200)
+    result = run_tagged([sys.executable, str(SCRIPT), "--steps", "400", "--out", str(out)], timeout=200)
     assert result.returncode == 0, result.stderr
     return torch.load(out, weights_only=True)
 
 
 @pytest.mark.slow  # (45-130 s; the default suite has the kill and join of replicas below)
 @pytest.mark.timeout(240)
-def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path,
-                                                                  alone_400) -> None:
+def test_fsdp_replicas_survive_a_crash_a_hang_a_join_and_a_leave(tmp_path: Path, alone_400) -> None:
     """Three replicas of two processes (FSDP2 inside each): kill -9 of one process takes its
     replica out and the others go on; a stopped process is found hung and its replica removed;
     a new node's replica joins and gets its shards, position by position, from a live replica;
     one replica leaves. Every sample once, and one process's parameters."""
-    code, lines, run = run_replicas(tmp_path, "kill@20,hang@50,join@80,leave@120", 400,
-                                    nodes=3, max_nodes=4)
+    code, lines, run = run_replicas(tmp_path, "kill@20,hang@50,join@80,leave@120", 400, nodes=3, max_nodes=4)
     job = check_replicas(tmp_path, code, lines, run, alone_400)
     assert job["failures"] == 2, "\n".join(lines)
     assert any("hung" in e.get("reason", "") for e in job["events"]), job["events"]
@@ -230,8 +263,7 @@ def test_a_replica_joins_while_the_others_train(tmp_path: Path, alone_400, monke
 # different epochs (the coordinator had told one an epoch that closed the moment after). Fixed by
 # replica.same_epoch (test_a_replicas_processes_told_different_epochs_meet_in_the_newer_one).
 @pytest.mark.timeout(180)
-def test_fp16_over_fsdp2_replicas_under_maitre_run_through_a_kill_and_a_join(
-        tmp_path: Path, monkeypatch) -> None:
+def test_fp16_over_fsdp2_replicas_under_maitre_run_through_a_kill_and_a_join(tmp_path: Path, monkeypatch) -> None:
     """The loss scaler over FSDP2 replicas under maitre: the first steps overflow (a scale of
     1e308 in float64) and are skipped by every process of every replica alike, one process is
     killed and its replica replaced, a node's replica joins (and replays, its snapshot late);
@@ -239,20 +271,18 @@ def test_fp16_over_fsdp2_replicas_under_maitre_run_through_a_kill_and_a_join(
     from maitre.runtime.ledger import audit
 
     out = tmp_path / "alone.pt"
-    alone = run_tagged([sys.executable, str(SCRIPT), "--steps", "200", "--loss-scale", "1e308",
-                        "--out", str(out)], timeout=120)
+    alone = run_tagged(
+        [sys.executable, str(SCRIPT), "--steps", "200", "--loss-scale", "1e308", "--out", str(out)], timeout=120
+    )
     assert alone.returncode == 0, alone.stderr
     monkeypatch.setenv("MAITRE_TRANSFER_DELAY_S", "1.0")
-    code, lines, run = run_replicas(tmp_path, "kill@20,join@60", 200, nodes=2,
-                                    extra=("--loss-scale", "1e308"))
+    code, lines, run = run_replicas(tmp_path, "kill@20,join@60", 200, nodes=2, extra=("--loss-scale", "1e308"))
     assert code == 0, "\n".join(lines)
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == 200, result.describe()
-    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True),
-                           torch.load(out, weights_only=True))
+    error = relative_error(torch.load(tmp_path / "final.pt", weights_only=True), torch.load(out, weights_only=True))
     assert error <= 1e-10, error
-    skips = [x for x in (tmp_path / "run" / "ledger").glob("*.jsonl")
-             if '"k":"x"' in x.read_text()]
+    skips = [x for x in (tmp_path / "run" / "ledger").glob("*.jsonl") if '"k":"x"' in x.read_text()]
     assert skips, "no step overflowed: the scaler's skip was not exercised"
     caught_up = [r for r in run.job()["reports"] if r["kind"] == "caught_up"]  # type: ignore[attr-defined]
     assert caught_up and max(r["replayed"] for r in caught_up) >= 5, "\n".join(lines)
@@ -260,9 +290,28 @@ def test_fp16_over_fsdp2_replicas_under_maitre_run_through_a_kill_and_a_join(
 
 # -- the example: a Llama-style decoder sharded by FSDP2 -----------------------------------------------
 LLM = ROOT / "examples" / "train_llm.py"
-LLM_TINY = ["--steps", "16", "--d-model", "32", "--layers", "1", "--heads", "2", "--block", "16",
-            "--global-batch", "12", "--micro-batch", "2", "--dtype", "float64", "--clip", "0.5",
-            "--log-every", "4"]
+LLM_TINY = [
+    "--steps",
+    "16",
+    "--d-model",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--block",
+    "16",
+    "--global-batch",
+    "12",
+    "--micro-batch",
+    "2",
+    "--dtype",
+    "float64",
+    "--clip",
+    "0.5",
+    "--log-every",
+    "4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +326,20 @@ def llm_alone(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tenso
 @pytest.mark.slow  # (the example's replicas: under maitre run below; FSDP2 under torchrun: above)
 def test_the_llm_example_under_torchrun_matches_one_process(tmp_path: Path, llm_alone) -> None:
     out = tmp_path / "final.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(LLM), *LLM_TINY, "--dp-shard", "2", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(LLM),
+        *LLM_TINY,
+        "--dp-shard",
+        "2",
+        "--out",
+        str(out),
+    ]
     result = run_tagged(cmd, timeout=240, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "replicas 2" in result.stdout
@@ -287,8 +348,22 @@ def test_the_llm_example_under_torchrun_matches_one_process(tmp_path: Path, llm_
 
 def test_the_llm_example_under_maitre_run_matches_one_process(tmp_path: Path, llm_alone) -> None:
     out = tmp_path / "final.pt"
-    cmd = [sys.executable, "-m", "maitre.cli", "run", "--nnodes", "2", "--nproc-per-replica", "2",
-           "--run-dir", str(tmp_path / "run"), str(LLM), *LLM_TINY, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "maitre.cli",
+        "run",
+        "--nnodes",
+        "2",
+        "--nproc-per-replica",
+        "2",
+        "--run-dir",
+        str(tmp_path / "run"),
+        str(LLM),
+        *LLM_TINY,
+        "--out",
+        str(out),
+    ]
     result = run_tagged(cmd, timeout=240)
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert "exactly once" in result.stdout, result.stdout
@@ -306,8 +381,10 @@ def test_a_model_sharded_on_a_mesh_of_its_own_is_refused() -> None:
         "model = torch.nn.Linear(2, 1)\n"
         "fully_shard(model, mesh=init_device_mesh('cpu', (1,), mesh_dim_names=('mine',)))\n"
         "maitre.ElasticLoop(model, torch.optim.SGD(model.parameters(), lr=0.1),\n"
-        "                   maitre.ElasticSampler(8, 4))\n")
+        "                   maitre.ElasticSampler(8, 4))\n"
+    )
     result = run_tagged([sys.executable, "-c", script], timeout=120)
     assert result.returncode != 0
-    assert "sharded on a mesh the loop does not know: build the model on " \
-           "maitre.replica_mesh()" in result.stderr, result.stderr
+    assert "sharded on a mesh the loop does not know: build the model on maitre.replica_mesh()" in result.stderr, (
+        result.stderr
+    )

@@ -15,15 +15,24 @@ def _rank_samplers(committed: ElasticSampler, world: int) -> list[ElasticSampler
     """One sampler per rank, each restored from the committed state (as a live transfer does)."""
     out = []
     for _ in range(world):
-        s = ElasticSampler(committed.num_samples, committed.global_batch_size,
-                           seed=committed.seed, shuffle=committed.shuffle)
+        s = ElasticSampler(
+            committed.num_samples, committed.global_batch_size, seed=committed.seed, shuffle=committed.shuffle
+        )
         s.load_state_dict(committed.state_dict())
         out.append(s)
     return out
 
 
-def _run(num_samples: int, batch: int, worlds: list[int], steps: int, *, seed: int = 0,
-         shuffle: bool = True, scale_batch: bool = False) -> tuple[dict[int, Counter], ElasticSampler]:
+def _run(
+    num_samples: int,
+    batch: int,
+    worlds: list[int],
+    steps: int,
+    *,
+    seed: int = 0,
+    shuffle: bool = True,
+    scale_batch: bool = False,
+) -> tuple[dict[int, Counter], ElasticSampler]:
     """Simulate ``steps`` committed steps, the world size changing between every step.
 
     Each step every rank computes its own share from its own sampler (restored from the committed
@@ -52,18 +61,20 @@ def _run(num_samples: int, batch: int, worlds: list[int], steps: int, *, seed: i
     return seen, committed
 
 
-@pytest.mark.parametrize("num_samples,batch,worlds,steps,scale_batch", [
-    (97, 8, [3, 2, 5, 1, 4], 60, False),
-    (100, 10, [1], 25, False),
-    (50, 7, [4, 4, 2, 7, 3, 1, 6], 40, False),
-    (31, 5, [8, 1, 3], 30, False),        # world larger than what is left (empty shares)
-    (64, 3, [3, 2, 5, 1, 4], 50, True),   # global batch follows the world size (linear rule)
-    (13, 13, [2, 3], 6, False),           # one step per data epoch
-    (5, 64, [3, 1], 4, False),            # batch larger than the data set
-])
+@pytest.mark.parametrize(
+    "num_samples,batch,worlds,steps,scale_batch",
+    [
+        (97, 8, [3, 2, 5, 1, 4], 60, False),
+        (100, 10, [1], 25, False),
+        (50, 7, [4, 4, 2, 7, 3, 1, 6], 40, False),
+        (31, 5, [8, 1, 3], 30, False),  # world larger than what is left (empty shares)
+        (64, 3, [3, 2, 5, 1, 4], 50, True),  # global batch follows the world size (linear rule)
+        (13, 13, [2, 3], 6, False),  # one step per data epoch
+        (5, 64, [3, 1], 4, False),  # batch larger than the data set
+    ],
+)
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_every_index_exactly_once_per_data_epoch(num_samples, batch, worlds, steps, scale_batch,
-                                                 shuffle):
+def test_every_index_exactly_once_per_data_epoch(num_samples, batch, worlds, steps, scale_batch, shuffle):
     seen, final = _run(num_samples, batch, worlds, steps, shuffle=shuffle, scale_batch=scale_batch)
     finished = [d for d in seen if d < final.data_epoch]
     assert finished, "the scenario must finish at least one data epoch"
@@ -75,15 +86,18 @@ def test_every_index_exactly_once_per_data_epoch(num_samples, batch, worlds, ste
         assert sum(current.values()) == final.cursor
 
 
-@pytest.mark.parametrize("count,world,expected", [
-    (10, 3, [(0, 4), (4, 7), (7, 10)]),
-    (9, 3, [(0, 3), (3, 6), (6, 9)]),
-    (2, 4, [(0, 1), (1, 2), (2, 2), (2, 2)]),
-    (0, 3, [(0, 0), (0, 0), (0, 0)]),
-    (7, 1, [(0, 7)]),
-    (11, 4, [(0, 3), (3, 6), (6, 9), (9, 11)]),
-    (5, 5, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
-])
+@pytest.mark.parametrize(
+    "count,world,expected",
+    [
+        (10, 3, [(0, 4), (4, 7), (7, 10)]),
+        (9, 3, [(0, 3), (3, 6), (6, 9)]),
+        (2, 4, [(0, 1), (1, 2), (2, 2), (2, 2)]),
+        (0, 3, [(0, 0), (0, 0), (0, 0)]),
+        (7, 1, [(0, 7)]),
+        (11, 4, [(0, 3), (3, 6), (6, 9), (9, 11)]),
+        (5, 5, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5)]),
+    ],
+)
 def test_share_bounds_table(count, world, expected):
     assert [share_bounds(count, r, world) for r in range(world)] == expected
 
@@ -111,7 +125,7 @@ def test_last_partial_batch_of_a_data_epoch():
     assert got == [
         (0, 0, [0, 1, 2, 3], [0, 1]),
         (0, 4, [4, 5, 6, 7], [4, 5]),
-        (0, 8, [8, 9], [8]),           # what is left: a smaller global batch
+        (0, 8, [8, 9], [8]),  # what is left: a smaller global batch
         (1, 0, [0, 1, 2, 3], [0, 1]),  # the next data epoch starts at cursor 0
     ]
     assert (s.data_epoch, s.cursor) == (1, 4)
@@ -143,6 +157,7 @@ def test_order_is_deterministic_in_seed_and_data_epoch():
 
 def test_order_independent_of_world_size_history():
     """The global slices are the same whatever world sizes consumed them."""
+
     def slices(worlds):
         s = ElasticSampler(40, 6, seed=3)
         out = []
@@ -151,6 +166,7 @@ def test_order_independent_of_world_size_history():
             out.append(sl.global_indices)
             s.advance(sl)
         return out
+
     assert slices([1]) == slices([3, 2, 5, 1, 4]) == slices([7])
 
 
@@ -160,8 +176,14 @@ def test_state_dict_round_trip_resumes_exactly():
     for i in range(14):  # into the second data epoch
         a.advance(a.next_slice(0, worlds[i % 5]))
     state = a.state_dict()
-    assert state == {"num_samples": 53, "global_batch_size": 5, "seed": 11, "shuffle": True,
-                     "data_epoch": 1, "cursor": 14 * 5 - 55}
+    assert state == {
+        "num_samples": 53,
+        "global_batch_size": 5,
+        "seed": 11,
+        "shuffle": True,
+        "data_epoch": 1,
+        "cursor": 14 * 5 - 55,
+    }
     b = ElasticSampler(53, 999, seed=11)  # global batch comes from the state
     b.load_state_dict(state)
     assert b.global_batch_size == 5

@@ -46,9 +46,14 @@ def test_state_round_trip_and_rule_mismatch() -> None:
         ConstantBatch().load_state_dict(a.state_dict())
 
 
-@pytest.mark.parametrize("kwargs", [dict(per_rank_batch_size=0, base_world_size=1),
-                                    dict(per_rank_batch_size=1, base_world_size=0),
-                                    dict(per_rank_batch_size=1, base_world_size=1, warmup_steps=-1)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(per_rank_batch_size=0, base_world_size=1),
+        dict(per_rank_batch_size=1, base_world_size=0),
+        dict(per_rank_batch_size=1, base_world_size=1, warmup_steps=-1),
+    ],
+)
 def test_bad_settings_are_rejected(kwargs) -> None:
     with pytest.raises(ValueError):
         LinearScaling(**kwargs)

@@ -14,17 +14,35 @@ from maitre.scheduling.model import Speedup
 pytestmark = pytest.mark.timeout(60)
 
 
-def make_cluster(racks: int = 2, nodes: int = 2, slots: int = 4,
-                 queues: list[Queue] | None = None) -> Cluster:
-    return Cluster.of([Node(f"r{r}n{n}", slots, rack=f"r{r}") for r in range(racks)
-                       for n in range(nodes)], queues or [Queue("q")])
+def make_cluster(racks: int = 2, nodes: int = 2, slots: int = 4, queues: list[Queue] | None = None) -> Cluster:
+    return Cluster.of(
+        [Node(f"r{r}n{n}", slots, rack=f"r{r}") for r in range(racks) for n in range(nodes)], queues or [Queue("q")]
+    )
 
 
-def job(id: str, min_r: int = 1, max_r: int | None = None, *, queue: str = "q", priority: int = 0,
-        per: int = 1, at: float = 0.0, preemptible: bool = True, **kw) -> Job:
-    return Job(id=id, queue=queue, priority=priority, min_replicas=min_r,
-               max_replicas=max_r or min_r, slots_per_replica=per, submitted_at=at,
-               preemptible=preemptible, **kw)
+def job(
+    id: str,
+    min_r: int = 1,
+    max_r: int | None = None,
+    *,
+    queue: str = "q",
+    priority: int = 0,
+    per: int = 1,
+    at: float = 0.0,
+    preemptible: bool = True,
+    **kw,
+) -> Job:
+    return Job(
+        id=id,
+        queue=queue,
+        priority=priority,
+        min_replicas=min_r,
+        max_replicas=max_r or min_r,
+        slots_per_replica=per,
+        submitted_at=at,
+        preemptible=preemptible,
+        **kw,
+    )
 
 
 def apply(plan: Plan, jobs: list[Job], now: float) -> None:
@@ -71,8 +89,12 @@ def test_gangs_that_cannot_both_fit_never_both_hold_part() -> None:
 def test_priority_then_fair_share_then_age() -> None:
     cluster = make_cluster(racks=1, nodes=1, slots=4, queues=[Queue("x"), Queue("y")])
     running = job("x0", 2, queue="x", at=0, state=JobState.RUNNING, placement={"r0n0": 2})
-    jobs = [running, job("x1", 2, queue="x", at=1), job("y1", 2, queue="y", at=2),
-            job("lo", 2, queue="x", at=0, priority=-1)]
+    jobs = [
+        running,
+        job("x1", 2, queue="x", at=1),
+        job("y1", 2, queue="y", at=2),
+        job("lo", 2, queue="x", at=0, priority=-1),
+    ]
     plan = schedule(cluster, jobs, 5)
     assert kinds(plan) == [("admit", "y1")]  # y holds less than x: its job goes first
 
@@ -85,8 +107,7 @@ def test_queue_ceiling_blocks_admission() -> None:
 # -- preemption ----------------------------------------------------------------------------------
 def test_high_priority_job_shrinks_an_elastic_job_before_suspending_anything() -> None:
     cluster = make_cluster()
-    low = job("low", 2, 16, priority=0, state=JobState.RUNNING,
-              placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    low = job("low", 2, 16, priority=0, state=JobState.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     high = job("high", 6, priority=10, at=5)
     jobs = [low, high]
     plan = schedule(cluster, jobs, 100)
@@ -101,8 +122,7 @@ def test_high_priority_job_shrinks_an_elastic_job_before_suspending_anything() -
 
 def test_suspends_a_whole_job_only_when_shrinking_is_not_enough() -> None:
     cluster = make_cluster()
-    fixed = job("fixed", 16, priority=0, state=JobState.RUNNING,
-                placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    fixed = job("fixed", 16, priority=0, state=JobState.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     jobs = [fixed, job("high", 4, priority=5)]
     plan = schedule(cluster, jobs, 0)
     assert kinds(plan) == [("suspend", "fixed"), ("preempting", "high")]
@@ -112,8 +132,7 @@ def test_suspends_a_whole_job_only_when_shrinking_is_not_enough() -> None:
 
 def test_no_preemption_when_the_preemptor_would_not_fit_anyway() -> None:
     cluster = make_cluster()
-    low = job("low", 1, 16, state=JobState.RUNNING,
-              placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    low = job("low", 1, 16, state=JobState.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
     plan = schedule(cluster, [low, job("huge", 17, priority=9)], 0)
     assert plan.actions == [] and plan.placements["low"] == low.placement
 
@@ -145,8 +164,9 @@ def test_surplus_is_taken_from_the_largest_peer_first() -> None:
 def test_a_queue_reclaims_its_guarantee_from_a_borrower_but_no_further() -> None:
     queues = [Queue("a", guaranteed=8), Queue("b", guaranteed=8)]
     cluster = make_cluster(queues=queues)
-    borrower = job("a1", 2, 16, queue="a", state=JobState.RUNNING,
-                   placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4})
+    borrower = job(
+        "a1", 2, 16, queue="a", state=JobState.RUNNING, placement={"r0n0": 4, "r0n1": 4, "r1n0": 4, "r1n1": 4}
+    )
     jobs = [borrower, job("b1", 8, queue="b", at=3)]
     plan = schedule(cluster, jobs, 100)
     assert kinds(plan) == [("shrink", "a1"), ("preempting", "b1")]
@@ -169,10 +189,8 @@ def test_borrowing_limit_caps_elastic_growth() -> None:
 # -- elastic fill and damping --------------------------------------------------------------------
 def test_fill_goes_to_the_largest_marginal_gain() -> None:
     cluster = make_cluster(racks=1, nodes=1, slots=4)
-    scales = job("scales", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1},
-                 throughput={1: 100.0, 2: 198.0})
-    flat = job("flat", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1},
-               throughput={1: 100.0, 2: 110.0})
+    scales = job("scales", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, throughput={1: 100.0, 2: 198.0})
+    flat = job("flat", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, throughput={1: 100.0, 2: 110.0})
     plan = schedule(cluster, [scales, flat], 1000)
     assert plan.placements["scales"] == {"r0n0": 3} and plan.placements["flat"] == {"r0n0": 1}
     assert flat.comm_cost() > 0.5 > scales.comm_cost()
@@ -225,8 +243,15 @@ def test_growth_prefers_the_jobs_own_nodes() -> None:
 def test_a_node_reserved_for_a_job_takes_its_replicas_only() -> None:
     """A Slurm replica job's node (``reserved_for``) is that job's: no other job is placed, grown
     or preempted onto it, even when it stands idle; the job itself may also use open nodes."""
-    cluster = Cluster.of([Node("a0", 2, reserved_for="a"), Node("a1", 2, reserved_for="a"),
-                          Node("open", 2), Node("b0", 2, reserved_for="b")], [Queue("q")])
+    cluster = Cluster.of(
+        [
+            Node("a0", 2, reserved_for="a"),
+            Node("a1", 2, reserved_for="a"),
+            Node("open", 2),
+            Node("b0", 2, reserved_for="b"),
+        ],
+        [Queue("q")],
+    )
     a, c = job("a", 1, 6), job("c", 1, 6, at=1.0)
     urgent = job("urgent", 4, 4, priority=9, at=2.0)
     jobs = [a, c]
@@ -260,22 +285,35 @@ def test_bad_input_is_rejected() -> None:
 @pytest.mark.parametrize("seed", range(300))
 def test_invariants_hold_on_random_clusters(seed: int) -> None:
     rng = random.Random(seed)
-    queues = [Queue(f"q{i}", guaranteed=rng.choice([0, 4, 8]),
-                    borrowing_limit=rng.choice([None, 0, 8])) for i in range(3)]
-    cluster = Cluster.of([Node(f"r{r}n{n}", rng.choice([4, 8]), rack=f"r{r}",
-                               reserved_for=rng.choice(["", "", "", "j0", "j1"]))
-                          for r in range(rng.randint(1, 3)) for n in range(rng.randint(1, 4))],
-                         queues)
+    queues = [
+        Queue(f"q{i}", guaranteed=rng.choice([0, 4, 8]), borrowing_limit=rng.choice([None, 0, 8])) for i in range(3)
+    ]
+    cluster = Cluster.of(
+        [
+            Node(f"r{r}n{n}", rng.choice([4, 8]), rack=f"r{r}", reserved_for=rng.choice(["", "", "", "j0", "j1"]))
+            for r in range(rng.randint(1, 3))
+            for n in range(rng.randint(1, 4))
+        ],
+        queues,
+    )
     jobs: list[Job] = []
     cfg = PolicyConfig(resize_cooldown_s=rng.choice([0, 30]))
     for t in range(30):
         now = t * 10.0
         if rng.random() < 0.6:
             lo = rng.randint(1, 4)
-            jobs.append(job(f"j{len(jobs)}", lo, lo + rng.choice([0, 0, 2, 6]),
-                            queue=rng.choice(queues).name, priority=rng.choice([0, 0, 5, 9]),
-                            per=rng.choice([1, 1, 2, 4]), at=now,
-                            preemptible=rng.random() < 0.8))
+            jobs.append(
+                job(
+                    f"j{len(jobs)}",
+                    lo,
+                    lo + rng.choice([0, 0, 2, 6]),
+                    queue=rng.choice(queues).name,
+                    priority=rng.choice([0, 0, 5, 9]),
+                    per=rng.choice([1, 1, 2, 4]),
+                    at=now,
+                    preemptible=rng.random() < 0.8,
+                )
+            )
         for j in jobs:  # some finish
             if j.state == JobState.RUNNING and rng.random() < 0.05:
                 j.placement, j.state = {}, JobState.SUSPENDED
@@ -308,14 +346,13 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
             held = sum(j.slots for j in jobs if j.queue == q) + pledged[q]  # slots pledged to it)
             assert held >= min(cluster.queues[q].guaranteed, usage_before[q]), q
         for q in queues:
-            assert sum(j.slots for j in jobs if j.queue == q.name) <= max(q.ceiling,
-                                                                          usage_before[q.name])
+            assert sum(j.slots for j in jobs if j.queue == q.name) <= max(q.ceiling, usage_before[q.name])
         used: dict[str, int] = {}
         for j in jobs:
             for n, r in j.placement.items():
                 used[n] = used.get(n, 0) + r * j.slots_per_replica
         for a in plan.actions_of("preempting"):  # once the victims let go, every preemptor
-            preemptor = by_id[a.job]                # fits where the plan says, all at once
+            preemptor = by_id[a.job]  # fits where the plan says, all at once
             assert sum(a.placement.values()) == preemptor.min_replicas
             for n, r in a.placement.items():
                 used[n] = used.get(n, 0) + r * preemptor.slots_per_replica
@@ -326,10 +363,15 @@ def test_invariants_hold_on_random_clusters(seed: int) -> None:
 def test_rebalance_moves_a_replica_to_the_peer_that_gains_more_and_not_back() -> None:
     cluster = make_cluster()  # 16 slots
     # "flat" stopped scaling (its throughput is the same at 2 and 12); "steep" scales well
-    flat = job("flat", 1, 16, state=JobState.RUNNING, throughput={2: 100.0, 12: 100.0},
-               placement={"r0n0": 4, "r0n1": 4, "r1n0": 4})
-    steep = job("steep", 1, 16, state=JobState.RUNNING, throughput={1: 100.0, 4: 390.0},
-                placement={"r1n1": 4}, at=1)
+    flat = job(
+        "flat",
+        1,
+        16,
+        state=JobState.RUNNING,
+        throughput={2: 100.0, 12: 100.0},
+        placement={"r0n0": 4, "r0n1": 4, "r1n0": 4},
+    )
+    steep = job("steep", 1, 16, state=JobState.RUNNING, throughput={1: 100.0, 4: 390.0}, placement={"r1n1": 4}, at=1)
     plan = schedule(cluster, [flat, steep], 1000)
     assert kinds(plan) == [("shrink", "flat")] and "rebalance" in plan.actions[0].reason
     assert sum(plan.placements["flat"].values()) < 12
@@ -369,8 +411,12 @@ def test_fill_looks_past_a_dip_when_crossing_a_node() -> None:
     big = job("big", 1, 8, state=JobState.RUNNING, placement={"r0n0": 4}, throughput=dict(tp))
     plan = schedule(cluster, [big], 1000)
     assert sum(plan.placements["big"].values()) == 8
-    one_step = schedule(cluster, [job("big", 1, 8, state=JobState.RUNNING, placement={"r0n0": 4},
-                                      throughput=dict(tp))], 1000, PolicyConfig(lookahead=1))
+    one_step = schedule(
+        cluster,
+        [job("big", 1, 8, state=JobState.RUNNING, placement={"r0n0": 4}, throughput=dict(tp))],
+        1000,
+        PolicyConfig(lookahead=1),
+    )
     assert one_step.placements["big"] == {"r0n0": 4}  # one at a time stops at the dip
 
 
@@ -379,10 +425,27 @@ def test_the_least_served_peer_grows_first() -> None:
     tp = {1: 100.0, 2: 190.0}
 
     def pair() -> list[Job]:
-        return [job("old", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
-                    attained_slot_s=50 * 3600.0),
-                job("new", 1, 4, state=JobState.RUNNING, placement={"r0n0": 1}, throughput=dict(tp),
-                    attained_slot_s=60.0, at=5)]
+        return [
+            job(
+                "old",
+                1,
+                4,
+                state=JobState.RUNNING,
+                placement={"r0n0": 1},
+                throughput=dict(tp),
+                attained_slot_s=50 * 3600.0,
+            ),
+            job(
+                "new",
+                1,
+                4,
+                state=JobState.RUNNING,
+                placement={"r0n0": 1},
+                throughput=dict(tp),
+                attained_slot_s=60.0,
+                at=5,
+            ),
+        ]
 
     plan = schedule(cluster, pair(), 1000, PolicyConfig(min_gain=0.5))
     # both gain 0.9 from a second replica, but "old" has had 50 slot-hours: "new" gets both

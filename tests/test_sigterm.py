@@ -31,29 +31,51 @@ def _agent(address: str, token_file: Path, node: str, tag: str) -> subprocess.Po
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
     env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1"})
     return subprocess.Popen(
-        [sys.executable, "-m", "maitre.cli", "agent", "--coordinator", address, "--token-file",
-         str(token_file), "--node-id", node, "--nproc-per-node", "1", "--sigterm-notice", "30",
-         "--no-health-builtin", "--health-check", "true", "--health-interval", "0"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "maitre.cli",
+            "agent",
+            "--coordinator",
+            address,
+            "--token-file",
+            str(token_file),
+            "--node-id",
+            node,
+            "--nproc-per-node",
+            "1",
+            "--sigterm-notice",
+            "30",
+            "--no-health-builtin",
+            "--health-check",
+            "true",
+            "--health-interval",
+            "0",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _events(cluster, kind: str, node: str | None = None) -> list[dict]:
-    return [e for e in cluster.db.events()
-            if e["kind"] == kind and (node is None or e.get("node") == node)]
+    return [e for e in cluster.db.events() if e["kind"] == kind and (node is None or e.get("node") == node)]
 
 
 def _cluster(tmp_path: Path, lines: list[str], **kw):
     from maitre.local import LocalCluster, UpConfig
     from maitre.scheduling.policy import PolicyConfig
 
-    return LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")],
-                                 policy=PolicyConfig(resize_cooldown_s=1.0), **kw),
-                        out=lines.append).start()
+    return LocalCluster(
+        UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")], policy=PolicyConfig(resize_cooldown_s=1.0), **kw),
+        out=lines.append,
+    ).start()
 
 
-def test_a_sigterm_that_reaches_the_workers_too_is_their_agents_notice(
-        tmp_path: Path, reference) -> None:
+def test_a_sigterm_that_reaches_the_workers_too_is_their_agents_notice(tmp_path: Path, reference) -> None:
     """Slurm's ``proctrack/cgroup`` signals every process of a job step, so the workers hear
     the SIGTERM their agent takes as a notice. An agent with ``--sigterm-notice`` tells its
     workers so (``MAITRE_SIGTERM_DRAINS``): a worker sent SIGTERM says it heard it and trains
@@ -70,14 +92,19 @@ def test_a_sigterm_that_reaches_the_workers_too_is_their_agents_notice(
     co = cluster.coordinator
     try:
         agent = cluster.add_node(slots=1, env={protocol.SIGTERM_DRAINS: "1"})
-        co.submit({"name": "a", "queue": "q", "minReplicas": 1, "maxReplicas": 1,
-                   "command": example_command(steps, out) + ["--device-ms-per-sample", "4"]})
-        wait_for(lambda: (a := co.job_status("a"))["state"] == "RUNNING" and a["step"] > 5,
-                 60, "a to train", lines)
+        co.submit(
+            {
+                "name": "a",
+                "queue": "q",
+                "minReplicas": 1,
+                "maxReplicas": 1,
+                "command": example_command(steps, out) + ["--device-ms-per-sample", "4"],
+            }
+        )
+        wait_for(lambda: (a := co.job_status("a"))["state"] == "RUNNING" and a["step"] > 5, 60, "a to train", lines)
         [wid] = co.job_status("a")["members"]
         os.kill(agent.pid(wid), signal.SIGTERM)
-        wait_for(lambda: co.job_status("a")["state"] in ("COMPLETED", "FAILED"), 60,
-                 "a to finish", lines)
+        wait_for(lambda: co.job_status("a")["state"] in ("COMPLETED", "FAILED"), 60, "a to finish", lines)
         status = co.job_status("a")
         events = list(cluster.db.events())
     finally:
@@ -93,8 +120,7 @@ def test_a_sigterm_that_reaches_the_workers_too_is_their_agents_notice(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
-        tmp_path: Path, reference) -> None:
+def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(tmp_path: Path, reference) -> None:
     """Job ``a`` (1..2 replicas) trains on the in-process node and the pod's agent. SIGTERM to
     the pod's agent: its worker leaves at a step boundary well within the notice, the agent
     exits 0, the job trains on at one replica with no failure counted and ends with every
@@ -111,16 +137,25 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
     proc = _agent(cluster.address, cluster.token_file, "pod-0", tag)
     try:
         cluster.add_node(slots=1)  # node-0
-        wait_for(lambda: len([n for n in co.nodes_view() if n["alive"]]) == 2, 60,
-                 "both nodes", lines)
-        co.submit({"name": "a", "queue": "q", "minReplicas": 1, "maxReplicas": 2,
-                   "command": example_command(steps, out) + ["--device-ms-per-sample", "4"]})
+        wait_for(lambda: len([n for n in co.nodes_view() if n["alive"]]) == 2, 60, "both nodes", lines)
+        co.submit(
+            {
+                "name": "a",
+                "queue": "q",
+                "minReplicas": 1,
+                "maxReplicas": 2,
+                "command": example_command(steps, out) + ["--device-ms-per-sample", "4"],
+            }
+        )
 
         def on_both() -> bool:
             a = co.job_status("a")
             nodes = {w["node"] for w in a["workers"] if w["id"] in a["members"]}
-            return nodes == {"node-0", "pod-0"} and a["state"] == "RUNNING" and \
-                min(w["step"] for w in a["workers"] if w["id"] in a["members"]) > 0
+            return (
+                nodes == {"node-0", "pod-0"}
+                and a["state"] == "RUNNING"
+                and min(w["step"] for w in a["workers"] if w["id"] in a["members"]) > 0
+            )
 
         wait_for(on_both, 120, "a to train on both nodes", lines)
         on_pod = {w["id"] for w in co.job_status("a")["workers"] if w["node"] == "pod-0"}
@@ -141,8 +176,7 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(
     assert proc.returncode == 0 and took < 20, (took, agent_out)
     drained = next(e for e in events if e["kind"] == "node_drained" and e["node"] == "pod-0")
     assert sorted(drained["workers"]) == sorted(on_pod), (drained, on_pod)  # left gracefully
-    print(f"SIGTERM to the agent's exit {took:.2f} s; the node drained in "
-          f"{drained['seconds']:.2f} s")
+    print(f"SIGTERM to the agent's exit {took:.2f} s; the node drained in {drained['seconds']:.2f} s")
     assert any(e["kind"] == "node_reclaimed" and e["node"] == "pod-0" for e in events), log
     assert any(e["kind"] == "shrink" and e.get("job") == "a" for e in events), log
     assert not [e for e in events if e["kind"] == "node_dead"], log

@@ -89,15 +89,11 @@ def test_the_bundled_pollux_workloads_load(load: float, count: int) -> None:
 def test_workload_6_is_the_one_of_the_paper() -> None:
     jobs = load_workload(pollux_workload(6))
     assert jobs[0].name == "cifar10-0" and jobs[0].time == 53 and jobs[0].num_replicas == 6
-    assert {j.application for j in jobs} <= {"cifar10", "ncf", "deepspeech2", "bert", "yolov3",
-                                               "imagenet"}
+    assert {j.application for j in jobs} <= {"cifar10", "ncf", "deepspeech2", "bert", "yolov3", "imagenet"}
 
 
 def test_a_bad_workload_names_every_problem() -> None:
-    text = ("name,time,application,num_replicas,batch_size\n"
-            "a,10,cifar10,2,128\n"
-            "a,-1,resnet,0,64\n"
-            "b,soon,ncf,1,1\n")
+    text = "name,time,application,num_replicas,batch_size\na,10,cifar10,2,128\na,-1,resnet,0,64\nb,soon,ncf,1,1\n"
     with pytest.raises(WorkloadError) as err:
         parse_workload(text, "w.csv")
     problems = err.value.problems

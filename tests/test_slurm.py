@@ -32,9 +32,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory):
 
 
 # -- Slurm's text, parsed (no Slurm needed) ----------------------------------------------------
-NODE_LINE = ("NodeName=gpu07 Arch=x86_64 CoresPerSocket=16 CPUAlloc=0 CPUTot=64 "
-             "AvailableFeatures=ib,rack-b2 ActiveFeatures=ib,rack-b2 Gres=gpu:a100:8(S:0-1) "
-             "NodeAddr=10.0.0.7 State=MIXED+DRAIN Partitions=gpu,scavenger BootTime=None")
+NODE_LINE = (
+    "NodeName=gpu07 Arch=x86_64 CoresPerSocket=16 CPUAlloc=0 CPUTot=64 "
+    "AvailableFeatures=ib,rack-b2 ActiveFeatures=ib,rack-b2 Gres=gpu:a100:8(S:0-1) "
+    "NodeAddr=10.0.0.7 State=MIXED+DRAIN Partitions=gpu,scavenger BootTime=None"
+)
 
 
 @pytest.mark.timeout(10)
@@ -48,12 +50,14 @@ def test_slurm_text_parses_into_nodes_gpus_labels_and_partitions() -> None:
     assert node.labels == {"rack": "rack-b2", "accelerator": "a100"}  # no switches: features
     topo = inventory.parse_topology(
         "SwitchName=leaf1 Level=0 LinkSpeed=1 Nodes=gpu[06-07]\n"
-        "SwitchName=spine Level=1 LinkSpeed=1 Nodes=gpu[06-07] Switches=leaf[1-2]\n")
+        "SwitchName=spine Level=1 LinkSpeed=1 Nodes=gpu[06-07] Switches=leaf[1-2]\n"
+    )
     [node] = inventory.parse_nodes(NODE_LINE, topo)
     assert node.labels == {"rack": "leaf1", "block": "spine", "accelerator": "a100"}
     parts = inventory.parse_partitions(
         "PartitionName=scav AllowGroups=ALL PriorityTier=1 GraceTime=00:01:30 "
-        "PreemptMode=REQUEUE State=UP Nodes=gpu[06-07]\n")
+        "PreemptMode=REQUEUE State=UP Nodes=gpu[06-07]\n"
+    )
     assert parts["scav"].grace_s == 90 and parts["scav"].nodes == ("gpu06", "gpu07")
     assert inventory.parse_kill_wait("KillWait                = 30 sec\nX = 1\n") == 30
     assert parse_name("maitre-bert-large-3") == ("bert-large", 3)
@@ -61,8 +65,13 @@ def test_slurm_text_parses_into_nodes_gpus_labels_and_partitions() -> None:
 
 
 def _job(name: str, lo: int, hi: int, state: str = "RUNNING", workers=()) -> dict:
-    return {"job_id": name, "state": state, "min_workers": lo, "max_workers": hi,
-            "workers": [{"id": w} for w in workers]}
+    return {
+        "job_id": name,
+        "state": state,
+        "min_workers": lo,
+        "max_workers": hi,
+        "workers": [{"id": w} for w in workers],
+    }
 
 
 def _rep(sid: str, job: str, index: int, state: str = "RUNNING", node: str = "") -> ReplicaJob:
@@ -72,7 +81,8 @@ def _rep(sid: str, job: str, index: int, state: str = "RUNNING", node: str = "")
 @pytest.mark.timeout(10)
 def test_plan_puts_the_minimum_in_the_partition_and_grows_only_into_idle_nodes() -> None:
     assert plan([_job("a", 2, 4, "PENDING")], {}, [], idle_scavenger=1) == Plan(
-        submit=[Submit("a", 0, False), Submit("a", 1, False), Submit("a", 2, True)])
+        submit=[Submit("a", 0, False), Submit("a", 1, False), Submit("a", 2, True)]
+    )
     have = [_rep("1", "a", 0), _rep("2", "a", 1), _rep("3", "a", 2, "PENDING")]
     assert plan([_job("a", 2, 4)], {}, have, idle_scavenger=3) == Plan()  # Slurm has no room
     assert plan([_job("a", 2, 4)], {}, have[:2], idle_scavenger=0) == Plan()
@@ -83,8 +93,7 @@ def test_plan_puts_the_minimum_in_the_partition_and_grows_only_into_idle_nodes()
 
 @pytest.mark.timeout(10)
 def test_plan_cancels_a_replica_job_only_once_the_coordinator_has_left_its_node() -> None:
-    have = [_rep("1", "a", 0, node="n1"), _rep("2", "a", 1, node="n2"),
-            _rep("3", "a", 2, node="n3")]
+    have = [_rep("1", "a", 0, node="n1"), _rep("2", "a", 1, node="n2"), _rep("3", "a", 2, node="n3")]
     nodes = {"n1": ["w1"], "n2": ["w2"], "n3": ["w3"]}
     job = _job("a", 1, 2, workers=["w1", "w2", "w3"])  # scaled to 2, not shrunk yet
     assert plan([job], nodes, have, idle_scavenger=1) == Plan()
@@ -96,13 +105,15 @@ def test_plan_cancels_a_replica_job_only_once_the_coordinator_has_left_its_node(
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("args,words", [
-    (("up", "--slurm-scavenger", "scav"), "--slurm-scavenger needs --slurm"),
-    (("up", "--slurm", "--nodes", "2"), "--nodes and --slurm"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--slurm"), "not inside a Slurm job"),
-])
-def test_bad_slurm_flags_are_one_line_and_exit_2(args, words, capsys, monkeypatch,
-                                                 tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("up", "--slurm-scavenger", "scav"), "--slurm-scavenger needs --slurm"),
+        (("up", "--slurm", "--nodes", "2"), "--nodes and --slurm"),
+        (("agent", "--coordinator", "127.0.0.1:1", "--slurm"), "not inside a Slurm job"),
+    ],
+)
+def test_bad_slurm_flags_are_one_line_and_exit_2(args, words, capsys, monkeypatch, tmp_path: Path) -> None:
     from maitre.cli import main
 
     for var in ("SLURMD_NODENAME", "SLURM_JOB_ID"):
@@ -120,7 +131,11 @@ def test_the_inventory_is_read_from_slurm(cluster) -> None:
     assert [n.name for n in inv.nodes] == list(slurm_cluster.NODES)
     assert all(n.gpus == 1 and n.cpus == 1 and n.state == "idle" for n in inv.nodes)
     assert {n.name: n.labels["rack"] for n in inv.nodes} == {
-        "node1": "sw1", "node2": "sw1", "node3": "sw2", "node4": "sw2"}
+        "node1": "sw1",
+        "node2": "sw1",
+        "node3": "sw2",
+        "node4": "sw2",
+    }
     assert {n.labels["block"] for n in inv.nodes} == {"top"}
     assert inv.partition("scavenger").grace_s == slurm_cluster.GRACE_S
     assert inv.partition("scavenger").preempt_mode == "REQUEUE"
@@ -128,12 +143,16 @@ def test_the_inventory_is_read_from_slurm(cluster) -> None:
     assert inv.kill_wait_s == 5
 
 
-def _up(tmp: Path, env: dict[str, str], *flags: str,
-        timeout: float = 60) -> subprocess.CompletedProcess:
+def _up(tmp: Path, env: dict[str, str], *flags: str, timeout: float = 60) -> subprocess.CompletedProcess:
     env = {k: v for k, v in env.items() if not k.startswith("MAITRE_")}
-    return subprocess.run([sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir",
-                           str(tmp / "state"), *flags], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "maitre.cli", "up", "--slurm", "--state-dir", str(tmp / "state"), *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.mark.timeout(90)
@@ -141,14 +160,15 @@ def test_a_slurm_that_does_not_answer_is_one_line_naming_the_command(cluster, tm
     conf = tmp_path / "slurm.conf"  # the same cluster, but its controller on a dead port
     [dead] = slurm_cluster._free_ports(1)
     text = cluster.conf.read_text()
-    text = "\n".join(f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln
-                     for ln in text.splitlines()) + "\nMessageTimeout=2\n"
+    text = (
+        "\n".join(f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln for ln in text.splitlines())
+        + "\nMessageTimeout=2\n"
+    )
     conf.write_text(text)
     for name in ("gres.conf", "topology.conf"):
         (tmp_path / name).write_text((cluster.conf.parent / name).read_text())
     started = time.monotonic()
-    done = _up(tmp_path, {**cluster.env, "SLURM_CONF": str(conf)}, "--slurm-scavenger",
-               "scavenger")
+    done = _up(tmp_path, {**cluster.env, "SLURM_CONF": str(conf)}, "--slurm-scavenger", "scavenger")
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
@@ -159,13 +179,14 @@ def test_a_slurm_that_does_not_answer_is_one_line_naming_the_command(cluster, tm
 
 
 @pytest.mark.timeout(60)
-def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(
-        cluster, tmp_path) -> None:
+def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(cluster, tmp_path) -> None:
     done = _up(tmp_path, cluster.env, "--slurm-scavenger", "nosuch")
     assert done.returncode != 0
-    assert done.stderr.strip() == ("maitre: error: Slurm: scontrol show partition nosuch: "
-                                   "Partition "
-                                   "'nosuch' does not exist (Slurm has: normal, scavenger)")
+    assert done.stderr.strip() == (
+        "maitre: error: Slurm: scontrol show partition nosuch: "
+        "Partition "
+        "'nosuch' does not exist (Slurm has: normal, scavenger)"
+    )
     assert not (tmp_path / "state" / "state.db").exists()
     done = _up(tmp_path, cluster.env, "--slurm-partition", "normal", "--slurm-scavenger", "normal")
     assert done.returncode != 0 and "is the job partition itself" in done.stderr
@@ -173,8 +194,7 @@ def test_a_partition_that_does_not_exist_is_refused_before_anything_starts(
 
 
 @pytest.mark.timeout(90)
-def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(
-        cluster, tmp_path) -> None:
+def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(cluster, tmp_path) -> None:
     """Three GPUs per replica on nodes of one: sbatch says no; that line is the engine's error,
     the job stays PENDING in maitre, and no replica job is left in Slurm."""
     from maitre.engines.slurm.replicas import AgentCommand
@@ -182,16 +202,17 @@ def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(
     from maitre.scheduling.model import Queue
     from maitre.wire import Client
 
-    up = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=0, queues=[Queue("q")]),
-                      out=lambda line: None).start()
+    up = LocalCluster(
+        UpConfig(state_dir=tmp_path / "state", nodes=0, queues=[Queue("q")]), out=lambda line: None
+    ).start()
     try:
         client = Client(up.address, token=up.token)
-        client.post("/jobs", {"manifest": {"name": "big", "queue": "q", "minReplicas": 1,
-                                           "maxReplicas": 2, "command": ["true"]}})
-        cfg = SlurmConfig(partition="normal", scavenger="scavenger", gpus_per_replica=3,
-                          log_dir=str(tmp_path))
-        engine = SlurmEngine(client, cfg, AgentCommand(up.address, str(up.token_file)),
-                             Slurm(env=cluster.env))
+        client.post(
+            "/jobs",
+            {"manifest": {"name": "big", "queue": "q", "minReplicas": 1, "maxReplicas": 2, "command": ["true"]}},
+        )
+        cfg = SlurmConfig(partition="normal", scavenger="scavenger", gpus_per_replica=3, log_dir=str(tmp_path))
+        engine = SlurmEngine(client, cfg, AgentCommand(up.address, str(up.token_file)), Slurm(env=cluster.env))
         with pytest.raises(SlurmError) as caught:
             engine.once()
         assert str(caught.value).startswith("sbatch --parsable --requeue")
@@ -209,8 +230,7 @@ def test_sbatch_refusing_a_replica_job_leaves_the_job_pending_and_nothing_lost(
 
 
 @pytest.mark.timeout(90)
-def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
-        cluster, tmp_path) -> None:
+def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(cluster, tmp_path) -> None:
     """A replica job's agent is the Slurm node it got (name, switch labels, spot in the
     scavenger partition), reserved for its job; scancel's SIGTERM is a notice: the node is
     reclaimed, not dead."""
@@ -220,28 +240,42 @@ def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
     from maitre.scheduling.model import Queue
     from maitre.wire import Client
 
-    up = LocalCluster(UpConfig(state_dir=tmp_path / "state", nodes=0, queues=[Queue("q")]),
-                      out=lambda line: None).start()
+    up = LocalCluster(
+        UpConfig(state_dir=tmp_path / "state", nodes=0, queues=[Queue("q")]), out=lambda line: None
+    ).start()
     slurm = Slurm(env={**cluster.env, "PYTHONPATH": str(ROOT / "src")})
     try:
         client = Client(up.address, token=up.token)
         agent = AgentCommand(up.address, str(up.token_file.resolve()))
-        sid = replicas.submit(slurm, "lone", 2, partition="scavenger", agent=agent, grace_s=10,
-                              scavenger=True, log_dir=str(tmp_path))
+        sid = replicas.submit(
+            slurm, "lone", 2, partition="scavenger", agent=agent, grace_s=10, scavenger=True, log_dir=str(tmp_path)
+        )
         [rep] = replicas.listed(slurm)
         assert (rep.slurm_id, rep.job, rep.index, rep.partition) == (sid, "lone", 2, "scavenger")
-        node = wait_for(lambda: next((n for n in client.get("/nodes")["nodes"] if n["alive"]),
-                                     None), 60, "the replica job's agent to join",
-                        tmp_path / f"maitre-lone-2-{sid}.log")
+        node = wait_for(
+            lambda: next((n for n in client.get("/nodes")["nodes"] if n["alive"]), None),
+            60,
+            "the replica job's agent to join",
+            tmp_path / f"maitre-lone-2-{sid}.log",
+        )
         running = next(j for j in cluster.jobs() if j["id"] == sid)
         assert node["node"] == running["nodes"]
         rack = "sw1" if node["node"] in ("node1", "node2") else "sw2"
-        assert node["labels"] == {"rack": rack, "block": "top", "capacity_type": "spot",
-                                  "reserved_for": "lone"}  # that job's workers only
+        assert node["labels"] == {
+            "rack": rack,
+            "block": "top",
+            "capacity_type": "spot",
+            "reserved_for": "lone",
+        }  # that job's workers only
         replicas.cancel(slurm, sid)
-        gone = wait_for(lambda: (n := next(x for x in client.get("/nodes")["nodes"]
-                                           if x["node"] == node["node"]))["reclaimed"] and n,
-                        30, "the node to be reclaimed", tmp_path / f"maitre-lone-2-{sid}.log")
+        gone = wait_for(
+            lambda: (
+                (n := next(x for x in client.get("/nodes")["nodes"] if x["node"] == node["node"]))["reclaimed"] and n
+            ),
+            30,
+            "the node to be reclaimed",
+            tmp_path / f"maitre-lone-2-{sid}.log",
+        )
         assert not gone["alive"]
         wait_for(lambda: not cluster.jobs(), 30, "the replica job to end")
         kinds = [e["kind"] for e in client.get("/events")["events"]]
@@ -254,7 +288,8 @@ def test_a_replica_job_joins_as_its_slurm_node_and_leaves_gracefully_on_scancel(
 @pytest.mark.slurm
 @pytest.mark.timeout(420)
 def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_back(
-        cluster, tmp_path, reference) -> None:
+    cluster, tmp_path, reference
+) -> None:
     """``maitre up --slurm``: a job of 2..4 replicas takes its minimum in ``normal`` and grows
     into the idle nodes through the scavenger partition; a high-priority Slurm job that is not
     maitre's takes two nodes: Slurm preempts two replica jobs (SIGTERM, GraceTime), the job
@@ -266,13 +301,26 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
     from conftest import example_command, relative_error
 
     steps, out = 1200, tmp_path / "final.pt"
-    with slurm_cluster.maitre_up(cluster, tmp_path, "--resize-cooldown", "0", "--slurm-partition",
-                         "normal", "--slurm-scavenger", "scavenger") as (client, state, log), \
-            contextlib.ExitStack() as cleanup:
+    with (
+        slurm_cluster.maitre_up(
+            cluster, tmp_path, "--resize-cooldown", "0", "--slurm-partition", "normal", "--slurm-scavenger", "scavenger"
+        ) as (client, state, log),
+        contextlib.ExitStack() as cleanup,
+    ):
         command = example_command(steps, out) + ["--device-ms-per-sample", "20"]
-        client.post("/jobs", {"manifest": {"name": "story", "queue": "q", "minReplicas": 2,
-                                           "maxReplicas": 4, "command": command,
-                                           "checkpointDir": str(tmp_path / "ckpt")}})
+        client.post(
+            "/jobs",
+            {
+                "manifest": {
+                    "name": "story",
+                    "queue": "q",
+                    "minReplicas": 2,
+                    "maxReplicas": 4,
+                    "command": command,
+                    "checkpointDir": str(tmp_path / "ckpt"),
+                }
+            },
+        )
 
         def job() -> dict:
             return client.get("/jobs/story")
@@ -286,26 +334,35 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         reps = {j["name"]: j for j in cluster.jobs() if j["name"].startswith("maitre-story-")}
         assert {r["partition"] for n, r in reps.items() if n[-1] in "01"} == {"normal"}
         assert {r["partition"] for n, r in reps.items() if n[-1] in "23"} == {"scavenger"}
-        intruder = cluster.run("sbatch", "--parsable", "-p", "normal", "-N", "2", "-J",
-                               "not-maitre", "--wrap", "sleep 25").strip()
+        intruder = cluster.run(
+            "sbatch", "--parsable", "-p", "normal", "-N", "2", "-J", "not-maitre", "--wrap", "sleep 25"
+        ).strip()
         cleanup.callback(cluster.run, "scancel", intruder, check=False)  # (before maitre stops)
         t_intruder = time.monotonic()
         shrunk = wait_for(members(2), 60, "the job to shrink in place to 2", log)
         t_shrunk = time.monotonic()
         assert shrunk["failures"] == 0 and shrunk["step"] > grown["step"]
-        wait_for(lambda: any(j["id"] == intruder and j["state"] == "RUNNING"
-                             for j in cluster.jobs()), 60, "the intruder to run", log)
-        requeued = [j for j in cluster.jobs() if j["name"].startswith("maitre-story-")
-                    and j["partition"] == "scavenger"]
+        wait_for(
+            lambda: any(j["id"] == intruder and j["state"] == "RUNNING" for j in cluster.jobs()),
+            60,
+            "the intruder to run",
+            log,
+        )
+        requeued = [
+            j for j in cluster.jobs() if j["name"].startswith("maitre-story-") and j["partition"] == "scavenger"
+        ]
         assert len(requeued) == 2 and all(j["state"] == "PENDING" for j in requeued), requeued
         t_running = time.monotonic()
         back = wait_for(members(4), 150, "the job to grow back to 4", log)
         t_back = time.monotonic()
         assert back["step"] > shrunk["step"]
-        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240,
-                         "the job to finish", log)
-        wait_for(lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
-                 60, "the replica jobs to be cancelled", log)
+        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240, "the job to finish", log)
+        wait_for(
+            lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
+            60,
+            "the replica jobs to be cancelled",
+            log,
+        )
         events, since = [], 0
         while page := client.get(f"/events?since={since}")["events"]:
             events += page
@@ -318,17 +375,18 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
     result = audit(state / "ledger" / "story")
     assert result.ok, result.describe()
     err = relative_error(torch.load(out, weights_only=True), reference(steps))
-    print(f"\nslurm story: grown to 4 in {t_grown - t0:.1f} s; shrunk to 2 "
-          f"{t_shrunk - t_intruder:.1f} s after the intruder's sbatch (steps {grown['step']} -> "
-          f"{shrunk['step']}); back to 4 {t_back - t_running:.1f} s after the intruder ran "
-          f"(step {back['step']}); {final['epoch']} epochs; relative error {err:.2e}")
+    print(
+        f"\nslurm story: grown to 4 in {t_grown - t0:.1f} s; shrunk to 2 "
+        f"{t_shrunk - t_intruder:.1f} s after the intruder's sbatch (steps {grown['step']} -> "
+        f"{shrunk['step']}); back to 4 {t_back - t_running:.1f} s after the intruder ran "
+        f"(step {back['step']}); {final['epoch']} epochs; relative error {err:.2e}"
+    )
     assert err < 1e-5
 
 
 @pytest.mark.slurm
 @pytest.mark.timeout(300)
-def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
-        cluster, tmp_path, reference) -> None:
+def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(cluster, tmp_path, reference) -> None:
     """Its only replica job ``scancel``led (by the site): SIGTERM is a notice of ``KillWait``;
     the job checkpoints within it and is suspended, the engine submits the replica job again,
     and the job resumes from its checkpoint on the new node, ending as a fixed-size run."""
@@ -339,28 +397,45 @@ def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(
     steps, out = 400, tmp_path / "final.pt"
     with slurm_cluster.maitre_up(cluster, tmp_path) as (client, state, log):
         command = example_command(steps, out) + ["--device-ms-per-sample", "5"]
-        client.post("/jobs", {"manifest": {"name": "alone", "queue": "q", "minReplicas": 1,
-                                           "maxReplicas": 1, "command": command,
-                                           "checkpointDir": str(tmp_path / "ckpt")}})
+        client.post(
+            "/jobs",
+            {
+                "manifest": {
+                    "name": "alone",
+                    "queue": "q",
+                    "minReplicas": 1,
+                    "maxReplicas": 1,
+                    "command": command,
+                    "checkpointDir": str(tmp_path / "ckpt"),
+                }
+            },
+        )
 
         def job() -> dict:
             return client.get("/jobs/alone")
 
-        before = wait_for(lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 40 and j,
-                          120, "the job to train", log)
+        before = wait_for(
+            lambda: (j := job())["state"] == "RUNNING" and j["step"] >= 40 and j, 120, "the job to train", log
+        )
         [rep] = [j for j in cluster.jobs() if j["name"] == "maitre-alone-0"]
         cluster.run("scancel", rep["id"])
-        wait_for(lambda: job()["state"] in ("SUSPENDING", "SUSPENDED"), 30,
-                 "the job to be suspended", log)
-        again = wait_for(lambda: (j := job())["state"] == "RUNNING" and j["step"] > 0 and
-                         j["incarnation"] > before["incarnation"] and j, 90,
-                         "the job to resume on a new replica job", log)
-        assert any(j["name"] == "maitre-alone-0" and j["id"] != rep["id"]
-                   for j in cluster.jobs())
-        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 150,
-                         "the job to finish", log)
-        wait_for(lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
-                 60, "the replica job to be cancelled", log)
+        wait_for(lambda: job()["state"] in ("SUSPENDING", "SUSPENDED"), 30, "the job to be suspended", log)
+        again = wait_for(
+            lambda: (
+                (j := job())["state"] == "RUNNING" and j["step"] > 0 and j["incarnation"] > before["incarnation"] and j
+            ),
+            90,
+            "the job to resume on a new replica job",
+            log,
+        )
+        assert any(j["name"] == "maitre-alone-0" and j["id"] != rep["id"] for j in cluster.jobs())
+        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 150, "the job to finish", log)
+        wait_for(
+            lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
+            60,
+            "the replica job to be cancelled",
+            log,
+        )
     assert final["state"] == "COMPLETED" and final["failures"] == 0, final
     assert again["step"] >= before["step"] - 1  # resumed from the checkpoint, not from zero
     from maitre.runtime.ledger import audit

@@ -22,11 +22,19 @@ from test_control_plane import Sim
 pytestmark = pytest.mark.timeout(60)
 
 
-def _submit(sim: Sim, name: str, lo: int, hi: int, spares: int = 0,
-            priority: str = "normal") -> None:
-    sim.co.submit({"name": name, "queue": "q", "minReplicas": lo, "maxReplicas": hi,
-                   "priorityClassName": priority, "spares": spares,
-                   "checkpointDir": str(sim.tmp / "ck" / name), "command": ["python", "t.py"]})
+def _submit(sim: Sim, name: str, lo: int, hi: int, spares: int = 0, priority: str = "normal") -> None:
+    sim.co.submit(
+        {
+            "name": name,
+            "queue": "q",
+            "minReplicas": lo,
+            "maxReplicas": hi,
+            "priorityClassName": priority,
+            "spares": spares,
+            "checkpointDir": str(sim.tmp / "ck" / name),
+            "command": ["python", "t.py"],
+        }
+    )
 
 
 def _kinds(sim: Sim, kind: str) -> list[dict]:
@@ -47,9 +55,11 @@ def test_a_spare_is_started_and_held_back_and_its_slot_counts_as_free(tmp_path: 
     assert len(job["spares"]) == 1 and job["spares_wanted"] == 1
     from maitre.cli import _spares
     from maitre.protocol import JobStatus
+
     JobStatus.model_validate(job)  # (the API's shape: spares, spares_wanted, spare)
     assert _spares(job) == "1/1", "maitre status: SPARES waiting/kept"
     from test_metrics import sample
+
     text = sim.co.metrics.render().decode()
     assert sample(text, "maitre_job_slots_held", job="a") == 2
     assert sample(text, "maitre_job_spare_slots", job="a") == 1
@@ -66,8 +76,7 @@ def test_a_spare_is_started_and_held_back_and_its_slot_counts_as_free(tmp_path: 
     assert sim.job("a")["epoch"] == 1, "a waiting spare closes no epoch"
 
 
-def test_maitre_status_marks_spares_in_the_nodes_lists(tmp_path: Path, monkeypatch,
-                                                     capsys) -> None:
+def test_maitre_status_marks_spares_in_the_nodes_lists(tmp_path: Path, monkeypatch, capsys) -> None:
     """The jobs' and nodes' tables of ``maitre status`` as the coordinator's routes give them:
     a spare counts in SPARES, not WORKERS, and is marked where its node lists it."""
     import argparse
@@ -77,11 +86,15 @@ def test_maitre_status_marks_spares_in_the_nodes_lists(tmp_path: Path, monkeypat
     sim = Sim(tmp_path, {"n0": 2, "n1": 1}, [Queue("q")])
     _submit(sim, "a", 2, 2, spares=1)
     sim.advance(5)
-    routes = {protocol.JOBS: {"jobs": sim.co.job_list()}, protocol.NODES: {
-        "nodes": sim.co.nodes_view()}, protocol.QUEUES: {"queues": []},
-        protocol.REPORT: sim.co.report()}
-    monkeypatch.setattr(cli, "_coordinator", lambda args: type(
-        "Client", (), {"get": staticmethod(lambda path: routes[path])})())
+    routes = {
+        protocol.JOBS: {"jobs": sim.co.job_list()},
+        protocol.NODES: {"nodes": sim.co.nodes_view()},
+        protocol.QUEUES: {"queues": []},
+        protocol.REPORT: sim.co.report(),
+    }
+    monkeypatch.setattr(
+        cli, "_coordinator", lambda args: type("Client", (), {"get": staticmethod(lambda path: routes[path])})()
+    )
     assert cli.cmd_status(argparse.Namespace(job=None, json=False)) == 0
     out = capsys.readouterr().out
     [spare] = sim.job("a")["spares"]
@@ -95,8 +108,9 @@ def test_a_killed_member_is_replaced_by_the_spare_and_a_new_spare_starts(tmp_pat
     sim.advance(5)
     before = sim.job("a")
     spare = before["spares"][0]
-    victim = next(m for m in before["members"]
-                  if sim.co.jobs["a"].workers[m].node != sim.co.jobs["a"].workers[spare].node)
+    victim = next(
+        m for m in before["members"] if sim.co.jobs["a"].workers[m].node != sim.co.jobs["a"].workers[spare].node
+    )
     node = sim.co.jobs["a"].workers[victim].node
     started = set(_workers(sim, "a"))
     sim._exit(node, victim, -9)  # SIGKILL
@@ -129,8 +143,7 @@ def test_a_job_that_needs_the_spares_slot_takes_it(tmp_path: Path) -> None:
     released = _kinds(sim, "spare_released")
     assert [e["worker"] for e in released] == [spare] and "job b" in released[0]["reason"]
     assert a["spares"] == [], "no slot is left for a spare"
-    assert not any(e.get("spare") is None and e["worker"] == spare
-                   for e in _kinds(sim, "worker_dead"))
+    assert not any(e.get("spare") is None and e["worker"] == spare for e in _kinds(sim, "worker_dead"))
     sim.finish("b")
     sim.advance(3)
     assert len(sim.job("a")["spares"]) == 1, "a spare again once the slot is free"
@@ -152,8 +165,7 @@ def test_a_spare_that_dies_is_no_failure_and_one_over_the_max_is_refused(tmp_pat
 
 
 @pytest.mark.timeout(240)  # (10-20 s, most of it the first workers' start)
-def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exact(
-        tmp_path: Path, reference) -> None:
+def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exact(tmp_path: Path, reference) -> None:
     """Real agents and workers: ``a`` (2 workers, 1 spare) on 3 slots. A member SIGKILLed: the
     spare is in the next epoch and trains, no cold worker is started in its place, a new spare
     starts, and the job ends with every sample exactly once and a fixed-size run's parameters."""
@@ -165,23 +177,38 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
 
     steps, out = 100, tmp_path / "a.pt"
     lines: list[str] = []
-    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")]),
-                           out=lines.append).start()
+    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")]), out=lines.append).start()
     co = cluster.coordinator
     try:
         cluster.add_node(slots=2)
         cluster.add_node(slots=1)
-        co.submit({"name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 2, "spares": 1,
-                   "command": example_command(steps, out) + ["--device-ms-per-sample", "2"]})
-        status = wait_for(lambda: (lambda s: s["step"] >= 5 and len(s["spares"]) == 1 and
-                                   co.jobs["a"].workers[s["spares"][0]].state ==
-                                   WorkerState.READY and s)(co.job_status("a")),
-                          120, "a to train with a ready spare", lines)
+        co.submit(
+            {
+                "name": "a",
+                "queue": "q",
+                "minReplicas": 2,
+                "maxReplicas": 2,
+                "spares": 1,
+                "command": example_command(steps, out) + ["--device-ms-per-sample", "2"],
+            }
+        )
+        status = wait_for(
+            lambda: (
+                lambda s: (
+                    s["step"] >= 5
+                    and len(s["spares"]) == 1
+                    and co.jobs["a"].workers[s["spares"][0]].state == WorkerState.READY
+                    and s
+                )
+            )(co.job_status("a")),
+            120,
+            "a to train with a ready spare",
+            lines,
+        )
         assert status["epoch"] == 1 and len(status["members"]) == 2
         spare = status["spares"][0]
         before = {w["id"] for w in status["workers"]}
-        victim = next(m for m in status["members"]
-                      if co.jobs["a"].workers[m].node != co.jobs["a"].workers[spare].node)
+        victim = next(m for m in status["members"] if co.jobs["a"].workers[m].node != co.jobs["a"].workers[spare].node)
         os.kill(cluster.pid_of(victim), signal.SIGKILL)
         wait_for(lambda: co.job_status("a")["state"] == "COMPLETED", 120, "a to finish", lines)
         status = co.job_status("a")
@@ -199,8 +226,9 @@ def test_a_sigkilled_member_is_replaced_by_its_warm_spare_and_the_job_stays_exac
     ledger = tmp_path / "state" / "ledger" / "a"
     result = audit(ledger)
     assert result.ok, result.describe()
-    shares = [r for r in map(json.loads, (ledger / f"{spare}.jsonl").read_text().splitlines())
-              if r["k"] == "a" and r["i"]]
+    shares = [
+        r for r in map(json.loads, (ledger / f"{spare}.jsonl").read_text().splitlines()) if r["k"] == "a" and r["i"]
+    ]
     assert len(shares) > 10, "the spare trained on its shares of the data"
     assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9
 
@@ -219,11 +247,24 @@ def test_the_jobs_page_shows_its_spares_apart_from_its_slots(tmp_path: Path) -> 
         {"kind": "spare_ready", "job": "a", "worker": "a-w3", "seconds": 1.0},
         {"kind": "epoch", "job": "a", "epoch": 1, "members": ["a-w1", "a-w2"], "reason": "start"},
         {"kind": "worker_dead", "job": "a", "worker": "a-w1", "reason": "killed by signal 9"},
-        {"kind": "spare_assigned", "job": "a", "worker": "a-w3", "replacing": "a-w1",
-         "node": "n1", "placement": {"n0": 1, "n1": 1}},
+        {
+            "kind": "spare_assigned",
+            "job": "a",
+            "worker": "a-w3",
+            "replacing": "a-w1",
+            "node": "n1",
+            "placement": {"n0": 1, "n1": 1},
+        },
         {"kind": "spare_started", "job": "a", "worker": "a-w4", "node": "n0"},
-        {"kind": "spare_promoted", "job": "a", "worker": "a-w3", "replacing": "a-w1",
-         "node": "n1", "epoch": 2, "seconds": 0.31},
+        {
+            "kind": "spare_promoted",
+            "job": "a",
+            "worker": "a-w3",
+            "replacing": "a-w1",
+            "node": "n1",
+            "epoch": 2,
+            "seconds": 0.31,
+        },
     ]
     with replay_page(tmp_path, events, TOKEN) as page:
         page.view("job/a")
@@ -234,8 +275,7 @@ def test_the_jobs_page_shows_its_spares_apart_from_its_slots(tmp_path: Path) -> 
         assert page.page_errors() == []
 
 
-def test_spares_survive_a_coordinator_restart_and_replace_a_dead_nodes_member(
-        tmp_path: Path) -> None:
+def test_spares_survive_a_coordinator_restart_and_replace_a_dead_nodes_member(tmp_path: Path) -> None:
     sim = Sim(tmp_path, {"n0": 1, "n1": 1, "n2": 1}, [Queue("q")])
     _submit(sim, "a", 2, 2, spares=1)
     sim.advance(5)

@@ -49,8 +49,7 @@ def _events(sim: Sim, kind: str) -> list[dict]:
     return [e for e in sim.db.events() if e["kind"] == kind]
 
 
-def test_a_noticed_node_is_drained_gracefully_and_reclaimed_without_a_failure(
-        tmp_path: Path) -> None:
+def test_a_noticed_node_is_drained_gracefully_and_reclaimed_without_a_failure(tmp_path: Path) -> None:
     sim = _spot_sim(tmp_path, {"n0": 2, "n1": 2, "s0": 2}, spot={"s0"})
     sim.submit("a", "team-a", 1, 6)
     sim.advance(4)
@@ -100,7 +99,7 @@ def test_a_noticed_node_is_drained_gracefully_and_reclaimed_without_a_failure(
     # The cost of what was held, each worker's slot-seconds at its node's price.
     expect = {"a": [0.0, 0.0, 0.0], "b": [0.0, 0.0, 0.0]}
     for jid in expect:
-        for w in (sim.co.jobs[jid].workers.values() if jid in sim.co.jobs else []):
+        for w in sim.co.jobs[jid].workers.values() if jid in sim.co.jobs else []:
             slot_s = ((w.ended_at if w.ended_at is not None else sim.t) - w.started_at) * w.slots
             price = DEFAULT_PRICES["spot" if w.node == "s0" else "on-demand"]
             expect[jid][0] += slot_s * price / 3600
@@ -117,8 +116,7 @@ def test_a_noticed_node_is_drained_gracefully_and_reclaimed_without_a_failure(
     assert report["prices"] == DEFAULT_PRICES
 
 
-def test_a_job_whose_only_live_state_is_on_the_node_checkpoints_first_and_runs_elsewhere(
-        tmp_path: Path) -> None:
+def test_a_job_whose_only_live_state_is_on_the_node_checkpoints_first_and_runs_elsewhere(tmp_path: Path) -> None:
     sim = _spot_sim(tmp_path, {"s0": 2, "n0": 2}, spot={"s0"})
     sim.down.add("n0")  # not there yet: the job starts on the spot node
     sim.submit("a", "team-a", 2, 2)
@@ -157,8 +155,7 @@ def test_the_deadline_passing_reclaims_a_node_that_still_beats(tmp_path: Path) -
     assert sim.co.report()["reclaims"] == 1
 
 
-def test_an_agent_that_stops_under_its_notice_is_reclaimed_at_the_next_pass(
-        tmp_path: Path) -> None:
+def test_an_agent_that_stops_under_its_notice_is_reclaimed_at_the_next_pass(tmp_path: Path) -> None:
     sim = _spot_sim(tmp_path, {"n0": 2, "s0": 1}, spot={"s0"})
     sim.advance(1)
     sim.notices["s0"] = _notice(30.0)
@@ -178,21 +175,30 @@ def test_no_price_table_means_no_price_and_no_cost(tmp_path: Path) -> None:
     assert cluster.node_price("anything") is None
 
 
-@pytest.mark.parametrize("args,words", [
-    (("up", "--price", "spot=cheap"), "'cheap' is not a number"),
-    (("up", "--price", "spot=-1"), "a price is a number >= 0"),
-    (("up", "--price", "spot=inf"), "a price is a number >= 0"),
-    (("up", "--price", "gpu=1"), "expected on-demand=PRICE or spot=PRICE"),
-    (("up", "--price", "spot=1", "--price", "spot=2"), "spot is given twice"),
-    (("up", "--nodes", "2", "--spot-nodes", "3"), "--spot-nodes must be between 0 and --nodes 2"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "/tmp/n.json"),
-     "expected file:PATH or an http(s):// URL"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "http://"), "has no host"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "file:/tmp/n",
-      "--spot-notice-interval", "0"), "--spot-notice-interval must be a positive number"),
-    (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice-interval", "5"),
-     "--spot-notice-interval needs --spot-notice"),
-])
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (("up", "--price", "spot=cheap"), "'cheap' is not a number"),
+        (("up", "--price", "spot=-1"), "a price is a number >= 0"),
+        (("up", "--price", "spot=inf"), "a price is a number >= 0"),
+        (("up", "--price", "gpu=1"), "expected on-demand=PRICE or spot=PRICE"),
+        (("up", "--price", "spot=1", "--price", "spot=2"), "spot is given twice"),
+        (("up", "--nodes", "2", "--spot-nodes", "3"), "--spot-nodes must be between 0 and --nodes 2"),
+        (
+            ("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "/tmp/n.json"),
+            "expected file:PATH or an http(s):// URL",
+        ),
+        (("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "http://"), "has no host"),
+        (
+            ("agent", "--coordinator", "127.0.0.1:1", "--spot-notice", "file:/tmp/n", "--spot-notice-interval", "0"),
+            "--spot-notice-interval must be a positive number",
+        ),
+        (
+            ("agent", "--coordinator", "127.0.0.1:1", "--spot-notice-interval", "5"),
+            "--spot-notice-interval needs --spot-notice",
+        ),
+    ],
+)
 def test_bad_spot_flags_are_one_line_and_exit_2(args, words, capsys, tmp_path: Path) -> None:
     from maitre.cli import main
 
@@ -204,8 +210,7 @@ def test_bad_spot_flags_are_one_line_and_exit_2(args, words, capsys, tmp_path: P
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
-        tmp_path: Path, reference) -> None:
+def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(tmp_path: Path, reference) -> None:
     """Real agents and workers: ``b`` (a fixed gang of 1) runs on the spot node alone and
     ``a`` (1..3) across it and an on-demand node. A notice file with 30 s of warning: the spot
     node's workers are gone well within it, ``a`` trains on the others, ``b`` checkpoints first
@@ -221,20 +226,29 @@ def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
     steps = {"a": 500, "b": 240}
     out = {j: tmp_path / f"{j}.pt" for j in steps}
     lines: list[str] = []
-    cluster = LocalCluster(UpConfig(state_dir=tmp_path / "state", queues=[Queue("q")],
-                                    policy=PolicyConfig(resize_cooldown_s=1.0),
-                                    notice_interval_s=0.2), out=lines.append).start()
+    cluster = LocalCluster(
+        UpConfig(
+            state_dir=tmp_path / "state",
+            queues=[Queue("q")],
+            policy=PolicyConfig(resize_cooldown_s=1.0),
+            notice_interval_s=0.2,
+        ),
+        out=lines.append,
+    ).start()
     co = cluster.coordinator
 
     def manifest(name: str, lo: int, hi: int) -> dict:
-        return {"name": name, "queue": "q", "minReplicas": lo, "maxReplicas": hi,
-                "checkpointDir": str(tmp_path / "ck" / name),
-                "command": example_command(steps[name], out[name]) +
-                ["--device-ms-per-sample", "8"]}
+        return {
+            "name": name,
+            "queue": "q",
+            "minReplicas": lo,
+            "maxReplicas": hi,
+            "checkpointDir": str(tmp_path / "ck" / name),
+            "command": example_command(steps[name], out[name]) + ["--device-ms-per-sample", "8"],
+        }
 
     def on_spot() -> set[str]:
-        return {w["id"] for j in ("a", "b") for w in co.job_status(j)["workers"]
-                if w["node"] == "node-0"}
+        return {w["id"] for j in ("a", "b") for w in co.job_status(j)["workers"] if w["node"] == "node-0"}
 
     try:
         cluster.add_node(slots=2, spot=True)  # node-0
@@ -244,9 +258,18 @@ def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
         co.submit(manifest("a", 1, 3))
         wait_for(lambda: co.job_status("a")["step"] >= 5, 90, "a to train on the spot node", lines)
         cluster.add_node(slots=3)  # node-1, on-demand: a grows onto it
-        wait_for(lambda: (lambda a: len(a["members"]) == 3 and a["state"] == "RUNNING" and
-                       min(w["step"] for w in a["workers"] if w["id"] in a["members"]) > 0)(
-            co.job_status("a")), 90, "a to grow to 3 workers", lines)
+        wait_for(
+            lambda: (
+                lambda a: (
+                    len(a["members"]) == 3
+                    and a["state"] == "RUNNING"
+                    and min(w["step"] for w in a["workers"] if w["id"] in a["members"]) > 0
+                )
+            )(co.job_status("a")),
+            90,
+            "a to grow to 3 workers",
+            lines,
+        )
         assert co.job_status("a")["placement"] == {"node-0": 1, "node-1": 2}
         assert co.job_status("b")["placement"] == {"node-0": 1}
         before = on_spot()
@@ -254,16 +277,22 @@ def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
         path.with_suffix(".tmp").write_text(json.dumps({"notice_s": 30}))
         os.replace(path.with_suffix(".tmp"), path)
         noticed = time.monotonic()
-        drained = wait_for(lambda: [e for e in cluster.db.events() if e["kind"] == "node_drained"],
-                        30, "node-0 to drain", lines)[0]
+        drained = wait_for(
+            lambda: [e for e in cluster.db.events() if e["kind"] == "node_drained"], 30, "node-0 to drain", lines
+        )[0]
         gone_after = time.monotonic() - noticed
         assert drained["seconds"] < 15 and gone_after < 20, (drained, gone_after)
         assert not any(cluster.agents[0].running()), "the spot node's processes are gone"
         cluster.remove_node("node-0")  # the machine goes
-        wait_for(lambda: [e for e in cluster.db.events() if e["kind"] == "node_reclaimed"], 30,
-              "node-0 to be reclaimed", lines)
-        wait_for(lambda: all(co.job_status(j)["state"] == "COMPLETED" for j in steps), 200,
-              "both jobs to finish", lines)
+        wait_for(
+            lambda: [e for e in cluster.db.events() if e["kind"] == "node_reclaimed"],
+            30,
+            "node-0 to be reclaimed",
+            lines,
+        )
+        wait_for(
+            lambda: all(co.job_status(j)["state"] == "COMPLETED" for j in steps), 200, "both jobs to finish", lines
+        )
         statuses = {j: co.job_status(j) for j in steps}
         events = list(cluster.db.events())
         after = on_spot()
@@ -277,15 +306,11 @@ def test_a_spot_notice_with_30s_warning_drains_real_workers_and_loses_no_sample(
     assert not [e for e in events if e["kind"] == "node_dead"], log
     notice = next(e for e in events if e["kind"] == "spot_notice")
     assert notice["notice_s"] <= 30 and notice["source"].startswith("file:")
-    assert any(k == ("suspend", "b") for k in kinds) and any(k == ("job_suspended", "b")
-                                                             for k in kinds), log
+    assert any(k == ("suspend", "b") for k in kinds) and any(k == ("job_suspended", "b") for k in kinds), log
     assert statuses["b"]["incarnation"] == 2 and statuses["a"]["incarnation"] == 1
-    assert any(e["kind"] == "shrink" and e.get("job") == "a" and "spot notice" in e["reason"]
-               for e in events), log
+    assert any(e["kind"] == "shrink" and e.get("job") == "a" and "spot notice" in e["reason"] for e in events), log
     for j, status in statuses.items():
         assert status["failures"] == 0, (j, status)
         result = audit(tmp_path / "state" / "ledger" / j)
         assert result.ok, (j, result.describe())
         assert relative_error(torch.load(out[j], weights_only=True), reference(steps[j])) < 1e-9, j
-
-

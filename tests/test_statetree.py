@@ -51,10 +51,14 @@ def _assert_same(a, b, path="root"):
 def _model_and_adamw(seed: int = 0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
-    opt = torch.optim.AdamW([
-        {"params": model[0].parameters(), "lr": 1e-2},
-        {"params": model[2].parameters(), "lr": 3e-3, "weight_decay": 0.0},
-    ], betas=(0.85, 0.995), amsgrad=True)
+    opt = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 1e-2},
+            {"params": model[2].parameters(), "lr": 3e-3, "weight_decay": 0.0},
+        ],
+        betas=(0.85, 0.995),
+        amsgrad=True,
+    )
     return model, opt
 
 
@@ -89,18 +93,25 @@ def test_adamw_state_dict_round_trip_after_a_step():
         assert torch.equal(p, q)
 
 
-@pytest.mark.parametrize("tree", [
-    {"a": float("inf"), "b": float("-inf"), "c": float("nan"), "d": -0.0, "e": 1e-310},
-    {"none": None, "t": True, "f": False, "i": -(2 ** 62), "s": "ünïcode"},
-    {0: "zero", 1: (1, 2.5, None), "name": [None, {"x": ()}]},       # mixed int/str keys
-    {"__tensor__": 0, "__tuple__": [1], "__dict__": [[1, 2]]},       # keys that look like markers
-    {5: {7: {9: (torch.zeros(0), [torch.arange(3)])}}},
-    ((), [], {}, ((1,),)),
-    [torch.tensor(float("nan")), torch.tensor([1, 2], dtype=torch.int8),
-     torch.ones(2, 2, dtype=torch.bfloat16), torch.tensor(True)],
-    None,
-    3.25,
-])
+@pytest.mark.parametrize(
+    "tree",
+    [
+        {"a": float("inf"), "b": float("-inf"), "c": float("nan"), "d": -0.0, "e": 1e-310},
+        {"none": None, "t": True, "f": False, "i": -(2**62), "s": "ünïcode"},
+        {0: "zero", 1: (1, 2.5, None), "name": [None, {"x": ()}]},  # mixed int/str keys
+        {"__tensor__": 0, "__tuple__": [1], "__dict__": [[1, 2]]},  # keys that look like markers
+        {5: {7: {9: (torch.zeros(0), [torch.arange(3)])}}},
+        ((), [], {}, ((1,),)),
+        [
+            torch.tensor(float("nan")),
+            torch.tensor([1, 2], dtype=torch.int8),
+            torch.ones(2, 2, dtype=torch.bfloat16),
+            torch.tensor(True),
+        ],
+        None,
+        3.25,
+    ],
+)
 def test_round_trip_table(tree):
     back, _ = _wire(tree)
     _assert_same(tree, back)
@@ -115,22 +126,26 @@ def test_same_tensor_twice_gets_two_placeholders_in_order():
 
 @pytest.mark.skipif(np is None, reason="numpy is not installed")
 def test_numpy_values_become_plain_types():
-    skeleton, tensors = encode({"s": np.float64(1.5), "i": np.int32(7), "b": np.bool_(True),
-                                "a": np.arange(3), "u": np.uint32(2 ** 32 - 1)})
+    skeleton, tensors = encode(
+        {"s": np.float64(1.5), "i": np.int32(7), "b": np.bool_(True), "a": np.arange(3), "u": np.uint32(2**32 - 1)}
+    )
     back = loads(dumps(skeleton))
-    assert back == {"s": 1.5, "i": 7, "b": True, "a": {"__tensor__": 0}, "u": 2 ** 32 - 1}
+    assert back == {"s": 1.5, "i": 7, "b": True, "a": {"__tensor__": 0}, "u": 2**32 - 1}
     assert [type(back[k]) for k in ("s", "i", "b", "u")] == [float, int, bool, int]
     assert torch.equal(tensors[0], torch.arange(3))
 
 
-@pytest.mark.parametrize("tree,where,what", [
-    ({"opt": {"state": {0: {"fn": object()}}}}, ".opt.state.0.fn", "object"),
-    ({"a": [1, {2, 3}]}, ".a[1]", "set"),
-    ({"a": (1, b"raw")}, ".a[1]", "bytes"),
-    ({"a": {"b": 1 + 2j}}, ".a.b", "complex"),
-    (object(), "root", "object"),
-    ({"f": lambda: 0}, ".f", "function"),
-])
+@pytest.mark.parametrize(
+    "tree,where,what",
+    [
+        ({"opt": {"state": {0: {"fn": object()}}}}, ".opt.state.0.fn", "object"),
+        ({"a": [1, {2, 3}]}, ".a[1]", "set"),
+        ({"a": (1, b"raw")}, ".a[1]", "bytes"),
+        ({"a": {"b": 1 + 2j}}, ".a.b", "complex"),
+        (object(), "root", "object"),
+        ({"f": lambda: 0}, ".f", "function"),
+    ],
+)
 def test_unsupported_value_raises_type_error_naming_the_path(tree, where, what):
     with pytest.raises(TypeError) as info:
         encode(tree)
@@ -146,15 +161,18 @@ def test_unsupported_key_raises_type_error_naming_the_path(key):
     assert repr(key) in str(info.value)
 
 
-@pytest.mark.parametrize("skeleton,n", [
-    ({"__tensor__": 1}, 1),
-    ({"__tensor__": -1}, 1),
-    ({"a": [{"__tensor__": 0}]}, 0),
-    ({"__tensor__": "0"}, 1),
-    ({"__tensor__": 0.0}, 1),
-    ({"__tuple__": [{"__tensor__": 5}]}, 2),
-    ({"__dict__": [[1, {"__tensor__": 2}]]}, 2),
-])
+@pytest.mark.parametrize(
+    "skeleton,n",
+    [
+        ({"__tensor__": 1}, 1),
+        ({"__tensor__": -1}, 1),
+        ({"a": [{"__tensor__": 0}]}, 0),
+        ({"__tensor__": "0"}, 1),
+        ({"__tensor__": 0.0}, 1),
+        ({"__tuple__": [{"__tensor__": 5}]}, 2),
+        ({"__dict__": [[1, {"__tensor__": 2}]]}, 2),
+    ],
+)
 def test_decode_rejects_out_of_range_placeholder(skeleton, n):
     with pytest.raises(ValueError, match="out of range"):
         decode(skeleton, [torch.zeros(1) for _ in range(n)])
@@ -168,9 +186,13 @@ def _make_state(seed: int):
 
 
 def _draws():
-    return (random.random(), random.randint(0, 10 ** 9), torch.rand(3).tolist(),
-            torch.randint(0, 10 ** 6, (2,)).tolist(),
-            None if np is None else np.random.rand(2).tolist())
+    return (
+        random.random(),
+        random.randint(0, 10**9),
+        torch.rand(3).tolist(),
+        torch.randint(0, 10**6, (2,)).tolist(),
+        None if np is None else np.random.rand(2).tolist(),
+    )
 
 
 def _seed_all(seed: int) -> None:
@@ -272,6 +294,7 @@ def test_placements_round_trip_with_fsdp_over_tp_strided_shards():
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from maitre.runtime.statetree import _placement, _placement_of
+
     for placement in (Shard(0), Shard(1), Replicate(), _StridedShard(0, split_factor=2)):
         back = _placement_of(loads(dumps(_placement(placement))))
         assert back == placement and type(back) is type(placement), placement

@@ -30,11 +30,22 @@ def test_round_trip_survives_a_restart(tmp_path: Path) -> None:
     store.node_heartbeat("n0", 5.0)
     store.put_queue(Queue("team-a", guaranteed=8, borrowing_limit=None, weight=2.0))
     store.put_queue(Queue("team-b", guaranteed=0, borrowing_limit=4))
-    job = Job(id="bert", queue="team-a", priority=1000, min_replicas=2, max_replicas=8,
-              slots_per_replica=2, preemptible=False, grace_period_s=90,
-              topology=Topology(level="rack", mode="required"), submitted_at=3.0,
-              state=JobState.RUNNING, placement={"n1": 3}, last_resize_at=4.0,
-              throughput={2: 100.0, 3: 140.5})
+    job = Job(
+        id="bert",
+        queue="team-a",
+        priority=1000,
+        min_replicas=2,
+        max_replicas=8,
+        slots_per_replica=2,
+        preemptible=False,
+        grace_period_s=90,
+        topology=Topology(level="rack", mode="required"),
+        submitted_at=3.0,
+        state=JobState.RUNNING,
+        placement={"n1": 3},
+        last_resize_at=4.0,
+        throughput={2: 100.0, 3: 140.5},
+    )
     store.put_job(job, {"command": ["python", "train.py"], "checkpoint_dir": "/ck"})
     store.put_job(Job(id="pending", queue="team-b", submitted_at=6.0))
     first = store.add_event(7.0, "admit", job="bert", placement={"n1": 3})
@@ -43,8 +54,7 @@ def test_round_trip_survives_a_restart(tmp_path: Path) -> None:
 
     again = Store(path)
     cluster = again.cluster()
-    assert cluster.nodes["n1"] == Node("n1", 8, rack="r1", block="b0", capacity_type="spot",
-                                       accelerator="h200")
+    assert cluster.nodes["n1"] == Node("n1", 8, rack="r1", block="b0", capacity_type="spot", accelerator="h200")
     assert cluster.queues["team-a"] == Queue("team-a", 8, None, 2.0)
     assert again.node_heartbeats() == {"n0": 5.0, "n1": 1.0}
     (loaded, extra), (pending, _) = again.jobs()
@@ -94,8 +104,7 @@ WRITER = textwrap.dedent("""
 
 def test_kill9_mid_write_leaves_a_consistent_store(tmp_path: Path) -> None:
     path = tmp_path / "coordinator.db"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         time.sleep(0.3)

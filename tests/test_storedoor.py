@@ -43,8 +43,7 @@ def links(port: int, *runs: tuple[str, str]) -> Iterator[list[StoreLink]]:
 
 
 def client(link: StoreLink, timeout_s: float = 10.0) -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", link.port, is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+    return dist.TCPStore("127.0.0.1", link.port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 @pytest.mark.timeout(60)
@@ -73,10 +72,10 @@ def test_runs_do_not_see_each_other_s_keys(door: StoreDoor) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("key,token", [("alpha/1", TOKEN_B), ("alpha/1", ""),
-                                       ("gamma/1", TOKEN_A), ("alpha/2", TOKEN_A)])
-def test_a_wrong_token_or_an_unknown_run_is_refused_before_any_key(door: StoreDoor, key: str,
-                                                                   token: str) -> None:
+@pytest.mark.parametrize(
+    "key,token", [("alpha/1", TOKEN_B), ("alpha/1", ""), ("gamma/1", TOKEN_A), ("alpha/2", TOKEN_A)]
+)
+def test_a_wrong_token_or_an_unknown_run_is_refused_before_any_key(door: StoreDoor, key: str, token: str) -> None:
     with links(door.port, (key, token)) as (link,):
         with pytest.raises(StoreLinkError, match="refused") as refused:
             link.check()
@@ -92,8 +91,7 @@ def test_a_plain_tcpstore_client_at_the_door_gets_nothing(door: StoreDoor) -> No
     """torch's own client speaks first and never answers the challenge: closed, unserved."""
     t0 = time.monotonic()
     with pytest.raises((RuntimeError, dist.DistError)):
-        dist.TCPStore("127.0.0.1", door.port, is_master=False,
-                      timeout=timedelta(seconds=3)).get("job/alpha/e1/0")
+        dist.TCPStore("127.0.0.1", door.port, is_master=False, timeout=timedelta(seconds=3)).get("job/alpha/e1/0")
     assert time.monotonic() - t0 < 30
     with socket.create_connection(("127.0.0.1", door.port), timeout=5) as s:
         s.sendall(b"alpha/1 " + b"0" * 64 + b"\n")  # a guess, not the answer to the nonce
@@ -117,13 +115,14 @@ def test_the_link_serves_its_own_process_only(door: StoreDoor) -> None:
     before the door is even asked."""
     with links(door.port, ("alpha/1", TOKEN_A)) as (link,):
         client(link).set("mine", b"1")  # this process: served
-        probe = ("import socket,sys\n"
-                 "s = socket.create_connection(('127.0.0.1', %d), timeout=5)\n"
-                 "s.sendall(b'x' * 16); s.settimeout(5)\n"
-                 "try:\n    got = s.recv(100)\nexcept ConnectionResetError:\n    got = b''\n"
-                 "sys.stdout.write(repr(got))" % link.port)
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=30)
+        probe = (
+            "import socket,sys\n"
+            "s = socket.create_connection(('127.0.0.1', %d), timeout=5)\n"
+            "s.sendall(b'x' * 16); s.settimeout(5)\n"
+            "try:\n    got = s.recv(100)\nexcept ConnectionResetError:\n    got = b''\n"
+            "sys.stdout.write(repr(got))" % link.port
+        )
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
         assert out.stdout == "b''", (out.stdout, out.stderr)  # closed unanswered
         assert door.refused == 0  # the door was never asked
 

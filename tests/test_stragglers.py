@@ -29,8 +29,13 @@ STEPS = 120
 RUNS = 1000
 
 
-def simulate(seed: int, slow: tuple[int, float, int] | None = None, ranks: int = RANKS,
-             steps: int = STEPS, t: Thresholds | None = None) -> tuple[list, list]:
+def simulate(
+    seed: int,
+    slow: tuple[int, float, int] | None = None,
+    ranks: int = RANKS,
+    steps: int = STEPS,
+    t: Thresholds | None = None,
+) -> tuple[list, list]:
     """One run: its verdicts, and the neighbours' visits ``(rank, first step, last step)``.
     ``slow``: (rank, factor, onset step).
 
@@ -62,8 +67,9 @@ def simulate(seed: int, slow: tuple[int, float, int] | None = None, ranks: int =
             windows[r].add(seconds, shares[r])
         if step % t.window == 0:
             values, held, works = zip(*(w.take() for w in windows))
-            found += det.observe(step - t.window + 1, step, list(values),
-                                 [f"w{r}" for r in range(ranks)], list(works), list(held))
+            found += det.observe(
+                step - t.window + 1, step, list(values), [f"w{r}" for r in range(ranks)], list(works), list(held)
+            )
     return found, visits
 
 
@@ -88,15 +94,14 @@ def test_a_slow_rank_is_found_within_twenty_steps_with_its_onset(factor: float) 
         # The onset is told to a window (5 steps): the one it fell in, or one of the next two
         # or the one before (noise below or above ``drift``); or that of a neighbour's visit
         # that ran into it (it was slow since).
-        began = min([first for r, first, last in visits
-                     if r == slow_rank and first <= onset <= last + 10] + [onset])
+        began = min([first for r, first, last in visits if r == slow_rank and first <= onset <= last + 10] + [onset])
         if not (began - 10 < v.since_step <= onset + 10) or v.rank != slow_rank:
             wrong.append((seed, v))
         assert v.ratio >= 1.3 and v.windows == 3 and v.evidence[-1]["step"] == v.step
         assert v.evidence[-1]["held"] == v.ratio and v.evidence[-1]["z"] >= 3
         assert [e["ratio"] for e in v.evidence[-3:]] == [
-            pytest.approx(e["value"] / e["share"] / e["median"], rel=1e-3)
-            for e in v.evidence[-3:]]
+            pytest.approx(e["value"] / e["share"] / e["median"], rel=1e-3) for e in v.evidence[-3:]
+        ]
     assert len(late) <= runs // 100, f"{len(late)} of {runs} runs late or missed: {late[:10]}"
     assert len(wrong) <= runs // 100, wrong[:5]
     # Others are no stragglers: any verdict names the slow rank only.
@@ -107,8 +112,9 @@ REAL_NOISE = Path(__file__).parent / "data" / "straggler_noise.json"
 """Every rank's compute per step in 4 real noise-only runs on a loaded machine (its "about")."""
 
 
-def replay(compute_ms: list[list[float]], work: list[int], slow: tuple[int, float, int] | None
-           = None, shift: int = 0) -> list:
+def replay(
+    compute_ms: list[list[float]], work: list[int], slow: tuple[int, float, int] | None = None, shift: int = 0
+) -> list:
     """The loop's window and detector on recorded timings (rotated by ``shift`` steps; ``slow``:
     that rank's compute times the factor from the onset on)."""
     t = Thresholds()
@@ -121,8 +127,7 @@ def replay(compute_ms: list[list[float]], work: list[int], slow: tuple[int, floa
             windows[r].add(s[i] / 1000 * factor, work[r])
         if step % t.window == 0:
             values, held, works = zip(*(w.take() for w in windows))
-            found += det.observe(step - t.window + 1, step, list(values), None, list(works),
-                                 list(held))
+            found += det.observe(step - t.window + 1, step, list(values), None, list(works), list(held))
     return found
 
 
@@ -175,8 +180,7 @@ def test_uneven_shares_are_corrected_by_levels_one_slow_rank_does_not_move() -> 
     # In the detector: ranks of the smaller share, 8% slower per sample, are no stragglers.
     det = Detector()
     for i in range(10):
-        assert det.observe(i * 5 + 1, i * 5 + 5, [1.0, 1.0, 1.35, 1.35], None,
-                           [4, 4, 3, 3]) == []
+        assert det.observe(i * 5 + 1, i * 5 + 5, [1.0, 1.0, 1.35, 1.35], None, [4, 4, 3, 3]) == []
     assert Detector().observe(1, 5, [1.0, 1.0, 1.0], None, [4, 4, 3], [1.0, 1.0, 1.0]) == []
 
 
@@ -192,10 +196,16 @@ def test_injected_slowness_and_jitter_from_the_environment() -> None:
     assert late.pause(1, 39, 0.1) == 0.0 and late.pause(1, 40, 0.1) == pytest.approx(0.05)
     pauses = [Injected(jitter=0.3).pause(0, 1, 1.0) for _ in range(200)]
     assert 0.0 <= min(pauses) < 0.05 and 0.25 < max(pauses) < 0.3
-    for var, text in [(protocol.SLOW_RANK, "1"), (protocol.SLOW_RANK, "-1:0.5"),
-                      (protocol.SLOW_RANK, "1:nan"), (protocol.SLOW_RANK, "1:0.5:0"),
-                      (protocol.SLOW_RANK, "1:0.5:x"), (protocol.STEP_JITTER, "-0.1"),
-                      (protocol.STEP_JITTER, "nan"), (protocol.STEP_JITTER, "lots")]:
+    for var, text in [
+        (protocol.SLOW_RANK, "1"),
+        (protocol.SLOW_RANK, "-1:0.5"),
+        (protocol.SLOW_RANK, "1:nan"),
+        (protocol.SLOW_RANK, "1:0.5:0"),
+        (protocol.SLOW_RANK, "1:0.5:x"),
+        (protocol.STEP_JITTER, "-0.1"),
+        (protocol.STEP_JITTER, "nan"),
+        (protocol.STEP_JITTER, "lots"),
+    ]:
         with pytest.raises(ValueError, match=var):
             Injected.from_environ({var: text})
 
@@ -206,8 +216,7 @@ def test_a_rank_is_reported_once_per_slowdown_and_again_after_it_recovered() -> 
     det = Detector(t)
     fast, slow = [1.0, 1.02, 0.98, 1.01], [1.0, 2.0, 0.98, 1.01]
     series = [fast] * 4 + [slow] * 10 + [fast] * 10 + [slow] * 4
-    found = [(i, v) for i, values in enumerate(series)
-             for v in det.observe(i * 5 + 1, i * 5 + 5, values)]
+    found = [(i, v) for i, values in enumerate(series) for v in det.observe(i * 5 + 1, i * 5 + 5, values)]
     assert [(i, v.key, v.since_step) for i, v in found] == [(6, "1", 21), (26, "1", 121)]
 
 
@@ -222,14 +231,25 @@ def test_too_few_ranks_or_idle_slots_give_no_verdict() -> None:
 
 @pytest.mark.timeout(30)
 def test_thresholds_from_the_environment() -> None:
-    t = Thresholds.from_environ({protocol.STRAGGLER_WINDOW: "10", protocol.STRAGGLER_RATIO: "1.5",
-                                 protocol.STRAGGLER_Z: "4", protocol.STRAGGLER_WINDOWS: "3",
-                                 protocol.STRAGGLER_POLICY: "off"})
+    t = Thresholds.from_environ(
+        {
+            protocol.STRAGGLER_WINDOW: "10",
+            protocol.STRAGGLER_RATIO: "1.5",
+            protocol.STRAGGLER_Z: "4",
+            protocol.STRAGGLER_WINDOWS: "3",
+            protocol.STRAGGLER_POLICY: "off",
+        }
+    )
     assert (t.window, t.ratio, t.z, t.windows, t.policy) == (10, 1.5, 4.0, 3, "off")
     assert Thresholds.from_environ({}) == Thresholds()
-    bad = {protocol.STRAGGLER_WINDOW: "0", protocol.STRAGGLER_WINDOW + "_": "x",
-           protocol.STRAGGLER_RATIO: "1.0", protocol.STRAGGLER_Z: "nan",
-           protocol.STRAGGLER_MAD_FLOOR: "0", protocol.STRAGGLER_WINDOWS: "2.5"}
+    bad = {
+        protocol.STRAGGLER_WINDOW: "0",
+        protocol.STRAGGLER_WINDOW + "_": "x",
+        protocol.STRAGGLER_RATIO: "1.0",
+        protocol.STRAGGLER_Z: "nan",
+        protocol.STRAGGLER_MAD_FLOOR: "0",
+        protocol.STRAGGLER_WINDOWS: "2.5",
+    }
     for var, text in bad.items():
         if not var.endswith("_"):
             with pytest.raises(ValueError, match=var):
@@ -238,8 +258,14 @@ def test_thresholds_from_the_environment() -> None:
         Thresholds.from_environ({protocol.STRAGGLER_POLICY: "kill"})
     assert Thresholds.from_environ({protocol.STRAGGLER_POLICY: "evict"}).policy == "evict"
     assert Thresholds(ratio=2, window=10).ratio == 2
-    for bad_field in ({"ratio": 0.5}, {"window": 2.5}, {"windows": 65}, {"z": float("inf")},
-                      {"policy": "kill"}, {"min_ranks": 2}):
+    for bad_field in (
+        {"ratio": 0.5},
+        {"window": 2.5},
+        {"windows": 65},
+        {"z": float("inf")},
+        {"policy": "kill"},
+        {"min_ranks": 2},
+    ):
         with pytest.raises(ValueError):
             Thresholds(**bad_field)
     with pytest.raises(ValueError, match="onset would come after"):
@@ -257,18 +283,35 @@ def straggler_report(worker: str, **changes: object) -> dict:
 @pytest.mark.timeout(60)
 def test_the_coordinator_names_the_node_counts_it_and_refuses_bad_reports(world) -> None:
     co, client, t = world
-    ok(client.post("/v1/jobs", json={"manifest": {
-        "name": "a", "queue": "q", "minReplicas": 2, "maxReplicas": 2,
-        "command": ["python", "train.py"]}}))
+    ok(
+        client.post(
+            "/v1/jobs",
+            json={
+                "manifest": {
+                    "name": "a",
+                    "queue": "q",
+                    "minReplicas": 2,
+                    "maxReplicas": 2,
+                    "command": ["python", "train.py"],
+                }
+            },
+        )
+    )
     orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2}))
     t[0] += 1.0
     co.tick()  # admits it on n0
-    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2,
-                                                            "since": orders["version"]}))
+    orders = ok(client.post("/v1/nodes/n0/heartbeat", json={"slots": 2, "since": orders["version"]}))
     w1, w2 = sorted(o["worker_id"] for o in orders["start"])
     report = f"/v1/workers/{w1}/report"
-    bad = [{"policy": "kill"}, {"ratio": -1.0}, {"since_step": -1}, {"straggler": "a b"},
-           {"windows": 0}, {"surprise": 1}, {"evidence": [{"step": 1}]}]
+    bad = [
+        {"policy": "kill"},
+        {"ratio": -1.0},
+        {"since_step": -1},
+        {"straggler": "a b"},
+        {"windows": 0},
+        {"surprise": 1},
+        {"evidence": [{"step": 1}]},
+    ]
     for change in bad:
         response = client.post(report, json=straggler_report(w2, **change))
         assert response.status_code == 400, (change, response.text)
@@ -294,8 +337,7 @@ of ~12 ms, 15 of them are within it: one rank kept off its core for 0.2 s looks 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("slow", ["1:0.5", ""], ids=["rank1-1.5x", "noise-only"])
-def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkeypatch,
-                                                          reference, slow: str) -> None:
+def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkeypatch, reference, slow: str) -> None:
     """Three workers under ``maitre run``, uneven shares, every rank sleeping a random part
     (up to 30%) of its compute each step (MAITRE_STEP_JITTER); with MAITRE_SLOW_RANK=1:0.5
     rank 1 computes 1.5x as long: a ``straggler`` event names its worker and node within 20
@@ -304,9 +346,15 @@ def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkey
     monkeypatch.setenv(protocol.STEP_JITTER, "0.3")
     if slow:
         monkeypatch.setenv(protocol.SLOW_RANK, slow)
-    code, lines, run = play(tmp_path, example_command(REAL_STEPS, tmp_path / "final.pt",
-                                                      REAL + DEVICE),
-                            "", min_nodes=3, max_nodes=3, local_nodes=3, max_restarts=0)
+    code, lines, run = play(
+        tmp_path,
+        example_command(REAL_STEPS, tmp_path / "final.pt", REAL + DEVICE),
+        "",
+        min_nodes=3,
+        max_nodes=3,
+        local_nodes=3,
+        max_restarts=0,
+    )
     assert code == 0, "\n".join(lines)
     result = audit(tmp_path / "run" / "ledger")
     assert result.ok and result.steps == REAL_STEPS, result.describe()

@@ -31,10 +31,18 @@ STEPS = 250
 def run_story(tmp_path: Path, steps: int, story: str, resume: bool = False):
     # (1 ms of "device" a sample: each epoch trains for more than a progress report's second
     # even on a fast machine)
-    return play(tmp_path, example_command(steps, extra=("--device-ms-per-sample", "1")), story,
-                min_nodes=1, max_nodes=2,
-                local_nodes=2, max_restarts=3, checkpoint_dir=tmp_path / "ckpt",
-                checkpoint_every=25, resume=resume)
+    return play(
+        tmp_path,
+        example_command(steps, extra=("--device-ms-per-sample", "1")),
+        story,
+        min_nodes=1,
+        max_nodes=2,
+        local_nodes=2,
+        max_restarts=3,
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=25,
+        resume=resume,
+    )
 
 
 @pytest.mark.timeout(180)
@@ -48,15 +56,15 @@ def test_progress_checkpoint_and_recovery_reports_reach_the_coordinator(tmp_path
     progress = job["progress"]  # the latest (the earlier ones are events, not kept)
     assert progress["kind"] == "progress" and 0 < progress["step"] <= STEPS
     assert isinstance(progress["loss"], float) and 0 < progress["loss"] < 10, progress
-    assert progress["steps_per_s"] > 0 and progress["samples_per_s"] == pytest.approx(
-        12 * progress["steps_per_s"]), progress  # TINY's global batch of 12
+    assert progress["steps_per_s"] > 0 and progress["samples_per_s"] == pytest.approx(12 * progress["steps_per_s"]), (
+        progress
+    )  # TINY's global batch of 12
     assert not any(r["kind"] == "progress" for r in job["reports"])
 
     saves = [r for r in job["reports"] if r["kind"] == "checkpoint"]
     assert saves and all(r["ok"] and r["error"] is None for r in saves), saves
     assert all(r["interval_steps"] == 25 and r["interval_s"] is None for r in saves), saves
-    assert all(r["snapshot_s"] > 0 and r["persist_s"] > 0 and r["bytes"] > 10_000
-               for r in saves), saves
+    assert all(r["snapshot_s"] > 0 and r["persist_s"] > 0 and r["bytes"] > 10_000 for r in saves), saves
     # The committer's last save, reported before its "done" (the final step's own save may
     # be vetoed by a writer still busy with one a few steps before).
     assert saves[-1]["step"] > STEPS - 25 - 3, saves
@@ -130,9 +138,16 @@ def test_reports_never_wait_and_progress_is_dropped_while_a_post_is_in_flight() 
     threading.Thread(target=server.serve_forever, daemon=True).start()
     reporter = Reporter(Client(f"127.0.0.1:{server.server_address[1]}"), "w1")
     try:
+
         def progress(step: int) -> dict:
-            return {"kind": "progress", "step": step, "loss": 1.0, "world_size": 1,
-                    "steps_per_s": 1.0, "samples_per_s": 1.0}
+            return {
+                "kind": "progress",
+                "step": step,
+                "loss": 1.0,
+                "world_size": 1,
+                "steps_per_s": 1.0,
+                "samples_per_s": 1.0,
+            }
 
         began = time.monotonic()
         assert reporter.offer(progress(1))
@@ -159,7 +174,13 @@ def test_the_progress_meter_reports_rates_over_its_window() -> None:
     assert meter.committed(10.0, 5, 12, 2.0, 2) is None  # the window opens here
     assert meter.committed(10.5, 6, 12, 1.9, 2) is None
     report = meter.committed(11.0, 7, 12, float("nan"), 2)
-    assert report == {"kind": "progress", "step": 7, "loss": None, "world_size": 2,
-                      "steps_per_s": 2.0, "samples_per_s": 24.0}
+    assert report == {
+        "kind": "progress",
+        "step": 7,
+        "loss": None,
+        "world_size": 2,
+        "steps_per_s": 2.0,
+        "samples_per_s": 24.0,
+    }
     assert meter.committed(11.5, 8, 12, 1.8, 2) is None  # counted from the last report
     assert meter.committed(12.0, 9, 12, 1.7, 2)["steps_per_s"] == 2.0

@@ -19,17 +19,37 @@ from maitre.control.cluster import ClusterState
 from maitre.scheduling import Queue
 from maitre.wire import Client, CoordinatorUnreachable
 
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None,
-                                reason="openssl makes the test certificates (.ci/run installs it)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("openssl") is None, reason="openssl makes the test certificates (.ci/run installs it)"
+)
 
 
 def _certificate(directory: Path, name: str) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 and its key, made here (no key is committed)."""
     cert, key = directory / f"{name}.pem", directory / f"{name}-key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", f"/CN={name}", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -42,8 +62,9 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Pat
 @pytest.mark.timeout(60)
 def test_clients_speak_https_and_check_the_certificate(certs, tmp_path: Path) -> None:
     cert, key = certs["coordinator"]
-    with CoordinatorServer(ClusterState([Queue("q")], run_dir=tmp_path), "127.0.0.1", 0,
-                           token="t", tls_cert=str(cert), tls_key=str(key)) as server:
+    with CoordinatorServer(
+        ClusterState([Queue("q")], run_dir=tmp_path), "127.0.0.1", 0, token="t", tls_cert=str(cert), tls_key=str(key)
+    ) as server:
         assert Client(server.address, token="t", tls_ca=str(cert)).get("/jobs") == {"jobs": []}
         with pytest.raises(CoordinatorUnreachable):  # plain HTTP to an HTTPS port
             Client(server.address, token="t").get("/jobs")
@@ -60,15 +81,17 @@ def test_bad_certificate_flags_are_refused_before_anything_starts(certs, tmp_pat
         (["up", "--tls-cert", str(cert), "--tls-key", str(other_key)], "certificate and its key"),
         (["up", "--tls-cert", str(cert)], "go together"),
         (["up", "--tls-ca", str(cert)], "--tls-cert and --tls-key too"),
-        (["up", "--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)],
-         "certificate and its key"),
-        (["status", "--coordinator", "127.0.0.1:1", "--tls-ca", str(tmp_path / "none.pem")],
-         "not a PEM certificate bundle"),
+        (["up", "--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)], "certificate and its key"),
+        (
+            ["status", "--coordinator", "127.0.0.1:1", "--tls-ca", str(tmp_path / "none.pem")],
+            "not a PEM certificate bundle",
+        ),
     ]
     for args, message in cases:
         extra = ["--state-dir", str(state), "--nodes", "0"] if args[0] == "up" else []
-        out = subprocess.run([sys.executable, "-m", "maitre.cli", *args, *extra], cwd=ROOT,
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [sys.executable, "-m", "maitre.cli", *args, *extra], cwd=ROOT, capture_output=True, text=True, timeout=30
+        )
         assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
     assert not state.exists()  # nothing written
 
@@ -81,26 +104,57 @@ def test_a_job_trains_with_the_api_over_https(certs, tmp_path: Path) -> None:
     procs = Procs(tmp_path)
     log = tmp_path / "coordinator.log"
     try:
-        procs.start("coordinator", "up", "--nodes", "2", "--slots-per-node", "1",
-                    "--state-dir", str(tmp_path / "state"), "--queue", "q",
-                    "--tls-cert", str(cert), "--tls-key", str(key))
-        export = wait_for(lambda: log.exists() and re.search(
-            r"export MAITRE_COORDINATOR=(\S+) MAITRE_TOKEN_FILE=(\S+) MAITRE_TLS_CA=(\S+)",
-            log.read_text()), 60, "the export line", log)
+        procs.start(
+            "coordinator",
+            "up",
+            "--nodes",
+            "2",
+            "--slots-per-node",
+            "1",
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--queue",
+            "q",
+            "--tls-cert",
+            str(cert),
+            "--tls-key",
+            str(key),
+        )
+        export = wait_for(
+            lambda: (
+                log.exists()
+                and re.search(
+                    r"export MAITRE_COORDINATOR=(\S+) MAITRE_TOKEN_FILE=(\S+) MAITRE_TLS_CA=(\S+)", log.read_text()
+                )
+            ),
+            60,
+            "the export line",
+            log,
+        )
         address, token_file, ca = export.groups()
         assert Path(ca) == cert.resolve()
         client = Client(address, token=Path(token_file).read_text().strip(), tls_ca=ca)
         manifest = tmp_path / "job.yaml"
         manifest.write_text(
             "name: secure\nqueue: q\nminReplicas: 2\nmaxReplicas: 2\ncommand: "
-            + repr(example_command(40)).replace("'", '"') + "\n")
+            + repr(example_command(40)).replace("'", '"')
+            + "\n"
+        )
         env_args = ["--coordinator", address, "--token-file", token_file, "--tls-ca", ca]
-        submitted = subprocess.run([sys.executable, "-m", "maitre.cli", "submit", str(manifest),
-                                    *env_args], cwd=ROOT, capture_output=True, text=True,
-                                   timeout=30)
+        submitted = subprocess.run(
+            [sys.executable, "-m", "maitre.cli", "submit", str(manifest), *env_args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert submitted.returncode == 0, submitted.stderr
-        final = wait_for(lambda: (j := client.get("/jobs/secure"))["state"] in
-                      ("COMPLETED", "FAILED") and j, 150, "the job to finish", log)
+        final = wait_for(
+            lambda: (j := client.get("/jobs/secure"))["state"] in ("COMPLETED", "FAILED") and j,
+            150,
+            "the job to finish",
+            log,
+        )
     finally:
         procs.cleanup()
     assert final["state"] == "COMPLETED" and final["step"] == 40, final

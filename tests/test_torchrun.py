@@ -17,6 +17,8 @@ import torch
 from conftest import EXAMPLE, TINY, example_command, relative_error, run_tagged
 
 STEPS = 30
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("single") / "final.pt"
@@ -36,10 +38,23 @@ def test_single_process_mode(single: tuple[subprocess.CompletedProcess[str], Pat
 
 @pytest.mark.timeout(420)
 def test_example_under_torchrun_matches_single_process(
-        tmp_path: Path, single: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    tmp_path: Path, single: tuple[subprocess.CompletedProcess[str], Path]
+) -> None:
     out = tmp_path / "torchrun.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(EXAMPLE), "--steps", str(STEPS), *TINY, "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        "--steps",
+        str(STEPS),
+        *TINY,
+        "--out",
+        str(out),
+    ]
     result = run_tagged(cmd, timeout=300, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.count(f"done: {STEPS} steps") == 1, result.stdout  # rank 0 only

@@ -40,9 +40,20 @@ _HOMES = {
 }
 """Where each public name is defined."""
 
-__all__ = ["Batch", "Buckets", "CheckpointConfig", "ConstantBatch", "ElasticLoop", "ElasticSampler",
-           "IntervalConfig", "LinearScaling", "LossScaler", "SqrtScaling", "TrainState",
-           "replica_mesh"]
+__all__ = [
+    "Batch",
+    "Buckets",
+    "CheckpointConfig",
+    "ConstantBatch",
+    "ElasticLoop",
+    "ElasticSampler",
+    "IntervalConfig",
+    "LinearScaling",
+    "LossScaler",
+    "SqrtScaling",
+    "TrainState",
+    "replica_mesh",
+]
 try:  # the version is written once, in pyproject.toml; an installed package's metadata has it
     __version__ = _metadata.version("maitre")
 except _metadata.PackageNotFoundError:  # (the source tree on sys.path, never installed)

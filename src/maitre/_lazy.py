@@ -12,8 +12,7 @@ import sys
 from typing import Any, Callable
 
 
-def lazy_exports(package: str, homes: dict[str, str]
-                 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+def lazy_exports(package: str, homes: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``(__getattr__, __dir__)`` for ``package``, whose public names live in the modules
     ``homes`` gives (name -> module)."""
 

@@ -50,6 +50,7 @@ RUN_POLICY = PolicyConfig(resize_cooldown_s=0.0, min_gain=-math.inf, rebalance_g
 """``maitre run``'s one job owns its nodes: it grows into a slot as soon as one is free (no
 cooldown, no gain threshold), as ``torchrun --nnodes MIN:MAX`` takes every node that comes."""
 
+
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     command: list[str]
@@ -87,15 +88,21 @@ class Run:
         self.t0 = time.time()
         self.token = secrets.token_urlsafe(32)  # every API call and agent must present it
         if cfg.nproc_per_node % cfg.nproc_per_replica:
-            raise ValueError(f"a node of {cfg.nproc_per_node} processes does not hold whole "
-                             f"replicas of {cfg.nproc_per_replica}")
+            raise ValueError(
+                f"a node of {cfg.nproc_per_node} processes does not hold whole replicas of {cfg.nproc_per_replica}"
+            )
         per_node = cfg.nproc_per_node // cfg.nproc_per_replica  # replicas on a node
-        manifest = {"name": cfg.job_id, "queue": RUN_QUEUE,
-                    "minReplicas": cfg.min_nodes * per_node,
-                    "maxReplicas": cfg.max_nodes * per_node, "command": cfg.command,
-                    "nprocPerReplica": cfg.nproc_per_replica}
+        manifest = {
+            "name": cfg.job_id,
+            "queue": RUN_QUEUE,
+            "minReplicas": cfg.min_nodes * per_node,
+            "maxReplicas": cfg.max_nodes * per_node,
+            "command": cfg.command,
+            "nprocPerReplica": cfg.nproc_per_replica,
+        }
         if cfg.mesh:
             from maitre.runtime.replica import MeshSpec
+
             mesh = MeshSpec.parse(cfg.mesh)
             manifest["mesh"] = {"dp_shard": mesh.dp_shard, "tp": mesh.tp}
         if cfg.checkpoint_dir is not None:
@@ -107,10 +114,16 @@ class Run:
             raise ValueError(str(exc)) from None
         self.manifest = manifest
         self.run_dir = cfg.run_dir or Path(tempfile.mkdtemp(prefix=f"maitre-{cfg.job_id}-"))
-        cluster = ClusterState([Queue(RUN_QUEUE)], run_dir=self.run_dir, policy=RUN_POLICY,
-                               detector=DetectorConfig(), max_restarts=cfg.max_restarts)
-        self.server = CoordinatorServer(cluster, cfg.host, cfg.port, cfg=DetectorConfig(),
-                                        on_event=self._on_event, token=self.token)  # may refuse
+        cluster = ClusterState(
+            [Queue(RUN_QUEUE)],
+            run_dir=self.run_dir,
+            policy=RUN_POLICY,
+            detector=DetectorConfig(),
+            max_restarts=cfg.max_restarts,
+        )
+        self.server = CoordinatorServer(
+            cluster, cfg.host, cfg.port, cfg=DetectorConfig(), on_event=self._on_event, token=self.token
+        )  # may refuse
         self.token_file = self.run_dir / "token"
         self.ledger_dir = self.run_dir / "ledger"
         if self.ledger_dir.exists() and not cfg.resume:  # a resumed job's ledger goes on
@@ -130,8 +143,7 @@ class Run:
         self.server.start()
         # The run's own: one data ledger for all its runs (a resumed job's goes on), told apart
         # by the run id, and the checkpoint settings that are not part of a manifest.
-        env = {protocol.RUN_ID: self.run_id,
-               protocol.LEDGER_DIR: str(self.ledger_dir) if cfg.ledger else ""}
+        env = {protocol.RUN_ID: self.run_id, protocol.LEDGER_DIR: str(self.ledger_dir) if cfg.ledger else ""}
         if cfg.checkpoint_dir is not None:
             if cfg.checkpoint_every:
                 env[ckpt_env.EVERY_ENV] = str(cfg.checkpoint_every)
@@ -140,9 +152,11 @@ class Run:
             env[ckpt_env.KEEP_ENV] = str(cfg.checkpoint_keep)
         self.coordinator.submit(self.manifest, env=env)
         write_token(self.token_file, self.token)
-        self.out(f"maitre: coordinator at {self.server.address}; add a node with "
-                 f"`maitre agent --coordinator {self.server.address} --token-file "
-                 f"{self.token_file} --nproc-per-node {cfg.nproc_per_node}`")
+        self.out(
+            f"maitre: coordinator at {self.server.address}; add a node with "
+            f"`maitre agent --coordinator {self.server.address} --token-file "
+            f"{self.token_file} --nproc-per-node {cfg.nproc_per_node}`"
+        )
         for _ in range(cfg.min_nodes if cfg.local_nodes is None else cfg.local_nodes):
             self.add_node()
         return self
@@ -150,9 +164,14 @@ class Run:
     def add_node(self) -> Agent:
         output = (lambda wid, line: None) if self.cfg.quiet_workers else _prefixed(self.out)
         with self._lock:
-            agent = Agent(self.server.address, f"local{len(self.agents)}", self.cfg.nproc_per_node,
-                          output=output, token=self.token,
-                          heartbeat_s=LOCAL_HEARTBEAT_S)
+            agent = Agent(
+                self.server.address,
+                f"local{len(self.agents)}",
+                self.cfg.nproc_per_node,
+                output=output,
+                token=self.token,
+                heartbeat_s=LOCAL_HEARTBEAT_S,
+            )
             self.agents.append(agent)
         return agent.start()
 
@@ -170,8 +189,9 @@ class Run:
         """Carry out one story event; returns a predicate that holds once it was absorbed."""
         epoch, size = job["epoch"], len(job["members"])
         next_epoch: Callable[[dict[str, Any]], bool] = lambda j: j["epoch"] > epoch
-        active = [w["id"] for w in job["workers"]
-                  if w["state"] == WorkerState.ACTIVE.value and w["id"] in job["members"]]
+        active = [
+            w["id"] for w in job["workers"] if w["state"] == WorkerState.ACTIVE.value and w["id"] in job["members"]
+        ]
         if event.kind in ("kill", "hang"):
             victims = [w for w in active if w != job["members"][0]] or active
             victim = random.Random(event.step).choice(victims)
@@ -188,13 +208,14 @@ class Run:
                 kids = [] if pid is None else _children(pid)
                 if kids:
                     victim = random.Random(event.step).choice(kids)
-                    self.out(f"maitre: story: step {step}: SIGKILL data worker {victim} of "
-                             f"worker {wid}")
+                    self.out(f"maitre: story: step {step}: SIGKILL data worker {victim} of worker {wid}")
                     os.kill(victim, signal.SIGKILL)
                     break
             else:
-                self.out(f"maitre: story: step {step}: no data worker to kill (no worker "
-                         "loads its data in processes of its own)")
+                self.out(
+                    f"maitre: story: step {step}: no data worker to kill (no worker "
+                    "loads its data in processes of its own)"
+                )
             return lambda j: j["step"] > step
         if event.kind == "join":
             self.out(f"maitre: story: step {job['step']}: a node joins")
@@ -224,11 +245,17 @@ class Run:
                 if self._stop_signal and self._suspend_deadline is None:
                     self._suspend(job)
                 elif self._suspend_deadline is not None and time.monotonic() > self._suspend_deadline:
-                    self.out(f"maitre: the job did not suspend within its grace period of "
-                             f"{self.cfg.grace_period_s:.0f}s; stopping its workers")
+                    self.out(
+                        f"maitre: the job did not suspend within its grace period of "
+                        f"{self.cfg.grace_period_s:.0f}s; stopping its workers"
+                    )
                     break
-                if pending and job["state"] == JobState.RUNNING.value and settled(job) and \
-                        job["step"] >= pending[0].step:
+                if (
+                    pending
+                    and job["state"] == JobState.RUNNING.value
+                    and settled(job)
+                    and job["step"] >= pending[0].step
+                ):
                     self.played.append(pending.pop(0))
                     settled = self.apply(self.played[-1], job)
                 time.sleep(0.1)
@@ -237,8 +264,7 @@ class Run:
             self.shutdown(drain_s=60.0 if finished else 0.0)
         if pending:
             self.out(f"maitre: the job ended before the story's {', '.join(f'{e.kind}@{e.step}' for e in pending)}")
-        self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir,
-                         self.cfg.checkpoint_dir))
+        self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir, self.cfg.checkpoint_dir))
         if job["state"] == JobState.SUSPENDED.value:
             self.out("maitre: suspended; continue with the same command plus --resume")
             return 0
@@ -252,9 +278,11 @@ class Run:
         self._stop_signal = signame
 
     def _suspend(self, job: dict[str, Any]) -> None:
-        self.out(f"maitre: {self._stop_signal}: suspending the job at step {job['step']}: every "
-                 f"worker checkpoints, then stops (grace period {self.cfg.grace_period_s:.0f}s; "
-                 "signal again to stop at once)")
+        self.out(
+            f"maitre: {self._stop_signal}: suspending the job at step {job['step']}: every "
+            f"worker checkpoints, then stops (grace period {self.cfg.grace_period_s:.0f}s; "
+            "signal again to stop at once)"
+        )
         self._suspend_deadline = time.monotonic() + self.cfg.grace_period_s
         try:
             self.coordinator.suspend(self.cfg.job_id, f"{self._stop_signal} to maitre run")
@@ -317,41 +345,53 @@ def quiet(event: dict[str, Any]) -> bool:
 def describe(event: dict[str, Any]) -> str:
     kind = event["kind"]
     if kind == "epoch":
-        extra = "" if event.get("closed_for_s") is None else \
-            f" after {event['closed_for_s'] * 1000:.0f} ms of rendezvous"
-        return (f"epoch {event['epoch']} opened with {len(event['members'])} workers "
-                f"({event['reason']}){extra}")
+        extra = (
+            "" if event.get("closed_for_s") is None else f" after {event['closed_for_s'] * 1000:.0f} ms of rendezvous"
+        )
+        return f"epoch {event['epoch']} opened with {len(event['members'])} workers ({event['reason']}){extra}"
     if kind == "epoch_closed":
         return f"epoch {event['epoch']} closed: {event['reason']}"
     if kind == "report":
-        return (f"epoch {event['epoch']}: resumed training at step {event['step']} "
-                f"{event['to_next_step_s'] * 1000:.0f} ms after detection (rendezvous "
-                f"{event['rendezvous_s'] * 1000:.0f} ms, group {event['group_s'] * 1000:.0f} ms, "
-                f"state {event['state_s'] * 1000:.0f} ms / {event['state_bytes'] / 1e6:.2f} MB)")
+        return (
+            f"epoch {event['epoch']}: resumed training at step {event['step']} "
+            f"{event['to_next_step_s'] * 1000:.0f} ms after detection (rendezvous "
+            f"{event['rendezvous_s'] * 1000:.0f} ms, group {event['group_s'] * 1000:.0f} ms, "
+            f"state {event['state_s'] * 1000:.0f} ms / {event['state_bytes'] / 1e6:.2f} MB)"
+        )
     if kind == "caught_up":
-        return (f"epoch {event['epoch']}: {event['worker']} caught up at step {event['step']}, "
-                f"{event['state_bytes'] / 1e6:.2f} MB streamed and {event['replayed']} step(s) "
-                f"replayed in {event['listened_s'] * 1000:.0f} ms while the job trained; "
-                f"{event['world_size']} workers train")
+        return (
+            f"epoch {event['epoch']}: {event['worker']} caught up at step {event['step']}, "
+            f"{event['state_bytes'] / 1e6:.2f} MB streamed and {event['replayed']} step(s) "
+            f"replayed in {event['listened_s'] * 1000:.0f} ms while the job trained; "
+            f"{event['world_size']} workers train"
+        )
     if kind == "checkpoint":
-        every = f"every {event['interval_steps']} steps" if event.get("interval_steps") \
+        every = (
+            f"every {event['interval_steps']} steps"
+            if event.get("interval_steps")
             else f"interval {event.get('interval_s') or 0:.0f}s"
+        )
         if not event.get("ok"):
             return f"checkpoint at step {event['step']} failed: {event.get('error')}"
-        return (f"checkpoint at step {event['step']}: {event['bytes'] / 1e6:.2f} MB, snapshot "
-                f"{event['snapshot_s'] * 1000:.0f} ms, persisted in {event['persist_s'] * 1000:.0f}"
-                f" ms ({every})")
+        return (
+            f"checkpoint at step {event['step']}: {event['bytes'] / 1e6:.2f} MB, snapshot "
+            f"{event['snapshot_s'] * 1000:.0f} ms, persisted in {event['persist_s'] * 1000:.0f}"
+            f" ms ({every})"
+        )
     if kind == "prices":
-        return "prices per slot-hour: " + ", ".join(f"{k} {v:g}" for k, v in
-                                                     event["prices"].items())
+        return "prices per slot-hour: " + ", ".join(f"{k} {v:g}" for k, v in event["prices"].items())
     if kind == "straggler":  # its windows' numbers stay in the event log and the dashboard
         where = f" on {event['node']}" if event.get("node") else ""
-        return (f"straggler: {event['worker']}{where} (rank {event['rank']}) computes "
-                f"{event['ratio']:.2f}x the median since step {event['since_step']} "
-                f"(found at step {event['step']}; policy {event.get('policy', 'report')})")
+        return (
+            f"straggler: {event['worker']}{where} (rank {event['rank']}) computes "
+            f"{event['ratio']:.2f}x the median since step {event['since_step']} "
+            f"(found at step {event['step']}; policy {event.get('policy', 'report')})"
+        )
     if kind == "restore":
-        return (f"restored step {event['step']} from {event['source']} in "
-                f"{event['seconds'] * 1000:.0f} ms ({event['bytes'] / 1e6:.2f} MB)")
+        return (
+            f"restored step {event['step']} from {event['source']} in "
+            f"{event['seconds'] * 1000:.0f} ms ({event['bytes'] / 1e6:.2f} MB)"
+        )
     if kind in ("admit", "grow", "shrink", "preempting"):
         where = " ".join(f"{n}x{r}" for n, r in sorted(event.get("placement", {}).items()))
         why = f" ({event['reason']})" if event.get("reason") else ""
@@ -379,20 +419,26 @@ def epoch_reports(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_epoch[k] for k in sorted(by_epoch)]
 
 
-def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path,
-            checkpoint_dir: Path | None = None) -> str:
-    lines = ["", f"maitre: job {job['job_id']} {job['state']} at step {job['step']} "
-                 f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)"]
+def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path, checkpoint_dir: Path | None = None) -> str:
+    lines = [
+        "",
+        f"maitre: job {job['job_id']} {job['state']} at step {job['step']} "
+        f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)",
+    ]
     if job.get("failure"):
         lines.append(f"maitre: job failed: {job['failure']}")
     reports = epoch_reports(job.get("reports", []))
     if reports:
-        lines.append(f"  {'epoch':>5}  {'world':>5}  {'reason':<44} {'rdzv ms':>8} {'group ms':>8} "
-                     f"{'state ms':>8} {'to step ms':>10}")
+        lines.append(
+            f"  {'epoch':>5}  {'world':>5}  {'reason':<44} {'rdzv ms':>8} {'group ms':>8} "
+            f"{'state ms':>8} {'to step ms':>10}"
+        )
         for r in reports:
-            lines.append(f"  {r['epoch']:>5}  {r['world_size']:>5}  {r['reason'][:44]:<44} "
-                         f"{r['rendezvous_s'] * 1000:>8.0f} {r['group_s'] * 1000:>8.0f} "
-                         f"{r['state_s'] * 1000:>8.0f} {r['to_next_step_s'] * 1000:>10.0f}")
+            lines.append(
+                f"  {r['epoch']:>5}  {r['world_size']:>5}  {r['reason'][:44]:<44} "
+                f"{r['rendezvous_s'] * 1000:>8.0f} {r['group_s'] * 1000:>8.0f} "
+                f"{r['state_s'] * 1000:>8.0f} {r['to_next_step_s'] * 1000:>10.0f}"
+            )
     if ledger_dir is not None and ledger_dir.exists():
         lines.append(f"  data: {audit(ledger_dir).describe()}")
     if checkpoint_dir is not None:

@@ -63,8 +63,12 @@ class UpConfig:
 class LocalCluster:
     """A coordinator with a cluster and a store, plus ``cfg.nodes`` in-process agents."""
 
-    def __init__(self, cfg: UpConfig, out: Callable[[str], None] = print,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: UpConfig,
+        out: Callable[[str], None] = print,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.out = out
         self.t0 = time.time()
@@ -75,19 +79,31 @@ class LocalCluster:
         self.token = cfg.token or token or secrets.token_urlsafe(32)
         ports = self.db.meta("ports") or {}
         port = cfg.port or ports.get("http", 0)
-        cluster = ClusterState(cfg.queues or [Queue("default")], run_dir=cfg.state_dir,
-                               policy=cfg.policy, phi=PhiConfig(), detector=DetectorConfig(),
-                               max_restarts=cfg.max_restarts, prices=cfg.prices)
+        cluster = ClusterState(
+            cfg.queues or [Queue("default")],
+            run_dir=cfg.state_dir,
+            policy=cfg.policy,
+            phi=PhiConfig(),
+            detector=DetectorConfig(),
+            max_restarts=cfg.max_restarts,
+            prices=cfg.prices,
+        )
         store_port = cfg.store_port or ports.get("store", 0)
-        self.server = CoordinatorServer(cluster, cfg.host, port, store_port,
-                                        on_event=on_event or self._print_event,
-                                        token=self.token, db=self.db,
-                                        tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        self.server = CoordinatorServer(
+            cluster,
+            cfg.host,
+            port,
+            store_port,
+            on_event=on_event or self._print_event,
+            token=self.token,
+            db=self.db,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+        )
         for q in cfg.queues:
             self.db.put_queue(q)
             cluster.queues[q.name] = q
-        self.db.put_meta("ports", {"http": self.server.port,
-                                   "store": self.server.door.port})
+        self.db.put_meta("ports", {"http": self.server.port, "store": self.server.door.port})
         write_token(self.token_file, self.token)
         self.agents: list[Agent] = []
         self._added = 0
@@ -115,10 +131,15 @@ class LocalCluster:
             self.add_node(spot=spot)
         return self
 
-    def add_node(self, slots: int | None = None, labels: dict[str, str] | None = None,
-                 spot: bool = False, notice: str | None = None,
-                 health: HealthConfig | None = None, env: dict[str, str] | None = None
-                 ) -> Agent:
+    def add_node(
+        self,
+        slots: int | None = None,
+        labels: dict[str, str] | None = None,
+        spot: bool = False,
+        notice: str | None = None,
+        health: HealthConfig | None = None,
+        env: dict[str, str] | None = None,
+    ) -> Agent:
         """A local node. ``spot``: labelled so, watching its :meth:`notice_file` (or the
         ``notice`` source given: ``file:PATH``, a URL) for a reclaim notice. ``health``: its
         probes (:mod:`maitre.agent.health`; default none). ``env``: its workers' environment
@@ -128,8 +149,11 @@ class LocalCluster:
             self._added += 1
             name = f"node-{index}"
             rack = f"rack-{index % max(1, self.cfg.racks)}"
-            output = (lambda wid, line: None) if self.cfg.quiet_workers else \
-                (lambda wid, line: self.out(f"[{wid}] {line.rstrip()}"))
+            output = (
+                (lambda wid, line: None)
+                if self.cfg.quiet_workers
+                else (lambda wid, line: self.out(f"[{wid}] {line.rstrip()}"))
+            )
             labels = dict(labels or {"rack": rack})
             watcher = None
             if spot:
@@ -140,11 +164,19 @@ class LocalCluster:
                     path.unlink(missing_ok=True)  # an earlier run's notice
                     notice = f"file:{path}"
                 watcher = NoticeWatcher(source(notice), interval_s=self.cfg.notice_interval_s)
-            agent = Agent(self.address, name, slots or self.cfg.slots_per_node,
-                          output=output, token=self.token, labels=labels,
-                          heartbeat_s=LOCAL_HEARTBEAT_S, tls_ca=self.cfg.tls_ca,
-                          notices=watcher, extra_env=env,
-                          health=HealthMonitor(health) if health is not None else None)
+            agent = Agent(
+                self.address,
+                name,
+                slots or self.cfg.slots_per_node,
+                output=output,
+                token=self.token,
+                labels=labels,
+                heartbeat_s=LOCAL_HEARTBEAT_S,
+                tls_ca=self.cfg.tls_ca,
+                notices=watcher,
+                extra_env=env,
+                health=HealthMonitor(health) if health is not None else None,
+            )
             self.agents.append(agent)
         return agent.start()
 

@@ -121,11 +121,17 @@ STRAGGLER_POLICY = "MAITRE_STRAGGLER_POLICY"
 ``evict`` (reported, and the coordinator moves its replica off its node) or ``off`` (no timing
 shared, no detector). A managed job sets these from its manifest's ``stragglers``."""
 
+
 def straggler_environ(settings: StragglerSpec) -> dict[str, str]:
     """The workers' ``MAITRE_STRAGGLER_*`` variables for a manifest's ``stragglers``."""
-    named = {"window": STRAGGLER_WINDOW, "ratio": STRAGGLER_RATIO, "z": STRAGGLER_Z,
-             "windows": STRAGGLER_WINDOWS, "mad_floor": STRAGGLER_MAD_FLOOR,
-             "drift": STRAGGLER_DRIFT}
+    named = {
+        "window": STRAGGLER_WINDOW,
+        "ratio": STRAGGLER_RATIO,
+        "z": STRAGGLER_Z,
+        "windows": STRAGGLER_WINDOWS,
+        "mad_floor": STRAGGLER_MAD_FLOOR,
+        "drift": STRAGGLER_DRIFT,
+    }
     env = {var: str(getattr(settings, name)) for name, var in named.items()}
     env[STRAGGLER_POLICY] = settings.policy
     return env
@@ -223,9 +229,9 @@ class Health(_Reply):
 
 
 class SubmitRequest(_Request):
-    manifest: Annotated[str | dict[str, Any],
-                        BeforeValidator(lambda given: given,
-                                        json_schema_input_type=str | JobManifest)]
+    manifest: Annotated[
+        str | dict[str, Any], BeforeValidator(lambda given: given, json_schema_input_type=str | JobManifest)
+    ]
     """The job's manifest: YAML text, or the mapping it parses to (see
     :mod:`maitre.scheduling.spec`). The schema documents its fields; the coordinator checks them
     (:func:`~maitre.scheduling.spec.parse_manifest`: every problem at once, with the closest field
@@ -740,8 +746,10 @@ class StragglerReport(_Request):
     """The detector's settings: ``window`` (steps), ``ratio``, ``z``, ``windows``."""
 
 
-WorkerReport = Annotated[RecoveryReport | CaughtUpReport | CheckpointReport | RestoreReport
-                         | ProgressReport | StragglerReport, Field(discriminator="kind")]
+WorkerReport = Annotated[
+    RecoveryReport | CaughtUpReport | CheckpointReport | RestoreReport | ProgressReport | StragglerReport,
+    Field(discriminator="kind"),
+]
 
 
 class Empty(_Reply):

@@ -33,18 +33,18 @@ class Serving:
 
         self.sock = sock
         self.port: int = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(
-            app, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=1, **options))
-        self._thread = threading.Thread(target=lambda: self.server.run(sockets=[sock]),
-                                        name=name, daemon=True)
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=1, **options
+            )
+        )
+        self._thread = threading.Thread(target=lambda: self.server.run(sockets=[sock]), name=name, daemon=True)
 
     def start(self, what: str, timeout_s: float = 30.0) -> None:
         """Serve; RuntimeError naming ``what`` if it has not started within ``timeout_s``."""
         self._thread.start()
         deadline = time.monotonic() + timeout_s
-        while not self.server.started and self._thread.is_alive() and \
-                time.monotonic() < deadline:
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
             time.sleep(0.005)
         if not self.server.started:
             raise RuntimeError(f"{what} did not start")

@@ -26,7 +26,9 @@ def parse_events(spec: str) -> list[StoryEvent]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         match = re.fullmatch(r"([a-z-]+)@(\d+)", part)
         if not match or match.group(1) not in EVENT_KINDS:
-            raise ValueError(f"bad event {part!r}: expected KIND@STEP with KIND one of "
-                             f"{', '.join(EVENT_KINDS)} (e.g. kill@60,join@120)")
+            raise ValueError(
+                f"bad event {part!r}: expected KIND@STEP with KIND one of "
+                f"{', '.join(EVENT_KINDS)} (e.g. kill@60,join@120)"
+            )
         events.append(StoryEvent(match.group(1), int(match.group(2))))
     return sorted(events, key=lambda e: e.step)

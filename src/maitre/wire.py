@@ -36,8 +36,9 @@ def parse_address(address: str) -> tuple[str, int]:
 class Client:
     """A thread-safe JSON client; each thread keeps its own keep-alive connection."""
 
-    def __init__(self, address: str, timeout_s: float = 10.0, token: str | None = None,
-                 tls_ca: str | None = None) -> None:
+    def __init__(
+        self, address: str, timeout_s: float = 10.0, token: str | None = None, tls_ca: str | None = None
+    ) -> None:
         """``tls_ca``: a PEM file of the certificates that sign the coordinator's; given, the
         client speaks HTTPS and checks the coordinator's certificate and name (raises
         ``OSError`` or ``ssl.SSLError`` for a file that is not such a bundle)."""
@@ -51,8 +52,7 @@ class Client:
 
     def _connect(self, timeout_s: float) -> http.client.HTTPConnection:
         if self._tls is not None:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s,
-                                               context=self._tls)
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self._tls)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
 
     def _connection(self, timeout_s: float) -> http.client.HTTPConnection:
@@ -71,8 +71,7 @@ class Client:
             conn.close()
         self._local.conn = None
 
-    def request(self, method: str, path: str, body: Any = None,
-                timeout_s: float | None = None) -> Any:
+    def request(self, method: str, path: str, body: Any = None, timeout_s: float | None = None) -> Any:
         payload = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json"} if payload is not None else {}
         if self.token:
@@ -88,8 +87,7 @@ class Client:
             except (ConnectionError, http.client.HTTPException, socket.timeout, OSError) as exc:
                 self._drop()
                 if attempt == 1 or isinstance(exc, (socket.timeout, ConnectionRefusedError)):
-                    raise CoordinatorUnreachable(
-                        f"cannot reach the coordinator at {self.address}: {exc}") from exc
+                    raise CoordinatorUnreachable(f"cannot reach the coordinator at {self.address}: {exc}") from exc
         try:
             parsed = json.loads(data) if data else None
         except json.JSONDecodeError:

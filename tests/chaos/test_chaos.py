@@ -47,9 +47,18 @@ pytestmark = pytest.mark.chaos
 SEED = int(os.environ.get("CHAOS_SEED", "16"))
 FAULTS = int(os.environ.get("CHAOS_FAULTS", "50"))
 STEPS = int(os.environ.get("CHAOS_STEPS", "8000"))
-ALL_KINDS = ("worker_sigkill", "worker_sigstop", "agent_kill", "coordinator_kill", "link_cut",
-             "full_disk", "corrupt_checkpoint", "checkpoint_write_kill", "slow_rank",
-             "spot_notice")
+ALL_KINDS = (
+    "worker_sigkill",
+    "worker_sigstop",
+    "agent_kill",
+    "coordinator_kill",
+    "link_cut",
+    "full_disk",
+    "corrupt_checkpoint",
+    "checkpoint_write_kill",
+    "slow_rank",
+    "spot_notice",
+)
 KINDS = tuple(k for k in os.environ.get("CHAOS_KINDS", ",".join(ALL_KINDS)).split(",") if k)
 DEFAULT = (SEED, FAULTS, STEPS, KINDS) == (16, 50, 8000, ALL_KINDS)
 RESULT = ROOT / "benchmarks" / "results" / ("chaos.json" if DEFAULT else "chaos-trial.json")
@@ -60,9 +69,21 @@ _RESUMED = re.compile(r"maitre: resumed from (\S+) at step (\d+)")
 _SKIPPED = re.compile(r"maitre: skipping checkpoint (\S+): ")
 _SAVE_FAILED = re.compile(r"checkpoint at step \d+ .*failed|No space left")
 # Coordinator events that show a fault (the first after its injection is its detection).
-_DETECTING = {"worker_dead", "worker_left", "epoch_closed", "group_failed", "straggler",
-              "node_dead", "node_lost", "notice", "spot_notice", "draining", "evicted",
-              "state_lost", "suspending"}
+_DETECTING = {
+    "worker_dead",
+    "worker_left",
+    "epoch_closed",
+    "group_failed",
+    "straggler",
+    "node_dead",
+    "node_lost",
+    "notice",
+    "spot_notice",
+    "draining",
+    "evicted",
+    "state_lost",
+    "suspending",
+}
 
 
 class Chaos:
@@ -81,10 +102,26 @@ class Chaos:
         self.restarts += 1
         self.agent_env[node] = env or {}
         self.cluster.agents[node] = host.run(
-            [*CLI, "agent", "--coordinator", self.cluster.address, "--token-file",
-             self.token_file, "--nproc-per-node", "1", "--node-id", node, "--spot-notice",
-             f"file:{self.tmp / f'notice-{node}.json'}", "--spot-notice-interval", "0.5"],
-            extra_env=env, stdout=self.cluster._log(f"agent-{node}"), stderr=subprocess.STDOUT)
+            [
+                *CLI,
+                "agent",
+                "--coordinator",
+                self.cluster.address,
+                "--token-file",
+                self.token_file,
+                "--nproc-per-node",
+                "1",
+                "--node-id",
+                node,
+                "--spot-notice",
+                f"file:{self.tmp / f'notice-{node}.json'}",
+                "--spot-notice-interval",
+                "0.5",
+            ],
+            extra_env=env,
+            stdout=self.cluster._log(f"agent-{node}"),
+            stderr=subprocess.STDOUT,
+        )
 
     def kill_agent(self, node: str, sig: int = signal.SIGKILL) -> None:
         proc = self.cluster.agents[node]
@@ -251,16 +288,21 @@ def inject(chaos: Chaos, kind: str, rng: random.Random) -> dict:
         filler.unlink()
         rec["healed_at"] = time.time()
         # recovered: a newer complete checkpoint than the one before the disk was freed
-        _wait(lambda: newest_complete(chaos.ckpt) not in (None, before), 120,
-              "a checkpoint saved after the disk was freed", c)
+        _wait(
+            lambda: newest_complete(chaos.ckpt) not in (None, before),
+            120,
+            "a checkpoint saved after the disk was freed",
+            c,
+        )
         rec["recovered_at"] = time.time()
     elif kind == "corrupt_checkpoint":
         # Flip bytes in the newest complete checkpoint, then take every worker's live state
         # away (all SIGKILLed together): the job must resume from disk, refusing that one.
         newest = newest_complete(chaos.ckpt)
         assert newest is not None, "no complete checkpoint to corrupt yet"
-        shard = max((p for p in newest.iterdir() if p.is_file() and p.name != "manifest.json"),
-                    key=lambda p: p.stat().st_size)
+        shard = max(
+            (p for p in newest.iterdir() if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size
+        )
         data = bytearray(shard.read_bytes())
         for i in rng.sample(range(len(data)), min(16, len(data))):
             data[i] ^= 0xFF
@@ -306,8 +348,13 @@ def inject(chaos: Chaos, kind: str, rng: random.Random) -> dict:
 
 def settle(chaos: Chaos, rec: dict, timeout: float = 180) -> None:
     """Wait until the job trains again with at least two workers (the next fault waits)."""
-    _wait(lambda: chaos.training(2) or _over(chaos.cluster.status("chaos")),
-          timeout, f"the job to train again after {rec['kind']}", chaos.cluster, interval=0.5)
+    _wait(
+        lambda: chaos.training(2) or _over(chaos.cluster.status("chaos")),
+        timeout,
+        f"the job to train again after {rec['kind']}",
+        chaos.cluster,
+        interval=0.5,
+    )
 
 
 def measure(rec: dict, events: list[dict], commits: list[dict], until: float) -> None:
@@ -316,8 +363,7 @@ def measure(rec: dict, events: list[dict], commits: list[dict], until: float) ->
     t0 = rec["t"]
     events = [e for e in events if e["t"] < until]
     if rec["kind"] == "full_disk":  # seen by the saves' reports: failed, then one that works
-        failed = next((e for e in events if e["t"] >= t0 and e["kind"] == "checkpoint"
-                       and not e.get("ok")), None)
+        failed = next((e for e in events if e["t"] >= t0 and e["kind"] == "checkpoint" and not e.get("ok")), None)
         if failed is not None:
             rec["detected_at"], rec["detected_by"] = failed["t"], "checkpoint (failed)"
             rec["error"] = (failed.get("error") or "")[:200]
@@ -339,7 +385,6 @@ def measure(rec: dict, events: list[dict], commits: list[dict], until: float) ->
     rec["t"] = round(t0, 3)
 
 
-
 @pytest.mark.timeout(1800)
 def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> None:
     why = _can_make_namespaces()
@@ -355,8 +400,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     if "full_disk" in KINDS:  # a small filesystem of its own, to fill up
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(ckpt)],
-                       check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(ckpt)], check=True)
     coordinator, *agents = make_hosts(1 + AGENTS)
     cluster = Cluster(tmp_path, coordinator, agents)
     cluster.up_args = ("--resize-cooldown", "3", "--max-restarts", "100000")
@@ -367,29 +411,49 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
         chaos = Chaos(tmp_path, cluster, token_file)
         for i in range(1, AGENTS + 1):
             chaos.start_agent(f"n{i}")
-        _wait(lambda: len([n for n in cluster.status()["nodes"] if n["alive"]]) == AGENTS, 60,
-              "every agent to join", cluster)
-        cluster.submit("chaos", 2, 3, example_command(steps=STEPS, out=out, extra=(
-            "--device-ms-per-sample", MS_PER_SAMPLE, "--checkpoint-dir", str(ckpt),
-            "--checkpoint-every", str(CKPT_EVERY))))
-        cluster.wait_job("chaos", lambda j: j["state"] == "RUNNING" and len(j["members"]) == 3
-                         and j["step"] >= CKPT_EVERY + 5, 180, "three workers training")
+        _wait(
+            lambda: len([n for n in cluster.status()["nodes"] if n["alive"]]) == AGENTS,
+            60,
+            "every agent to join",
+            cluster,
+        )
+        cluster.submit(
+            "chaos",
+            2,
+            3,
+            example_command(
+                steps=STEPS,
+                out=out,
+                extra=(
+                    "--device-ms-per-sample",
+                    MS_PER_SAMPLE,
+                    "--checkpoint-dir",
+                    str(ckpt),
+                    "--checkpoint-every",
+                    str(CKPT_EVERY),
+                ),
+            ),
+        )
+        cluster.wait_job(
+            "chaos",
+            lambda j: j["state"] == "RUNNING" and len(j["members"]) == 3 and j["step"] >= CKPT_EVERY + 5,
+            180,
+            "three workers training",
+        )
         busy = {n: chaos.workers(n) for n in sorted(cluster.agents)}
         assert sum(map(len, busy.values())) == 3, busy  # what the faults aim at is found
         for n, kind in enumerate(schedule):
             if _over(cluster.status("chaos")):
                 break
             if kind == "corrupt_checkpoint":  # an older one to fall back on, too
-                _wait(lambda: _step_of(newest_complete(ckpt)) >= 2 * CKPT_EVERY, 120,
-                      "two checkpoints", cluster)
+                _wait(lambda: _step_of(newest_complete(ckpt)) >= 2 * CKPT_EVERY, 120, "two checkpoints", cluster)
             rec = inject(chaos, kind, rng)
             rec["n"] = n
             settle(chaos, rec)
             records.append(rec)
             print(f"chaos: fault {n + 1}/{len(schedule)} {kind} on {rec['node']}", flush=True)
             time.sleep(rng.uniform(1.0, 3.0))
-        final = cluster.wait_job("chaos", lambda j: j["state"] in ("COMPLETED", "FAILED"),
-                                 1200, "the job to finish")
+        final = cluster.wait_job("chaos", lambda j: j["state"] in ("COMPLETED", "FAILED"), 1200, "the job to finish")
         assert final["state"] == "COMPLETED", f"{final}\n{cluster.evidence()}"
         result = audit(chaos.ledger)
         error = relative_error(torch.load(out, weights_only=True), expected)
@@ -432,11 +496,17 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     for r in records:
         kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
     report = {
-        "faults": len(records), "kinds": kinds, "seed": SEED, "steps": STEPS,
-        "lost": len(result.missing), "repeated": len(result.duplicates),
+        "faults": len(records),
+        "kinds": kinds,
+        "seed": SEED,
+        "steps": STEPS,
+        "lost": len(result.missing),
+        "repeated": len(result.duplicates),
         "rolled_back": result.rolled_back,
-        "audit_ok": result.ok, "audit": result.describe(),
-        "param_rel_err": error, "corrupt_loaded": corrupt_loaded,
+        "audit_ok": result.ok,
+        "audit": result.describe(),
+        "param_rel_err": error,
+        "corrupt_loaded": corrupt_loaded,
         "corrupted": sorted(Path(p).name for p in chaos.corrupted),
         "refused": sorted(Path(p).name for p in refused),
         "resumed_from": [Path(p).name for p in resumed],
@@ -455,7 +525,8 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     assert not leftovers, leftovers
     assert len(kinds) >= min(10, len(KINDS)), kinds
     assert len(records) == len(schedule), (
-        f"the job finished after {len(records)} of {len(schedule)} faults: give it more steps")
+        f"the job finished after {len(records)} of {len(schedule)} faults: give it more steps"
+    )
     missing = [r for r in records if "recovered_s" not in r]
     assert not missing, missing
 
@@ -463,8 +534,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
 def _write_results(path: Path, report: dict) -> None:
     """The report as the benchmarks write theirs (``measured``: the commit and date first), by
     benchmarks/_results.py, loaded by its path (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_results",
-                                                  ROOT / "benchmarks" / "_results.py")
+    spec = importlib.util.spec_from_file_location("bench_results", ROOT / "benchmarks" / "_results.py")
     assert spec is not None and spec.loader is not None
     results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(results)

@@ -64,8 +64,7 @@ def forward(model: torch.nn.Sequential, x: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            store=dist.FileStore(os.environ["STORE_FILE"], 1))
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore(os.environ["STORE_FILE"], 1))
     mesh = init_device_mesh("cpu", (1,))
     model = mlp()
     for layer in model:
@@ -85,11 +84,12 @@ def main() -> None:
     plain = mlp()
     for x in xs:
         forward(plain, x).backward()
-    launched_params = [i for b in reducer.layout[:reducer._launched] for i in b]
-    exact = all(torch.allclose(params[i].grad.full_tensor(), list(plain.parameters())[i].grad,
-                               rtol=1e-5, atol=1e-6) for i in launched_params)
-    print(json.dumps({"launched_after": after, "at_first_layer": seen,
-                      "buckets": len(reducer.layout), "exact": exact}))
+    launched_params = [i for b in reducer.layout[: reducer._launched] for i in b]
+    exact = all(
+        torch.allclose(params[i].grad.full_tensor(), list(plain.parameters())[i].grad, rtol=1e-5, atol=1e-6)
+        for i in launched_params
+    )
+    print(json.dumps({"launched_after": after, "at_first_layer": seen, "buckets": len(reducer.layout), "exact": exact}))
     dist.destroy_process_group()
 
 

@@ -54,8 +54,13 @@ class Gain(torch.nn.Module):
 
 
 mesh = maitre.replica_mesh(dp_shard=args.dp_shard, tp=args.tp, device_type="cpu")
-model = torch.nn.Sequential(torch.nn.Linear(D, 32), Gain() if args.bad_tp else torch.nn.Tanh(),
-                            torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+model = torch.nn.Sequential(
+    torch.nn.Linear(D, 32),
+    Gain() if args.bad_tp else torch.nn.Tanh(),
+    torch.nn.Linear(32, 32),
+    torch.nn.Tanh(),
+    torch.nn.Linear(32, 1),
+)
 reference = [t.detach().clone() for t in model.parameters()] if args.check_grads else None
 if mesh["tp"].size() > 1:
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
@@ -74,8 +79,9 @@ def check_grads(batch: maitre.Batch) -> None:
     """Step 1: the loop's gradients (reduced, divided, clipped) against one process's."""
     if batch.step != 1:
         return
-    plain = torch.nn.Sequential(torch.nn.Linear(D, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                                torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(D, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)
+    )
     with torch.no_grad():
         for mine, init in zip(plain.parameters(), reference):
             mine.copy_(init)
@@ -93,22 +99,27 @@ def check_grads(batch: maitre.Batch) -> None:
 
 
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
-loop = maitre.ElasticLoop(model, optimizer, maitre.ElasticSampler(N, 24, seed=0),
-                          micro_batch_size=4, clip_grad_norm=args.clip,
-                          on_reduced_grads=check_grads if args.check_grads else None,
-                          precision="fp16" if args.loss_scale else None,
-                          loss_scaler=maitre.LossScaler(args.loss_scale) if args.loss_scale else None,
-                          checkpoint=maitre.CheckpointConfig(
-                              directory=args.checkpoint_dir,
-                              interval=maitre.IntervalConfig(every_steps=args.checkpoint_every))
-                          if args.checkpoint_dir else None)
+loop = maitre.ElasticLoop(
+    model,
+    optimizer,
+    maitre.ElasticSampler(N, 24, seed=0),
+    micro_batch_size=4,
+    clip_grad_norm=args.clip,
+    on_reduced_grads=check_grads if args.check_grads else None,
+    precision="fp16" if args.loss_scale else None,
+    loss_scaler=maitre.LossScaler(args.loss_scale) if args.loss_scale else None,
+    checkpoint=maitre.CheckpointConfig(
+        directory=args.checkpoint_dir, interval=maitre.IntervalConfig(every_steps=args.checkpoint_every)
+    )
+    if args.checkpoint_dir
+    else None,
+)
 for batch in loop.run(max_steps=args.steps):
     for idx in batch.micro_batches:
         # Every process runs the same number of forward passes (FSDP's collectives need it),
         # an empty micro-batch adding nothing.
         batch.backward(loss_of(model, idx))
-full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v
-        for k, v in model.state_dict().items()}
+full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
 if loop.rank == 0 and torch.distributed.get_rank() == 0:  # one process of one replica
     torch.save(full, args.out)
     skipped = loop.scaler.skipped if loop.scaler is not None else 0

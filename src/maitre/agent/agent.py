@@ -113,6 +113,7 @@ LOCAL_HEARTBEAT_S = 0.25
 the coordinator shows it (``maitre status``, a scripted story's ``kill@STEP``) is fresh. The
 default (2 s) is for clusters, where news for workers comes by the watch, not the beat."""
 
+
 class WorkerBeats:
     """What the agent knows of one worker from its heartbeats: progress and rhythm."""
 
@@ -137,11 +138,15 @@ class WorkerBeats:
         return changed
 
     def report(self, worker_id: str, now: float) -> dict[str, Any]:
-        return {"id": worker_id, "step": self.step, "stalled": self.stalled,
-                "trained_s": round(self.trained_s, 4),
-                "silent_s": None if self.last is None else round(max(0.0, now - self.last), 4),
-                "gap_mean_s": round(min(self.gap_mean, 3600.0), 4),
-                "gap_std_s": round(min(math.sqrt(self.gap_var), 3600.0), 4)}
+        return {
+            "id": worker_id,
+            "step": self.step,
+            "stalled": self.stalled,
+            "trained_s": round(self.trained_s, 4),
+            "silent_s": None if self.last is None else round(max(0.0, now - self.last), 4),
+            "gap_mean_s": round(min(self.gap_mean, 3600.0), 4),
+            "gap_std_s": round(min(math.sqrt(self.gap_var), 3600.0), 4),
+        }
 
 
 def _report(wid: str, procs: dict[int, WorkerBeats], now: float) -> dict[str, Any]:
@@ -152,15 +157,29 @@ def _report(wid: str, procs: dict[int, WorkerBeats], now: float) -> dict[str, An
     parts = [b.report(wid, now) for b in procs.values()]
     heard = [r for r in parts if r["silent_s"] is not None]
     worst = max(heard, key=lambda r: r["silent_s"]) if heard else parts[0]
-    return {**worst, "step": min(r["step"] for r in parts),
-            "stalled": any(r["stalled"] for r in parts),
-            "trained_s": min(r["trained_s"] for r in parts)}
+    return {
+        **worst,
+        "step": min(r["step"] for r in parts),
+        "stalled": any(r["stalled"] for r in parts),
+        "trained_s": min(r["trained_s"] for r in parts),
+    }
 
 
-_NO_VIEW = {"job_state": "", "epoch": 0, "member_epoch": 0, "closed": False, "change": False,
-            "leave": False, "stop": False, "suspend": False, "failures": 0, "age_s": 0.0}
-_BEAT_ROUTE = re.compile(re.escape(protocol.API + protocol.WORKER_HEARTBEAT)
-                         .replace(r"\{worker\}", "(?P<w>[A-Za-z0-9_.-]+)"))
+_NO_VIEW = {
+    "job_state": "",
+    "epoch": 0,
+    "member_epoch": 0,
+    "closed": False,
+    "change": False,
+    "leave": False,
+    "stop": False,
+    "suspend": False,
+    "failures": 0,
+    "age_s": 0.0,
+}
+_BEAT_ROUTE = re.compile(
+    re.escape(protocol.API + protocol.WORKER_HEARTBEAT).replace(r"\{worker\}", "(?P<w>[A-Za-z0-9_.-]+)")
+)
 
 
 class Agent:
@@ -184,12 +203,23 @@ class Agent:
             thread; every beat carries the latest result, a new one is news worth a beat.
     """
 
-    def __init__(self, coordinator: str, node_id: str, slots: int, *, heartbeat_s: float = 2.0,
-                 urgent_s: float = 0.1, extra_env: dict[str, str] | None = None,
-                 output: Output = print_output, token: str | None = None,
-                 labels: dict[str, str] | None = None, iface: str | None = None,
-                 tls_ca: str | None = None, notices: NoticeWatcher | None = None,
-                 health: HealthMonitor | None = None) -> None:
+    def __init__(
+        self,
+        coordinator: str,
+        node_id: str,
+        slots: int,
+        *,
+        heartbeat_s: float = 2.0,
+        urgent_s: float = 0.1,
+        extra_env: dict[str, str] | None = None,
+        output: Output = print_output,
+        token: str | None = None,
+        labels: dict[str, str] | None = None,
+        iface: str | None = None,
+        tls_ca: str | None = None,
+        notices: NoticeWatcher | None = None,
+        health: HealthMonitor | None = None,
+    ) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.client = Client(coordinator, timeout_s=5.0, token=token, tls_ca=tls_ca)
@@ -256,9 +286,14 @@ class Agent:
             self.health.start()
         self._beat()
         self._threads = [
-            threading.Thread(target=self._local.serve_forever, kwargs={"poll_interval": 0.2},
-                             name=f"agent-{self.node_id}-local", daemon=True),
-            threading.Thread(target=self._watch, name=f"agent-{self.node_id}-watch", daemon=True)]
+            threading.Thread(
+                target=self._local.serve_forever,
+                kwargs={"poll_interval": 0.2},
+                name=f"agent-{self.node_id}-local",
+                daemon=True,
+            ),
+            threading.Thread(target=self._watch, name=f"agent-{self.node_id}-watch", daemon=True),
+        ]
         for t in self._threads:
             t.start()
         last = time.monotonic()
@@ -281,18 +316,23 @@ class Agent:
     def _urgent(self, now: float) -> bool:
         """A worker is stalled or silent: the hang detector needs fresh news, every ``urgent_s``."""
         with self._lock:
-            return any(b.stalled or (b.last is not None and now - b.last >= protocol.SILENT_S)
-                       for wid, procs in self.beats.items() if wid in self.workers
-                       for b in procs.values())
+            return any(
+                b.stalled or (b.last is not None and now - b.last >= protocol.SILENT_S)
+                for wid, procs in self.beats.items()
+                if wid in self.workers
+                for b in procs.values()
+            )
 
     def _watch(self) -> None:
         """Long-poll the node's orders; apply each answer as soon as it comes."""
         while not self._stop.is_set():
             sent = time.monotonic()
             try:
-                reply = self.watcher.post(protocol.NODE_WATCH.format(node=self.node_id),
-                                          {"since": self.version, "wait_s": 30.0},
-                                          timeout_s=45.0)
+                reply = self.watcher.post(
+                    protocol.NODE_WATCH.format(node=self.node_id),
+                    {"since": self.version, "wait_s": 30.0},
+                    timeout_s=45.0,
+                )
             except (CoordinatorUnreachable, ApiError):  # restarting, or not yet beaten to
                 self._stop.wait(0.5)
                 continue
@@ -363,16 +403,19 @@ class Agent:
         now = time.monotonic()
         running = self.running()
         with self._lock:
-            workers = [_report(wid, self.beats[wid], now) if wid in self.beats else {"id": wid}
-                       for wid in running]
-        body: dict[str, Any] = {"slots": self.slots, "labels": self.labels, "workers": workers,
-                                "since": self.version, "interval_s": self.heartbeat_s,
-                                "agent": self.agent_id}
+            workers = [_report(wid, self.beats[wid], now) if wid in self.beats else {"id": wid} for wid in running]
+        body: dict[str, Any] = {
+            "slots": self.slots,
+            "labels": self.labels,
+            "workers": workers,
+            "since": self.version,
+            "interval_s": self.heartbeat_s,
+            "agent": self.agent_id,
+        }
         notice = self.notices.current if self.notices is not None else None
         if notice is not None:
             left = 0.0 if self._going else notice.remaining_s(self.notices.clock())
-            body["notice"] = {"notice_s": round(left, 3),
-                              "action": notice.action[:64], "source": notice.source[:500]}
+            body["notice"] = {"notice_s": round(left, 3), "action": notice.action[:64], "source": notice.source[:500]}
         health = self.health.beat() if self.health is not None else None
         if health is not None:
             body["health"] = health
@@ -408,8 +451,7 @@ class Agent:
             start = [o for o in orders.get("start", []) if o["worker_id"] not in self._ordered]
             self._ordered.update(o["worker_id"] for o in start)
         for order in start:  # off this thread: a start must not delay a beat
-            threading.Thread(target=self._spawn, args=(order,), name="maitre-spawn",
-                             daemon=True).start()
+            threading.Thread(target=self._spawn, args=(order,), name="maitre-spawn", daemon=True).start()
         for wid in orders.get("kill", []):
             w = self.workers.get(wid)
             if w is not None:
@@ -426,8 +468,9 @@ class Agent:
             beats = procs.get(index)
             if beats is None:
                 beats = procs[index] = WorkerBeats()
-            news = beats.beat(now, int(body.get("step", 0)),
-                              bool(body.get("stalled", False)), float(body.get("trained_s", 0.0)))
+            news = beats.beat(
+                now, int(body.get("step", 0)), bool(body.get("stalled", False)), float(body.get("trained_s", 0.0))
+            )
             view = self.views.get(wid, _NO_VIEW)
             heard = self.heard_at
         if news:
@@ -447,13 +490,19 @@ class Agent:
         if self.tls_ca:
             env[protocol.TLS_CA] = str(Path(self.tls_ca).resolve())
         nproc = int(order.get("nproc", 1))
-        env.update({
-            protocol.COORDINATOR: self.coordinator, protocol.WORKER_ID: wid,
-            protocol.JOB_ID: order["job_id"], protocol.STORE: self._store_address(order["store"]),
-            protocol.STORE_KEY: order.get("store_key", ""),
-            protocol.AGENT: self.socket_path, "LOCAL_WORLD_SIZE": str(self.slots),
-            "TORCHELASTIC_RUN_ID": order["job_id"], "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                protocol.COORDINATOR: self.coordinator,
+                protocol.WORKER_ID: wid,
+                protocol.JOB_ID: order["job_id"],
+                protocol.STORE: self._store_address(order["store"]),
+                protocol.STORE_KEY: order.get("store_key", ""),
+                protocol.AGENT: self.socket_path,
+                "LOCAL_WORLD_SIZE": str(self.slots),
+                "TORCHELASTIC_RUN_ID": order["job_id"],
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         if nproc > 1:
             env.update({protocol.NPROC: str(nproc), protocol.MESH: order.get("mesh", "")})
         env.setdefault("OMP_NUM_THREADS", "1")
@@ -461,24 +510,33 @@ class Agent:
         procs: list[Any] = []
         for i in range(nproc):
             first = order["local_rank"] + i * per
-            mine = {**env, "LOCAL_RANK": str(first),
-                    # The slots (GPUs) it holds on this node: LOCAL_RANK and the ones after it.
-                    protocol.SLOTS: ",".join(str(first + k) for k in range(per))}
+            mine = {
+                **env,
+                "LOCAL_RANK": str(first),
+                # The slots (GPUs) it holds on this node: LOCAL_RANK and the ones after it.
+                protocol.SLOTS: ",".join(str(first + k) for k in range(per)),
+            }
             if nproc > 1:
                 mine[protocol.PROC] = str(i)
             try:
                 if warmstart.enabled(mine) and warmstart.warm_target(order["command"]):
                     procs.append(warmstart.WarmProcess(order["command"], mine))
                 else:
-                    procs.append(subprocess.Popen(order["command"], env=mine,
-                                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                  text=True, start_new_session=True))
+                    procs.append(
+                        subprocess.Popen(
+                            order["command"],
+                            env=mine,
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            start_new_session=True,
+                        )
+                    )
             except OSError as exc:  # no such program, not executable: the job's error, not ours
                 for p in procs:
                     _signal(p, signal.SIGKILL)
                 self.output(wid, f"maitre: cannot start {order['command'][0]!r}: {exc}\n")
-                threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"),
-                                 daemon=True).start()
+                threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"), daemon=True).start()
                 return
         worker = _Worker(wid, *procs)
         with self._lock:
@@ -486,9 +544,9 @@ class Agent:
         for proc in procs:
             worker.threads += [
                 threading.Thread(target=self._pump, args=(worker, proc.stdout, False), daemon=True),
-                threading.Thread(target=self._pump, args=(worker, proc.stderr, True), daemon=True)]
-        worker.threads += [threading.Thread(target=self._wait, args=(worker, i), daemon=True)
-                           for i in range(nproc)]
+                threading.Thread(target=self._pump, args=(worker, proc.stderr, True), daemon=True),
+            ]
+        worker.threads += [threading.Thread(target=self._wait, args=(worker, i), daemon=True) for i in range(nproc)]
         with self._lock:
             self.workers[wid] = worker
         for t in worker.threads:
@@ -512,7 +570,7 @@ class Agent:
     def _wait(self, worker: _Worker, index: int = 0) -> None:
         code = worker.procs[index].wait()
         nproc = len(worker.procs)
-        for t in worker.threads[2 * index:2 * index + 2]:
+        for t in worker.threads[2 * index : 2 * index + 2]:
             t.join(timeout=2)  # let the last stderr lines in
         # A failing exit's last stderr line is its error (``Type: message`` for Python); a
         # signal's death says nothing about the script, whatever it printed before.
@@ -533,8 +591,10 @@ class Agent:
         self._poke.set()  # the node beat stops listing it now
         for _ in range(1200):
             try:
-                self.client.post(protocol.WORKER_EXIT.format(worker=worker_id),
-                                 {"code": code, "error": (error or "")[-4000:] or None})
+                self.client.post(
+                    protocol.WORKER_EXIT.format(worker=worker_id),
+                    {"code": code, "error": (error or "")[-4000:] or None},
+                )
                 return
             except CoordinatorUnreachable:
                 if self._stop.wait(0.5):

@@ -63,8 +63,7 @@ class HealthConfig:
 
     def __post_init__(self) -> None:
         if not (self.interval_s == 0 or 1.0 <= self.interval_s <= 7 * 86400):
-            raise ValueError(f"health interval must be 0 (at start only) or 1..604800 s, "
-                             f"got {self.interval_s}")
+            raise ValueError(f"health interval must be 0 (at start only) or 1..604800 s, got {self.interval_s}")
         if not 0.1 <= self.timeout_s <= 3600:
             raise ValueError(f"health timeout must be 0.1..3600 s, got {self.timeout_s}")
         if not 1.0 < self.slowdown <= 1000:
@@ -83,13 +82,19 @@ class Result:
     probe: str
 
 
-def run_child(argv: list[str], timeout_s: float, env: dict[str, str] | None = None
-              ) -> tuple[int | None, str]:
+def run_child(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> tuple[int | None, str]:
     """Run ``argv`` in its own session; its exit code (None: killed at ``timeout_s``, with its
     whole process group) and its output (stdout and stderr together)."""
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace",
-                            start_new_session=True, env=env)
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+        env=env,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
         return proc.returncode, out or ""
@@ -110,8 +115,7 @@ def tail(text: str, lines: int = DETAIL_LINES) -> str:
     return "\n".join(kept)[-_MAX_DETAIL:]
 
 
-def judge(checks: list[dict[str, Any]], baseline: dict[str, float], slowdown: float
-          ) -> tuple[bool, str]:
+def judge(checks: list[dict[str, Any]], baseline: dict[str, float], slowdown: float) -> tuple[bool, str]:
     """The built-in probe's checks (as its child printed them) against the node's first
     measurements (``baseline``, check name -> compute seconds, filled by the first passing
     probe). Returns (ok, detail)."""
@@ -124,8 +128,10 @@ def judge(checks: list[dict[str, Any]], baseline: dict[str, float], slowdown: fl
         took = c.get("compute_s")
         first = baseline.get(name)
         if isinstance(took, (int, float)) and first and took > slowdown * first:
-            failed.append(f"{name}: compute took {took:.3f}s, {took / first:.1f}x the node's "
-                          f"first measurement ({first:.3f}s; limit {slowdown:g}x)")
+            failed.append(
+                f"{name}: compute took {took:.3f}s, {took / first:.1f}x the node's "
+                f"first measurement ({first:.3f}s; limit {slowdown:g}x)"
+            )
         elif isinstance(took, (int, float)):
             said.append(f"{name} {took:.3f}s")
     if failed:
@@ -156,16 +162,14 @@ class Prober:
             code, out = 127, f"cannot start {self.cfg.command[0]!r}: {exc}"
         seconds = round(time.monotonic() - began, 3)
         if code is None:
-            return Result(False, tail(f"{out}\ntimed out after {self.cfg.timeout_s:g}s "
-                                      "(killed)"), seconds, "command")
+            return Result(False, tail(f"{out}\ntimed out after {self.cfg.timeout_s:g}s (killed)"), seconds, "command")
         detail = tail(out) or ("ok" if code == 0 else "")
         if code != 0:
             detail = tail(f"{detail}\nexit code {code}")
         return Result(code == 0, detail, seconds, "command")
 
     def _builtin(self) -> tuple[bool, str]:
-        argv = [self.python, "-m", "maitre.agent.health", "--memory-mib",
-                str(self.cfg.memory_mib)]
+        argv = [self.python, "-m", "maitre.agent.health", "--memory-mib", str(self.cfg.memory_mib)]
         try:
             code, out = run_child(argv, self.cfg.timeout_s)
         except OSError as exc:
@@ -221,8 +225,13 @@ class HealthMonitor:
             r, count = self.latest, self.count
         if r is None:
             return None
-        return {"id": count, "ok": r.ok, "detail": r.detail[-_MAX_DETAIL:],
-                "seconds": min(r.seconds, 86400.0), "probe": r.probe}
+        return {
+            "id": count,
+            "ok": r.ok,
+            "detail": r.detail[-_MAX_DETAIL:],
+            "seconds": min(r.seconds, 86400.0),
+            "probe": r.probe,
+        }
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -278,28 +287,31 @@ def _memory(mib: int) -> dict[str, Any]:
         buf = bytearray(mib << 20)
         view = memoryview(buf)
         for k in range(mib):
-            view[k << 20:(k + 1) << 20] = block
-        bad = [k for k in range(mib) if view[k << 20:(k + 1) << 20] != block]
+            view[k << 20 : (k + 1) << 20] = block
+        bad = [k for k in range(mib) if view[k << 20 : (k + 1) << 20] != block]
     except MemoryError:
         return {"name": "memory", "ok": False, "detail": f"cannot allocate {mib} MiB"}
     if bad:
-        return {"name": "memory", "ok": False,
-                "detail": f"pattern read back wrong in {len(bad)} of {mib} MiB"}
+        return {"name": "memory", "ok": False, "detail": f"pattern read back wrong in {len(bad)} of {mib} MiB"}
     return {"name": "memory", "ok": True}
 
 
 def _gpus(mib: int) -> list[dict[str, Any]]:
     """Each visible CUDA device (untested here: no GPU in the test suite's machine)."""
-    if not os.path.exists("/dev/nvidiactl") or \
-            os.environ.get("CUDA_VISIBLE_DEVICES", "x") in ("", "-1"):
+    if not os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES", "x") in ("", "-1"):
         return []
     import torch
 
     if not torch.cuda.is_available():
         if torch.version.cuda is None:  # a CPU build of torch: nothing to check with
             return []
-        return [{"name": "cuda", "ok": False, "detail": "the node has NVIDIA devices but torch "
-                 "sees none (driver, or devices lost)"}]
+        return [
+            {
+                "name": "cuda",
+                "ok": False,
+                "detail": "the node has NVIDIA devices but torch sees none (driver, or devices lost)",
+            }
+        ]
     torch.backends.cuda.matmul.allow_tf32 = False  # the known answer is exact in fp32
     out = []
     for i in range(torch.cuda.device_count()):
@@ -318,22 +330,26 @@ def _gpus(mib: int) -> list[dict[str, Any]]:
                 torch.cuda.synchronize(dev)
                 best = min(best, time.perf_counter() - began)
             if not bool((c == n).all()):
-                out.append({"name": name, "ok": False, "detail": "matmul of ones gave a wrong "
-                            "answer"})
+                out.append({"name": name, "ok": False, "detail": "matmul of ones gave a wrong answer"})
                 continue
             size = min(mib << 20, free // 8)
-            pattern = torch.arange(size, device=dev, dtype=torch.int64).remainder_(251) \
-                .to(torch.uint8)
+            pattern = torch.arange(size, device=dev, dtype=torch.int64).remainder_(251).to(torch.uint8)
             back = pattern.clone().cpu()
             want = torch.arange(size, dtype=torch.int64).remainder_(251).to(torch.uint8)
             if not torch.equal(back, want):
-                out.append({"name": name, "ok": False, "detail": "memory pattern read back "
-                            "wrong"})
+                out.append({"name": name, "ok": False, "detail": "memory pattern read back wrong"})
                 continue
             del a, c, pattern
             torch.cuda.empty_cache()
-            out.append({"name": name, "ok": True, "compute_s": round(best, 6),
-                        "free_mib": free >> 20, "total_mib": total >> 20})
+            out.append(
+                {
+                    "name": name,
+                    "ok": True,
+                    "compute_s": round(best, 6),
+                    "free_mib": free >> 20,
+                    "total_mib": total >> 20,
+                }
+            )
         except Exception as exc:  # noqa: BLE001 (an XID, an ECC error: the node's failure)
             out.append({"name": name, "ok": False, "detail": f"{type(exc).__name__}: {exc}"})
     return out
@@ -342,8 +358,9 @@ def _gpus(mib: int) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m maitre.agent.health",
-                                     description="maitre's built-in node health probe")
+    parser = argparse.ArgumentParser(
+        prog="python -m maitre.agent.health", description="maitre's built-in node health probe"
+    )
     parser.add_argument("--memory-mib", type=int, default=64)
     args = parser.parse_args(argv)
     checks = [_cpu(), _memory(max(1, args.memory_mib))]

@@ -150,8 +150,7 @@ def detect_cached(coordinator: str) -> Route | None:
     return detect(coordinator)
 
 
-def worker_env(coordinator: str, environ: Mapping[str, str],
-               iface: str | None = None) -> dict[str, str]:
+def worker_env(coordinator: str, environ: Mapping[str, str], iface: str | None = None) -> dict[str, str]:
     """The variables to add to a worker's environment ``environ`` so that the peers of its
     process group can reach it (see the module docstring for the precedence)."""
     name = iface

@@ -88,7 +88,7 @@ def parse_aws(body: str) -> tuple[str, float]:
     except ValueError:
         raise NoticeError(f"not JSON: {body[:80]!r}") from None
     if not isinstance(doc, dict) or "action" not in doc or "time" not in doc:
-        raise NoticeError(f"expected {{\"action\": ..., \"time\": ...}}, got {body[:80]!r}")
+        raise NoticeError(f'expected {{"action": ..., "time": ...}}, got {body[:80]!r}')
     action = doc["action"]
     if action not in ("terminate", "stop", "hibernate"):
         raise NoticeError(f"unknown action {action!r} (terminate, stop or hibernate)")
@@ -110,12 +110,13 @@ def parse_file(text: str, mtime: float) -> tuple[str, float]:
     if isinstance(doc, dict) and "action" in doc and "time" in doc:
         return parse_aws(text)
     if not isinstance(doc, dict) or len(doc.keys() & {"deadline", "notice_s"}) != 1:
-        raise NoticeError('expected {"deadline": <unix time>}, {"notice_s": <seconds>} or '
-                          f'AWS\'s {{"action": ..., "time": ...}}, got {text[:80]!r}')
+        raise NoticeError(
+            'expected {"deadline": <unix time>}, {"notice_s": <seconds>} or '
+            f'AWS\'s {{"action": ..., "time": ...}}, got {text[:80]!r}'
+        )
     key = "deadline" if "deadline" in doc else "notice_s"
     value = doc[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or \
-            value == float("inf"):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
         raise NoticeError(f"{key} must be a number >= 0, got {value!r}")
     action = doc.get("action", "terminate")
     if not isinstance(action, str) or not action:
@@ -155,8 +156,9 @@ class HttpSource:
         self._seen_true: float | None = None
         """When GCE's ``preempted`` first said TRUE (its deadline counts from then)."""
         split = urllib.parse.urlsplit(url)
-        self._token_url = f"{split.scheme}://{split.netloc}/latest/api/token" \
-            if split.path.startswith("/latest/meta-data/") else None
+        self._token_url = (
+            f"{split.scheme}://{split.netloc}/latest/api/token" if split.path.startswith("/latest/meta-data/") else None
+        )
         """AWS's instance metadata: where its IMDSv2 session tokens come from."""
         self._token: tuple[str, float] | None = None
         """(token, monotonic time to renew it by); ("", t): the service has no tokens."""
@@ -202,8 +204,8 @@ class HttpSource:
         if self._token is not None and time.monotonic() < self._token[1]:
             return self._token[0]
         request = urllib.request.Request(
-            self._token_url, method="PUT",
-            headers={"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)})
+            self._token_url, method="PUT", headers={"X-aws-ec2-metadata-token-ttl-seconds": str(AWS_TOKEN_TTL_S)}
+        )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 token = reply.read(4096).decode("ascii", "replace").strip()
@@ -230,8 +232,7 @@ class SigtermSource:
 
     def __init__(self, notice_s: float, clock: Callable[[], float] = time.time) -> None:
         if not notice_s > 0:
-            raise ValueError("--sigterm-notice must be a positive number of seconds, got "
-                             f"{notice_s}")
+            raise ValueError(f"--sigterm-notice must be a positive number of seconds, got {notice_s}")
         self.notice_s = notice_s
         self.clock = clock
         self.fired_at: float | None = None
@@ -250,7 +251,7 @@ class SigtermSource:
 def source(spec: str) -> FileSource | HttpSource:
     """``file:PATH`` or an ``http(s)://`` URL (ValueError otherwise)."""
     if spec.startswith("file:"):
-        return FileSource(spec[len("file:"):])
+        return FileSource(spec[len("file:") :])
     if spec.startswith(("http://", "https://")):
         rest = spec.split("://", 1)[1]
         if not rest or rest.startswith("/"):
@@ -264,11 +265,15 @@ class NoticeWatcher:
     """Polls a source every ``interval_s`` on a thread of its own; ``current`` is the notice
     once one was seen, and ``on_notice`` is called once, then."""
 
-    def __init__(self, src: FileSource | HttpSource | SigtermSource, *,
-                 interval_s: float = DEFAULT_INTERVAL_S,
-                 default_notice_s: float = DEFAULT_NOTICE_S,
-                 on_notice: Callable[[Notice], None] = lambda notice: None,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        src: FileSource | HttpSource | SigtermSource,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        default_notice_s: float = DEFAULT_NOTICE_S,
+        on_notice: Callable[[Notice], None] = lambda notice: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         if not interval_s > 0:
             raise ValueError(f"--spot-notice-interval must be positive, got {interval_s}")
         if not default_notice_s >= 0:
@@ -303,16 +308,20 @@ class NoticeWatcher:
             return None
         action, deadline = said
         self.current = Notice(deadline, action, self.src.description)
-        self._say(f"{self.src.description}: spot notice, {action} in "
-                  f"{self.current.remaining_s(now):.0f}s", logging.WARNING)
+        self._say(
+            f"{self.src.description}: spot notice, {action} in {self.current.remaining_s(now):.0f}s", logging.WARNING
+        )
         self.on_notice(self.current)
         return self.current
 
     def _say(self, status: str, level: int) -> None:
         if status != self.status:  # once per change, not once a poll
             self.status = status
-            log.log(level, "%s (the node keeps running)" if level == logging.WARNING and
-                    self.current is None else "%s", status)
+            log.log(
+                level,
+                "%s (the node keeps running)" if level == logging.WARNING and self.current is None else "%s",
+                status,
+            )
 
     def start(self) -> "NoticeWatcher":
         self._thread = threading.Thread(target=self._run, name="maitre-notices", daemon=True)

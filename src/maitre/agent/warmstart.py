@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from maitre.protocol import WARM_START as ENV
-PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "maitre",
-           "maitre.runtime.loop"]
+
+PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "maitre", "maitre.runtime.loop"]
 """Imported once in the fork server. torch._dynamo is what `torch.optim` optimizers import
 lazily at construction (about 2.5 s of a worker's start here)."""
 
@@ -83,8 +83,7 @@ class WarmProcess:
         ctx = _ctx()
         out_r, out_w = ctx.Pipe(duplex=False)
         err_r, err_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(*target, env, cwd or os.getcwd(),
-                                                      out_w, err_w), daemon=False)
+        self._proc = ctx.Process(target=_child, args=(*target, env, cwd or os.getcwd(), out_w, err_w), daemon=False)
         self._proc.start()
         out_w.close()
         err_w.close()
@@ -119,8 +118,7 @@ def _name_process(name: str) -> None:
         pass
 
 
-def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str,
-           out_w: Any, err_w: Any) -> None:
+def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str, out_w: Any, err_w: Any) -> None:
     """Runs in the forked worker: become the command, as ``python`` would have started it."""
     os.setsid()
     _name_process(Path(target).name)

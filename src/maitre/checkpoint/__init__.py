@@ -36,8 +36,17 @@ _HOMES = {
 }
 """Where each public name is defined."""
 
-__all__ = ["CheckpointConfig", "Checkpointer", "CorruptCheckpoint", "IntervalConfig", "Loaded",
-           "UnusableCheckpoint", "daly_interval_s", "load", "load_latest"]
+__all__ = [
+    "CheckpointConfig",
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "IntervalConfig",
+    "Loaded",
+    "UnusableCheckpoint",
+    "daly_interval_s",
+    "load",
+    "load_latest",
+]
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _HOMES)

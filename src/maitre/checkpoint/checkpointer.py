@@ -65,16 +65,24 @@ class CheckpointConfig:
         every = env.get(EVERY_ENV)
         mtbf = env.get(MTBF_ENV)
         keep = int(env[KEEP_ENV]) if env.get(KEEP_ENV) else KEEP
-        return cls(directory=Path(env[DIR_ENV]), keep=keep,
-                   interval=IntervalConfig(every_steps=int(every) if every else None,
-                                           mtbf_s=float(mtbf) if mtbf else None))
+        return cls(
+            directory=Path(env[DIR_ENV]),
+            keep=keep,
+            interval=IntervalConfig(every_steps=int(every) if every else None, mtbf_s=float(mtbf) if mtbf else None),
+        )
 
 
 class Checkpointer:
     """One per training process; see the module docstring."""
 
-    def __init__(self, cfg: CheckpointConfig, *, meta: dict[str, Any] | None = None,
-                 log: Callable[[str], None] = _stderr, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        *,
+        meta: dict[str, Any] | None = None,
+        log: Callable[[str], None] = _stderr,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.cfg = cfg
         self.meta = meta or {}
         self.log = log
@@ -103,8 +111,9 @@ class Checkpointer:
         self.policy.record_step(duration_s, self.busy)
         self._collect()
 
-    def save(self, state: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int,
-             rank: int, world_size: int, token: int) -> float:
+    def save(
+        self, state: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int, rank: int, world_size: int, token: int
+    ) -> float:
         """Snapshot ``state`` (a TrainState tree, or a function returning one) and hand it to the
         writer; returns the seconds this blocked."""
         started = self.clock()
@@ -112,8 +121,14 @@ class Checkpointer:
         writer.wait()
         self._collect()
         tree = state() if callable(state) else state
-        snap = self._buffers.take(tree, step=step, token=token, rank=rank, world_size=world_size,
-                                  halfway=lambda: fault_point("snapshot", writer.saves + 1))
+        snap = self._buffers.take(
+            tree,
+            step=step,
+            token=token,
+            rank=rank,
+            world_size=world_size,
+            halfway=lambda: fault_point("snapshot", writer.saves + 1),
+        )
         snap.meta = dict(self.meta)
         snap.block_s = self.clock() - started
         every = self.cfg.interval.every_steps
@@ -160,14 +175,15 @@ class Checkpointer:
     def _writer_started(self) -> Writer:
         if self._writer is None:
             self.cfg.directory.mkdir(parents=True, exist_ok=True)
-            self._writer = Writer(self.cfg.directory, keep=self.cfg.keep,
-                                  commit_timeout_s=self.cfg.commit_timeout_s, log=self.log)
+            self._writer = Writer(
+                self.cfg.directory, keep=self.cfg.keep, commit_timeout_s=self.cfg.commit_timeout_s, log=self.log
+            )
         return self._writer
 
     def _collect(self) -> list[SaveResult]:
         if self._writer is None:
             return []
-        fresh = self._writer.results[self._reported:]
+        fresh = self._writer.results[self._reported :]
         if fresh:
             self._reported += len(fresh)
             self.results += fresh
@@ -180,12 +196,12 @@ class Checkpointer:
         return fresh
 
     # -- loading ---------------------------------------------------------------------------------
-    def load_latest(self, rank: int, *, mesh_of: loader.MeshOf | None = None,
-                    agree: Callable[[bool], bool] | None = None) -> loader.Loaded | None:
+    def load_latest(
+        self, rank: int, *, mesh_of: loader.MeshOf | None = None, agree: Callable[[bool], bool] | None = None
+    ) -> loader.Loaded | None:
         """The newest checkpoint that verifies (see :func:`loader.load_latest`), sharded tensors
         cut for this process's mesh (``mesh_of``)."""
-        loaded = loader.load_latest(self.cfg.directory, rank, self.log, mesh_of=mesh_of,
-                                    agree=agree)
+        loaded = loader.load_latest(self.cfg.directory, rank, self.log, mesh_of=mesh_of, agree=agree)
         if loaded is not None:
             self.policy.resumed(loaded.step, self.clock())
         return loaded

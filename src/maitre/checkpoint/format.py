@@ -52,12 +52,25 @@ CHUNK = 16 << 20  # bytes per write() and hash update
 
 # safetensors dtype names
 _DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
 }
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"),
-                     ("uint16", "U16"), ("uint32", "U32"), ("uint64", "U64")):
+for _name, _code in (
+    ("float8_e4m3fn", "F8_E4M3"),
+    ("float8_e5m2", "F8_E5M2"),
+    ("uint16", "U16"),
+    ("uint32", "U32"),
+    ("uint64", "U64"),
+):
     if hasattr(torch, _name):
         _DTYPES[getattr(torch, _name)] = _code
 _CODES = {code: dtype for dtype, code in _DTYPES.items()}
@@ -122,11 +135,11 @@ def write_file(path: Path, parts: Iterable[memoryview | bytes]) -> tuple[int, st
         for part in parts:
             view = memoryview(part).cast("B")
             for start in range(0, len(view), CHUNK):
-                chunk = view[start:start + CHUNK]
+                chunk = view[start : start + CHUNK]
                 digest.update(chunk)
                 size += len(chunk)
                 while chunk:  # os.write may write less than asked
-                    chunk = chunk[os.write(fd, chunk):]
+                    chunk = chunk[os.write(fd, chunk) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -149,13 +162,14 @@ def read_verified(path: Path, size: int, checksum: str) -> bytearray:
     with open(path, "rb", buffering=0) as f:
         view, done = memoryview(data), 0
         while done < size:
-            n = f.readinto(view[done:done + CHUNK])
+            n = f.readinto(view[done : done + CHUNK])
             if not n:
                 raise CorruptCheckpoint(f"{path.name} ended after {done} of {size} bytes")
             done += n
     if xxhash.xxh3_64_hexdigest(data) != checksum:
-        raise CorruptCheckpoint(f"{path.name}: checksum mismatch (the file was altered or "
-                                "damaged after it was written)")
+        raise CorruptCheckpoint(
+            f"{path.name}: checksum mismatch (the file was altered or damaged after it was written)"
+        )
     return data
 
 
@@ -181,9 +195,10 @@ def layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> tuple[lis
 
 
 def safetensors_header(entries: list[TensorEntry], metadata: dict[str, str] | None = None) -> bytes:
-    header: dict[str, Any] = {e.key: {"dtype": dtype_code(e.dtype), "shape": list(e.shape),
-                                      "data_offsets": [e.offset, e.offset + e.nbytes]}
-                              for e in entries}
+    header: dict[str, Any] = {
+        e.key: {"dtype": dtype_code(e.dtype), "shape": list(e.shape), "data_offsets": [e.offset, e.offset + e.nbytes]}
+        for e in entries
+    }
     if metadata:
         header["__metadata__"] = metadata
     body = json.dumps(header, separators=(",", ":")).encode()
@@ -199,7 +214,7 @@ def parse_safetensors(data: bytearray, name: str) -> dict[str, torch.Tensor]:
     if hlen > len(data) - 8:
         raise CorruptCheckpoint(f"{name}: header length {hlen} beyond the file")
     try:
-        header = json.loads(bytes(data[8:8 + hlen]))
+        header = json.loads(bytes(data[8 : 8 + hlen]))
     except ValueError as exc:
         raise CorruptCheckpoint(f"{name}: header is not JSON: {exc}") from None
     header.pop("__metadata__", None)
@@ -213,10 +228,14 @@ def parse_safetensors(data: bytearray, name: str) -> dict[str, torch.Tensor]:
             lo, hi = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise CorruptCheckpoint(f"{name}: bad header entry for {key!r}") from None
-        if lo != end or hi - lo != _numel(shape) * _itemsize(dtype) or start + hi > len(data) \
-                or (start + lo) % _itemsize(dtype):
+        if (
+            lo != end
+            or hi - lo != _numel(shape) * _itemsize(dtype)
+            or start + hi > len(data)
+            or (start + lo) % _itemsize(dtype)
+        ):
             raise CorruptCheckpoint(f"{name}: tensor {key!r} has inconsistent offsets")
-        tensors[key] = raw[start + lo:start + hi].view(dtype).view(shape)
+        tensors[key] = raw[start + lo : start + hi].view(dtype).view(shape)
         end = hi
     if start + end != len(data):
         raise CorruptCheckpoint(f"{name}: {len(data) - start - end} bytes after the last tensor")
@@ -235,10 +254,16 @@ def _numel(shape: Iterable[int]) -> int:
 
 
 # -- manifest ------------------------------------------------------------------------------------
-def manifest_body(step: int, world_size: int, files: dict[str, dict[str, Any]],
-                  meta: dict[str, Any], *, sharded: bool = False) -> dict[str, Any]:
-    return {"format": FORMAT_SHARDED if sharded else FORMAT, "step": step,
-            "world_size": world_size, "files": dict(sorted(files.items())), **meta}
+def manifest_body(
+    step: int, world_size: int, files: dict[str, dict[str, Any]], meta: dict[str, Any], *, sharded: bool = False
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT_SHARDED if sharded else FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "files": dict(sorted(files.items())),
+        **meta,
+    }
 
 
 def write_manifest(path: Path, body: dict[str, Any]) -> None:
@@ -261,8 +286,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if xxhash.xxh3_64_hexdigest(canonical) != checksum:
         raise CorruptCheckpoint("the manifest's checksum does not match its body")
     if body.get("format") not in FORMATS:
-        raise CorruptCheckpoint(f"unknown format {body.get('format')!r} (expected "
-                                f"{' or '.join(FORMATS)})")
+        raise CorruptCheckpoint(f"unknown format {body.get('format')!r} (expected {' or '.join(FORMATS)})")
     return cast(dict[str, Any], body)
 
 
@@ -279,6 +303,5 @@ def list_steps(root: Path) -> list[tuple[int, Path]]:
     """Directories named like complete checkpoints, newest first (not yet verified)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.fullmatch(p.name))]
     return sorted(found, reverse=True)

@@ -50,8 +50,7 @@ def load(path: Path, rank: int = 0, mesh_of: MeshOf | None = None) -> Loaded:
     manifest = fmt.read_manifest(path)
     files = manifest.get("files")
     step, world = manifest.get("step"), manifest.get("world_size")
-    if not isinstance(files, dict) or not isinstance(step, int) or not isinstance(world, int) \
-            or world < 1:
+    if not isinstance(files, dict) or not isinstance(step, int) or not isinstance(world, int) or world < 1:
         raise fmt.CorruptCheckpoint("the manifest lacks files, step or world size")
     if fmt.STEP_DIR.fullmatch(path.name) and int(path.name[5:]) != step:
         raise fmt.CorruptCheckpoint(f"the manifest is for step {step}, not {path.name}")
@@ -77,8 +76,7 @@ def load(path: Path, rank: int = 0, mesh_of: MeshOf | None = None) -> Loaded:
     # Every piece by (tensor, rank); the shards to read are those that hold a part of a box
     # this process needs, and each must hold exactly the pieces state.json says it does.
     listed = {(i, r): box for i, (_, pieces) in enumerate(wanted) for r, box in pieces}
-    needed = [[(r, box) for r, box in pieces if reshard.overlap(box, target) is not None]
-              for target, pieces in wanted]
+    needed = [[(r, box) for r, box in pieces if reshard.overlap(box, target) is not None] for target, pieces in wanted]
     found: dict[tuple[int, int], torch.Tensor] = {}
     nbytes = 0
     for r in sorted({r for pieces in needed for r, _ in pieces}):
@@ -89,8 +87,7 @@ def load(path: Path, rank: int = 0, mesh_of: MeshOf | None = None) -> Loaded:
         for key, tensor in held.items():
             i = int(key) if key.isdigit() else -1
             box = listed.get((i, r))
-            if box is None or fmt.dtype_code(tensor.dtype) != specs[i][0] or \
-                    tuple(tensor.shape) != box[1]:
+            if box is None or fmt.dtype_code(tensor.dtype) != specs[i][0] or tuple(tensor.shape) != box[1]:
                 raise fmt.CorruptCheckpoint(f"{name}: tensor {key} does not match state.json")
             found[(i, r)] = tensor
         if len(held) != sum(1 for _, q in listed if q == r):
@@ -98,13 +95,13 @@ def load(path: Path, rank: int = 0, mesh_of: MeshOf | None = None) -> Loaded:
     # A tensor is a view of its shard's bytes, and keeps them all in memory (the optimizer's
     # state keeps the tensors it is given): what comes from a shard that this process uses
     # only part of is copied out, so that the rest of the shard is freed.
-    exact = {(i, r) for i, ((target, _), pieces) in enumerate(zip(wanted, needed))
-             for r, box in pieces if box == target}
+    exact = {
+        (i, r) for i, ((target, _), pieces) in enumerate(zip(wanted, needed)) for r, box in pieces if box == target
+    }
     partly = {r for i, r in listed if (i, r) not in exact}
     tensors = []
     for i, ((target, _), pieces) in enumerate(zip(wanted, needed)):
-        tensor = reshard.cut(target, [(box, found[(i, r)]) for r, box in pieces],
-                             fmt.dtype_of(specs[i][0]))
+        tensor = reshard.cut(target, [(box, found[(i, r)]) for r, box in pieces], fmt.dtype_of(specs[i][0]))
         if pieces and (i, pieces[0][0]) in exact and pieces[0][0] in partly:
             tensor = tensor.clone()
         tensors.append(tensor)
@@ -117,9 +114,9 @@ def load(path: Path, rank: int = 0, mesh_of: MeshOf | None = None) -> Loaded:
     return Loaded(step, path, tree, world, nbytes)
 
 
-def _wanted(i: int, spec: list[Any], slots: dict[int, tuple[str, dict[str, Any] | None]],
-            mesh_of: MeshOf | None, path: Path
-            ) -> tuple[reshard.Box, list[tuple[int, reshard.Box]]]:
+def _wanted(
+    i: int, spec: list[Any], slots: dict[int, tuple[str, dict[str, Any] | None]], mesh_of: MeshOf | None, path: Path
+) -> tuple[reshard.Box, list[tuple[int, reshard.Box]]]:
     """Tensor ``i``'s box that this process needs, and its saved pieces (rank, box), which are
     checked to cover it."""
     code, shape, where = spec
@@ -129,14 +126,12 @@ def _wanted(i: int, spec: list[Any], slots: dict[int, tuple[str, dict[str, Any] 
     if isinstance(where, int):
         pieces = [(where, reshard.whole(shape))]
     else:
-        pieces = [(int(r), (tuple(int(o) for o in offsets), tuple(int(n) for n in size)))
-                  for r, offsets, size in where]
+        pieces = [(int(r), (tuple(int(o) for o in offsets), tuple(int(n) for n in size))) for r, offsets, size in where]
         if len({r for r, _ in pieces}) != len(pieces):
             raise ValueError(f"tensor {i} has two pieces in one shard")
         reason = reshard.check_cover(shape, [box for _, box in pieces])
         if reason is not None:
-            raise fmt.UnusableCheckpoint(f"{path} is refused: its shards do not cover {name} "
-                                         f"(shape {shape}): {reason}")
+            raise fmt.UnusableCheckpoint(f"{path} is refused: its shards do not cover {name} (shape {shape}): {reason}")
     target = reshard.whole(shape)
     if holder is not None and mesh_of is not None:
         if [int(d) for d in holder["shape"]] != shape:
@@ -144,16 +139,21 @@ def _wanted(i: int, spec: list[Any], slots: dict[int, tuple[str, dict[str, Any] 
         try:
             mesh = mesh_of(tuple(holder["mesh"]))
         except (KeyError, ValueError, RuntimeError) as exc:
-            raise fmt.UnusableCheckpoint(f"{path}: {name} was sharded on mesh dims "
-                                         f"{holder['mesh']}, which this process's mesh lacks: "
-                                         f"{exc}") from None
+            raise fmt.UnusableCheckpoint(
+                f"{path}: {name} was sharded on mesh dims {holder['mesh']}, which this process's mesh lacks: {exc}"
+            ) from None
         target = reshard.box_of(shape, holder["placements"], mesh.shape, mesh.get_coordinate())
     return target, pieces
 
 
-def load_latest(root: Path, rank: int = 0, log: Callable[[str], None] = print, *,
-                mesh_of: MeshOf | None = None,
-                agree: Callable[[bool], bool] | None = None) -> Loaded | None:
+def load_latest(
+    root: Path,
+    rank: int = 0,
+    log: Callable[[str], None] = print,
+    *,
+    mesh_of: MeshOf | None = None,
+    agree: Callable[[bool], bool] | None = None,
+) -> Loaded | None:
     """The newest checkpoint under ``root`` that verifies; None if there is none. ``agree(ok)``
     (the processes of a replica, together) is whether every one of them could load it."""
     for _, path in fmt.list_steps(root):

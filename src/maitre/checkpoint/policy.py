@@ -52,8 +52,9 @@ class IntervalConfig:
         if self.prior_mtbf_s <= 0:
             raise ValueError(f"prior_mtbf_s must be positive, got {self.prior_mtbf_s}")
         if not 0 <= self.min_interval_s <= self.max_interval_s:
-            raise ValueError(f"need 0 <= min_interval_s ({self.min_interval_s}) <= "
-                             f"max_interval_s ({self.max_interval_s})")
+            raise ValueError(
+                f"need 0 <= min_interval_s ({self.min_interval_s}) <= max_interval_s ({self.max_interval_s})"
+            )
 
 
 class IntervalPolicy:

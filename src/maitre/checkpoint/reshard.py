@@ -28,8 +28,9 @@ def whole(shape: Sequence[int]) -> Box:
     return tuple(0 for _ in shape), tuple(int(d) for d in shape)
 
 
-def box_of(shape: Sequence[int], placements: Sequence[list[Any]], sizes: Sequence[int],
-           coordinate: Sequence[int]) -> Box:
+def box_of(
+    shape: Sequence[int], placements: Sequence[list[Any]], sizes: Sequence[int], coordinate: Sequence[int]
+) -> Box:
     """The box of the process at ``coordinate`` of a mesh of ``sizes``, for a tensor of global
     ``shape`` placed as ``placements`` (statetree's encoding: ``["shard", d]``, ``["replicate"]``;
     one per mesh dimension)."""
@@ -72,11 +73,14 @@ def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     full = whole(shape)
     boxes = [b for b in boxes if numel(b)]
     for b in boxes:
-        if len(b[0]) != len(full[0]) or len(b[1]) != len(full[1]) or \
-                any(o < 0 or o + n > s for o, n, s in zip(b[0], b[1], full[1])):
+        if (
+            len(b[0]) != len(full[0])
+            or len(b[1]) != len(full[1])
+            or any(o < 0 or o + n > s for o, n, s in zip(b[0], b[1], full[1]))
+        ):
             return f"a piece at {list(b[0])} of shape {list(b[1])} lies outside {list(full[1])}"
     for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
+        for b in boxes[i + 1 :]:
             if overlap(a, b) is not None:
                 return f"the pieces at {list(a[0])} and {list(b[0])} overlap"
     have, need = sum(numel(b) for b in boxes), numel(full)
@@ -85,8 +89,7 @@ def check_cover(shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     return None
 
 
-def cut(target: Box, pieces: Sequence[tuple[Box, torch.Tensor]],
-        dtype: torch.dtype) -> torch.Tensor:
+def cut(target: Box, pieces: Sequence[tuple[Box, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
     """The ``target`` box of a tensor, copied from the saved ``pieces`` that overlap it (which
     cover it: :func:`check_cover`). A piece that is the target itself is returned as it is."""
     for box, tensor in pieces:

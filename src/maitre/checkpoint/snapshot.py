@@ -104,6 +104,7 @@ def _piece(t: torch.Tensor) -> tuple[bool, reshard.Box] | None:
     if not statetree.is_sharded(t) or t.device_mesh.size() == 1:
         return None
     from torch.distributed.tensor import Replicate, Shard
+
     mesh = t.device_mesh
     placements: list[list[Any]] = []
     for p in t.placements:
@@ -118,8 +119,10 @@ def _piece(t: torch.Tensor) -> tuple[bool, reshard.Box] | None:
         raise TypeError("cannot checkpoint a tensor on a mesh this process is not part of")
     box = reshard.box_of(t.shape, placements, mesh.shape, coordinate)
     if box[1] != tuple(t.to_local().shape):
-        raise TypeError(f"a tensor of shape {list(t.shape)} placed as {t.placements} holds a "
-                        f"local shard of shape {list(t.to_local().shape)}, not {list(box[1])}")
+        raise TypeError(
+            f"a tensor of shape {list(t.shape)} placed as {t.placements} holds a "
+            f"local shard of shape {list(t.to_local().shape)}, not {list(box[1])}"
+        )
     first = all(c == 0 for c, p in zip(coordinate, placements) if p == ["replicate"])
     return first, box
 
@@ -155,15 +158,22 @@ class SnapshotBuffers:
     def capacity(self) -> int:
         return self._buffer.numel()
 
-    def take(self, state: dict[str, Any], *, step: int, token: int, rank: int,
-             world_size: int, halfway: Callable[[], None] | None = None) -> Snapshot:
+    def take(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        token: int,
+        rank: int,
+        world_size: int,
+        halfway: Callable[[], None] | None = None,
+    ) -> Snapshot:
         """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers.
         ``halfway`` is called halfway through the copy (fault injection in tests)."""
         parts = split(state, rank, world_size)
         tensors = parts.tensors
         rng = state.get("rng")
-        entries, nbytes = fmt.layout([(str(i), tensors[i].dtype, tuple(tensors[i].shape))
-                                      for i in parts.mine])
+        entries, nbytes = fmt.layout([(str(i), tensors[i].dtype, tuple(tensors[i].shape)) for i in parts.mine])
         key = tuple((e.key, e.dtype, e.shape) for e in entries)
         if key != self._key:
             self._views = self._prepare(entries, nbytes, pin=any(t.is_cuda for t in tensors))
@@ -174,23 +184,31 @@ class SnapshotBuffers:
                 halfway()
             view.copy_(tensors[int(entry.key)])
         data = self._buffer.numpy().data.cast("B")[:nbytes]
-        return Snapshot(step, token, rank, world_size, parts.skeleton, parts.specs, entries, data,
-                        {"rng": rng_to_json(rng) if rng is not None else None}, parts.pieces)
+        return Snapshot(
+            step,
+            token,
+            rank,
+            world_size,
+            parts.skeleton,
+            parts.specs,
+            entries,
+            data,
+            {"rng": rng_to_json(rng) if rng is not None else None},
+            parts.pieces,
+        )
 
     def reserve(self, nbytes: int, pin: bool) -> None:
         """Grow the buffer to ``nbytes`` and touch every page, so that the save after it only
         copies (first-touch page faults cost seconds per GB on some machines)."""
         if nbytes <= self.capacity:
             return
-        buffer = torch.empty(nbytes, dtype=torch.uint8,
-                             pin_memory=pin and torch.cuda.is_available())
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin and torch.cuda.is_available())
         buffer.fill_(0)
         self._buffer, self._key = buffer, None
 
     def _prepare(self, entries: list[fmt.TensorEntry], nbytes: int, pin: bool) -> list[torch.Tensor]:
         self.reserve(nbytes, pin)
-        return [self._buffer[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-                for e in entries]
+        return [self._buffer[e.offset : e.offset + e.nbytes].view(e.dtype).view(e.shape) for e in entries]
 
 
 # -- per-rank state as JSON ----------------------------------------------------------------------

@@ -43,8 +43,7 @@ from maitre.protocol import CHECKPOINT_FAULT as FAULT_ENV
 # FAULT_ENV, for tests: ``PHASE@N`` kills this process with SIGKILL at PHASE of its N-th save
 # (1-based). Phases: ``snapshot`` (halfway through the copy), ``mid_file`` (halfway through the
 # shard), ``between_files``, ``before_manifest``, ``before_rename``, ``after_rename``.
-PHASES = ("snapshot", "mid_file", "between_files", "before_manifest", "before_rename",
-          "after_rename")
+PHASES = ("snapshot", "mid_file", "between_files", "before_manifest", "before_rename", "after_rename")
 _POLL_S = 0.02
 COMMIT_WAIT_FLOOR_S = 30.0
 COMMIT_WAIT_FACTOR = 20.0
@@ -91,8 +90,7 @@ class SaveResult:
 class Writer:
     """One background thread that persists snapshots one at a time."""
 
-    def __init__(self, root: Path, *, keep: int, commit_timeout_s: float,
-                 log: Callable[[str], None]) -> None:
+    def __init__(self, root: Path, *, keep: int, commit_timeout_s: float, log: Callable[[str], None]) -> None:
         self.root = root
         self.keep = keep
         self.commit_timeout_s = commit_timeout_s
@@ -106,8 +104,7 @@ class Writer:
         self._total_bytes = 0
         self._abandoned: str | None = None
         """Why the save in flight is given up (its committer waits for no more parts)."""
-        self._thread = threading.Thread(target=self._run, name="maitre-checkpoint-writer",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="maitre-checkpoint-writer", daemon=True)
         self._thread.start()
 
     @property
@@ -172,12 +169,22 @@ class Writer:
                 error = None
             except Exception as exc:  # noqa: BLE001 -- any failure of a save must not stop training
                 path, error = None, f"{type(exc).__name__}: {exc}"
-                self.log(f"maitre: checkpoint at step {snap.step} failed on rank {snap.rank}: "
-                         f"{error}; training goes on, earlier checkpoints are untouched")
+                self.log(
+                    f"maitre: checkpoint at step {snap.step} failed on rank {snap.rank}: "
+                    f"{error}; training goes on, earlier checkpoints are untouched"
+                )
             ended = self._durable_at or time.monotonic()
-            result = SaveResult(snap.step, path, error, snap.block_s, ended - self._started,
-                                len(snap.data), rank=snap.rank, world_size=snap.world_size,
-                                total_bytes=self._total_bytes)
+            result = SaveResult(
+                snap.step,
+                path,
+                error,
+                snap.block_s,
+                ended - self._started,
+                len(snap.data),
+                rank=snap.rank,
+                world_size=snap.world_size,
+                total_bytes=self._total_bytes,
+            )
             with self._cv:
                 self.results.append(result)
                 self._job = None
@@ -204,8 +211,10 @@ class Writer:
             size, digest = fmt.write_json(tmp / name, snap.rank_state)
             files[name] = {"size": size, "xxh3_64": digest}
             if snap.rank != 0:
-                _publish(tmp / f"rank-{snap.rank:05d}.done",
-                         {"files": files, "layout": _layout(snap), "pieces": _pieces(snap)})
+                _publish(
+                    tmp / f"rank-{snap.rank:05d}.done",
+                    {"files": files, "layout": _layout(snap), "pieces": _pieces(snap)},
+                )
                 self._durable_at = time.monotonic()
                 return None
             return self._commit(snap, tmp, files, n, time.monotonic() - began)
@@ -219,11 +228,11 @@ class Writer:
                     pass
             raise
 
-    def _commit(self, snap: Snapshot, tmp: Path, files: dict[str, dict[str, int | str]],
-                n: int, own_s: float) -> Path:
+    def _commit(self, snap: Snapshot, tmp: Path, files: dict[str, dict[str, int | str]], n: int, own_s: float) -> Path:
         try:
             deadline = time.monotonic() + min(
-                self.commit_timeout_s, max(COMMIT_WAIT_FLOOR_S, COMMIT_WAIT_FACTOR * own_s))
+                self.commit_timeout_s, max(COMMIT_WAIT_FLOOR_S, COMMIT_WAIT_FACTOR * own_s)
+            )
             layout, pieces = _layout(snap), {0: _pieces(snap)}
             for r in range(1, snap.world_size):
                 note = _await_rank(tmp, r, deadline, lambda: self._abandoned)
@@ -239,9 +248,13 @@ class Writer:
             size, digest = fmt.write_json(tmp / fmt.STATE, state)
             files[fmt.STATE] = {"size": size, "xxh3_64": digest}
             fault_point("before_manifest", n)
-            body = fmt.manifest_body(snap.step, snap.world_size, files,
-                                     {"created_unix_s": round(time.time(), 3), **snap.meta},
-                                     sharded=sharded)
+            body = fmt.manifest_body(
+                snap.step,
+                snap.world_size,
+                files,
+                {"created_unix_s": round(time.time(), 3), **snap.meta},
+                sharded=sharded,
+            )
             fmt.write_manifest(tmp / fmt.MANIFEST, body)
             for done in tmp.glob("rank-*.done"):
                 done.unlink()
@@ -253,8 +266,9 @@ class Writer:
             os.rename(tmp, final)
             fmt.fsync_dir(self.root)
             self._durable_at = time.monotonic()
-            self._total_bytes = sum(int(info["size"]) for info in files.values()) + \
-                (final / fmt.MANIFEST).stat().st_size
+            self._total_bytes = (
+                sum(int(info["size"]) for info in files.values()) + (final / fmt.MANIFEST).stat().st_size
+            )
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -273,8 +287,10 @@ class Writer:
             aside = final.with_name(f"{fmt.CORRUPT_PREFIX}{final.name}-{time.time_ns()}")
             os.rename(final, aside)
             fmt.fsync_dir(self.root)
-            self.log(f"maitre: checkpoint {final.name} did not verify ({why}): set aside as "
-                     f"{aside.name}, replaced by this save")
+            self.log(
+                f"maitre: checkpoint {final.name} did not verify ({why}): set aside as "
+                f"{aside.name}, replaced by this save"
+            )
             return
         raise FileExistsError(f"{final} already exists")
 
@@ -282,7 +298,7 @@ class Writer:
         """Keep the newest ``keep`` checkpoints; drop temporary directories of older saves.
         A checkpoint is renamed out of the ``step-*`` namespace before it is deleted, so a kill
         halfway through the deletion never leaves a half-deleted ``step-*`` behind."""
-        for _, path in fmt.list_steps(self.root)[self.keep:]:
+        for _, path in fmt.list_steps(self.root)[self.keep :]:
             trash = path.with_name(f"{fmt.TRASH_PREFIX}{path.name}")
             try:
                 os.rename(path, trash)
@@ -317,8 +333,7 @@ def _pieces(snap: Snapshot) -> dict[str, list[list[int]]]:
     return {str(i): [list(offsets), list(shape)] for i, (offsets, shape) in snap.pieces.items()}
 
 
-def _listed(snap: Snapshot, pieces: dict[int, dict[str, list[list[int]]]]
-            ) -> tuple[list[list[Any]], bool]:
+def _listed(snap: Snapshot, pieces: dict[int, dict[str, list[list[int]]]]) -> tuple[list[list[Any]], bool]:
     """The tensor list of ``state.json``: each sharded tensor with every rank's pieces, checked
     to cover it exactly; and whether there is any sharded tensor."""
     tensors = [list(spec) for spec in snap.tensors]
@@ -336,8 +351,9 @@ def _listed(snap: Snapshot, pieces: dict[int, dict[str, list[list[int]]]]
     return tensors, bool(sharded)
 
 
-def _await_rank(tmp: Path, rank: int, deadline: float,
-                abandoned: Callable[[], str | None] = lambda: None) -> dict[str, Any]:
+def _await_rank(
+    tmp: Path, rank: int, deadline: float, abandoned: Callable[[], str | None] = lambda: None
+) -> dict[str, Any]:
     done, failed = tmp / f"rank-{rank:05d}.done", tmp / f"rank-{rank:05d}.failed"
     while True:
         if done.exists():

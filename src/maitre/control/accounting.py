@@ -90,18 +90,22 @@ def tick_usage(cluster: "ClusterState", memberships: dict[str, Membership], now:
                 m.job.attained_slot_s += m.job.slots * (now - usage.last)
     # A draining node's slots are no capacity: nothing may be placed there any more.
     capacity = sum(s.node.slots for s in cluster.nodes.values() if s.alive and not s.draining)
-    held = sum(w.slots for m in cluster.managed.values() for ms in _memberships(m, memberships)
-               for w in ms.workers.values() if w.ended_at is None and w.state in LIVE and
-               not w.spare)  # a warm spare's slot is free to the scheduler: not allocated
+    held = sum(
+        w.slots
+        for m in cluster.managed.values()
+        for ms in _memberships(m, memberships)
+        for w in ms.workers.values()
+        if w.ended_at is None and w.state in LIVE and not w.spare
+    )  # a warm spare's slot is free to the scheduler: not allocated
     contended = any(
-        (m.job.state.waiting and not m.held) or
-        (m.job.state.placed and m.job.elastic and m.job.replicas < m.job.max_replicas)
-        for m in cluster.managed.values())
+        (m.job.state.waiting and not m.held)
+        or (m.job.state.placed and m.job.elastic and m.job.replicas < m.job.max_replicas)
+        for m in cluster.managed.values()
+    )
     usage.tick(now, capacity, held, contended)
 
 
-def report(cluster: "ClusterState", memberships: dict[str, Membership],
-           now: float) -> dict[str, Any]:
+def report(cluster: "ClusterState", memberships: dict[str, Membership], now: float) -> dict[str, Any]:
     """Allocation, utilization and each job's effective training time (see the demo)."""
     held_s = trained_s = 0.0
     jobs = {}
@@ -120,8 +124,12 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
                     j_spare += slot_s
                 j_trained += w.trained_s * w.slots
                 state = cluster.nodes.get(w.node)
-                cost.add(slot_s, cluster.node_price(w.node), on_demand,
-                         spot=state is not None and state.node.capacity_type == "spot")
+                cost.add(
+                    slot_s,
+                    cluster.node_price(w.node),
+                    on_demand,
+                    spot=state is not None and state.node.capacity_type == "spot",
+                )
         held_s += j_held
         trained_s += j_trained
         total.merge(cost)
@@ -129,24 +137,37 @@ def report(cluster: "ClusterState", memberships: dict[str, Membership],
         span_end = m.ended_at if m.ended_at is not None else now
         ran = span_end - m.admitted_at if m.admitted_at is not None else 0.0
         jobs[m.id] = {
-            "state": m.job.state.value, "queue": m.job.queue,
-            "priority": m.job.priority, "incarnations": m.incarnation,
+            "state": m.job.state.value,
+            "queue": m.job.queue,
+            "priority": m.job.priority,
+            "incarnations": m.incarnation,
             "waited_s": round((m.admitted_at or now) - m.job.submitted_at, 2),
-            "ran_s": round(ran, 2), "productive_s": round(m.productive_s, 2),
+            "ran_s": round(ran, 2),
+            "productive_s": round(m.productive_s, 2),
             "ettr": round(m.productive_s / ran, 4) if ran > 0 else None,
-            "held_slot_s": round(j_held, 2), "trained_slot_s": round(j_trained, 2),
+            "held_slot_s": round(j_held, 2),
+            "trained_slot_s": round(j_trained, 2),
             "spare_slot_s": round(j_spare, 2),
             "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())},
-            "spot_slot_s": round(cost.spot_slot_s, 2), "cost": cost.rounded(cost.cost),
-            "on_demand_cost": cost.rounded(cost.on_demand_cost)}
+            "spot_slot_s": round(cost.spot_slot_s, 2),
+            "cost": cost.rounded(cost.cost),
+            "on_demand_cost": cost.rounded(cost.on_demand_cost),
+        }
     usage = cluster.usage
-    return {"allocation": usage.allocation(), "contended_s": round(usage.contended_s, 2),
-            "utilization": round(trained_s / held_s, 4) if held_s else None,
-            "held_slot_s": round(held_s, 2), "trained_slot_s": round(trained_s, 2),
-            "jobs": jobs, "spot_slot_s": round(total.spot_slot_s, 2),
-            "cost": total.rounded(total.cost), "on_demand_cost": total.rounded(total.on_demand_cost),
-            "queues": {q: c.to_json() for q, c in sorted(queues.items())},
-            "prices": dict(cluster.prices), "reclaims": cluster.reclaims}
+    return {
+        "allocation": usage.allocation(),
+        "contended_s": round(usage.contended_s, 2),
+        "utilization": round(trained_s / held_s, 4) if held_s else None,
+        "held_slot_s": round(held_s, 2),
+        "trained_slot_s": round(trained_s, 2),
+        "jobs": jobs,
+        "spot_slot_s": round(total.spot_slot_s, 2),
+        "cost": total.rounded(total.cost),
+        "on_demand_cost": total.rounded(total.on_demand_cost),
+        "queues": {q: c.to_json() for q, c in sorted(queues.items())},
+        "prices": dict(cluster.prices),
+        "reclaims": cluster.reclaims,
+    }
 
 
 @dataclass(slots=True)
@@ -159,29 +180,37 @@ class Cost:
     cost: float | None = 0.0
     on_demand_cost: float | None = 0.0
 
-    def add(self, slot_s: float, price: float | None, on_demand: float | None,
-            spot: bool) -> None:
+    def add(self, slot_s: float, price: float | None, on_demand: float | None, spot: bool) -> None:
         self.held_slot_s += slot_s
         self.spot_slot_s += slot_s if spot else 0.0
-        self.cost = None if self.cost is None or price is None else \
-            self.cost + slot_s / 3600.0 * price
-        self.on_demand_cost = None if self.on_demand_cost is None or on_demand is None else \
-            self.on_demand_cost + slot_s / 3600.0 * on_demand
+        self.cost = None if self.cost is None or price is None else self.cost + slot_s / 3600.0 * price
+        self.on_demand_cost = (
+            None
+            if self.on_demand_cost is None or on_demand is None
+            else self.on_demand_cost + slot_s / 3600.0 * on_demand
+        )
 
     def merge(self, other: "Cost") -> None:
         self.held_slot_s += other.held_slot_s
         self.spot_slot_s += other.spot_slot_s
         self.cost = None if self.cost is None or other.cost is None else self.cost + other.cost
-        self.on_demand_cost = None if self.on_demand_cost is None or \
-            other.on_demand_cost is None else self.on_demand_cost + other.on_demand_cost
+        self.on_demand_cost = (
+            None
+            if self.on_demand_cost is None or other.on_demand_cost is None
+            else self.on_demand_cost + other.on_demand_cost
+        )
 
     @staticmethod
     def rounded(value: float | None) -> float | None:
         return None if value is None else round(value, 6)
 
     def to_json(self) -> dict[str, Any]:
-        return {"held_slot_s": round(self.held_slot_s, 2), "spot_slot_s": round(self.spot_slot_s, 2),
-                "cost": self.rounded(self.cost), "on_demand_cost": self.rounded(self.on_demand_cost)}
+        return {
+            "held_slot_s": round(self.held_slot_s, 2),
+            "spot_slot_s": round(self.spot_slot_s, 2),
+            "cost": self.rounded(self.cost),
+            "on_demand_cost": self.rounded(self.on_demand_cost),
+        }
 
 
 @dataclass(slots=True)
@@ -205,8 +234,11 @@ class Usage:
         self._prev = (capacity, held, contended)
 
     def snapshot(self) -> dict[str, float]:
-        return {"contended_s": self.contended_s, "capacity_slot_s": self.capacity_slot_s,
-                "held_slot_s": self.held_slot_s}
+        return {
+            "contended_s": self.contended_s,
+            "capacity_slot_s": self.capacity_slot_s,
+            "held_slot_s": self.held_slot_s,
+        }
 
     def restore(self, data: dict[str, float]) -> None:
         """Carry the integrals over a coordinator restart (the time it was away is not counted)."""

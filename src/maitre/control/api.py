@@ -114,8 +114,9 @@ class Waiters:
                 pass
 
 
-def _error(status: int, message: str, problems: list[p.Problem] | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
+def _error(
+    status: int, message: str, problems: list[p.Problem] | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     body = p.ErrorReply(error=message, problems=problems or [])
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
@@ -134,17 +135,20 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     if "telemetry" in inspect.signature(FastAPI).parameters:
         # FastAPI's own OpenTelemetry layer costs a fifth of a node beat; maitre's metrics are
         # its own (the event log, /metrics).
-        extra["telemetry"] = {"tracing": False, "metrics": False, "logs": False,
-                              "operation_spans": False}
-    app = FastAPI(title="maitre coordinator", version="1", openapi_url=p.API + "/openapi.json",
-                  docs_url=None, redoc_url=None,
-                  description="Routes and messages of maitre's coordinator "
-                              "(see maitre.protocol).", **extra)
+        extra["telemetry"] = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
+    app = FastAPI(
+        title="maitre coordinator",
+        version="1",
+        openapi_url=p.API + "/openapi.json",
+        docs_url=None,
+        redoc_url=None,
+        description="Routes and messages of maitre's coordinator (see maitre.protocol).",
+        **extra,
+    )
     app.state.waiters = waiters
     app.state.dashboard_token = token
     lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]] = []
-    app.add_middleware(_Gate, waiters=waiters, token=token, lanes=lanes,
-                       credential=co.credential)
+    app.add_middleware(_Gate, waiters=waiters, token=token, lanes=lanes, credential=co.credential)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
@@ -152,40 +156,48 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [p.Problem(field=".".join(str(x) for x in _where(e)) or "body",
-                              message=str(e.get("msg", "invalid")))
-                    for e in exc.errors()]
+        problems = [
+            p.Problem(field=".".join(str(x) for x in _where(e)) or "body", message=str(e.get("msg", "invalid")))
+            for e in exc.errors()
+        ]
         text = "; ".join(f"{pr.field}: {pr.message}" for pr in problems)
         return _error(400, f"invalid request: {text}", problems)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) \
-            else str(exc.detail)
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         headers = exc.headers
         if exc.status_code == 405:  # Allow (RFC 9110): every route of the path, not just one
-            methods = {m for r in app.router.routes if isinstance(r, Route) and r.methods
-                       and r.matches(request.scope)[0] == Match.PARTIAL for m in r.methods}
+            methods = {
+                m
+                for r in app.router.routes
+                if isinstance(r, Route) and r.methods and r.matches(request.scope)[0] == Match.PARTIAL
+                for m in r.methods
+            }
             headers = {"Allow": ", ".join(sorted(methods))}
-        return _error(exc.status_code, message, [p.Problem(field="path", message=message)],
-                      headers=headers)
+        return _error(exc.status_code, message, [p.Problem(field="path", message=message)], headers=headers)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:  # say so, keep serving
         log.exception("coordinator bug answering %s %s", request.method, request.url.path)
         return _error(500, f"{type(exc).__name__}: {exc}")
 
-    errors: dict[int | str, dict[str, Any]] = {
-        code: {"model": p.ErrorReply} for code in (400, 401, 403, 404, 413)}
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": p.ErrorReply} for code in (400, 401, 403, 404, 413)}
     # Every refusal has this shape; documenting 4XX also keeps FastAPI from documenting a 422
     # this API never sends (a request that does not validate is a 400).
     errors["4XX"] = {"model": p.ErrorReply, "description": "Any other refusal (405)"}
-    dashboard.mount(app, co.events, co.dashboard_meta, live=True, responses=errors,
-                    closing=lambda: waiters.closing, listeners=co.events.listeners)
+    dashboard.mount(
+        app,
+        co.events,
+        co.dashboard_meta,
+        live=True,
+        responses=errors,
+        closing=lambda: waiters.closing,
+        listeners=co.events.listeners,
+    )
 
     def route(method: str, path: str, model: Any, **kw: Any) -> Callable[..., Any]:
-        return app.api_route(p.API + path, methods=[method], response_model=model,
-                             responses=errors, **kw)
+        return app.api_route(p.API + path, methods=[method], response_model=model, responses=errors, **kw)
 
     @app.get(p.API + p.HEALTH, response_model=p.Health)
     def health() -> dict[str, Any]:
@@ -231,9 +243,17 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
     def report() -> dict[str, Any]:
         return co.report()
 
-    @app.get(p.METRICS, response_class=Response, responses={
-        **errors, 200: {"description": "Prometheus's text format (maitre.control.metrics)",
-                        "content": {METRICS_TYPE.split(";")[0]: {"schema": {"type": "string"}}}}})
+    @app.get(
+        p.METRICS,
+        response_class=Response,
+        responses={
+            **errors,
+            200: {
+                "description": "Prometheus's text format (maitre.control.metrics)",
+                "content": {METRICS_TYPE.split(";")[0]: {"schema": {"type": "string"}}},
+            },
+        },
+    )
     def metrics() -> Response:
         return Response(co.metrics.render(), media_type=METRICS_TYPE)
 
@@ -306,8 +326,10 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return answer if answer is not None else {"action": "wait"}
 
     # The two calls a cluster makes by the thousand go through the lane (see _Gate).
-    lanes += [(_route_pattern(p.NODE_HEARTBEAT), "path.node", p.NodeBeat, beat),
-              (_route_pattern(p.WORKER_RENDEZVOUS), "path.worker", p.RendezvousRequest, meet)]
+    lanes += [
+        (_route_pattern(p.NODE_HEARTBEAT), "path.node", p.NodeBeat, beat),
+        (_route_pattern(p.WORKER_RENDEZVOUS), "path.worker", p.RendezvousRequest, meet),
+    ]
 
     @route("POST", p.WORKER_DONE, p.Empty)
     async def worker_done(req: p.DoneRequest, worker: Name) -> dict[str, Any]:
@@ -318,8 +340,7 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         return await now(Coordinator.worker_left, worker)
 
     @route("POST", p.WORKER_REPORT, p.Empty)
-    async def worker_report(req: Annotated[p.WorkerReport, Body()],
-                            worker: Name) -> dict[str, Any]:
+    async def worker_report(req: Annotated[p.WorkerReport, Body()], worker: Name) -> dict[str, Any]:
         return await now(Coordinator.worker_report, worker, req.model_dump())
 
     return app
@@ -329,8 +350,9 @@ def openapi_document() -> str:
     """The API's OpenAPI schema as ``docs/openapi.json`` holds it (sorted keys, indented):
     ``print(openapi_document(), end='')`` into that file regenerates it (tests/test_api.py checks
     that it is current)."""
-    schema = build_app(Coordinator("127.0.0.1:0", cluster=ClusterState(
-        [], run_dir=pathlib.Path(tempfile.gettempdir())))).openapi()  # (it writes nothing there)
+    schema = build_app(
+        Coordinator("127.0.0.1:0", cluster=ClusterState([], run_dir=pathlib.Path(tempfile.gettempdir())))
+    ).openapi()  # (it writes nothing there)
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
@@ -340,8 +362,7 @@ _OPEN = (p.API + p.HEALTH, p.API + "/openapi.json")
 
 def _route_pattern(route: str) -> re.Pattern[str]:
     """``/nodes/{node}/heartbeat`` -> a pattern of the full path with the name as group 1."""
-    return re.compile(re.escape(p.API + route).replace(r"\{node\}", "([^/]*)")
-                      .replace(r"\{worker\}", "([^/]*)") + "$")
+    return re.compile(re.escape(p.API + route).replace(r"\{node\}", "([^/]*)").replace(r"\{worker\}", "([^/]*)") + "$")
 
 
 _NAME = re.compile(p.NAME_PATTERN)
@@ -359,9 +380,14 @@ class _Gate:
     half of a beat's cost here (measured: about 450 us of CPU a beat through FastAPI, 110 us for
     uvicorn's bare minimum). FastAPI still declares these routes, for the schema."""
 
-    def __init__(self, app: Any, waiters: Waiters, token: str | None,
-                 lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]],
-                 credential: Callable[[str, str], int]) -> None:
+    def __init__(
+        self,
+        app: Any,
+        waiters: Waiters,
+        token: str | None,
+        lanes: list[tuple[re.Pattern[str], str, type[Any], Callable[..., Any]]],
+        credential: Callable[[str, str], int],
+    ) -> None:
         self.app = app
         self.waiters = waiters
         self.expected = f"Bearer {token}".encode() if token else None
@@ -377,9 +403,11 @@ class _Gate:
             length = headers.get(b"content-length", b"0")
             response = None
             if not length.isdigit() or int(length) > p.MAX_BODY:
-                response = _error(413, f"request body of {length.decode(errors='replace')} bytes "
-                                       f"is over the limit of {p.MAX_BODY}",
-                                  [p.Problem(field="header.content-length", message="too large")])
+                response = _error(
+                    413,
+                    f"request body of {length.decode(errors='replace')} bytes is over the limit of {p.MAX_BODY}",
+                    [p.Problem(field="header.content-length", message="too large")],
+                )
             elif self.expected is not None and scope.get("path") not in _OPEN:
                 given = headers.get(b"authorization", b"")
                 if not hmac.compare_digest(given, self.expected):
@@ -390,8 +418,7 @@ class _Gate:
                 for pattern, field, model, handler in self.lanes:
                     match = pattern.match(scope.get("path", ""))
                     if match:
-                        response = await self._lane(match.group(1), field, model, handler,
-                                                    receive)
+                        response = await self._lane(match.group(1), field, model, handler, receive)
                         break
             if response is not None:
                 await response(scope, receive, send)
@@ -407,42 +434,51 @@ class _Gate:
         if status == 200 and match:
             return None
         if status == 404:
-            return _error(404, f"no worker {match.group(1)!r}" if match else "not found",
-                          [p.Problem(field="path.worker", message="no such worker")])
+            return _error(
+                404,
+                f"no worker {match.group(1)!r}" if match else "not found",
+                [p.Problem(field="path.worker", message="no such worker")],
+            )
         if status == 403:
-            return _error(403, "this token is a job's: it acts for that job's own workers, on "
-                               "their routes, and for nothing else",
-                          [p.Problem(field="header.authorization",
-                                     message="not this worker's job")])
-        return _error(401, "missing or wrong token: pass the coordinator's token file with "
-                           "--token-file, or set MAITRE_TOKEN",
-                      [p.Problem(field="header.authorization", message="wrong or missing")])
+            return _error(
+                403,
+                "this token is a job's: it acts for that job's own workers, on their routes, and for nothing else",
+                [p.Problem(field="header.authorization", message="not this worker's job")],
+            )
+        return _error(
+            401,
+            "missing or wrong token: pass the coordinator's token file with --token-file, or set MAITRE_TOKEN",
+            [p.Problem(field="header.authorization", message="wrong or missing")],
+        )
 
-    async def _lane(self, name: str, field: str, model: type[Any],
-                    handler: Callable[..., Any], receive: Any) -> Any:
+    async def _lane(self, name: str, field: str, model: type[Any], handler: Callable[..., Any], receive: Any) -> Any:
         if not _NAME.match(name):
-            return _error(400, f"invalid request: {field}: must match {p.NAME_PATTERN}",
-                          [p.Problem(field=field, message=f"must match {p.NAME_PATTERN}")])
+            return _error(
+                400,
+                f"invalid request: {field}: must match {p.NAME_PATTERN}",
+                [p.Problem(field=field, message=f"must match {p.NAME_PATTERN}")],
+            )
         body, more = b"", True
         while more:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > p.MAX_BODY:
-                return _error(413, f"request body over the limit of {p.MAX_BODY}",
-                              [p.Problem(field="body", message="too large")])
+                return _error(
+                    413, f"request body over the limit of {p.MAX_BODY}", [p.Problem(field="body", message="too large")]
+                )
         try:
             request = model.model_validate_json(body)
         except ValidationError as exc:
-            problems = [p.Problem(field=".".join(["body", *(str(x) for x in e["loc"])]),
-                                  message=e["msg"]) for e in exc.errors()]
+            problems = [
+                p.Problem(field=".".join(["body", *(str(x) for x in e["loc"])]), message=e["msg"]) for e in exc.errors()
+            ]
             text = "; ".join(f"{pr.field}: {pr.message}" for pr in problems)
             return _error(400, f"invalid request: {text}", problems)
         try:
             reply = await handler(name, request)
         except RequestError as exc:
-            return _error(exc.status, exc.message, [p.Problem(field=exc.field,
-                                                              message=exc.message)])
+            return _error(exc.status, exc.message, [p.Problem(field=exc.field, message=exc.message)])
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("coordinator bug answering %s", name)
             return _error(500, f"{type(exc).__name__}: {exc}")
@@ -452,11 +488,20 @@ class _Gate:
 class CoordinatorServer:
     """The coordinator's HTTP server, its c10d store and its detector thread."""
 
-    def __init__(self, cluster: ClusterState, host: str = "127.0.0.1", port: int = 0,
-                 store_port: int = 0, cfg: DetectorConfig | None = None,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None,
-                 tick_s: float = 0.05, token: str | None = None, db: Store | None = None,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+    def __init__(
+        self,
+        cluster: ClusterState,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        store_port: int = 0,
+        cfg: DetectorConfig | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        tick_s: float = 0.05,
+        token: str | None = None,
+        db: Store | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+    ) -> None:
         # raises OSError: the caller says where and why; connections queue from now on
         sock = serving.bound(host, port, backlog=4096)
         self.stores = Stores()
@@ -465,19 +510,26 @@ class CoordinatorServer:
         except OSError:
             sock.close()
             raise
-        self.coordinator = Coordinator(f"{host}:{self.door.port}", cfg, on_event=on_event,
-                                       cluster=cluster, store=db, stores=self.stores)
+        self.coordinator = Coordinator(
+            f"{host}:{self.door.port}", cfg, on_event=on_event, cluster=cluster, store=db, stores=self.stores
+        )
         self.token = token
         self.app = build_app(self.coordinator, token)
-        self.http = serving.Serving(self.app, sock, "maitre-http", timeout_keep_alive=120,
-                                    proxy_headers=False, ssl_certfile=tls_cert,
-                                    ssl_keyfile=tls_key, backlog=4096)
+        self.http = serving.Serving(
+            self.app,
+            sock,
+            "maitre-http",
+            timeout_keep_alive=120,
+            proxy_headers=False,
+            ssl_certfile=tls_cert,
+            ssl_keyfile=tls_key,
+            backlog=4096,
+        )
         self.port = self.http.port
         self.address = f"{host}:{self.port}"
         self._tick_s = tick_s
         self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._detector, name="maitre-detector",
-                                        daemon=True)
+        self._ticker = threading.Thread(target=self._detector, name="maitre-detector", daemon=True)
 
     def start(self) -> "CoordinatorServer":
         # What is alive now (torch, FastAPI, the restored state: some 200,000 objects) lives as

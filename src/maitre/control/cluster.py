@@ -67,6 +67,7 @@ from maitre.scheduling.assign import Replica, leavers, repair
 from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
 from maitre.scheduling.spec import JobManifest
 
+
 @dataclass(slots=True)
 class NodeState:
     node: Node
@@ -133,10 +134,18 @@ class ManagedJob:
 class ClusterState:
     """Nodes, queues and managed jobs (see the module docstring)."""
 
-    def __init__(self, queues: list[Queue], *, run_dir: Path, policy: PolicyConfig | None = None,
-                 phi: PhiConfig | None = None, detector: DetectorConfig | None = None,
-                 max_restarts: int = 3, log: Callable[..., None] | None = None,
-                 prices: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        queues: list[Queue],
+        *,
+        run_dir: Path,
+        policy: PolicyConfig | None = None,
+        phi: PhiConfig | None = None,
+        detector: DetectorConfig | None = None,
+        max_restarts: int = 3,
+        log: Callable[..., None] | None = None,
+        prices: dict[str, float] | None = None,
+    ) -> None:
         self.prices = dict(DEFAULT_PRICES if prices is None else prices)
         """Per slot-hour by capacity type; a type without one has no price (its cost is None)."""
         for kind, price in self.prices.items():
@@ -167,22 +176,36 @@ class ClusterState:
         ``node_recovered``; None when nothing did. A reclaimed node that beats without a notice
         is a new machine of the same name: registered afresh."""
         state = self.nodes.get(node.name)
-        if state is not None and state.reclaim is not None and \
-                state.reclaim.reclaimed_at is not None:
+        if state is not None and state.reclaim is not None and state.reclaim.reclaimed_at is not None:
             if noticed:  # the node that went, still beating its notice: it stays out
                 return None
             state = None  # a new machine of the same name
         if state is None or state.node != node:
-            self.nodes[node.name] = NodeState(node, PhiAccrual(self.phi, now), True,
-                                              state.registered_at if state else now,
-                                              state.reclaim if state else None,
-                                              state.health if state else NodeHealth())
-            kind = "node_registered" if state is None else \
-                "node_shrunk" if node.slots < state.node.slots else "node_changed"
+            self.nodes[node.name] = NodeState(
+                node,
+                PhiAccrual(self.phi, now),
+                True,
+                state.registered_at if state else now,
+                state.reclaim if state else None,
+                state.health if state else NodeHealth(),
+            )
+            kind = (
+                "node_registered"
+                if state is None
+                else "node_shrunk"
+                if node.slots < state.node.slots
+                else "node_changed"
+            )
             if kind == "node_shrunk":
                 self._withdraw.add(node.name)
-            self.log(now, kind, node=node.name, slots=node.slots, labels=node_labels(node),
-                     price=self.price(node.capacity_type))
+            self.log(
+                now,
+                kind,
+                node=node.name,
+                slots=node.slots,
+                labels=node_labels(node),
+                price=self.price(node.capacity_type),
+            )
             return kind
         state.detector.heartbeat(now)
         if not state.alive:
@@ -208,9 +231,13 @@ class ClusterState:
             elif state.detector.dead(now):
                 state.alive = False
                 dead.append(name)
-                self.log(now, "node_dead", node=name,
-                         silent_s=round(state.detector.silent_for(now), 2),
-                         phi=round(min(state.detector.phi(now), 1e6), 1))
+                self.log(
+                    now,
+                    "node_dead",
+                    node=name,
+                    silent_s=round(state.detector.silent_for(now), 2),
+                    phi=round(min(state.detector.phi(now), 1e6), 1),
+                )
         return dead
 
     def cluster(self) -> Cluster:
@@ -221,8 +248,11 @@ class ClusterState:
             if not s.takes_work:
                 continue
             if s.health.suspect is not None:
-                held = sum(m.job.placement.get(s.node.name, 0) * m.job.slots_per_replica
-                           for m in self.managed.values() if not m.job.state.ended)
+                held = sum(
+                    m.job.placement.get(s.node.name, 0) * m.job.slots_per_replica
+                    for m in self.managed.values()
+                    if not m.job.state.ended
+                )
                 if not held:
                     continue
                 nodes.append(dataclasses.replace(s.node, slots=min(held, s.node.slots)))
@@ -239,9 +269,16 @@ class ClusterState:
         return self.price(state.node.capacity_type if state is not None else "on-demand")
 
     # -- spot notices ----------------------------------------------------------------------------
-    def notice(self, node: str, notice_s: float, action: str, source: str,
-               here: list[tuple[str, Worker]], memberships: dict[str, Membership],
-               now: float) -> set[str]:
+    def notice(
+        self,
+        node: str,
+        notice_s: float,
+        action: str,
+        source: str,
+        here: list[tuple[str, Worker]],
+        memberships: dict[str, Membership],
+        now: float,
+    ) -> set[str]:
         """A beat of ``node`` carried a spot notice. The first one drains the node (see
         :mod:`maitre.control.drain`); ``here``: its live workers, with their jobs. Returns the
         jobs it changed (none for a repeat)."""
@@ -249,14 +286,26 @@ class ClusterState:
         if state is None or state.reclaim is not None or not state.alive:
             return set()
         state.reclaim = Reclaim(now, now + notice_s, source, action, [w for _, w in here])
-        self.log(now, "spot_notice", node=node, notice_s=round(notice_s, 3),
-                 deadline=round(now + notice_s, 4), source=source, action=action)
-        return self._vacate(node, f"spot notice on {node}", {j for j, _ in here}, memberships,
-                            now, within_s=notice_s)
+        self.log(
+            now,
+            "spot_notice",
+            node=node,
+            notice_s=round(notice_s, 3),
+            deadline=round(now + notice_s, 4),
+            source=source,
+            action=action,
+        )
+        return self._vacate(node, f"spot notice on {node}", {j for j, _ in here}, memberships, now, within_s=notice_s)
 
-    def _vacate(self, node: str, reason: str, jobs_here: set[str],
-                memberships: dict[str, Membership], now: float,
-                within_s: float = math.inf) -> set[str]:
+    def _vacate(
+        self,
+        node: str,
+        reason: str,
+        jobs_here: set[str],
+        memberships: dict[str, Membership],
+        now: float,
+        within_s: float = math.inf,
+    ) -> set[str]:
         """Every job gives up its allocation on ``node``: its workers there leave at a step
         boundary, or it checkpoints first (within ``within_s``) where that would leave it with
         no live state or below its minimum (:func:`maitre.control.drain.decide`)."""
@@ -271,8 +320,7 @@ class ClusterState:
             if d.kind == "leave":
                 assert ms is not None
                 try:
-                    ms.scale(max(ms.spec.min_workers, sum(d.placement.values())), now,
-                             leave=d.leave)
+                    ms.scale(max(ms.spec.min_workers, sum(d.placement.values())), now, leave=d.leave)
                 except ValueError as exc:  # (the run ended meanwhile)
                     self.log(now, "resize_skipped", job=m.id, reason=str(exc))
                     continue
@@ -293,13 +341,19 @@ class ClusterState:
         if reclaim is None or reclaim.drained_at is not None or not reclaim.drained():
             return False
         reclaim.drained_at = now
-        self.log(now, "node_drained", node=node, workers=reclaim.left_gracefully(),
-                 seconds=round(now - reclaim.noticed_at, 3))
+        self.log(
+            now,
+            "node_drained",
+            node=node,
+            workers=reclaim.left_gracefully(),
+            seconds=round(now - reclaim.noticed_at, 3),
+        )
         return True
 
     # -- health and suspicion (maitre.control.health) ----------------------------------------------
-    def node_health(self, node: str, probe: Probe, here: set[str],
-                    memberships: dict[str, Membership], now: float) -> set[str]:
+    def node_health(
+        self, node: str, probe: Probe, here: set[str], memberships: dict[str, Membership], now: float
+    ) -> set[str]:
         """A beat of ``node`` carried a probe result (``here``: the jobs of its live workers).
         A new failing one drains the node; a passing one after a suspicion clears it. Returns
         the jobs it changed."""
@@ -310,8 +364,9 @@ class ClusterState:
         news, cleared = state.health.heard(probe)
         if not news:
             return set()
-        self.log(now, "node_health", node=node, ok=probe.ok, detail=probe.detail,
-                 seconds=probe.seconds, probe=probe.probe)
+        self.log(
+            now, "node_health", node=node, ok=probe.ok, detail=probe.detail, seconds=probe.seconds, probe=probe.probe
+        )
         if cleared:
             self.log(now, "node_cleared", node=node, reason="health probe passed")
         if probe.ok or was_unhealthy or not state.alive:
@@ -330,8 +385,7 @@ class ClusterState:
             self.log(now, "node_cleared", node=node, reason="cool-down ended")
         return cooled
 
-    def evict(self, job_id: str, ms: Membership, worker: str, reason: str,
-              now: float) -> dict[str, int] | None:
+    def evict(self, job_id: str, ms: Membership, worker: str, reason: str, now: float) -> dict[str, int] | None:
         """A straggler of a job with ``stragglers: {policy: evict}``: its node is suspect for
         ``cooldownSeconds`` (or until a later probe passes), its replica leaves at the next step
         boundary, and the job is repaired at once (:meth:`replace`). A job that has no free slot
@@ -341,22 +395,35 @@ class ClusterState:
         m = self.managed.get(job_id)
         spec = m.manifest.stragglers if m is not None else None
         w = ms.workers.get(worker)
-        if m is None or spec is None or spec.policy != "evict" or w is None or ms.over or \
-                w.state != WorkerState.ACTIVE:
+        if m is None or spec is None or spec.policy != "evict" or w is None or ms.over or w.state != WorkerState.ACTIVE:
             return None  # (a repeated verdict about one already leaving, too)
         node = w.node
         state = self.nodes.get(node)
         if state is not None:
             sus = state.health.suspected(reason, now, spec.cooldown_s, job_id, worker)
-            self.log(now, "node_suspect", node=node, reason=reason, until=round(sus.until, 4),
-                     job=job_id, worker=worker, probe=sus.after)
+            self.log(
+                now,
+                "node_suspect",
+                node=node,
+                reason=reason,
+                until=round(sus.until, 4),
+                job=job_id,
+                worker=worker,
+                probe=sus.after,
+            )
         where = self._free_for(m)  # (the node is suspect now: none of its slots is free)
         # A spare on the suspect node would be as slow: the others may take the place.
         spares = [s for s in ms.live_spares() if s.node != node]
         if where is None and not spares and sum(m.job.placement.values()) - 1 < ms.spec.min_workers:
-            self.log(now, "evict_skipped", job=job_id, worker=worker, node=node,
-                     reason=f"{reason}: no free slot for its replacement, and the job would be "
-                     f"below its minimum of {ms.spec.min_workers}")
+            self.log(
+                now,
+                "evict_skipped",
+                job=job_id,
+                worker=worker,
+                node=node,
+                reason=f"{reason}: no free slot for its replacement, and the job would be "
+                f"below its minimum of {ms.spec.min_workers}",
+            )
             return None
         ms.release(worker, now)
         left = m.job.placement.get(node, 0) - 1
@@ -372,8 +439,9 @@ class ClusterState:
             return {promoted.node: 1}
         return self.replace(m, ms, now, f"replaces {worker} (evicted from {node})", where)
 
-    def replace(self, m: ManagedJob, ms: Membership, now: float, reason: str,
-                where: dict[str, int] | None = None) -> dict[str, int] | None:
+    def replace(
+        self, m: ManagedJob, ms: Membership, now: float, reason: str, where: dict[str, int] | None = None
+    ) -> dict[str, int] | None:
         """Grow the job by one replica at once, outside the scheduling pass (a repair: no resize
         cooldown): on a free slot of a node that takes work, its own nodes first (``where``:
         found already; :meth:`evict` hands the place to a warm spare first). With no free slot the
@@ -401,15 +469,16 @@ class ClusterState:
         return place(m.job, 1, FreeSlots(self.cluster(), used), prefer=m.job.placement)
 
     # -- jobs ------------------------------------------------------------------------------------
-    def submit(self, manifest: JobManifest, now: float,
-               env: dict[str, str] | None = None) -> ManagedJob:
+    def submit(self, manifest: JobManifest, now: float, env: dict[str, str] | None = None) -> ManagedJob:
         if manifest.queue not in self.queues:
             raise ValueError(f"no queue {manifest.queue!r} (queues: {', '.join(sorted(self.queues))})")
         largest = max((s.node.slots for s in self.nodes.values() if s.alive), default=None)
         if largest is not None and manifest.gpus_per_replica > largest:
-            raise ValueError(f"a replica of job {manifest.name!r} needs {manifest.gpus_per_replica}"
-                             f" slots on one node (gpusPerReplica); the largest node has "
-                             f"{largest}")
+            raise ValueError(
+                f"a replica of job {manifest.name!r} needs {manifest.gpus_per_replica}"
+                f" slots on one node (gpusPerReplica); the largest node has "
+                f"{largest}"
+            )
         old = self.managed.get(manifest.name)
         if old is not None and not old.job.state.ended:
             raise ValueError(f"job {manifest.name!r} exists and is not over; cancel it first")
@@ -421,8 +490,14 @@ class ClusterState:
             managed.workers_started = old.workers_started
             managed.generation = old.generation + 1
         self.managed[manifest.name] = managed
-        self.log(now, "submitted", job=manifest.name, queue=manifest.queue,
-                 priority=manifest.priority, replicas=[manifest.min_replicas, manifest.max_replicas])
+        self.log(
+            now,
+            "submitted",
+            job=manifest.name,
+            queue=manifest.queue,
+            priority=manifest.priority,
+            replicas=[manifest.min_replicas, manifest.max_replicas],
+        )
         return managed
 
     def incarnation_spec(self, m: ManagedJob) -> JobSpec:
@@ -434,12 +509,18 @@ class ClusterState:
         if man.stragglers is not None:
             env.update(protocol.straggler_environ(man.stragglers))
         env.update(m.env)
-        return JobSpec(job_id=m.id, command=list(man.command), min_workers=man.min_replicas,
-                       max_workers=man.max_replicas, max_restarts=self.max_restarts, env=env,
-                       spares=man.spares,
-                       nproc_per_replica=man.nproc_per_replica,
-                       mesh=man.mesh_text if man.nproc_per_replica > 1 else "",
-                       store_scope=scope)
+        return JobSpec(
+            job_id=m.id,
+            command=list(man.command),
+            min_workers=man.min_replicas,
+            max_workers=man.max_replicas,
+            max_restarts=self.max_restarts,
+            env=env,
+            spares=man.spares,
+            nproc_per_replica=man.nproc_per_replica,
+            mesh=man.mesh_text if man.nproc_per_replica > 1 else "",
+            store_scope=scope,
+        )
 
     def ledger_dir(self, m: ManagedJob) -> Path:
         """Where the job's workers record the samples they commit (``<name>``, then
@@ -476,22 +557,21 @@ class ClusterState:
         place = m.job.placement
         for wid, replacing in ms.take_promotions():
             spare = ms.workers[wid]
-            if spare.spare or spare.state not in (WorkerState.STARTING, WorkerState.READY,
-                                                  WorkerState.ACTIVE):
+            if spare.spare or spare.state not in (WorkerState.STARTING, WorkerState.READY, WorkerState.ACTIVE):
                 continue  # lost meanwhile (it may be in its epoch already: that is no loss)
             place[spare.node] = place.get(spare.node, 0) + 1
             held = Counter(w.node for w in ms.live_workers() if w.state != WorkerState.LEAVING)
             gone = ms.workers[replacing].node if replacing in ms.workers else None
             unfilled = [n for n in place if place[n] > held[n]]
             if unfilled:
-                node = gone if gone in unfilled else max(unfilled,
-                                                         key=lambda n: (place[n] - held[n], n))
+                node = gone if gone in unfilled else max(unfilled, key=lambda n: (place[n] - held[n], n))
                 place[node] -= 1
                 if not place[node]:
                     del place[node]
             changed = True
-            self.log(now, "spare_assigned", job=m.id, worker=wid, replacing=replacing,
-                     node=spare.node, placement=dict(place))
+            self.log(
+                now, "spare_assigned", job=m.id, worker=wid, replacing=replacing, node=spare.node, placement=dict(place)
+            )
         return changed
 
     def slots_per_worker(self, job_id: str) -> int:
@@ -519,16 +599,14 @@ class ClusterState:
             # The run moved the job (to an end, or suspended): free its slots, once.
             if job.state.ended:
                 m.ended_at, job.placement = now, {}
-                self.log(now, "job_" + job.state.value.lower(), job=m.id,
-                         reason=ms.failure or "", step=self._step(ms))
+                self.log(now, "job_" + job.state.value.lower(), job=m.id, reason=ms.failure or "", step=self._step(ms))
                 continue
             if job.state == JobState.SUSPENDED:
                 if m.suspended_run != m.incarnation:
                     m.suspended_run, job.placement, m.suspend_deadline = m.incarnation, {}, None
                     self.log(now, "job_suspended", job=m.id, step=self._step(ms))
                 continue
-            if job.state == JobState.SUSPENDING and m.suspend_deadline is not None and \
-                    now > m.suspend_deadline:
+            if job.state == JobState.SUSPENDING and m.suspend_deadline is not None and now > m.suspend_deadline:
                 m.suspend_deadline = None
                 for w in ms.live_workers():
                     ms.evict(w.id, f"grace period of {job.grace_period_s:.0f}s ran out", now)
@@ -544,8 +622,7 @@ class ClusterState:
         view of the live nodes and copies of the jobs, so that the pass can run while the
         coordinator serves on (:meth:`fingerprint` tells whether its plan still applies)."""
         self._withdraw.clear()  # sync() has withdrawn their allocations
-        jobs = [m.job for m in self.managed.values() if not m.job.state.ended and not
-                (m.held and m.job.state.waiting)]
+        jobs = [m.job for m in self.managed.values() if not m.job.state.ended and not (m.held and m.job.state.waiting)]
         cluster = self.cluster()
         for j in repair(cluster, jobs):  # before anything else is scheduled
             self.log(now, "repair", job=j.id, placement=dict(j.placement))
@@ -560,15 +637,25 @@ class ClusterState:
         """What a plan was made from: jobs' states (as the policy tells them apart: an epoch
         opening or closing is none of its business), bounds and placement, nodes' life and size.
         A plan made on one fingerprint is applied only on the same one."""
-        return (tuple((m.id, m.held, "placed" if m.job.state.placed else m.job.state,
-                       m.job.min_replicas,
-                       m.job.max_replicas, tuple(sorted(m.job.placement.items())))
-                      for m in self.managed.values()),
-                tuple((n, s.alive, s.draining, s.node, s.health.unhealthy,
-                       s.health.suspect is not None) for n, s in self.nodes.items()))
+        return (
+            tuple(
+                (
+                    m.id,
+                    m.held,
+                    "placed" if m.job.state.placed else m.job.state,
+                    m.job.min_replicas,
+                    m.job.max_replicas,
+                    tuple(sorted(m.job.placement.items())),
+                )
+                for m in self.managed.values()
+            ),
+            tuple(
+                (n, s.alive, s.draining, s.node, s.health.unhealthy, s.health.suspect is not None)
+                for n, s in self.nodes.items()
+            ),
+        )
 
-    def apply(self, plan: Plan, memberships: dict[str, Membership], now: float
-              ) -> list[tuple[str, str, Any]]:
+    def apply(self, plan: Plan, memberships: dict[str, Membership], now: float) -> list[tuple[str, str, Any]]:
         """Carry the plan out; returns what the coordinator must do beyond the memberships:
         ``("start", job_id, membership)`` for a new incarnation."""
         out: list[tuple[str, str, Any]] = []
@@ -578,8 +665,7 @@ class ClusterState:
             new = dict(action.placement)
             if action.kind == "admit":
                 m.incarnation += 1
-                ms = Membership(self.incarnation_spec(m), self.detector, now, m.workers_started,
-                                job)
+                ms = Membership(self.incarnation_spec(m), self.detector, now, m.workers_started, job)
                 ms.target = sum(new.values())
                 old = memberships.get(m.id)
                 if old is not None:
@@ -590,8 +676,14 @@ class ClusterState:
                 m.admitted_at = m.admitted_at if m.admitted_at is not None else now
                 m.window = None
                 out.append(("start", m.id, ms))
-                self.log(now, "admit", job=m.id, placement=new, incarnation=m.incarnation,
-                         resumes=job.submitted_at < now and m.incarnation > 1)
+                self.log(
+                    now,
+                    "admit",
+                    job=m.id,
+                    placement=new,
+                    incarnation=m.incarnation,
+                    resumes=job.submitted_at < now and m.incarnation > 1,
+                )
             elif action.kind in ("grow", "shrink"):
                 ms = memberships[m.id]
                 leave = self._leavers(ms, job.placement, new) if action.kind == "shrink" else None
@@ -617,8 +709,15 @@ class ClusterState:
 
     @staticmethod
     def _leavers(ms: Membership, old: dict[str, int], new: dict[str, int]) -> list[str]:
-        return leavers([Replica(w.id, w.node, w.state == WorkerState.ACTIVE, w.rank)
-                        for w in ms.live_workers() if w.state != WorkerState.LEAVING], old, new)
+        return leavers(
+            [
+                Replica(w.id, w.node, w.state == WorkerState.ACTIVE, w.rank)
+                for w in ms.live_workers()
+                if w.state != WorkerState.LEAVING
+            ],
+            old,
+            new,
+        )
 
     # -- user requests ---------------------------------------------------------------------------
     def cancel(self, job_id: str, ms: Membership | None, now: float) -> None:
@@ -639,8 +738,7 @@ class ClusterState:
         if m.job.state.ended:
             raise ValueError(f"job {job_id} is {m.job.state.value}")
         if not m.job.min_replicas <= replicas:
-            raise ValueError(f"job {job_id}: {replicas} is below its minReplicas "
-                             f"{m.job.min_replicas}")
+            raise ValueError(f"job {job_id}: {replicas} is below its minReplicas {m.job.min_replicas}")
         m.job.max_replicas = replicas
         m.job.last_resize_at = -math.inf  # a user's request is not damped
         self.log(now, "max_replicas", job=job_id, replicas=replicas)
@@ -680,26 +778,37 @@ class ClusterState:
     # -- persistence -----------------------------------------------------------------------------
     def job_extra(self, m: ManagedJob, ms: Membership | None) -> dict[str, Any]:
         man = m.manifest
-        return {"manifest": {"name": man.name, "queue": man.queue, "priority": man.priority,
-                             "minReplicas": man.min_replicas, "maxReplicas": man.max_replicas,
-                             "gpusPerReplica": man.gpus_per_replica,
-                             "nprocPerReplica": man.nproc_per_replica,
-                             "mesh": None if man.mesh is None else
-                             {"dp_shard": man.mesh.dp_shard, "tp": man.mesh.tp},
-                             "preemptible": man.preemptible,
-                             "gracePeriodSeconds": man.grace_period_s,
-                             "topology": None if man.topology is None else
-                             {"level": man.topology.level, "mode": man.topology.mode},
-                             "command": list(man.command), "checkpointDir": man.checkpoint_dir,
-                             "spares": man.spares},
-                "incarnation": m.incarnation, "workers_started": m.workers_started,
-                "generation": m.generation,
-                "suspended_run": m.suspended_run, "held": m.held, "admitted_at": m.admitted_at,
-                "ended_at": m.ended_at, "productive_s": m.productive_s,
-                "attained_slot_s": m.job.attained_slot_s,
-                "suspend_deadline": m.suspend_deadline, "env": dict(m.env),
-                "membership": None if ms is None else ms.to_json(),
-                "history": [h.to_json() for h in m.history]}
+        return {
+            "manifest": {
+                "name": man.name,
+                "queue": man.queue,
+                "priority": man.priority,
+                "minReplicas": man.min_replicas,
+                "maxReplicas": man.max_replicas,
+                "gpusPerReplica": man.gpus_per_replica,
+                "nprocPerReplica": man.nproc_per_replica,
+                "mesh": None if man.mesh is None else {"dp_shard": man.mesh.dp_shard, "tp": man.mesh.tp},
+                "preemptible": man.preemptible,
+                "gracePeriodSeconds": man.grace_period_s,
+                "topology": None if man.topology is None else {"level": man.topology.level, "mode": man.topology.mode},
+                "command": list(man.command),
+                "checkpointDir": man.checkpoint_dir,
+                "spares": man.spares,
+            },
+            "incarnation": m.incarnation,
+            "workers_started": m.workers_started,
+            "generation": m.generation,
+            "suspended_run": m.suspended_run,
+            "held": m.held,
+            "admitted_at": m.admitted_at,
+            "ended_at": m.ended_at,
+            "productive_s": m.productive_s,
+            "attained_slot_s": m.job.attained_slot_s,
+            "suspend_deadline": m.suspend_deadline,
+            "env": dict(m.env),
+            "membership": None if ms is None else ms.to_json(),
+            "history": [h.to_json() for h in m.history],
+        }
 
 
 def node_labels(node: Node) -> dict[str, str]:

@@ -59,8 +59,19 @@ if TYPE_CHECKING:  # (torch: the controller itself never imports it)
 
 log = logging.getLogger("maitre.coordinator")
 
-_NOT_STARTED = {"epoch": 0, "epoch_open": False, "members": [], "step": 0, "failures": 0, "failure": None,
-                "workers": [], "target": 0, "min_workers": 0, "max_workers": 0, "spares": []}
+_NOT_STARTED = {
+    "epoch": 0,
+    "epoch_open": False,
+    "members": [],
+    "step": 0,
+    "failures": 0,
+    "failure": None,
+    "workers": [],
+    "target": 0,
+    "min_workers": 0,
+    "max_workers": 0,
+    "spares": [],
+}
 _VOUCH_SLACK_S = 0.5
 """How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
 loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
@@ -80,8 +91,14 @@ keeps them all)."""
 _PROGRESS_EVENT_S = 0.5
 """A job's progress reports closer than this become no event (rank 0 sends one a second; two
 rank 0s around a resize would send more): the event log grows by at most two a second a job."""
-_EVENT_OF_REPORT = {"recovery": "report", "caught_up": "caught_up", "checkpoint": "checkpoint",
-                    "restore": "restore", "progress": "progress", "straggler": "straggler"}
+_EVENT_OF_REPORT = {
+    "recovery": "report",
+    "caught_up": "caught_up",
+    "checkpoint": "checkpoint",
+    "restore": "restore",
+    "progress": "progress",
+    "straggler": "straggler",
+}
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -90,6 +107,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 def acknowledged(method: F) -> F:
     """A call's changes are durable before it answers: once it let go of the lock (so the
     others go on) it waits until the jobs it changed are saved and committed (:meth:`durable`)."""
+
     @functools.wraps(method)
     def call(self: "Coordinator", *args: Any, **kwargs: Any) -> Any:
         try:
@@ -97,6 +115,7 @@ def acknowledged(method: F) -> F:
         finally:
             if self.db is not None:
                 self.durable(*self.take_pending())
+
     return call  # type: ignore[return-value]
 
 
@@ -105,22 +124,36 @@ def _health_view(state: Any, now: float) -> dict[str, Any]:
     if state is None:
         return {}
     h = state.health
-    probe = None if h.probe is None else {
-        "ok": h.probe.ok, "detail": h.probe.detail, "seconds": h.probe.seconds,
-        "probe": h.probe.probe, "age_s": round(max(0.0, now - h.probe.heard_at), 2)}
-    suspect = None if h.suspect is None else {"reason": h.suspect.reason,
-                                              "until": round(h.suspect.until, 4)}
+    probe = (
+        None
+        if h.probe is None
+        else {
+            "ok": h.probe.ok,
+            "detail": h.probe.detail,
+            "seconds": h.probe.seconds,
+            "probe": h.probe.probe,
+            "age_s": round(max(0.0, now - h.probe.heard_at), 2),
+        }
+    )
+    suspect = None if h.suspect is None else {"reason": h.suspect.reason, "until": round(h.suspect.until, 4)}
     return {"health": probe, "unhealthy": h.unhealthy, "suspect": suspect}
 
 
 class Coordinator:
     """Thread-safe owner of all jobs and nodes (see the module docstring)."""
 
-    def __init__(self, store_address: str, cfg: DetectorConfig | None = None,
-                 clock: Callable[[], float] = time.time,
-                 on_event: Callable[[str, dict[str, Any]], None] | None = None, *,
-                 cluster: ClusterState, store: Store | None = None,
-                 pass_s: float = 0.5, stores: "Stores | None" = None) -> None:
+    def __init__(
+        self,
+        store_address: str,
+        cfg: DetectorConfig | None = None,
+        clock: Callable[[], float] = time.time,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        *,
+        cluster: ClusterState,
+        store: Store | None = None,
+        pass_s: float = 0.5,
+        stores: "Stores | None" = None,
+    ) -> None:
         self.store_address = store_address
         """Where workers reach the door of their run's c10d store (``HOST:PORT``)."""
         self.stores = stores
@@ -201,8 +234,7 @@ class Coordinator:
         ``env``: its workers' environment beyond the cluster's (in process only: ``maitre
         run``'s checkpoint settings and ledger)."""
         if not isinstance(manifest, (str, dict)):
-            raise BadRequest("the request needs 'manifest': the job's YAML text or mapping",
-                             "body.manifest")
+            raise BadRequest("the request needs 'manifest': the job's YAML text or mapping", "body.manifest")
         with self.lock:
             try:
                 parsed = parse_manifest(manifest, queues=set(self.cluster.queues))
@@ -240,12 +272,15 @@ class Coordinator:
     def job_status(self, job_id: str) -> dict[str, Any]:
         with self.lock:
             if job_id in self.cluster.managed and job_id not in self.jobs:  # never admitted yet
-                return {**_NOT_STARTED, **self._managed_summary(job_id), "events": [],
-                        "reports": []}
+                return {**_NOT_STARTED, **self._managed_summary(job_id), "events": [], "reports": []}
             job = self.job(job_id)
-            return {**job.summary(), **self._managed_summary(job_id), "events": list(job.events),
-                    "reports": list(self.reports[job_id]),
-                    "progress": self.progress.get(job_id)}
+            return {
+                **job.summary(),
+                **self._managed_summary(job_id),
+                "events": list(job.events),
+                "reports": list(self.reports[job_id]),
+                "progress": self.progress.get(job_id),
+            }
 
     def job_list(self) -> list[dict[str, Any]]:
         with self.lock:
@@ -261,13 +296,20 @@ class Coordinator:
         m = self.cluster.managed.get(job_id)
         if m is None:
             return {}
-        return {"job_id": m.id, "state": m.job.state.value, "queue": m.job.queue,
-                "spares_wanted": m.manifest.spares,
-                "priority": m.job.priority, "min_workers": m.job.min_replicas,
-                "max_workers": m.job.max_replicas, "placement": dict(m.job.placement),
-                "incarnation": m.incarnation, "held": m.held,
-                "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else "",
-                "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())}}
+        return {
+            "job_id": m.id,
+            "state": m.job.state.value,
+            "queue": m.job.queue,
+            "spares_wanted": m.manifest.spares,
+            "priority": m.job.priority,
+            "min_workers": m.job.min_replicas,
+            "max_workers": m.job.max_replicas,
+            "placement": dict(m.job.placement),
+            "incarnation": m.incarnation,
+            "held": m.held,
+            "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else "",
+            "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())},
+        }
 
     @acknowledged
     def scale(self, job_id: str, workers: int) -> dict[str, Any]:
@@ -296,8 +338,10 @@ class Coordinator:
             if managed.job.state.ended:
                 raise BadRequest(f"job {job_id} is {managed.job.state.value}", "path.job")
             if not managed.manifest.checkpoint_dir:
-                raise BadRequest(f"job {job_id} has no checkpointDir: suspending it would "
-                                 "lose its progress (cancel it instead)", "path.job")
+                raise BadRequest(
+                    f"job {job_id} has no checkpointDir: suspending it would lose its progress (cancel it instead)",
+                    "path.job",
+                )
             if managed.job.state.placed:
                 try:  # refused (the run stopped meanwhile): nothing is changed
                     self.jobs[job_id].suspend(str(reason), self.clock())  # SUSPENDING
@@ -367,10 +411,12 @@ class Coordinator:
                 if ms is None or ms.workers[wb.id].node != node:
                     continue  # not ours (a leftover of another coordinator's run): killed below
                 seen = now - wb.silent_s if wb.silent_s is not None else 0.0
-                vouched = now + beat.interval_s + _VOUCH_SLACK_S if beat.interval_s and \
-                    wb.silent_s is not None and wb.silent_s < p.SILENT_S else 0.0
-                ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s,
-                            wb.gap_std_s, vouched)
+                vouched = (
+                    now + beat.interval_s + _VOUCH_SLACK_S
+                    if beat.interval_s and wb.silent_s is not None and wb.silent_s < p.SILENT_S
+                    else 0.0
+                )
+                ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s, wb.gap_std_s, vouched)
             info.update(running=running, beat_at=now)
             return self._orders(node, beat.since, now)
 
@@ -383,12 +429,10 @@ class Coordinator:
         if not agent or not before or before == agent:  # (a restarted coordinator: None)
             return
         self._unacked.pop(node, None)  # orders for the agent before: its workers go too
-        gone = [wid for wid in self._on_node.get(node, ())
-                if self._worker_job[wid].workers[wid].state in LIVE]
+        gone = [wid for wid in self._on_node.get(node, ()) if self._worker_job[wid].workers[wid].state in LIVE]
         if gone:
             log.info("node %s: a new agent, without %s", node, ", ".join(sorted(gone)))
-            self._evict_node(node, f"node {node}'s agent restarted: its workers went with the "
-                             "agent before", now)
+            self._evict_node(node, f"node {node}'s agent restarted: its workers went with the agent before", now)
 
     def _noticed(self, node: str, notice: p.SpotNotice, now: float) -> None:
         """A spot notice in a node's beat: the first one drains the node (its jobs' workers
@@ -397,16 +441,19 @@ class Coordinator:
         if state is None:
             return
         if state.reclaim is not None:  # it may come sooner (an agent that stops says "now")
-            if state.reclaim.reclaimed_at is None and \
-                    now + notice.notice_s < state.reclaim.deadline - 1.0:  # (not jitter)
+            if (
+                state.reclaim.reclaimed_at is None and now + notice.notice_s < state.reclaim.deadline - 1.0
+            ):  # (not jitter)
                 state.reclaim.deadline = now + notice.notice_s
                 self._next_pass = 0.0  # (the pass counts the reclaim)
             return
         self._release_spares(node, f"node {node} has a spot notice", now)  # (no state to save)
-        here = [(ms.spec.job_id, ms.workers[wid]) for wid in sorted(self._on_node.get(node, ()))
-                if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over]
-        changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source,
-                                      here, self.jobs, now)
+        here = [
+            (ms.spec.job_id, ms.workers[wid])
+            for wid in sorted(self._on_node.get(node, ()))
+            if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over
+        ]
+        changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source, here, self.jobs, now)
         for job_id in changed:
             self._touch(job_id, persist=True)
         self.cluster.index_allocations()
@@ -419,11 +466,13 @@ class Coordinator:
         """A probe result in a node's beat: a new failing one drains the node (as a notice
         does, :mod:`maitre.control.health`); a passing one lets work go there again."""
         state = self.cluster.nodes.get(node)
-        if state is None or (state.health.probe is not None and
-                             state.health.probe.id == health.id):
+        if state is None or (state.health.probe is not None and state.health.probe.id == health.id):
             return  # (every beat carries the latest: the same one again is no news)
-        here = {ms.spec.job_id for wid in self._on_node.get(node, ())
-                if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over}
+        here = {
+            ms.spec.job_id
+            for wid in self._on_node.get(node, ())
+            if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over
+        }
         before = (state.health.unhealthy, state.health.suspect)
         if not health.ok:  # its spares hold no state: they go at once, the rest drains
             self._release_spares(node, f"node {node} failed its health probe", now)
@@ -441,8 +490,9 @@ class Coordinator:
         """A straggler of a job whose policy is ``evict``: its replica leaves at a step
         boundary and a free slot elsewhere replaces it at once (:meth:`ClusterState.evict`)."""
         wid, node = report["worker"], report.get("node")
-        reason = f"straggler: {wid} at {report.get('ratio', 0):.2f}x the median since step " \
-                 f"{report.get('since_step', 0)}"
+        reason = (
+            f"straggler: {wid} at {report.get('ratio', 0):.2f}x the median since step {report.get('since_step', 0)}"
+        )
         where = self.cluster.evict(ms.spec.job_id, ms, wid, reason, now)
         if node is not None:
             self._bump(node)  # its worker's view says leave; its agent probes
@@ -450,8 +500,9 @@ class Coordinator:
             self._bump(n)  # start orders for the replacement
         self._touch(ms.spec.job_id, persist=True)
 
-    def try_now(self, method: Callable[..., Any], *args: Any, block: bool = False
-                ) -> tuple[Any, tuple[int, int]] | None:
+    def try_now(
+        self, method: Callable[..., Any], *args: Any, block: bool = False
+    ) -> tuple[Any, tuple[int, int]] | None:
         """Call ``method`` (one of the :func:`acknowledged` ones) if the lock is free now (or
         once it is, with ``block``), else return None having done nothing. It does not wait for
         the store: it returns the result and what to wait for before the result goes out
@@ -488,8 +539,7 @@ class Coordinator:
         if failed[0] is not None:
             raise failed[0]
 
-    def when_durable(self, need: int, staged: int,
-                     then: Callable[[BaseException | None], None]) -> None:
+    def when_durable(self, need: int, staged: int, then: Callable[[BaseException | None], None]) -> None:
         """Call ``then(None)`` once save round ``need`` is saved and store commit ``staged`` is
         in (``then(error)`` if the store failed), from the saver thread, or at once for nothing
         to wait for. Saving is grouped: the saver serializes every job changed so far, under the
@@ -505,8 +555,7 @@ class Coordinator:
         with self._save_cv:
             self._durable_waits.append((need, staged, then))
             if self._saver is None:
-                self._saver = threading.Thread(target=self._save_rounds, name="maitre-saver",
-                                               daemon=True)
+                self._saver = threading.Thread(target=self._save_rounds, name="maitre-saver", daemon=True)
                 self._saver.start()
             self._save_cv.notify()
 
@@ -565,9 +614,12 @@ class Coordinator:
             # Processes the coordinator gave up on, or leftovers of an ended run, until their
             # exit is in (the node's list is up to a beat old: asking again after the exit made
             # every order of a cancelled gang's nodes repeat its kills, once per exit).
-            if listed and wid not in kill and w.exit_code is None and (
-                    w.state == WorkerState.DEAD or (
-                    ms.over and w.state not in (WorkerState.DONE, WorkerState.LEFT))):
+            if (
+                listed
+                and wid not in kill
+                and w.exit_code is None
+                and (w.state == WorkerState.DEAD or (ms.over and w.state not in (WorkerState.DONE, WorkerState.LEFT)))
+            ):
                 kill.append(wid)
         for wid in running:
             if wid not in self._worker_job and wid not in kill:
@@ -584,13 +636,21 @@ class Coordinator:
         views = None
         if version > since or start:
             here = self._on_node.get(node, set())  # with the workers just started
-            views = {wid: self._worker_job[wid].view(wid, now) for wid in sorted(here)
-                     if self._worker_job[wid].workers[wid].state in LIVE}
-        return {"version": version, "boot": self.boot, "start": start, "kill": kill,
-                "views": views, "probe": self.cluster.wants_probe(node)}
+            views = {
+                wid: self._worker_job[wid].view(wid, now)
+                for wid in sorted(here)
+                if self._worker_job[wid].workers[wid].state in LIVE
+            }
+        return {
+            "version": version,
+            "boot": self.boot,
+            "start": start,
+            "kill": kill,
+            "views": views,
+            "probe": self.cluster.wants_probe(node),
+        }
 
-    def _resent(self, node: str, running: set[str], beat_at: float,
-                now: float) -> list[dict[str, Any]]:
+    def _resent(self, node: str, running: set[str], beat_at: float, now: float) -> list[dict[str, Any]]:
         """The start orders of ``node`` to send again: those whose worker is still starting and
         that a beat which came :data:`_RESEND_AFTER_S` after them did not list."""
         unacked = self._unacked.get(node)
@@ -603,14 +663,17 @@ class Coordinator:
             if wid in running or w is None or w.state != WorkerState.STARTING or w.node != node:
                 del unacked[wid]  # running (acknowledged), or past starting either way
             elif beat_at >= sent_at + _RESEND_AFTER_S:
-                log.info("node %s: its agent does not run %s, started %.1f s ago: the start "
-                         "order again", node, wid, now - sent_at)
+                log.info(
+                    "node %s: its agent does not run %s, started %.1f s ago: the start order again",
+                    node,
+                    wid,
+                    now - sent_at,
+                )
                 unacked[wid] = (order, now)
                 again.append(order)
         return again
 
-    def _start_orders(self, node: str, slots: int, used: set[int],
-                      now: float) -> list[dict[str, Any]]:
+    def _start_orders(self, node: str, slots: int, used: set[int], now: float) -> list[dict[str, Any]]:
         state = self.cluster.nodes.get(node)
         if state is None or not state.takes_work:
             return []
@@ -620,20 +683,23 @@ class Coordinator:
             want = job.wants_workers()
             per = 1
             if want:
-                staying_here = sum(1 for wid in self._on_node.get(node, ())
-                                   if self._worker_job[wid] is job and job.workers[wid].state
-                                   in (WorkerState.STARTING, WorkerState.READY,
-                                       WorkerState.ACTIVE) and not job.workers[wid].spare)
+                staying_here = sum(
+                    1
+                    for wid in self._on_node.get(node, ())
+                    if self._worker_job[wid] is job
+                    and job.workers[wid].state in (WorkerState.STARTING, WorkerState.READY, WorkerState.ACTIVE)
+                    and not job.workers[wid].spare
+                )
                 want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
                 per = self.cluster.slots_per_worker(job.spec.job_id)
             for started in range(want):
                 slot = free_slot(used, slots, per)
                 if slot is None:  # spares here give their slots back first (they hold no state)
-                    self._release_spares(node, f"its slot went to job {job.spec.job_id}", now,
-                                         need=(want - started) * per, job=job)
+                    self._release_spares(
+                        node, f"its slot went to job {job.spec.job_id}", now, need=(want - started) * per, job=job
+                    )
                     break
-                start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per),
-                                               used))
+                start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per), used))
         return start + self._start_spares(node, slots, used, now)
 
     def _start_order(self, job: Membership, worker: Worker, used: set[int]) -> dict[str, Any]:
@@ -648,30 +714,45 @@ class Coordinator:
 
     def _order(self, job: Membership, worker: Worker) -> dict[str, Any]:
         """What the agent needs to start ``worker``."""
-        return {"worker_id": worker.id, "job_id": job.spec.job_id,
-                "command": job.spec.command, "env": dict(job.spec.env),
-                "local_rank": worker.slot, "slots": worker.slots, "store": self.store_address,
-                "token": job.spec.token, "store_key": job.spec.run_key,
-                "nproc": job.spec.nproc_per_replica, "mesh": job.spec.mesh}
+        return {
+            "worker_id": worker.id,
+            "job_id": job.spec.job_id,
+            "command": job.spec.command,
+            "env": dict(job.spec.env),
+            "local_rank": worker.slot,
+            "slots": worker.slots,
+            "store": self.store_address,
+            "token": job.spec.token,
+            "store_key": job.spec.run_key,
+            "nproc": job.spec.nproc_per_replica,
+            "mesh": job.spec.mesh,
+        }
 
     # -- warm spares (see maitre.control.membership) ---------------------------------------------
     def _spares_here(self, node: str) -> list[Worker]:
-        return [w for wid in sorted(self._on_node.get(node, ()))
-                if (w := self._worker_job[wid].workers[wid]).spare and w.state in LIVE]
+        return [
+            w
+            for wid in sorted(self._on_node.get(node, ()))
+            if (w := self._worker_job[wid].workers[wid]).spare and w.state in LIVE
+        ]
 
-    def _start_spares(self, node: str, slots: int, used: set[int],
-                      now: float) -> list[dict[str, Any]]:
+    def _start_spares(self, node: str, slots: int, used: set[int], now: float) -> list[dict[str, Any]]:
         """Spares of the jobs that want some, on this node's slots that no allocation holds (so
         the scheduler, which counts them free, never waits for them)."""
-        wanting = [ms for job_id in sorted(self._spare_jobs)
-                   if (ms := self.jobs.get(job_id)) is not None and ms.spares_wanted()]
+        wanting = [
+            ms
+            for job_id in sorted(self._spare_jobs)
+            if (ms := self.jobs.get(job_id)) is not None and ms.spares_wanted()
+        ]
         state = self.cluster.nodes.get(node)
         if not wanting or state is None or not state.takes_work or state.health.suspect:
             return []  # (a suspect node's spare would be as slow as the worker it replaced)
         if state.node.reserved_for:  # one job's node: that job's spares only
             wanting = [ms for ms in wanting if ms.spec.job_id == state.node.reserved_for]
-        allocated = sum(self.cluster.managed[j].job.placement.get(node, 0) *
-                        self.cluster.slots_per_worker(j) for j in self.cluster.allocated_on(node))
+        allocated = sum(
+            self.cluster.managed[j].job.placement.get(node, 0) * self.cluster.slots_per_worker(j)
+            for j in self.cluster.allocated_on(node)
+        )
         room = slots - allocated - sum(w.slots for w in self._spares_here(node))
         start = []
         for ms in wanting:
@@ -681,12 +762,12 @@ class Coordinator:
                 if slot is None:
                     return start
                 room -= per
-                start.append(self._start_order(ms, ms.add_spare(node, slot, now, slots=per),
-                                               used))
+                start.append(self._start_order(ms, ms.add_spare(node, slot, now, slots=per), used))
         return start
 
-    def _release_spares(self, node: str, reason: str, now: float,
-                        need: int | None = None, job: Membership | None = None) -> None:
+    def _release_spares(
+        self, node: str, reason: str, now: float, need: int | None = None, job: Membership | None = None
+    ) -> None:
         """Spares here stop, enough of them for ``need`` slots (None: all): a job allocated here
         finds no free slot, or the node goes. Their slots are free once their processes
         exited, a beat later. A spare of ``job`` itself (the job that wants the slot) is
@@ -747,8 +828,15 @@ class Coordinator:
         or None while it must wait (:meth:`assignment` asks again when the job changes)."""
         with self.lock:
             job = self._job_of(wid)
-            job.arrive(wid, req.from_epoch, req.step, req.reason, self.clock(),
-                       group_failed=req.group_failed, unreachable=req.unreachable)
+            job.arrive(
+                wid,
+                req.from_epoch,
+                req.step,
+                req.reason,
+                self.clock(),
+                group_failed=req.group_failed,
+                unreachable=req.unreachable,
+            )
             job_id = job.spec.job_id
             self._touch(job_id)
             answer = self._answer(job, wid, req.from_epoch)
@@ -770,8 +858,7 @@ class Coordinator:
             key = job.spec.run_key
             if self.stores is not None:
                 self.stores.open(key, job.spec.token)
-            answer.update(store=self.store_address, store_key=key,
-                          store_id=f"{self.store_id}/{key}")
+            answer.update(store=self.store_address, store_key=key, store_id=f"{self.store_id}/{key}")
         return answer
 
     def credential(self, token: str, wid: str | None) -> int:
@@ -821,13 +908,20 @@ class Coordinator:
             ms = self._job_of(wid)
             job_id = ms.spec.job_id
             managed = self.cluster.managed.get(job_id)
-            report = {"worker": wid, **body,  # epochs count again in each incarnation
-                      "incarnation": managed.incarnation if managed is not None else 1}
+            report = {
+                "worker": wid,
+                **body,  # epochs count again in each incarnation
+                "incarnation": managed.incarnation if managed is not None else 1,
+            }
             kind = body.get("kind", "recovery")
             if kind == "straggler":  # about the slow worker (rank 0 found it), and its node
                 slow = ms.workers.get(report.pop("straggler"))
-                report = {**report, "worker": body["straggler"], "reporter": wid,
-                          "node": slow.node if slow is not None else None}
+                report = {
+                    **report,
+                    "worker": body["straggler"],
+                    "reporter": wid,
+                    "node": slow.node if slow is not None else None,
+                }
             if kind == "progress":  # the latest only: one a second a job, for as long as it runs
                 now = self.clock()
                 last = self.progress.get(job_id)
@@ -914,15 +1008,18 @@ class Coordinator:
         some, self._to_save = self._to_save[:_SAVES_PER_TICK], self._to_save[_SAVES_PER_TICK:]
         self._persist(set(some))
 
-    def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, dict[str, int]],
-                                                tuple[Any, ...]]:
+    def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, dict[str, int]], tuple[Any, ...]]:
         """A pass, under the lock: dead nodes, the jobs brought up to date, what the policy
         will see (and the fingerprint it is made on)."""
         cluster = self.cluster
         for node in cluster.detect_dead_nodes(now):
-            self._evict_node(node, f"node {node} was reclaimed (spot notice)"
-                             if cluster.nodes[node].draining else
-                             f"node {node} is dead (no agent heartbeat)", now)
+            self._evict_node(
+                node,
+                f"node {node} was reclaimed (spot notice)"
+                if cluster.nodes[node].draining
+                else f"node {node} is dead (no agent heartbeat)",
+                now,
+            )
         for node in cluster.cool_suspects(now):
             self._bump(node)
         cluster.sync(self.jobs, now)
@@ -943,8 +1040,9 @@ class Coordinator:
             if kind == "start":
                 self._install(membership)
         for m in cluster.managed.values():
-            m.workers_started = max(m.workers_started, self.jobs[m.id].workers_added
-                                    if m.id in self.jobs and m.incarnation else 0)
+            m.workers_started = max(
+                m.workers_started, self.jobs[m.id].workers_added if m.id in self.jobs and m.incarnation else 0
+            )
             if m.job.placement != before.get(m.id):
                 for node in set(m.job.placement) | set(before.get(m.id, {})):
                     self._bump(node)  # start orders (or a shrink) for its agent
@@ -970,8 +1068,7 @@ class Coordinator:
     def dashboard_meta(self) -> dict[str, Any]:
         """What the dashboard's page needs besides the event log."""
         prices = getattr(self.cluster, "prices", None)
-        return {"source": "coordinator", "now": self.clock(),
-                "prices": dict(prices) if prices else None}
+        return {"source": "coordinator", "now": self.clock(), "prices": dict(prices) if prices else None}
 
     def report(self) -> dict[str, Any]:
         with self.lock:
@@ -982,20 +1079,30 @@ class Coordinator:
             now = self.clock()
             out = []
             for name, info in sorted(self.nodes.items()):
-                held = [wid for wid in sorted(self._on_node.get(name, ()))
-                        if self._worker_job[wid].workers[wid].state in LIVE]
+                held = [
+                    wid
+                    for wid in sorted(self._on_node.get(name, ()))
+                    if self._worker_job[wid].workers[wid].state in LIVE
+                ]
                 state = self.cluster.nodes.get(name)
-                out.append({"node": name, "slots": info["slots"], "labels": info.get("labels", {}),
-                            "alive": True if state is None else state.alive,
-                            "price": self.cluster.node_price(name),
-                            "draining": state is not None and state.draining,
-                            "reclaimed": state is not None and state.reclaim is not None and
-                            state.reclaim.reclaimed_at is not None,
-                            "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
-                            "used": sum(self._worker_job[w].workers[w].slots for w in held),
-                            "workers": held,
-                            "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2),
-                            **_health_view(state, now)})
+                out.append(
+                    {
+                        "node": name,
+                        "slots": info["slots"],
+                        "labels": info.get("labels", {}),
+                        "alive": True if state is None else state.alive,
+                        "price": self.cluster.node_price(name),
+                        "draining": state is not None and state.draining,
+                        "reclaimed": state is not None
+                        and state.reclaim is not None
+                        and state.reclaim.reclaimed_at is not None,
+                        "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
+                        "used": sum(self._worker_job[w].workers[w].slots for w in held),
+                        "workers": held,
+                        "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2),
+                        **_health_view(state, now),
+                    }
+                )
             return out
 
     def queues_view(self) -> list[dict[str, Any]]:
@@ -1004,12 +1111,19 @@ class Coordinator:
             for m in self.cluster.managed.values():
                 if not m.job.state.ended:
                     usage[m.job.queue] = usage.get(m.job.queue, 0) + m.job.slots
-            return [{"queue": q.name, "guaranteed": q.guaranteed,
-                     "borrowing_limit": q.borrowing_limit, "weight": q.weight,
-                     "allocated": usage.get(q.name, 0),
-                     "jobs": sum(1 for m in self.cluster.managed.values()
-                                 if m.job.queue == q.name and not m.job.state.ended)}
-                    for q in self.cluster.queues.values()]
+            return [
+                {
+                    "queue": q.name,
+                    "guaranteed": q.guaranteed,
+                    "borrowing_limit": q.borrowing_limit,
+                    "weight": q.weight,
+                    "allocated": usage.get(q.name, 0),
+                    "jobs": sum(
+                        1 for m in self.cluster.managed.values() if m.job.queue == q.name and not m.job.state.ended
+                    ),
+                }
+                for q in self.cluster.queues.values()
+            ]
 
     # -- changes ---------------------------------------------------------------------------------
     def _bump(self, node: str) -> None:
@@ -1053,7 +1167,7 @@ class Coordinator:
                     if w.ended_at is None and w.state in LIVE:
                         self._bump(w.node)
             events = ms.events
-            for event in events[self._emitted[job_id]:]:
+            for event in events[self._emitted[job_id] :]:
                 self._emit(job_id, event["kind"], event)
             self._emitted[job_id] = len(events)
         self._persist(save)
@@ -1078,8 +1192,11 @@ class Coordinator:
                 continue
             ms = self.jobs.get(m.id) if m.incarnation else None
             extra = self.cluster.job_extra(m, ms)
-            text = json.dumps([extra, m.job.state.value, m.job.placement, m.job.max_replicas,
-                               m.job.throughput, m.job.last_resize_at], sort_keys=True, default=str)
+            text = json.dumps(
+                [extra, m.job.state.value, m.job.placement, m.job.max_replicas, m.job.throughput, m.job.last_resize_at],
+                sort_keys=True,
+                default=str,
+            )
             if self._persisted.get(m.id) != text:
                 self.db.put_job(m.job, extra)
                 self._persisted[m.id] = text
@@ -1096,20 +1213,24 @@ class Coordinator:
             self.db.put_queue(q)
         for node in stored.nodes.values():
             cluster.node_beat(node, now)
-            self.nodes[node.name] = {"slots": node.slots, "registered_at": now,
-                                     "last_heartbeat": now}
+            self.nodes[node.name] = {"slots": node.slots, "registered_at": now, "last_heartbeat": now}
         for job, extra in self.db.jobs():
-            manifest = parse_manifest({k: v for k, v in extra["manifest"].items()
-                                       if v is not None})
+            manifest = parse_manifest({k: v for k, v in extra["manifest"].items() if v is not None})
             job.attained_slot_s = extra.get("attained_slot_s", 0.0)
-            managed = ManagedJob(manifest, job, incarnation=extra["incarnation"],
-                                 workers_started=extra["workers_started"],
-                                 suspended_run=extra["suspended_run"], held=extra["held"],
-                                 admitted_at=extra["admitted_at"],
-                                 ended_at=extra["ended_at"], productive_s=extra["productive_s"],
-                                 suspend_deadline=extra["suspend_deadline"],
-                                 generation=extra.get("generation", 0),
-                                 env=extra.get("env", {}))
+            managed = ManagedJob(
+                manifest,
+                job,
+                incarnation=extra["incarnation"],
+                workers_started=extra["workers_started"],
+                suspended_run=extra["suspended_run"],
+                held=extra["held"],
+                admitted_at=extra["admitted_at"],
+                ended_at=extra["ended_at"],
+                productive_s=extra["productive_s"],
+                suspend_deadline=extra["suspend_deadline"],
+                generation=extra.get("generation", 0),
+                env=extra.get("env", {}),
+            )
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
             for h in managed.history:
                 self._tokens[h.spec.token] = h  # its workers may still report their exits
@@ -1128,8 +1249,7 @@ class Coordinator:
         if usage:
             cluster.usage.restore(usage)
         if cluster.managed or cluster.nodes:
-            cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed),
-                        nodes=len(cluster.nodes))
+            cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed), nodes=len(cluster.nodes))
 
     def _restore_suspects(self, now: float) -> None:
         """Suspect nodes stay suspect across a restart: the event log's last ``node_suspect``
@@ -1145,9 +1265,9 @@ class Coordinator:
         for node, e in standing.items():
             state = self.cluster.nodes.get(node)
             if state is not None and e["until"] > now:
-                state.health.suspect = Suspect(e["reason"], e["t"], e["until"],
-                                               int(e.get("probe", 0)), e.get("job", ""),
-                                               e.get("worker", ""))
+                state.health.suspect = Suspect(
+                    e["reason"], e["t"], e["until"], int(e.get("probe", 0)), e.get("job", ""), e.get("worker", "")
+                )
 
     # -- helpers ---------------------------------------------------------------------------------
     def _job_of(self, wid: str) -> Membership:

@@ -87,8 +87,11 @@ def suspect_after(w: Heard, cfg: DetectorConfig) -> float:
 def lost(workers: Iterable[W], now: float, cfg: DetectorConfig) -> list[tuple[W, str]]:
     """The workers silent past ``dead_after_s``, with why."""
     limit = now - cfg.dead_after_s
-    return [(w, f"worker {w.id} sent no heartbeat for {silence(w, now):.1f}s")
-            for w in workers if w.last_heartbeat < limit and silence(w, now) > cfg.dead_after_s]
+    return [
+        (w, f"worker {w.id} sent no heartbeat for {silence(w, now):.1f}s")
+        for w in workers
+        if w.last_heartbeat < limit and silence(w, now) > cfg.dead_after_s
+    ]
 
 
 def hung(members: list[W], now: float, cfg: DetectorConfig) -> tuple[W, str] | None:
@@ -103,8 +106,7 @@ def hung(members: list[W], now: float, cfg: DetectorConfig) -> tuple[W, str] | N
             continue
         others = [o for o in members if o is not w]
         if others and all(o.stalled for o in others):
-            return w, (f"worker {w.id} hung: no heartbeat for {silent:.1f}s while its peers "
-                       "waited in a collective")
+            return w, (f"worker {w.id} hung: no heartbeat for {silent:.1f}s while its peers waited in a collective")
     return None
 
 

@@ -49,8 +49,7 @@ class Reclaim:
 
     def drained(self) -> bool:
         """Every worker that was on the node has stopped (its exit is in)."""
-        return all(w.ended_at is not None or (w.state not in LIVE and w.exit_code is not None)
-                   for w in self.workers)
+        return all(w.ended_at is not None or (w.state not in LIVE and w.exit_code is not None) for w in self.workers)
 
     def left_gracefully(self) -> list[str]:
         return [w.id for w in self.workers if w.state in (WorkerState.LEFT, WorkerState.DONE)]
@@ -65,8 +64,7 @@ class Decision(NamedTuple):
     reason: str
 
 
-def decide(m: "ManagedJob", ms: Membership | None, node: str, reason: str | None = None
-           ) -> Decision:
+def decide(m: "ManagedJob", ms: Membership | None, node: str, reason: str | None = None) -> Decision:
     """What one job does about a notice on ``node`` (see the module docstring), or about
     another reason to vacate it (a failed health probe: :mod:`maitre.control.health`)."""
     placement = {n: r for n, r in m.job.placement.items() if n != node}
@@ -85,11 +83,17 @@ def decide(m: "ManagedJob", ms: Membership | None, node: str, reason: str | None
     if target >= ms.spec.min_workers and (holders or not trained):
         return Decision("leave", placement, leave, reason)
     if m.manifest.checkpoint_dir:
-        why = "its only live state is there" if target >= ms.spec.min_workers else \
-            f"it would be left below its minimum of {ms.spec.min_workers}"
+        why = (
+            "its only live state is there"
+            if target >= ms.spec.min_workers
+            else f"it would be left below its minimum of {ms.spec.min_workers}"
+        )
         return Decision("suspend", placement, leave, f"{reason}: {why}; it checkpoints first")
     if target >= ms.spec.min_workers:  # no checkpoint to keep its state: it starts again
-        return Decision("leave", placement, leave, reason + " (no checkpointDir: its state "
-                        "is lost)")
-    return Decision("blocked", placement, [], f"{reason}: below its minimum of "
-                    f"{ms.spec.min_workers} and no checkpointDir to suspend to")
+        return Decision("leave", placement, leave, reason + " (no checkpointDir: its state is lost)")
+    return Decision(
+        "blocked",
+        placement,
+        [],
+        f"{reason}: below its minimum of {ms.spec.min_workers} and no checkpointDir to suspend to",
+    )

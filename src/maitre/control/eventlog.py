@@ -57,8 +57,7 @@ class EventLog:
                     return event
         return None
 
-    def since(self, seq: int = 0, limit: int | None = None,
-              job: str | None = None) -> list[dict[str, Any]]:
+    def since(self, seq: int = 0, limit: int | None = None, job: str | None = None) -> list[dict[str, Any]]:
         """The events after ``seq`` (at most ``limit``), oldest first; only ``job``'s if given."""
         with self._lock:
             first = self._tail[0]["seq"] if self._tail else self.last + 1

@@ -72,8 +72,7 @@ class NodeHealth:
     @property
     def wants_probe(self) -> bool:
         """Suspect, and no probe has come since: its agent is asked for one."""
-        return self.suspect is not None and (self.probe is None or
-                                             self.probe.id <= self.suspect.after)
+        return self.suspect is not None and (self.probe is None or self.probe.id <= self.suspect.after)
 
     def heard(self, probe: Probe) -> tuple[bool, bool]:
         """A probe result. Returns (is it news, did it clear a suspicion)."""
@@ -85,14 +84,12 @@ class NodeHealth:
             self.suspect = None
         return True, cleared
 
-    def suspected(self, reason: str, now: float, cooldown_s: float, job: str, worker: str
-                  ) -> Suspect:
+    def suspected(self, reason: str, now: float, cooldown_s: float, job: str, worker: str) -> Suspect:
         """Suspect from now (a suspicion already standing is extended, never shortened)."""
         until = now + cooldown_s
         if self.suspect is not None:
             until = max(until, self.suspect.until)
-        self.suspect = Suspect(reason, now, until, self.probe.id if self.probe else 0, job,
-                               worker)
+        self.suspect = Suspect(reason, now, until, self.probe.id if self.probe else 0, job, worker)
         return self.suspect
 
     def cooled(self, now: float) -> bool:

@@ -62,10 +62,10 @@ from maitre.scheduling.model import Job
 
 
 class WorkerState(str, Enum):
-    STARTING = "STARTING"   # the agent was asked to start it; not ready yet
-    READY = "READY"         # built its model, waits for the next epoch
-    ACTIVE = "ACTIVE"       # member of the current epoch
-    LEAVING = "LEAVING"     # member asked to leave at the next step boundary
+    STARTING = "STARTING"  # the agent was asked to start it; not ready yet
+    READY = "READY"  # built its model, waits for the next epoch
+    ACTIVE = "ACTIVE"  # member of the current epoch
+    LEAVING = "LEAVING"  # member asked to leave at the next step boundary
     LEFT = "LEFT"
     DONE = "DONE"
     DEAD = "DEAD"
@@ -118,8 +118,7 @@ class JobSpec:
         if self.max_restarts < 0:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.spares <= self.max_workers:
-            raise ValueError(f"spares must be in [0, {self.max_workers}] (max workers), "
-                             f"got {self.spares}")
+            raise ValueError(f"spares must be in [0, {self.max_workers}] (max workers), got {self.spares}")
 
 
 @dataclass(slots=True)
@@ -182,22 +181,33 @@ class Assignment:
     """Nobody in this epoch holds the job's state: it restarts from a checkpoint or step 0."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"action": "train", "epoch": self.epoch, "rank": self.rank,
-                "world_size": self.world_size, "store_prefix": self.store_prefix,
-                "members": self.members, "state_lost": self.state_lost}
+        return {
+            "action": "train",
+            "epoch": self.epoch,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "store_prefix": self.store_prefix,
+            "members": self.members,
+            "state_lost": self.state_lost,
+        }
 
 
 def _job_of(spec: JobSpec, state: JobState) -> Job:
     """A job of its own for a run that no scheduler admitted (tests), or an earlier run."""
-    return Job(id=spec.job_id, queue="", min_replicas=spec.min_workers,
-               max_replicas=spec.max_workers, state=state)
+    return Job(id=spec.job_id, queue="", min_replicas=spec.min_workers, max_replicas=spec.max_workers, state=state)
 
 
 class Membership:
     """Rendezvous and failure bookkeeping of one job (see the module docstring)."""
 
-    def __init__(self, spec: JobSpec, cfg: DetectorConfig | None = None, now: float = 0.0,
-                 first_worker: int = 0, job: Job | None = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        cfg: DetectorConfig | None = None,
+        now: float = 0.0,
+        first_worker: int = 0,
+        job: Job | None = None,
+    ) -> None:
         self.spec = spec
         self.cfg = cfg or DetectorConfig()
         self.job = job if job is not None else _job_of(spec, JobState.ADMITTED)
@@ -264,8 +274,14 @@ class Membership:
     def add_worker(self, node: str, slot: int, now: float, slots: int = 1) -> Worker:
         self._node_order.setdefault(node, len(self._node_order))
         self._next_worker += 1
-        worker = Worker(id=f"{self.spec.job_id}-w{self._next_worker}", node=node, slot=slot,
-                        last_heartbeat=now, slots=slots, started_at=now)
+        worker = Worker(
+            id=f"{self.spec.job_id}-w{self._next_worker}",
+            node=node,
+            slot=slot,
+            last_heartbeat=now,
+            slots=slots,
+            started_at=now,
+        )
         self.workers[worker.id] = worker
         self._count[worker.state] += 1
         return worker
@@ -292,8 +308,9 @@ class Membership:
         self._arrivals = sum(1 for w in self.workers.values() if w.arrived_from is not None)
         self._count = Counter(w.state for w in self.workers.values() if not w.spare)
         self._spares = Counter(w.state for w in self.workers.values() if w.spare)
-        self._leaving_members = sum(1 for w in self.workers.values()
-                                    if w.state == WorkerState.LEAVING and self._is_member(w))
+        self._leaving_members = sum(
+            1 for w in self.workers.values() if w.state == WorkerState.LEAVING and self._is_member(w)
+        )
 
     @property
     def workers_added(self) -> int:
@@ -312,8 +329,15 @@ class Membership:
         """A spare started on a slot outside the job's allocation (see the module docstring)."""
         self._node_order.setdefault(node, len(self._node_order))
         self._next_worker += 1
-        worker = Worker(id=f"{self.spec.job_id}-w{self._next_worker}", node=node, slot=slot,
-                        last_heartbeat=now, slots=slots, started_at=now, spare=True)
+        worker = Worker(
+            id=f"{self.spec.job_id}-w{self._next_worker}",
+            node=node,
+            slot=slot,
+            last_heartbeat=now,
+            slots=slots,
+            started_at=now,
+            spare=True,
+        )
         self.workers[worker.id] = worker
         self._spares[worker.state] += 1
         self._log(now, "spare_started", worker=worker.id, node=node)
@@ -321,22 +345,26 @@ class Membership:
 
     def spares_wanted(self) -> int:
         """How many more spares the job would start now."""
-        if self.over or self.suspending or self._count[WorkerState.DONE] or \
-                self.spare_failures > self.spec.max_restarts:
+        if (
+            self.over
+            or self.suspending
+            or self._count[WorkerState.DONE]
+            or self.spare_failures > self.spec.max_restarts
+        ):
             return 0
         live = self._spares[WorkerState.STARTING] + self._spares[WorkerState.READY]
         return max(0, self.spec.spares - live)
 
-    def promote_spare(self, replacing: str | None, now: float, spare: str | None = None,
-                      avoid_node: str | None = None) -> Worker | None:
+    def promote_spare(
+        self, replacing: str | None, now: float, spare: str | None = None, avoid_node: str | None = None
+    ) -> Worker | None:
         """Make a spare a joiner of the next epoch in place of ``replacing`` (a lost or evicted
         worker, or None for a larger size): ``spare``, else the warmest one (ready the longest),
         else one still starting. Returns it, or None without a spare. The epoch it joins is the next one: a
         loss closed the current one; for an eviction, ask the evicted member to leave (it then
         goes at the next step boundary, and the spare comes in at the same one). None on
         ``avoid_node`` (a suspect node's spare would be as slow as the worker it replaces)."""
-        live = [w for w in self.live_spares() if (spare is None or w.id == spare)
-                and w.node != avoid_node]
+        live = [w for w in self.live_spares() if (spare is None or w.id == spare) and w.node != avoid_node]
         if not live or self.over or self.suspending:
             return None
         w = min(live, key=lambda s: (s.state != WorkerState.READY, s.ready_at, s.started_at))
@@ -388,16 +416,32 @@ class Membership:
         the job wants (a worker turning ready changes neither: 256 arrivals are not 256
         wake-ups of every node of the job)."""
         c = self._count
-        return (self.state, self.open, self.epoch, self.target, self.change_pending(),
-                self.suspending,
-                self.failures, c[WorkerState.LEAVING], c[WorkerState.DEAD], c[WorkerState.LEFT],
-                c[WorkerState.DONE], self._spares[WorkerState.DEAD])
+        return (
+            self.state,
+            self.open,
+            self.epoch,
+            self.target,
+            self.change_pending(),
+            self.suspending,
+            self.failures,
+            c[WorkerState.LEAVING],
+            c[WorkerState.DEAD],
+            c[WorkerState.LEFT],
+            c[WorkerState.DONE],
+            self._spares[WorkerState.DEAD],
+        )
 
     def assignment_key(self) -> tuple[Any, ...]:
         """Changes whenever a waiting worker's :meth:`assignment` may have changed."""
         c = self._count
-        return (self.state, self.open, self.epoch, c[WorkerState.LEAVING], c[WorkerState.DEAD],
-                self._spares[WorkerState.DEAD])
+        return (
+            self.state,
+            self.open,
+            self.epoch,
+            c[WorkerState.LEAVING],
+            c[WorkerState.DEAD],
+            self._spares[WorkerState.DEAD],
+        )
 
     def ready(self, wid: str, now: float) -> None:
         """The worker finished its start-up and wants to join the next epoch."""
@@ -410,9 +454,17 @@ class Membership:
                 self._log(now, "spare_ready", worker=wid, seconds=round(now - w.started_at, 3))
         w.seen(now)
 
-    def progress(self, wid: str, seen_at: float, step: int, stalled: bool,
-                 trained_s: float = 0.0, gap_mean_s: float = 0.0, gap_std_s: float = 0.0,
-                 vouched_until: float = 0.0) -> None:
+    def progress(
+        self,
+        wid: str,
+        seen_at: float,
+        step: int,
+        stalled: bool,
+        trained_s: float = 0.0,
+        gap_mean_s: float = 0.0,
+        gap_std_s: float = 0.0,
+        vouched_until: float = 0.0,
+    ) -> None:
         """What the worker's agent reports of it: it last heard from the worker at ``seen_at``
         (which is never older than what was known), at its step, stalled or not, with the
         rhythm of its heartbeats (mean and deviation of their gaps) as the agent measured it,
@@ -432,14 +484,19 @@ class Membership:
     def view(self, wid: str, now: float) -> dict[str, Any]:
         """What the worker must know between two steps (see :class:`maitre.protocol.WorkerView`)."""
         w = self._worker(wid)
-        closed = w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or \
-            w.epoch != self.epoch or not self.open
-        return {"job_state": self.state.value, "epoch": self.epoch, "member_epoch": w.epoch,
-                "closed": closed,
-                "change": self.change_pending(), "leave": w.state == WorkerState.LEAVING,
-                "stop": w.state == WorkerState.DEAD or self.over,
-                "suspend": self.suspending is not None,
-                "failures": self.failures, "age_s": round(now - self.created_at, 3)}
+        closed = w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or w.epoch != self.epoch or not self.open
+        return {
+            "job_state": self.state.value,
+            "epoch": self.epoch,
+            "member_epoch": w.epoch,
+            "closed": closed,
+            "change": self.change_pending(),
+            "leave": w.state == WorkerState.LEAVING,
+            "stop": w.state == WorkerState.DEAD or self.over,
+            "suspend": self.suspending is not None,
+            "failures": self.failures,
+            "age_s": round(now - self.created_at, 3),
+        }
 
     def change_pending(self) -> bool:
         """Members should stop at the next step boundary and rendezvous."""
@@ -499,8 +556,9 @@ class Membership:
         self._log(now, "worker_dead", worker=w.id, reason=reason)
         self._check_suspended(now)
         if self.failures > self.spec.max_restarts and not self.over:
-            self._fail(f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; "
-                       f"last: {reason}", now)
+            self._fail(
+                f"{self.failures} failures exceeded --max-restarts={self.spec.max_restarts}; last: {reason}", now
+            )
         if not self.over:  # a warm spare takes its place in the next epoch
             self._refill(w.id, now)
 
@@ -516,8 +574,9 @@ class Membership:
         if len(errors) == 1 and None not in errors:
             self._fail(f"every worker failed with: {errors.pop()}", now)
         elif not self.members:
-            self._fail("every worker failed before joining; first error: "
-                       f"{next(w.error for w in pool if w.error)}", now)
+            self._fail(
+                f"every worker failed before joining; first error: {next(w.error for w in pool if w.error)}", now
+            )
 
     def left(self, wid: str, now: float) -> None:
         """The worker left gracefully. Normally the epoch is already closed (leavers go at a
@@ -571,8 +630,7 @@ class Membership:
         if training and not (not self.open and len(training) < self.spec.min_workers):
             return
         self._finish(JobState.SUSPENDED)
-        self._log(now, "suspended", step=max((m.step for m in members), default=0),
-                  reason=self.suspending)
+        self._log(now, "suspended", step=max((m.step for m in members), default=0), reason=self.suspending)
 
     def _check_completed(self, now: float) -> bool:
         """The job is complete once a member finished its loop and no member is still in it (the
@@ -581,10 +639,15 @@ class Membership:
         the last steps while it joined, its collectives cut off as they exited, would otherwise
         wait for an epoch that never opens, and the job for it, forever."""
         members = [self.workers[m] for m in self.members]
-        if self.over or \
-                not any(m.state == WorkerState.DONE for m in members) or \
-                any(m.state in (WorkerState.ACTIVE, WorkerState.LEAVING) and
-                    (m.arrived_from is None or m.arrived_from < m.epoch) for m in members):
+        if (
+            self.over
+            or not any(m.state == WorkerState.DONE for m in members)
+            or any(
+                m.state in (WorkerState.ACTIVE, WorkerState.LEAVING)
+                and (m.arrived_from is None or m.arrived_from < m.epoch)
+                for m in members
+            )
+        ):
             return self.state == JobState.COMPLETED
         self._finish(JobState.COMPLETED)
         self._log(now, "completed", step=max(m.step for m in members))
@@ -594,8 +657,10 @@ class Membership:
         """Set the job's size; members beyond it are asked to leave: those in ``leave`` (the
         scheduler frees slots on chosen nodes), else the highest ranks first."""
         if not self.spec.min_workers <= target <= self.spec.max_workers:
-            raise ValueError(f"target {target} outside [{self.spec.min_workers}, "
-                             f"{self.spec.max_workers}] workers of job {self.spec.job_id}")
+            raise ValueError(
+                f"target {target} outside [{self.spec.min_workers}, "
+                f"{self.spec.max_workers}] workers of job {self.spec.job_id}"
+            )
         self.target = target
         for wid in leave or []:  # chosen ones that never joined go at once
             w = self.workers.get(wid)
@@ -609,8 +674,11 @@ class Membership:
         for wid in leaving:
             self._set_state(self.workers[wid], WorkerState.LEAVING)
         for w in self.workers.values():  # joiners that are no longer wanted (spares stay)
-            if w.state in (WorkerState.STARTING, WorkerState.READY) and not w.spare and \
-                    len(staying) - len(leaving) >= target:
+            if (
+                w.state in (WorkerState.STARTING, WorkerState.READY)
+                and not w.spare
+                and len(staying) - len(leaving) >= target
+            ):
                 self._set_state(w, WorkerState.LEAVING)
         self._refill(None, now)  # a larger size is filled by spares first
         self._log(now, "scale", target=target, leaving=leaving)
@@ -628,8 +696,17 @@ class Membership:
         return True
 
     # -- rendezvous ------------------------------------------------------------------------------
-    def arrive(self, wid: str, from_epoch: int, step: int, reason: str, now: float, *,
-               group_failed: bool = False, unreachable: list[str] | None = None) -> None:
+    def arrive(
+        self,
+        wid: str,
+        from_epoch: int,
+        step: int,
+        reason: str,
+        now: float,
+        *,
+        group_failed: bool = False,
+        unreachable: list[str] | None = None,
+    ) -> None:
         """A worker asks for the epoch after ``from_epoch`` (0 for a joiner). With
         ``group_failed`` its epoch's process group could not be built: one failure of the epoch
         (however many members say so), and past ``max_restarts`` the job fails saying which
@@ -640,19 +717,27 @@ class Membership:
             self.ready(wid, now)
         self._set_arrived(w, from_epoch)
         w.reached(step, now)
-        if group_failed and from_epoch == self.epoch and self._is_member(w) and \
-                self._failed_epoch != self.epoch and not self.over:
+        if (
+            group_failed
+            and from_epoch == self.epoch
+            and self._is_member(w)
+            and self._failed_epoch != self.epoch
+            and not self.over
+        ):
             self.failures += 1
             self._failed_epoch = self.epoch
             where = ", ".join(unreachable or []) or "not named by the backend"
             self._log(now, "group_failed", epoch=self.epoch, worker=wid, unreachable=where)
             if self.failures > self.spec.max_restarts:
-                self._fail(f"the process group of epoch {self.epoch} could not be built "
-                           f"({reason}; unreachable: {where}), {self.failures} failures exceeded "
-                           f"--max-restarts={self.spec.max_restarts}. Workers advertise the "
-                           "address their host name resolves to unless GLOO_SOCKET_IFNAME "
-                           "(NCCL_SOCKET_IFNAME on GPUs) or `maitre agent --iface` names an "
-                           "interface their peers can reach", now)
+                self._fail(
+                    f"the process group of epoch {self.epoch} could not be built "
+                    f"({reason}; unreachable: {where}), {self.failures} failures exceeded "
+                    f"--max-restarts={self.spec.max_restarts}. Workers advertise the "
+                    "address their host name resolves to unless GLOO_SOCKET_IFNAME "
+                    "(NCCL_SOCKET_IFNAME on GPUs) or `maitre agent --iface` names an "
+                    "interface their peers can reach",
+                    now,
+                )
                 return
         if self.open and from_epoch == self.epoch and self._is_member(w):
             self._close(f"{reason} (reported by {wid})", now)
@@ -674,8 +759,14 @@ class Membership:
         if w.state == WorkerState.DEAD:
             return {"action": "stop", "reason": "this worker was removed from the job"}
         if w.state == WorkerState.ACTIVE and w.epoch > from_epoch and self.open:
-            return Assignment(self.epoch, w.rank, len(self.members), self.store_prefix(),
-                              list(self.members), self._state_lost_epoch == self.epoch).to_json()
+            return Assignment(
+                self.epoch,
+                w.rank,
+                len(self.members),
+                self.store_prefix(),
+                list(self.members),
+                self._state_lost_epoch == self.epoch,
+            ).to_json()
         return None
 
     def store_prefix(self, epoch: int | None = None) -> str:
@@ -690,12 +781,11 @@ class Membership:
         needed = max(self.spec.min_workers, self._count[WorkerState.ACTIVE])
         if self._arrivals < needed:
             return False
-        stay = [self.workers[m] for m in self.members
-                if self.workers[m].state == WorkerState.ACTIVE]
-        joiners = sorted((w for w in self.workers.values()
-                          if w.state == WorkerState.READY and not w.spare),
-                         key=lambda w: w.ready_at)
-        joiners = joiners[:max(0, self.target - len(stay))]
+        stay = [self.workers[m] for m in self.members if self.workers[m].state == WorkerState.ACTIVE]
+        joiners = sorted(
+            (w for w in self.workers.values() if w.state == WorkerState.READY and not w.spare), key=lambda w: w.ready_at
+        )
+        joiners = joiners[: max(0, self.target - len(stay))]
         # A member may still be asking to leave an older epoch: it missed one that opened and
         # closed while its long-poll was away. It is here all the same.
         if any(w.arrived_from is None or w.arrived_from > self.epoch for w in stay):
@@ -716,9 +806,13 @@ class Membership:
         if reached and not any(w.step for w in expected):
             # Every worker that held the job's state is gone: the new group starts from the
             # newest checkpoint, or from scratch without one. Say so.
-            self._log(now, "state_lost", step=reached,
-                      reason="every worker holding the job's state was lost; it resumes from "
-                             "its newest checkpoint, or from step 0 without one")
+            self._log(
+                now,
+                "state_lost",
+                step=reached,
+                reason="every worker holding the job's state was lost; it resumes from "
+                "its newest checkpoint, or from step 0 without one",
+            )
             self._state_lost_epoch = self.epoch + 1
         self.epoch += 1
         self.members = [w.id for w in expected]
@@ -731,14 +825,26 @@ class Membership:
         self.open = True
         if not self.suspending:  # a suspending job stays so while its members checkpoint
             self.job.move(JobState.RUNNING)
-        self._log(now, "epoch", epoch=self.epoch, members=list(self.members),
-                  reason=self.close_reason or "start",
-                  closed_for_s=None if self.closed_at is None else round(now - self.closed_at, 4))
+        self._log(
+            now,
+            "epoch",
+            epoch=self.epoch,
+            members=list(self.members),
+            reason=self.close_reason or "start",
+            closed_for_s=None if self.closed_at is None else round(now - self.closed_at, 4),
+        )
         for w in expected:
             if w.id in self._promoted:
                 replacing, since = self._promoted.pop(w.id)
-                self._log(now, "spare_promoted", worker=w.id, replacing=replacing, node=w.node,
-                          epoch=self.epoch, seconds=round(now - since, 4))
+                self._log(
+                    now,
+                    "spare_promoted",
+                    worker=w.id,
+                    replacing=replacing,
+                    node=w.node,
+                    epoch=self.epoch,
+                    seconds=round(now - since, 4),
+                )
         self.closed_at = None
         self.close_reason = ""
         return True
@@ -758,15 +864,17 @@ class Membership:
         ``dead_after_s`` twice a second, for hangs at every tick)."""
         dead: list[str] = []
         if lost:  # (the starting are importing; their agent watches them)
-            for w, reason in detectors.lost([w for w in self.workers.values()
-                                             if w.state in _WATCHED], now, self.cfg):
+            for w, reason in detectors.lost([w for w in self.workers.values() if w.state in _WATCHED], now, self.cfg):
                 dead.append(w.id)
                 self._mark_dead(w, reason, now)
         # A hang needs every other member stalled, so none stalled means no hang: the usual
         # case costs nothing.
         if self.open and self._stalled > 0:
-            training = [self.workers[m] for m in self.members if self.workers[m].state in (
-                WorkerState.ACTIVE, WorkerState.LEAVING)]
+            training = [
+                self.workers[m]
+                for m in self.members
+                if self.workers[m].state in (WorkerState.ACTIVE, WorkerState.LEAVING)
+            ]
             found = detectors.hung(training, now, self.cfg)
             if found is not None:
                 w, reason = found
@@ -782,8 +890,10 @@ class Membership:
             self._check_suspended(now)
             return
         if len(live) < self.spec.min_workers and self.failures >= self.spec.max_restarts:
-            self._fail(f"only {len(live)} live workers, below the minimum of "
-                       f"{self.spec.min_workers}, and no restarts left", now)
+            self._fail(
+                f"only {len(live)} live workers, below the minimum of {self.spec.min_workers}, and no restarts left",
+                now,
+            )
 
     def _fail(self, reason: str, now: float) -> None:
         self._finish(JobState.FAILED)
@@ -803,29 +913,46 @@ class Membership:
     # -- persistence -----------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """Everything needed to carry on after the coordinator restarts (see :meth:`from_json`)."""
-        return {"spec": asdict(self.spec), "state": self.state.value, "open": self.open,
-                "epoch": self.epoch,
-                "members": list(self.members), "target": self.target,
-                "failures": self.failures, "failure": self.failure,
-                "closed_at": self.closed_at, "close_reason": self.close_reason,
-                "created_at": self.created_at, "suspending": self.suspending,
-                "failed_epoch": self._failed_epoch, "node_order": dict(self._node_order),
-                "state_lost_epoch": self._state_lost_epoch,
-                "next_worker": self._next_worker, "spare_failures": self.spare_failures,
-                "promoted": {k: list(v) for k, v in self._promoted.items()},
-                "workers": [{**{f: getattr(w, f) for f in _WORKER_FIELDS}, "state": w.state.value}
-                            for w in self.workers.values()]}
+        return {
+            "spec": asdict(self.spec),
+            "state": self.state.value,
+            "open": self.open,
+            "epoch": self.epoch,
+            "members": list(self.members),
+            "target": self.target,
+            "failures": self.failures,
+            "failure": self.failure,
+            "closed_at": self.closed_at,
+            "close_reason": self.close_reason,
+            "created_at": self.created_at,
+            "suspending": self.suspending,
+            "failed_epoch": self._failed_epoch,
+            "node_order": dict(self._node_order),
+            "state_lost_epoch": self._state_lost_epoch,
+            "next_worker": self._next_worker,
+            "spare_failures": self.spare_failures,
+            "promoted": {k: list(v) for k, v in self._promoted.items()},
+            "workers": [
+                {**{f: getattr(w, f) for f in _WORKER_FIELDS}, "state": w.state.value} for w in self.workers.values()
+            ],
+        }
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], cfg: DetectorConfig | None, now: float,
-                  job: Job | None = None) -> "Membership":
+    def from_json(
+        cls, data: dict[str, Any], cfg: DetectorConfig | None, now: float, job: Job | None = None
+    ) -> "Membership":
         """A membership as :meth:`to_json` saved it, its live workers' heartbeat clocks restarted
         at ``now`` (the coordinator was away, not they). Events are not carried over. ``job`` is
         the job of the run that goes on (its state was saved with it); an earlier run gets a
         copy of the job as that run ended."""
         spec = JobSpec(**data["spec"])
-        m = cls(spec, cfg, data["created_at"], data["next_worker"],
-                job if job is not None else _job_of(spec, JobState(data["state"])))
+        m = cls(
+            spec,
+            cfg,
+            data["created_at"],
+            data["next_worker"],
+            job if job is not None else _job_of(spec, JobState(data["state"])),
+        )
         m.open, m.epoch, m.members = data["open"], data["epoch"], list(data["members"])
         m.target, m.failures, m.failure = data["target"], data["failures"], data["failure"]
         m.closed_at, m.close_reason = data["closed_at"], data["close_reason"]
@@ -847,16 +974,33 @@ class Membership:
 
     def summary(self) -> dict[str, Any]:
         return {
-            "job_id": self.spec.job_id, "state": self.state.value, "epoch": self.epoch,
+            "job_id": self.spec.job_id,
+            "state": self.state.value,
+            "epoch": self.epoch,
             "epoch_open": self.open,
-            "members": list(self.members), "target": self.target,
-            "min_workers": self.spec.min_workers, "max_workers": self.spec.max_workers,
+            "members": list(self.members),
+            "target": self.target,
+            "min_workers": self.spec.min_workers,
+            "max_workers": self.spec.max_workers,
             "step": max((self.workers[m].step for m in self.members), default=0),
-            "failures": self.failures, "failure": self.failure,
-            "spares": [w.id for w in self.live_spares()], "spares_wanted": self.spec.spares,
-            "workers": [{"id": w.id, "node": w.node, "slot": w.slot, "state": w.state.value,
-                         "spare": w.spare,
-                         "rank": w.rank, "epoch": w.epoch, "step": w.step,
-                         "exit_code": w.exit_code, "error": w.error,
-                         "trained_s": round(w.trained_s, 3)} for w in self.workers.values()],
+            "failures": self.failures,
+            "failure": self.failure,
+            "spares": [w.id for w in self.live_spares()],
+            "spares_wanted": self.spec.spares,
+            "workers": [
+                {
+                    "id": w.id,
+                    "node": w.node,
+                    "slot": w.slot,
+                    "state": w.state.value,
+                    "spare": w.spare,
+                    "rank": w.rank,
+                    "epoch": w.epoch,
+                    "step": w.step,
+                    "exit_code": w.exit_code,
+                    "error": w.error,
+                    "trained_s": round(w.trained_s, 3),
+                }
+                for w in self.workers.values()
+            ],
         }

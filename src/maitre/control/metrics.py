@@ -21,8 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -47,16 +46,16 @@ _PHASES = ("rendezvous", "group", "state")
 # What ended an epoch, from the reason its next ``epoch`` event gives (the coordinator's words
 # for a loss it detected, or a member's for a collective that failed): first match wins.
 _CAUSES = (
-    ("hung", "hang"),                     # detectors.hung: silent while its peers waited
-    ("sent no heartbeat", "lost"),        # detectors.lost: silent past dead_after_s
+    ("hung", "hang"),  # detectors.hung: silent while its peers waited
+    ("sent no heartbeat", "lost"),  # detectors.lost: silent past dead_after_s
     ("(no agent heartbeat)", "node_lost"),
-    ("now has", "node_lost"),             # its node came back smaller
-    ("grace period", "preempted"),        # killed when its suspension's grace ran out
-    ("resize", "resize"),                 # a member saw a change at a step boundary
+    ("now has", "node_lost"),  # its node came back smaller
+    ("grace period", "preempted"),  # killed when its suspension's grace ran out
+    ("resize", "resize"),  # a member saw a change at a step boundary
     (" left", "leave"),
     ("killed by signal", "crash"),
     ("exited", "crash"),
-    ("(reported by", "crash"),            # a member's collective failed: a peer or link died
+    ("(reported by", "crash"),  # a member's collective failed: a peer or link died
 )
 
 
@@ -77,67 +76,104 @@ class Metrics:
     def __init__(self, coordinator: "Coordinator") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.events = Counter("maitre_events", "Events in the coordinator's event log, by kind.",
-                              ["kind"], registry=r)
-        self.resizes = Counter("maitre_resizes", "Resizes the scheduler decided, by kind.",
-                               ["kind"], registry=r)
-        self.worker_failures = Counter("maitre_worker_failures",
-                                       "Workers declared dead (crashed, hung, lost, evicted).",
-                                       registry=r)
+        self.events = Counter("maitre_events", "Events in the coordinator's event log, by kind.", ["kind"], registry=r)
+        self.resizes = Counter("maitre_resizes", "Resizes the scheduler decided, by kind.", ["kind"], registry=r)
+        self.worker_failures = Counter(
+            "maitre_worker_failures", "Workers declared dead (crashed, hung, lost, evicted).", registry=r
+        )
         self.recoveries = Counter(
-            "maitre_recoveries", "Membership changes a job trained on after (its first step "
-            "committed in the new epoch), by what ended the previous epoch.", ["cause"],
-            registry=r)
+            "maitre_recoveries",
+            "Membership changes a job trained on after (its first step "
+            "committed in the new epoch), by what ended the previous epoch.",
+            ["cause"],
+            registry=r,
+        )
         self.recovery = Histogram(
-            "maitre_recovery_duration_seconds", "From the change noticed to the first step "
-            "committed after it (a running member's to_next_step_s), by cause.", ["cause"],
-            buckets=_RECOVERY_BUCKETS, registry=r)
+            "maitre_recovery_duration_seconds",
+            "From the change noticed to the first step "
+            "committed after it (a running member's to_next_step_s), by cause.",
+            ["cause"],
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
         self.recovery_phase = Histogram(
-            "maitre_recovery_phase_duration_seconds", "The parts of a recovery: rendezvous, "
-            "building the group, getting the state (transfer or load), by cause.",
-            ["cause", "phase"], buckets=_RECOVERY_BUCKETS, registry=r)
-        self.checkpoints = Counter("maitre_checkpoints", "Checkpoints finished, by result "
-                                   "(ok: complete on disk; failed).", ["result"], registry=r)
-        self.checkpoint_bytes = Counter("maitre_checkpoint_written_bytes",
-                                        "Bytes of complete checkpoints written.", registry=r)
+            "maitre_recovery_phase_duration_seconds",
+            "The parts of a recovery: rendezvous, building the group, getting the state (transfer or load), by cause.",
+            ["cause", "phase"],
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.checkpoints = Counter(
+            "maitre_checkpoints",
+            "Checkpoints finished, by result (ok: complete on disk; failed).",
+            ["result"],
+            registry=r,
+        )
+        self.checkpoint_bytes = Counter(
+            "maitre_checkpoint_written_bytes", "Bytes of complete checkpoints written.", registry=r
+        )
         self.snapshot = Histogram(
             "maitre_checkpoint_snapshot_duration_seconds",
             "A checkpoint's blocking copy into host memory (training waits for it).",
-            buckets=_SNAPSHOT_BUCKETS, registry=r)
+            buckets=_SNAPSHOT_BUCKETS,
+            registry=r,
+        )
         self.persist = Histogram(
             "maitre_checkpoint_persist_duration_seconds",
             "A complete checkpoint's background write, fsync and rename.",
-            buckets=_PERSIST_BUCKETS, registry=r)
-        self.restores = Counter("maitre_restores", "Jobs started from a checkpoint, by source.",
-                                ["source"], registry=r)
-        self.restore = Histogram("maitre_restore_duration_seconds",
-                                 "Finding, verifying and loading a checkpoint at a start.",
-                                 buckets=_PERSIST_BUCKETS, registry=r)
-        self.spot_notices = Counter("maitre_spot_notices", "Spot interruption notices received.",
-                                    registry=r)
-        self.spot_reclaims = Counter("maitre_spot_reclaims",
-                                     "Spot nodes reclaimed after a notice.", registry=r)
-        self.spot_drain = Histogram("maitre_spot_drain_duration_seconds", "From a spot notice "
-                                    "to the last of the node's workers gone (node_drained).",
-                                    buckets=_RECOVERY_BUCKETS, registry=r)
-        self.stragglers = Counter("maitre_stragglers", "Slow ranks found (straggler events: "
-                                  "a rank slower than its peers' median for several windows), "
-                                  "by job.", ["job"], registry=r)
-        self.health_failures = Counter("maitre_health_probe_failures",
-                                       "Node health probes that failed (node_health events "
-                                       "with ok false: the node is drained).", registry=r)
-        self.evictions = Counter("maitre_evictions", "Stragglers' replicas moved off their node "
-                                 "(policy evict: evict events), by job.", ["job"],
-                                 registry=r)
-        self.spare_promotions = Counter("maitre_spares_promoted", "Warm spares that joined "
-                                        "an epoch in place of a lost or evicted worker, by job.",
-                                        ["job"], registry=r)
-        self.spare_join = Histogram("maitre_spare_promotion_duration_seconds", "From a spare's "
-                                    "promotion (the loss found) to the epoch that has it.",
-                                    buckets=_RECOVERY_BUCKETS, registry=r)
-        self.passes = Histogram("maitre_scheduling_pass_duration_seconds",
-                                "A scheduling pass: the cluster brought up to date, the policy, "
-                                "its plan carried out.", buckets=_PASS_BUCKETS, registry=r)
+            buckets=_PERSIST_BUCKETS,
+            registry=r,
+        )
+        self.restores = Counter("maitre_restores", "Jobs started from a checkpoint, by source.", ["source"], registry=r)
+        self.restore = Histogram(
+            "maitre_restore_duration_seconds",
+            "Finding, verifying and loading a checkpoint at a start.",
+            buckets=_PERSIST_BUCKETS,
+            registry=r,
+        )
+        self.spot_notices = Counter("maitre_spot_notices", "Spot interruption notices received.", registry=r)
+        self.spot_reclaims = Counter("maitre_spot_reclaims", "Spot nodes reclaimed after a notice.", registry=r)
+        self.spot_drain = Histogram(
+            "maitre_spot_drain_duration_seconds",
+            "From a spot notice to the last of the node's workers gone (node_drained).",
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.stragglers = Counter(
+            "maitre_stragglers",
+            "Slow ranks found (straggler events: a rank slower than its peers' median for several windows), by job.",
+            ["job"],
+            registry=r,
+        )
+        self.health_failures = Counter(
+            "maitre_health_probe_failures",
+            "Node health probes that failed (node_health events with ok false: the node is drained).",
+            registry=r,
+        )
+        self.evictions = Counter(
+            "maitre_evictions",
+            "Stragglers' replicas moved off their node (policy evict: evict events), by job.",
+            ["job"],
+            registry=r,
+        )
+        self.spare_promotions = Counter(
+            "maitre_spares_promoted",
+            "Warm spares that joined an epoch in place of a lost or evicted worker, by job.",
+            ["job"],
+            registry=r,
+        )
+        self.spare_join = Histogram(
+            "maitre_spare_promotion_duration_seconds",
+            "From a spare's promotion (the loss found) to the epoch that has it.",
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
+        self.passes = Histogram(
+            "maitre_scheduling_pass_duration_seconds",
+            "A scheduling pass: the cluster brought up to date, the policy, its plan carried out.",
+            buckets=_PASS_BUCKETS,
+            registry=r,
+        )
         for kind in _RESIZES:  # present from the first scrape, at zero
             self.resizes.labels(kind)
         for result in ("ok", "failed"):
@@ -149,15 +185,22 @@ class Metrics:
         duration was observed."""
         self.checkpoint_interval: dict[str, tuple[int | None, float | None]] = {}
         """Per job, the interval its last checkpoint was taken at (steps, seconds)."""
-        self._observers = {"grow": self._resize, "shrink": self._resize,
-                           "worker_dead": self._worker_dead, "epoch": self._epoch,
-                           "report": self._report, "checkpoint": self._checkpoint,
-                           "restore": self._restore, "spot_notice": self._spot_notice,
-                           "node_reclaimed": self._spot_reclaim,
-                           "node_drained": self._spot_drained,
-                           "straggler": self._straggler, "node_health": self._node_health,
-                           "evict": self._eviction,
-                           "spare_promoted": self._spare_promoted}
+        self._observers = {
+            "grow": self._resize,
+            "shrink": self._resize,
+            "worker_dead": self._worker_dead,
+            "epoch": self._epoch,
+            "report": self._report,
+            "checkpoint": self._checkpoint,
+            "restore": self._restore,
+            "spot_notice": self._spot_notice,
+            "node_reclaimed": self._spot_reclaim,
+            "node_drained": self._spot_drained,
+            "straggler": self._straggler,
+            "node_health": self._node_health,
+            "evict": self._eviction,
+            "spare_promoted": self._spare_promoted,
+        }
         r.register(_StateCollector(coordinator, self))
 
     def render(self) -> bytes:
@@ -208,8 +251,7 @@ class Metrics:
         if not seen[2] and running:
             self.recovery.labels(cause).observe(max(0.0, float(event.get("to_next_step_s", 0.0))))
             for phase in _PHASES:
-                self.recovery_phase.labels(cause, phase).observe(
-                    max(0.0, float(event.get(f"{phase}_s", 0.0))))
+                self.recovery_phase.labels(cause, phase).observe(max(0.0, float(event.get(f"{phase}_s", 0.0))))
             seen = (*key, True)
         self._recovered[job] = seen
 
@@ -258,47 +300,70 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         co = self.co
-        held = GaugeMetricFamily("maitre_job_slots_held", "Slots held by the job's live "
-                                 "workers (its warm spares apart).", labels=["job"])
-        spare = GaugeMetricFamily("maitre_job_spare_slots", "Slots held by the job's warm "
-                                  "spares, waiting (no training capacity).", labels=["job"])
-        busy = GaugeMetricFamily("maitre_job_slots_busy", "Slots of the job's members "
-                                 "training in its open epoch (not stalled).", labels=["job"])
-        step = GaugeMetricFamily("maitre_job_step", "The job's committed steps (its latest "
-                                 "progress report).", labels=["job"])
-        rate = GaugeMetricFamily("maitre_job_steps_per_second", "Steps per second over the "
-                                 "latest progress report's window.", labels=["job"])
-        samples = GaugeMetricFamily("maitre_job_samples_per_second", "Samples per second over "
-                                    "the latest progress report's window.", labels=["job"])
-        loss = GaugeMetricFamily("maitre_job_loss", "The last step's global mean loss (latest "
-                                 "progress report, when the script logs it).", labels=["job"])
-        world = GaugeMetricFamily("maitre_job_world_size", "Workers training (latest progress "
-                                  "report).", labels=["job"])
-        seen = GaugeMetricFamily("maitre_job_progress_timestamp_seconds", "When the latest "
-                                 "progress report came (coordinator clock, Unix seconds).",
-                                 labels=["job"])
-        every_s = GaugeMetricFamily("maitre_job_checkpoint_interval_seconds", "The interval "
-                                    "the job's last checkpoint was taken at (Young/Daly).",
-                                    labels=["job"])
-        every_steps = GaugeMetricFamily("maitre_job_checkpoint_interval_steps", "The fixed "
-                                        "interval, in steps, of the job's last checkpoint.",
-                                        labels=["job"])
+        held = GaugeMetricFamily(
+            "maitre_job_slots_held", "Slots held by the job's live workers (its warm spares apart).", labels=["job"]
+        )
+        spare = GaugeMetricFamily(
+            "maitre_job_spare_slots",
+            "Slots held by the job's warm spares, waiting (no training capacity).",
+            labels=["job"],
+        )
+        busy = GaugeMetricFamily(
+            "maitre_job_slots_busy",
+            "Slots of the job's members training in its open epoch (not stalled).",
+            labels=["job"],
+        )
+        step = GaugeMetricFamily(
+            "maitre_job_step", "The job's committed steps (its latest progress report).", labels=["job"]
+        )
+        rate = GaugeMetricFamily(
+            "maitre_job_steps_per_second", "Steps per second over the latest progress report's window.", labels=["job"]
+        )
+        samples = GaugeMetricFamily(
+            "maitre_job_samples_per_second",
+            "Samples per second over the latest progress report's window.",
+            labels=["job"],
+        )
+        loss = GaugeMetricFamily(
+            "maitre_job_loss",
+            "The last step's global mean loss (latest progress report, when the script logs it).",
+            labels=["job"],
+        )
+        world = GaugeMetricFamily("maitre_job_world_size", "Workers training (latest progress report).", labels=["job"])
+        seen = GaugeMetricFamily(
+            "maitre_job_progress_timestamp_seconds",
+            "When the latest progress report came (coordinator clock, Unix seconds).",
+            labels=["job"],
+        )
+        every_s = GaugeMetricFamily(
+            "maitre_job_checkpoint_interval_seconds",
+            "The interval the job's last checkpoint was taken at (Young/Daly).",
+            labels=["job"],
+        )
+        every_steps = GaugeMetricFamily(
+            "maitre_job_checkpoint_interval_steps",
+            "The fixed interval, in steps, of the job's last checkpoint.",
+            labels=["job"],
+        )
         jobs = GaugeMetricFamily("maitre_jobs", "Jobs by state.", labels=["state"])
-        waiting = GaugeMetricFamily("maitre_jobs_waiting", "Jobs waiting to be admitted "
-                                    "(pending or suspended, not held by a user), by queue.",
-                                    labels=["queue"])
+        waiting = GaugeMetricFamily(
+            "maitre_jobs_waiting",
+            "Jobs waiting to be admitted (pending or suspended, not held by a user), by queue.",
+            labels=["queue"],
+        )
         nodes = GaugeMetricFamily("maitre_nodes", "Nodes by state.", labels=["state"])
         capacity = GaugeMetricFamily("maitre_cluster_slots", "Slots of the live nodes.")
-        cluster_held = GaugeMetricFamily("maitre_cluster_slots_held",
-                                         "Slots held by live workers (warm spares "
-                                         "apart).")
-        cluster_busy = GaugeMetricFamily("maitre_cluster_slots_busy",
-                                         "Slots of members training in an open epoch.")
-        allocation = GaugeMetricFamily("maitre_cluster_allocation_ratio", "Slot-seconds held "
-                                       "over slot-seconds of capacity while jobs waited or "
-                                       "could grow (since the coordinator started).")
-        utilization = GaugeMetricFamily("maitre_cluster_utilization_ratio", "Slot-seconds in "
-                                        "committed steps over slot-seconds held, every job.")
+        cluster_held = GaugeMetricFamily("maitre_cluster_slots_held", "Slots held by live workers (warm spares apart).")
+        cluster_busy = GaugeMetricFamily("maitre_cluster_slots_busy", "Slots of members training in an open epoch.")
+        allocation = GaugeMetricFamily(
+            "maitre_cluster_allocation_ratio",
+            "Slot-seconds held "
+            "over slot-seconds of capacity while jobs waited or "
+            "could grow (since the coordinator started).",
+        )
+        utilization = GaugeMetricFamily(
+            "maitre_cluster_utilization_ratio", "Slot-seconds in committed steps over slot-seconds held, every job."
+        )
         with co.lock:
             now = co.clock()
             by_state = dict.fromkeys((s.value for s in JobState), 0)
@@ -320,8 +385,11 @@ class _StateCollector(Collector):
                             sp += w.slots
                         elif w.ended_at is None and w.state in LIVE:
                             h += w.slots
-                            if w.id in members and not w.stalled and w.state in (
-                                    WorkerState.ACTIVE, WorkerState.LEAVING):
+                            if (
+                                w.id in members
+                                and not w.stalled
+                                and w.state in (WorkerState.ACTIVE, WorkerState.LEAVING)
+                            ):
                                 b += w.slots
                 held.add_metric([job_id], h)
                 if ms is not None and ms.spec.spares:
@@ -339,8 +407,7 @@ class _StateCollector(Collector):
                         loss.add_metric([job_id], report["loss"])
                     world.add_metric([job_id], report["world_size"])
                     seen.add_metric([job_id], report["t"])
-                steps_every, seconds_every = self.metrics.checkpoint_interval.get(job_id,
-                                                                                  (None, None))
+                steps_every, seconds_every = self.metrics.checkpoint_interval.get(job_id, (None, None))
                 if seconds_every is not None:
                     every_s.add_metric([job_id], seconds_every)
                 if steps_every is not None:
@@ -348,8 +415,7 @@ class _StateCollector(Collector):
             alive = sum(1 for s in co.cluster.nodes.values() if s.alive)
             nodes.add_metric(["alive"], alive)
             nodes.add_metric(["dead"], len(co.cluster.nodes) - alive)
-            capacity.add_metric([], sum(s.node.slots for s in co.cluster.nodes.values()
-                                        if s.alive))
+            capacity.add_metric([], sum(s.node.slots for s in co.cluster.nodes.values() if s.alive))
             report_all = accounting.report(co.cluster, co.jobs, now)
         for state_name, count in by_state.items():
             jobs.add_metric([state_name], count)
@@ -361,6 +427,24 @@ class _StateCollector(Collector):
             allocation.add_metric([], report_all["allocation"])
         if report_all["utilization"] is not None:
             utilization.add_metric([], report_all["utilization"])
-        yield from (held, spare, busy, step, rate, samples, loss, world, seen, every_s, every_steps,
-                    jobs, waiting, nodes, capacity, cluster_held, cluster_busy, allocation,
-                    utilization)
+        yield from (
+            held,
+            spare,
+            busy,
+            step,
+            rate,
+            samples,
+            loss,
+            world,
+            seen,
+            every_s,
+            every_steps,
+            jobs,
+            waiting,
+            nodes,
+            capacity,
+            cluster_held,
+            cluster_busy,
+            allocation,
+            utilization,
+        )

@@ -75,10 +75,8 @@ class Store:
         if row is None:
             self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
         elif row[0] != SCHEMA_VERSION:
-            raise StoreError(f"{self.path} has schema version {row[0]}, this maitre reads "
-                             f"{SCHEMA_VERSION}")
-        self._next_event = int(self._db.execute(
-            "SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
+            raise StoreError(f"{self.path} has schema version {row[0]}, this maitre reads {SCHEMA_VERSION}")
+        self._next_event = int(self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM events").fetchone()[0])
         self._cv = threading.Condition()
         self._pending: list[tuple[str, tuple[Any, ...]]] = []
         self._staged = self._committed = 0
@@ -136,8 +134,7 @@ class Store:
     def wait(self, seq: int, timeout_s: float = 60.0) -> None:
         """Until the change staged as ``seq`` is committed (raises StoreError if it never is)."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self._committed >= seq or self._failed is not None,
-                                     timeout_s):
+            if not self._cv.wait_for(lambda: self._committed >= seq or self._failed is not None, timeout_s):
                 raise StoreError(f"{self.path}: no commit within {timeout_s:.0f}s")
             if self._committed < seq:
                 raise StoreError(f"the coordinator's store failed: {self._failed}")
@@ -166,12 +163,20 @@ class Store:
 
     # -- writes ----------------------------------------------------------------------------------
     def put_node(self, node: Node, now: float) -> None:
-        labels = {"rack": node.rack, "block": node.block, "capacity_type": node.capacity_type,
-                  "accelerator": node.accelerator}
-        self._stage(("INSERT INTO nodes VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
-                     "slots=excluded.slots, labels=excluded.labels, "
-                     "last_heartbeat=excluded.last_heartbeat",
-                     (node.name, node.slots, json.dumps(labels), now, now)))
+        labels = {
+            "rack": node.rack,
+            "block": node.block,
+            "capacity_type": node.capacity_type,
+            "accelerator": node.accelerator,
+        }
+        self._stage(
+            (
+                "INSERT INTO nodes VALUES (?, ?, ?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                "slots=excluded.slots, labels=excluded.labels, "
+                "last_heartbeat=excluded.last_heartbeat",
+                (node.name, node.slots, json.dumps(labels), now, now),
+            )
+        )
 
     def node_heartbeat(self, name: str, now: float) -> None:
         self._stage(("UPDATE nodes SET last_heartbeat=? WHERE name=?", (now, name)))
@@ -180,26 +185,46 @@ class Store:
         self._stage(("DELETE FROM nodes WHERE name=?", (name,)))
 
     def put_queue(self, queue: Queue) -> None:
-        self._stage(("INSERT OR REPLACE INTO queues VALUES (?, ?, ?, ?)",
-                     (queue.name, queue.guaranteed, queue.borrowing_limit, queue.weight)))
+        self._stage(
+            (
+                "INSERT OR REPLACE INTO queues VALUES (?, ?, ?, ?)",
+                (queue.name, queue.guaranteed, queue.borrowing_limit, queue.weight),
+            )
+        )
 
     def put_job(self, job: Job, extra: dict[str, Any] | None = None) -> None:
         """Insert or update a job (``extra``: what the coordinator keeps beside the scheduler's
         view, e.g. the command and checkpoint directory of its manifest)."""
-        topology = None if job.topology is None else json.dumps(
-            {"level": job.topology.level, "mode": job.topology.mode})
+        topology = (
+            None if job.topology is None else json.dumps({"level": job.topology.level, "mode": job.topology.mode})
+        )
         if extra is None:
             self.flush()
             with self._lock:
                 row = self._db.execute("SELECT extra FROM jobs WHERE id=?", (job.id,)).fetchone()
             extra = json.loads(row[0]) if row else {}
-        self._stage((
-            "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (job.id, job.queue, job.priority, job.min_replicas, job.max_replicas,
-             job.slots_per_replica, int(job.preemptible), job.grace_period_s, topology,
-             job.submitted_at, job.state.value, json.dumps(job.placement),
-             None if job.last_resize_at == float("-inf") else job.last_resize_at,
-             json.dumps({str(k): v for k, v in job.throughput.items()}), json.dumps(extra))))
+        self._stage(
+            (
+                "INSERT OR REPLACE INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job.id,
+                    job.queue,
+                    job.priority,
+                    job.min_replicas,
+                    job.max_replicas,
+                    job.slots_per_replica,
+                    int(job.preemptible),
+                    job.grace_period_s,
+                    topology,
+                    job.submitted_at,
+                    job.state.value,
+                    json.dumps(job.placement),
+                    None if job.last_resize_at == float("-inf") else job.last_resize_at,
+                    json.dumps({str(k): v for k, v in job.throughput.items()}),
+                    json.dumps(extra),
+                ),
+            )
+        )
 
     def remove_job(self, job_id: str) -> None:
         self._stage(("DELETE FROM jobs WHERE id=?", (job_id,)))
@@ -209,8 +234,12 @@ class Store:
         with self._cv:  # numbered and staged at once (the lock is reentrant): in commit order
             self._next_event += 1
             seq = self._next_event
-            self._stage(("INSERT INTO events (seq, t, job, kind, body) VALUES (?, ?, ?, ?, ?)",
-                         (seq, t, job, kind, json.dumps(body))))
+            self._stage(
+                (
+                    "INSERT INTO events (seq, t, job, kind, body) VALUES (?, ?, ?, ?, ?)",
+                    (seq, t, job, kind, json.dumps(body)),
+                )
+            )
         return seq
 
     def put_meta(self, key: str, value: Any) -> None:
@@ -226,10 +255,11 @@ class Store:
     def cluster(self) -> Cluster:
         self.flush()
         with self._lock:
-            nodes = [Node(name, slots, **json.loads(labels)) for name, slots, labels, *_ in
-                     self._db.execute("SELECT * FROM nodes ORDER BY name")]
-            queues = [Queue(name, g, b, w) for name, g, b, w in
-                      self._db.execute("SELECT * FROM queues ORDER BY name")]
+            nodes = [
+                Node(name, slots, **json.loads(labels))
+                for name, slots, labels, *_ in self._db.execute("SELECT * FROM nodes ORDER BY name")
+            ]
+            queues = [Queue(name, g, b, w) for name, g, b, w in self._db.execute("SELECT * FROM queues ORDER BY name")]
         return Cluster.of(nodes, queues)
 
     def node_heartbeats(self) -> dict[str, float]:
@@ -242,20 +272,46 @@ class Store:
         with self._lock:
             rows = list(self._db.execute("SELECT * FROM jobs ORDER BY submitted_at, id"))
         out = []
-        for (jid, queue, priority, lo, hi, per, preemptible, grace, topology, submitted, state,
-             placement, last_resize, throughput, extra) in rows:
+        for (
+            jid,
+            queue,
+            priority,
+            lo,
+            hi,
+            per,
+            preemptible,
+            grace,
+            topology,
+            submitted,
+            state,
+            placement,
+            last_resize,
+            throughput,
+            extra,
+        ) in rows:
             topo = None if topology is None else Topology(**json.loads(topology))
-            job = Job(id=jid, queue=queue, priority=priority, min_replicas=lo, max_replicas=hi,
-                      slots_per_replica=per, preemptible=bool(preemptible), grace_period_s=grace,
-                      topology=topo, submitted_at=submitted, state=JobState(state),
-                      placement=json.loads(placement),
-                      last_resize_at=float("-inf") if last_resize is None else last_resize,
-                      throughput={int(k): v for k, v in json.loads(throughput).items()})
+            job = Job(
+                id=jid,
+                queue=queue,
+                priority=priority,
+                min_replicas=lo,
+                max_replicas=hi,
+                slots_per_replica=per,
+                preemptible=bool(preemptible),
+                grace_period_s=grace,
+                topology=topo,
+                submitted_at=submitted,
+                state=JobState(state),
+                placement=json.loads(placement),
+                last_resize_at=float("-inf") if last_resize is None else last_resize,
+                throughput={int(k): v for k, v in json.loads(throughput).items()},
+            )
             out.append((job, json.loads(extra)))
         return out
 
-    def events(self, since: int = 0, job: str | None = None,
-               kinds: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+    def events(
+        self, since: int = 0, job: str | None = None, kinds: tuple[str, ...] | None = None
+    ) -> Iterator[dict[str, Any]]:
         """The events after ``since``, oldest first (only ``job``'s, only of ``kinds``)."""
         query = "SELECT seq, t, job, kind, body FROM events WHERE seq > ?"
         args: tuple[Any, ...] = (since,)

@@ -67,8 +67,7 @@ class Stores:
         with self._lock:
             if key in self._runs:
                 return
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=60))
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
         with self._lock:
             self._runs.setdefault(key, _Run(store, store.port, token))
 
@@ -144,8 +143,7 @@ class StoreDoor:
         writer.write(b"OK\n")
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
-    async def _handshake(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> _Run | None:
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> _Run | None:
         nonce = secrets.token_hex(16).encode()
         writer.write(GREETING + nonce + b"\n")
         try:

@@ -78,8 +78,9 @@ def authorize(scope: dict[str, Any], token: str) -> tuple[bool, Response | None]
 
 
 def set_cookie(response: Response, token: str, scope: dict[str, Any]) -> None:
-    response.set_cookie(COOKIE, token, httponly=True, samesite="strict", path="/",
-                        secure=scope.get("scheme") == "https")
+    response.set_cookie(
+        COOKIE, token, httponly=True, samesite="strict", path="/", secure=scope.get("scheme") == "https"
+    )
 
 
 def parse_login(body: bytes) -> tuple[str, str]:
@@ -93,7 +94,8 @@ def parse_login(body: bytes) -> tuple[str, str]:
 
 def login_page(message: str = "", status: int = 200, nxt: str = PREFIX + "/") -> HTMLResponse:
     note = f'<p class="error" role="alert">{escape(message)}</p>' if message else ""
-    return HTMLResponse(f"""<!doctype html>
+    return HTMLResponse(
+        f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>maitre: sign in</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="stylesheet" href="{PREFIX}/assets/app.css">
@@ -104,4 +106,6 @@ def login_page(message: str = "", status: int = 200, nxt: str = PREFIX + "/") ->
 <form method="post" action="{LOGIN}"><input type="hidden" name="next" value="{escape(nxt)}">
 <label>Token <input name="token" type="password" autocomplete="current-password" autofocus
 required></label> <button type="submit">Sign in</button></form></main></body></html>""",
-                        status_code=status, headers={"Cache-Control": "no-store"})
+        status_code=status,
+        headers={"Cache-Control": "no-store"},
+    )

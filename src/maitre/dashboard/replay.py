@@ -58,9 +58,11 @@ def find(path: Path, policy: str | None = None) -> Path:
     for name in ("events.jsonl", "state.db"):
         if (path / name).is_file():
             return path / name
-    raise ReplayError(f"{path}: no event log in it: expected a simulation's events-<policy>.jsonl "
-                      f"(maitre simulate --out), a coordinator's state.db (maitre up "
-                      f"--state-dir) or an events.jsonl")
+    raise ReplayError(
+        f"{path}: no event log in it: expected a simulation's events-<policy>.jsonl "
+        f"(maitre simulate --out), a coordinator's state.db (maitre up "
+        f"--state-dir) or an events.jsonl"
+    )
 
 
 def _check(event: Any, where: str, last: int) -> dict[str, Any]:
@@ -68,8 +70,7 @@ def _check(event: Any, where: str, last: int) -> dict[str, Any]:
         raise ReplayError(f"{where}: an event is a JSON object, got {type(event).__name__}")
     seq, t, kind, job = event.get("seq"), event.get("t"), event.get("kind"), event.get("job")
     if not isinstance(seq, int) or isinstance(seq, bool) or seq <= last:
-        raise ReplayError(f"{where}: 'seq' must be an integer above the previous one ({last}), "
-                          f"got {seq!r}")
+        raise ReplayError(f"{where}: 'seq' must be an integer above the previous one ({last}), got {seq!r}")
     if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t):
         raise ReplayError(f"{where}: 't' must be a finite number of seconds, got {t!r}")
     if not isinstance(kind, str) or not kind or len(kind) > 64:
@@ -89,8 +90,9 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
         raise ReplayError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     if data and not data.endswith(b"\n"):
         lines = data.count(b"\n") + 1
-        raise ReplayError(f"{path}: line {lines} is cut short (the file does not end with a "
-                          f"newline): the log is truncated")
+        raise ReplayError(
+            f"{path}: line {lines} is cut short (the file does not end with a newline): the log is truncated"
+        )
     for number, line in enumerate(data.splitlines(), 1):
         where = f"{path}: line {number}"
         if not line.strip():
@@ -126,8 +128,7 @@ def _sqlite(path: Path) -> list[dict[str, Any]]:
             raise ReplayError(f"{where}: its body is not JSON ({exc})") from None
         if not isinstance(fields, dict):
             raise ReplayError(f"{where}: its body is not a JSON object")
-        events.append(_check({"seq": seq, "t": t, "job": job, "kind": kind, **fields}, where,
-                             last))
+        events.append(_check({"seq": seq, "t": t, "job": job, "kind": kind, **fields}, where, last))
         last = seq
     if not events:
         raise ReplayError(f"{path}: no events in it")
@@ -185,8 +186,7 @@ class ReplayLog:
         self._refresh()
         return self._events[-1]["seq"] if self._events else 0
 
-    def since(self, seq: int = 0, limit: int | None = None,
-              job: str | None = None) -> list[dict[str, Any]]:
+    def since(self, seq: int = 0, limit: int | None = None, job: str | None = None) -> list[dict[str, Any]]:
         self._refresh()
         if self.error:
             raise Unreplayable(f"the event log cannot be replayed: {self.error}", "path")

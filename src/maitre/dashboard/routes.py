@@ -30,8 +30,14 @@ from maitre import protocol as p
 from maitre.dashboard import auth
 
 _JS = "text/javascript; charset=utf-8"
-ASSETS = {"draw.js": _JS, "model.js": _JS, "views.js": _JS, "app.js": _JS,
-          "app.css": "text/css; charset=utf-8", "favicon.svg": "image/svg+xml"}
+ASSETS = {
+    "draw.js": _JS,
+    "model.js": _JS,
+    "views.js": _JS,
+    "app.js": _JS,
+    "app.css": "text/css; charset=utf-8",
+    "favicon.svg": "image/svg+xml",
+}
 """Every file the page loads, and its type: anything else under ``/dashboard/`` is a 404."""
 PAGE_LIMIT = 10_000
 KEEPALIVE_S = 15.0
@@ -42,8 +48,7 @@ class Events(Protocol):
 
     last: int
 
-    def since(self, seq: int = 0, limit: int | None = None,
-              job: str | None = None) -> list[dict[str, Any]]: ...
+    def since(self, seq: int = 0, limit: int | None = None, job: str | None = None) -> list[dict[str, Any]]: ...
 
 
 def _static(name: str) -> bytes:
@@ -98,10 +103,16 @@ class _Wakeup:
             self.event = asyncio.Event()
 
 
-def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
-          live: bool, closing: Callable[[], bool] = lambda: False,
-          listeners: list[Callable[[int], None]] | None = None,
-          responses: dict[int | str, Any] | None = None) -> None:
+def mount(
+    app: FastAPI,
+    events: Events,
+    meta: Callable[[], dict[str, Any]],
+    *,
+    live: bool,
+    closing: Callable[[], bool] = lambda: False,
+    listeners: list[Callable[[int], None]] | None = None,
+    responses: dict[int | str, Any] | None = None,
+) -> None:
     """Add the dashboard's routes to ``app`` (``listeners``: the live log's, so that the
     streams wake when it grows; a replay's log never grows)."""
     wakeup = _Wakeup()
@@ -112,18 +123,23 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
     errors = responses or {}
 
     @app.get(p.API + p.EVENTS, response_model=p.EventPage, responses=errors)
-    def events_page(since: int = Query(0, ge=0), limit: int = Query(PAGE_LIMIT, ge=1,
-                                                                        le=PAGE_LIMIT),
-                    job: str | None = Query(None, pattern=p.NAME_PATTERN, max_length=128)
-                    ) -> Response:
+    def events_page(
+        since: int = Query(0, ge=0),
+        limit: int = Query(PAGE_LIMIT, ge=1, le=PAGE_LIMIT),
+        job: str | None = Query(None, pattern=p.NAME_PATTERN, max_length=128),
+    ) -> Response:
         last = events.last  # before the read: a later event is in the next page, not lost
         body = dumps({"events": events.since(since, limit, job), "last": last})
         return Response(body, media_type="application/json")
 
-    @app.get(p.API + p.EVENTS_STREAM, response_class=StreamingResponse,
-             responses={**errors, 200: {"content": {"text/event-stream": {}},
-                                        "description": "server-sent events, one per event of "
-                                                       "the log"}})
+    @app.get(
+        p.API + p.EVENTS_STREAM,
+        response_class=StreamingResponse,
+        responses={
+            **errors,
+            200: {"content": {"text/event-stream": {}}, "description": "server-sent events, one per event of the log"},
+        },
+    )
     async def events_stream(request: Request, since: int = Query(0, ge=0)) -> Response:
         async def stream():  # type: ignore[no-untyped-def]
             seq = since
@@ -143,9 +159,9 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
                 except asyncio.TimeoutError:
                     yield ": keep-alive\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store",
-                                          "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        )
 
     @app.get("/", include_in_schema=False)
     def root() -> Response:
@@ -157,25 +173,23 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
 
     @app.get(auth.PREFIX + "/", include_in_schema=False)
     def index() -> Response:
-        return Response(page, media_type="text/html; charset=utf-8",
-                        headers={"Cache-Control": "no-store"})
+        return Response(page, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
 
     @app.get(auth.PREFIX + "/meta.json", include_in_schema=False)
     def meta_json() -> Response:
-        return Response(dumps({"live": live, **meta()}), media_type="application/json",
-                        headers={"Cache-Control": "no-store"})
+        return Response(
+            dumps({"live": live, **meta()}), media_type="application/json", headers={"Cache-Control": "no-store"}
+        )
 
     @app.get(auth.ASSETS + "/{name}", include_in_schema=False)
     def asset(name: str) -> Response:
         if name not in ASSETS:
             return not_found(f"/dashboard/assets/{name}")
-        return Response(_static(name), media_type=ASSETS[name],
-                        headers={"Cache-Control": "no-cache"})
+        return Response(_static(name), media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
     @app.get(auth.LOGIN, include_in_schema=False)
     def login_form(next: str = auth.PREFIX + "/") -> Response:  # noqa: A002 (the form's name)
-        return auth.login_page(nxt=next if next.startswith(auth.PREFIX + "/") else
-                               auth.PREFIX + "/")
+        return auth.login_page(nxt=next if next.startswith(auth.PREFIX + "/") else auth.PREFIX + "/")
 
     @app.post(auth.LOGIN, include_in_schema=False)
     async def login(request: Request) -> Response:
@@ -202,9 +216,12 @@ def mount(app: FastAPI, events: Events, meta: Callable[[], dict[str, Any]], *,
 
 def not_found(path: str) -> HTMLResponse:
     from html import escape
+
     return HTMLResponse(
         f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>maitre: not found
 </title><link rel="stylesheet" href="{auth.ASSETS}/app.css">
 <link rel="icon" href="{auth.ICON}" type="image/svg+xml"></head><body class="login"><main>
 <h1>404</h1><p>There is no page <code>{escape(path)}</code>. The dashboard is at
-<a href="{auth.PREFIX}/">{auth.PREFIX}/</a>.</p></main></body></html>""", status_code=404)
+<a href="{auth.PREFIX}/">{auth.PREFIX}/</a>.</p></main></body></html>""",
+        status_code=404,
+    )

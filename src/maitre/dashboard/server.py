@@ -25,31 +25,39 @@ class _Gate:
             let_in, response = auth.authorize(scope, self.token)
             if not let_in:
                 response = response or JSONResponse(
-                    {"error": "missing or wrong token: use the URL `maitre dashboard` printed",
-                     "problems": [{"field": "header.authorization",
-                                   "message": "wrong or missing"}]}, 401)
+                    {
+                        "error": "missing or wrong token: use the URL `maitre dashboard` printed",
+                        "problems": [{"field": "header.authorization", "message": "wrong or missing"}],
+                    },
+                    401,
+                )
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
 
 def replay_app(log: ReplayLog, token: str) -> FastAPI:
-    app = FastAPI(title="maitre dashboard (replay)", docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="maitre dashboard (replay)", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.dashboard_token = token
     app.add_middleware(_Gate, token=token)
 
     @app.exception_handler(RequestError)
     async def refused(request: Request, exc: RequestError) -> JSONResponse:
-        return JSONResponse({"error": exc.message,
-                             "problems": [{"field": exc.field, "message": exc.message}]},
-                            exc.status)
+        return JSONResponse(
+            {"error": exc.message, "problems": [{"field": exc.field, "message": exc.message}]}, exc.status
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"error": f"no route {request.method} {request.url.path}"
-                             if exc.status_code in (404, 405) else str(exc.detail),
-                             "problems": []}, exc.status_code)
+        return JSONResponse(
+            {
+                "error": f"no route {request.method} {request.url.path}"
+                if exc.status_code in (404, 405)
+                else str(exc.detail),
+                "problems": [],
+            },
+            exc.status_code,
+        )
 
     def meta() -> dict[str, Any]:
         return {"source": str(log.path), "error": log.error}

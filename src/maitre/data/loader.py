@@ -104,6 +104,7 @@ class _WorkerInit:
         except (AttributeError, OSError):  # no pidfd here: torch's watchdog alone
             owner = None
         if owner is not None:
+
             def watch() -> None:
                 select.select([owner], [], [])  # readable once the owner has exited
                 os._exit(0)
@@ -175,13 +176,22 @@ class Loader:
         max_skipped: records skipped before the next one's error is raised after all.
     """
 
-    def __init__(self, dataset: Dataset, loop: "ElasticLoop", *, num_workers: int = 0,
-                 prefetch_factor: int | None = None, pin_memory: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] | None = None,
-                 worker_init_fn: Callable[[int], None] | None = None,
-                 multiprocessing_context: Any = None, timeout: float = 0,
-                 max_worker_restarts: int = 10, on_error: str = "raise",
-                 max_skipped: int = 1000) -> None:
+    def __init__(
+        self,
+        dataset: Dataset,
+        loop: "ElasticLoop",
+        *,
+        num_workers: int = 0,
+        prefetch_factor: int | None = None,
+        pin_memory: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        timeout: float = 0,
+        max_worker_restarts: int = 10,
+        on_error: str = "raise",
+        max_skipped: int = 1000,
+    ) -> None:
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error must be 'raise' or 'skip', got {on_error!r}")
         if num_workers < 0:
@@ -189,19 +199,26 @@ class Loader:
         if prefetch_factor is not None and num_workers == 0:
             raise ValueError("prefetch_factor needs worker processes (num_workers > 0)")
         if len(dataset) != loop.sampler.num_samples:  # type: ignore[arg-type]
-            raise ValueError(f"the dataset has {len(dataset)} samples but the loop's sampler "  # type: ignore[arg-type]
-                             f"{loop.sampler.num_samples}: build it with "
-                             "ElasticSampler.of(dataset, ...)")
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples but the loop's sampler "  # type: ignore[arg-type]
+                f"{loop.sampler.num_samples}: build it with "
+                "ElasticSampler.of(dataset, ...)"
+            )
         self.dataset, self.loop = dataset, loop
         self._plan = _Plan()
         self._guarded = on_error == "skip"
         self._loader = DataLoader(
-            _Guarded(dataset) if self._guarded else dataset, batch_sampler=self._plan,
-            num_workers=num_workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory,
+            _Guarded(dataset) if self._guarded else dataset,
+            batch_sampler=self._plan,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+            pin_memory=pin_memory,
             collate_fn=_Collate(collate_fn) if self._guarded else collate_fn,
             worker_init_fn=_WorkerInit(worker_init_fn),
             multiprocessing_context=multiprocessing_context,
-            timeout=timeout, persistent_workers=False)
+            timeout=timeout,
+            persistent_workers=False,
+        )
         self._it: Iterator[Any] | None = None
         self.max_worker_restarts = max_worker_restarts
         self.restarts = 0
@@ -226,11 +243,12 @@ class Loader:
                 data, bad = data
                 for index, error in bad:
                     if self.skipped >= self.max_skipped:
-                        raise RuntimeError(f"sample {index}: {error} (and {self.skipped} "
-                                           "records skipped before it: more than max_skipped)")
+                        raise RuntimeError(
+                            f"sample {index}: {error} (and {self.skipped} "
+                            "records skipped before it: more than max_skipped)"
+                        )
                     self.skipped += 1
-                    print(f"maitre: step {batch.step}: skipped sample {index}: {error}",
-                          file=sys.stderr, flush=True)
+                    print(f"maitre: step {batch.step}: skipped sample {index}: {error}", file=sys.stderr, flush=True)
                 if bad:
                     batch.skip(len(bad))
             yield data
@@ -246,8 +264,12 @@ class Loader:
                 if not self._lost_worker(exc) or self.worker_restarts >= self.max_worker_restarts:
                     raise
                 self.worker_restarts += 1
-                print(f"maitre: a data worker was lost ({exc}); its batches are loaded again "
-                      f"({self.worker_restarts} lost so far)", file=sys.stderr, flush=True)
+                print(
+                    f"maitre: a data worker was lost ({exc}); its batches are loaded again "
+                    f"({self.worker_restarts} lost so far)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._stop()
                 continue
             got = self._plan.issued.popleft()
@@ -260,8 +282,7 @@ class Loader:
             self.dropped += len(self._plan.issued)
             self._stop()
         rest = [m for m in batch.micro_batches[k:] if m]
-        later = (m for step in itertools.islice(self.loop.upcoming(), 1, None)
-                 for m in step if m)
+        later = (m for step in itertools.islice(self.loop.upcoming(), 1, None) for m in step if m)
         self._plan.restart(itertools.chain(rest, later))
         self._it = iter(self._loader)
         if getattr(self._it, "_worker_pids_set", False):

@@ -39,9 +39,16 @@ class ParquetShards(Shards):
 
     kind = "parquet_shards"
 
-    def __init__(self, directory: str | os.PathLike[str], *, columns: list[str] | None = None,
-                 transform: Callable[[dict[str, Any]], Any] | None = None,
-                 pattern: str = "*.parquet", block: int = 64, cache_groups: int = 2) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        columns: list[str] | None = None,
+        transform: Callable[[dict[str, Any]], Any] | None = None,
+        pattern: str = "*.parquet",
+        block: int = 64,
+        cache_groups: int = 2,
+    ) -> None:
         import pyarrow.parquet as pq
 
         if block < 1:
@@ -65,16 +72,21 @@ class ParquetShards(Shards):
             if columns is not None:
                 missing = sorted(set(columns) - set(meta.schema.names))
                 if missing:
-                    raise DataError(path, max(0, size - 8), f"no column(s) {', '.join(missing)}"
-                                    f" (it has {', '.join(meta.schema.names)})")
+                    raise DataError(
+                        path,
+                        max(0, size - 8),
+                        f"no column(s) {', '.join(missing)} (it has {', '.join(meta.schema.names)})",
+                    )
             firsts, offsets, rows = [], [], 0
             for g in range(meta.num_row_groups):
                 group = meta.row_group(g)
                 firsts.append(rows)
                 col = group.column(0) if group.num_columns else None
-                offsets.append(0 if col is None else
-                               min(x for x in (col.dictionary_page_offset,
-                                               col.data_page_offset) if x is not None))
+                offsets.append(
+                    0
+                    if col is None
+                    else min(x for x in (col.dictionary_page_offset, col.data_page_offset) if x is not None)
+                )
                 rows += group.num_rows
             self._groups.append([*firsts, rows])
             self._offsets.append(offsets)
@@ -84,8 +96,7 @@ class ParquetShards(Shards):
         self._cache: OrderedDict[tuple[int, int], list[dict[str, Any]]] = OrderedDict()
 
     def __repr__(self) -> str:
-        return (f"ParquetShards({str(self.directory)!r}: {len(self.files)} files, "
-                f"{len(self)} rows)")
+        return f"ParquetShards({str(self.directory)!r}: {len(self.files)} files, {len(self)} rows)"
 
     def _settings(self) -> dict[str, Any]:
         return {"columns": self.columns, "block": self.block}
@@ -104,8 +115,9 @@ class ParquetShards(Shards):
                 f = self._open[shard] = pq.ParquetFile(self.files[shard])
             rows = f.read_row_group(group, columns=self.columns).to_pylist()
         except Exception as exc:  # a page that does not decode, a file cut short since
-            raise DataError(self.files[shard], self._offsets[shard][group],
-                            f"row group {group} does not decode: {exc}") from None
+            raise DataError(
+                self.files[shard], self._offsets[shard][group], f"row group {group} does not decode: {exc}"
+            ) from None
         self._cache[key] = rows
         while len(self._cache) > self.cache_groups:
             self._cache.popitem(last=False)

@@ -58,8 +58,7 @@ def text_files(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
                 while f.read(1 << 20):
                     pass
         except UnicodeDecodeError as exc:
-            raise PrepareError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") \
-                from None
+            raise PrepareError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     if not any(p.stat().st_size for p in files):
         raise PrepareError("the inputs hold no text")
     return files
@@ -70,20 +69,23 @@ def _documents(files: list[Path]) -> Iterator[str]:
         yield path.read_text(encoding="utf-8")
 
 
-def prepare(inputs: Sequence[str | os.PathLike[str]] | None, out: str | os.PathLike[str], *,
-            vocab_size: int = 4096, shard_tokens: int = 1 << 24, progress: bool = True
-            ) -> dict[str, object]:
+def prepare(
+    inputs: Sequence[str | os.PathLike[str]] | None,
+    out: str | os.PathLike[str],
+    *,
+    vocab_size: int = 4096,
+    shard_tokens: int = 1 << 24,
+    progress: bool = True,
+) -> dict[str, object]:
     """Train the tokenizer on ``inputs`` (default: :func:`default_inputs`), write the shards to
     ``out``; returns ``meta.json``'s content."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from tqdm import tqdm
     except ImportError as exc:
-        raise PrepareError(f"maitre data prepare needs {exc.name}: pip install 'maitre[data]'") \
-            from None
+        raise PrepareError(f"maitre data prepare needs {exc.name}: pip install 'maitre[data]'") from None
     if not 256 < vocab_size <= 1 << 32:
-        raise PrepareError(f"--vocab-size must be above 256 (the bytes) and at most 2**32, "
-                           f"got {vocab_size}")
+        raise PrepareError(f"--vocab-size must be above 256 (the bytes) and at most 2**32, got {vocab_size}")
     if shard_tokens < 2:
         raise PrepareError(f"--shard-tokens must be at least 2, got {shard_tokens}")
     target = Path(out)
@@ -94,9 +96,12 @@ def prepare(inputs: Sequence[str | os.PathLike[str]] | None, out: str | os.PathL
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(_documents(files), trainer=trainer)
     vocab = tokenizer.get_vocab_size()
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
@@ -121,8 +126,9 @@ def prepare(inputs: Sequence[str | os.PathLike[str]] | None, out: str | os.PathL
                 buffer, held = ([rest] if rest.size else []), int(rest.size)
 
         size = sum(p.stat().st_size for p in files)
-        with tqdm(total=size, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
-                  file=sys.stderr) as bar:
+        with tqdm(
+            total=size, unit="B", unit_scale=True, desc="tokenizing", disable=not progress, file=sys.stderr
+        ) as bar:
             for path in files:
                 text = path.read_text(encoding="utf-8")
                 ids = np.asarray(tokenizer.encode(text).ids + [eot], dtype=np.int64)
@@ -132,9 +138,15 @@ def prepare(inputs: Sequence[str | os.PathLike[str]] | None, out: str | os.PathL
                 flush(final=False)
                 bar.update(path.stat().st_size)
             flush(final=True)
-        meta = {"vocab_size": vocab, "dtype": np.dtype(dtype).name, "tokens": total,
-                "eot": eot, "shard_tokens": shard_tokens, "shards": shards,
-                "inputs": [str(p) for p in files]}
+        meta = {
+            "vocab_size": vocab,
+            "dtype": np.dtype(dtype).name,
+            "tokens": total,
+            "eot": eot,
+            "shard_tokens": shard_tokens,
+            "shards": shards,
+            "inputs": [str(p) for p in files],
+        }
         (work / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         umask = os.umask(0)
         os.umask(umask)
@@ -157,10 +169,15 @@ def open_shards(folder: str | os.PathLike[str], seq_len: int, **kwargs: object):
     try:
         meta = json.loads((path / "meta.json").read_text())
     except FileNotFoundError:
-        raise PrepareError(f"{path} has no meta.json: not a folder `maitre data prepare` "
-                           "wrote") from None
+        raise PrepareError(f"{path} has no meta.json: not a folder `maitre data prepare` wrote") from None
     except json.JSONDecodeError as exc:
         raise PrepareError(f"{path / 'meta.json'}: not JSON ({exc})") from None
-    shards = TokenShards(path, seq_len, dtype=meta["dtype"], vocab_size=meta["vocab_size"],
-                         pattern="shard-*.bin", **kwargs)  # type: ignore[arg-type]
+    shards = TokenShards(
+        path,
+        seq_len,
+        dtype=meta["dtype"],
+        vocab_size=meta["vocab_size"],
+        pattern="shard-*.bin",
+        **kwargs,  # type: ignore[arg-type]
+    )
     return shards, meta

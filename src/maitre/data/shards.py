@@ -38,13 +38,13 @@ class DataError(ValueError):
     """A data file that cannot be read as what it claims to be; names the file and the byte
     offset where it goes wrong."""
 
-    def __init__(self, path: str | os.PathLike[str], offset: int | None = None,
-                 problem: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], offset: int | None = None, problem: str | None = None) -> None:
         if offset is None:  # one message: a DataLoader raising again what a worker raised
             super().__init__(str(path))
             found = _SAID.findall(str(path))
-            self.path, self.offset, self.problem = \
+            self.path, self.offset, self.problem = (
                 (found[-1][0], int(found[-1][1]), found[-1][2]) if found else ("", -1, str(path))
+            )
             return
         self.path, self.offset, self.problem = str(path), offset, problem or ""
         super().__init__(f"{path}: at byte {offset}: {problem}")
@@ -64,23 +64,29 @@ def _layout(path: Path, dtype: np.dtype) -> tuple[int, np.dtype]:
         with path.open("rb") as f:
             try:
                 version = npy_format.read_magic(f)
-                header = (npy_format.read_array_header_1_0 if version == (1, 0)
-                          else npy_format.read_array_header_2_0)(f)
+                header = (npy_format.read_array_header_1_0 if version == (1, 0) else npy_format.read_array_header_2_0)(
+                    f
+                )
             except ValueError as exc:
                 raise DataError(path, f.tell(), f"not a .npy file: {exc}") from None
             shape, fortran, dtype = header
             offset = f.tell()
         if dtype.str.lstrip("<>=|") not in ("u2", "u4") or len(shape) != 1:
-            raise DataError(path, 0, f"holds {dtype} of shape {shape}, not a flat array of "
-                            "uint16 or uint32 tokens")
+            raise DataError(path, 0, f"holds {dtype} of shape {shape}, not a flat array of uint16 or uint32 tokens")
         if size - offset < shape[0] * dtype.itemsize:
             whole = offset + (size - offset) // dtype.itemsize * dtype.itemsize
-            raise DataError(path, whole, f"truncated: its header says {shape[0]} tokens, the "
-                            f"file holds {(size - offset) // dtype.itemsize}")
+            raise DataError(
+                path,
+                whole,
+                f"truncated: its header says {shape[0]} tokens, the file holds {(size - offset) // dtype.itemsize}",
+            )
     elif (size - offset) % dtype.itemsize:
         whole = size - (size - offset) % dtype.itemsize
-        raise DataError(path, whole, f"truncated: {size} bytes is not a whole number of "
-                        f"{dtype} tokens ({size - whole} bytes left over)")
+        raise DataError(
+            path,
+            whole,
+            f"truncated: {size} bytes is not a whole number of {dtype} tokens ({size - whole} bytes left over)",
+        )
     return offset, dtype
 
 
@@ -116,10 +122,10 @@ class Shards(Dataset):
     def order(self, seed: int, data_epoch: int) -> list[int]:
         """Every sample once: blocks of ``block`` consecutive samples of one shard, the blocks
         shuffled from ``(seed, data_epoch)``."""
-        starts = [s for shard in range(len(self.files))
-                  for s in range(self.starts[shard], self.starts[shard + 1], self.block)]
-        ends = [min(s + self.block, self.starts[bisect.bisect_right(self.starts, s)])
-                for s in starts]
+        starts = [
+            s for shard in range(len(self.files)) for s in range(self.starts[shard], self.starts[shard + 1], self.block)
+        ]
+        ends = [min(s + self.block, self.starts[bisect.bisect_right(self.starts, s)]) for s in starts]
         gen = torch.Generator().manual_seed(seed * 1_000_003 + data_epoch)
         perm = torch.randperm(len(starts), generator=gen).tolist()
         if not perm:
@@ -132,21 +138,26 @@ class Shards(Dataset):
 
     def describe(self) -> dict[str, Any]:
         """What the sampler's state keeps of this source: its shards' names and sizes."""
-        return {"kind": self.kind, **self._settings(),
-                "files": [[p.name, size] for p, size in zip(self.files, self.sizes)]}
+        return {
+            "kind": self.kind,
+            **self._settings(),
+            "files": [[p.name, size] for p, size in zip(self.files, self.sizes)],
+        }
 
     def changes(self, saved: dict[str, Any]) -> str | None:
         """What changed since ``saved`` (a :meth:`describe`), or None."""
         if saved.get("kind") != self.kind:
             return f"the state was saved from a {saved.get('kind')!r} source, not {self.kind!r}"
-        said = [f"{key} {saved.get(key)} -> {value}" for key, value in self._settings().items()
-                if saved.get(key) != value]
+        said = [
+            f"{key} {saved.get(key)} -> {value}" for key, value in self._settings().items() if saved.get(key) != value
+        ]
         before = {name: size for name, size in saved.get("files", [])}
         now = {p.name: size for p, size in zip(self.files, self.sizes)}
         added = sorted(set(now) - set(before))
         removed = sorted(set(before) - set(now))
-        resized = [f"{n} ({before[n]} -> {now[n]} bytes)" for n in sorted(set(now) & set(before))
-                   if before[n] != now[n]]
+        resized = [
+            f"{n} ({before[n]} -> {now[n]} bytes)" for n in sorted(set(now) & set(before)) if before[n] != now[n]
+        ]
         for what, names in (("added", added), ("removed", removed), ("resized", resized)):
             if names:
                 said.append(f"{what}: {', '.join(names)}")
@@ -177,9 +188,16 @@ class TokenShards(Shards):
 
     kind = "token_shards"
 
-    def __init__(self, directory: str | os.PathLike[str], seq_len: int, *,
-                 dtype: str = "uint16", pattern: str = "*.bin", vocab_size: int | None = None,
-                 block: int = 64) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        seq_len: int,
+        *,
+        dtype: str = "uint16",
+        pattern: str = "*.bin",
+        vocab_size: int | None = None,
+        block: int = 64,
+    ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
         if block < 1:
@@ -198,8 +216,10 @@ class TokenShards(Shards):
         self._maps: dict[int, np.memmap] = {}
 
     def __repr__(self) -> str:
-        return (f"TokenShards({str(self.directory)!r}, seq_len={self.seq_len}: "
-                f"{len(self.files)} shards, {len(self)} sequences)")
+        return (
+            f"TokenShards({str(self.directory)!r}, seq_len={self.seq_len}: "
+            f"{len(self.files)} shards, {len(self)} sequences)"
+        )
 
     def _map(self, shard: int) -> np.memmap:
         mm = self._maps.get(shard)
@@ -212,13 +232,15 @@ class TokenShards(Shards):
     def __getitem__(self, index: int) -> torch.Tensor:
         shard, position = self.locate(int(index))
         first = position * self.seq_len
-        tokens = np.asarray(self._map(shard)[first:first + self.seq_len + 1])
+        tokens = np.asarray(self._map(shard)[first : first + self.seq_len + 1])
         if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
             at = int(np.argmax(tokens >= self.vocab_size))
             offset, dt = self._layouts[shard]
-            raise DataError(self.files[shard], offset + (first + at) * dt.itemsize,
-                            f"token id {int(tokens[at])} is not below the vocabulary size "
-                            f"{self.vocab_size}: a corrupt shard")
+            raise DataError(
+                self.files[shard],
+                offset + (first + at) * dt.itemsize,
+                f"token id {int(tokens[at])} is not below the vocabulary size {self.vocab_size}: a corrupt shard",
+            )
         return torch.from_numpy(tokens.astype(np.int64))
 
     def __getstate__(self) -> dict[str, Any]:  # (a worker started by spawn maps its own)

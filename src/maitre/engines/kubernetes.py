@@ -36,14 +36,34 @@ KIND = "MaitreJob"
 PLURAL = "maitrejobs"
 API_VERSION = f"{GROUP}/{VERSION}"
 
-_KEPT = ("type", "description", "default", "enum", "pattern", "minLength", "maxLength",
-         "minimum", "maximum", "minItems", "maxItems", "items", "properties", "required")
+_KEPT = (
+    "type",
+    "description",
+    "default",
+    "enum",
+    "pattern",
+    "minLength",
+    "maxLength",
+    "minimum",
+    "maximum",
+    "minItems",
+    "maxItems",
+    "items",
+    "properties",
+    "required",
+)
 """The JSON schema keys a CRD's structural schema takes from pydantic's (``title`` is the
 field's name again; ``additionalProperties: false`` is refused by the API server)."""
 _PREFERRED = ("array", "object", "string", "number", "integer", "boolean")
 """Where the model takes several types, the one the CRD keeps: the first of these."""
-_WORDS = {"array": "a list", "object": "a mapping", "string": "a string", "number": "a number",
-          "integer": "an integer", "boolean": "true or false"}
+_WORDS = {
+    "array": "a list",
+    "object": "a mapping",
+    "string": "a string",
+    "number": "a number",
+    "integer": "an integer",
+    "boolean": "true or false",
+}
 
 
 class SchemaError(ValueError):
@@ -93,8 +113,7 @@ def spec_schema() -> dict[str, Any]:
     spec = _structural(schema, defs, "spec")
     spec["properties"].pop("name")
     spec["required"] = [f for f in spec.get("required", []) if f != "name"]
-    spec["description"] = ("The job manifest's fields (maitre submit's), its name being the "
-                           "resource's metadata.name.")
+    spec["description"] = "The job manifest's fields (maitre submit's), its name being the resource's metadata.name."
     return spec
 
 
@@ -102,54 +121,74 @@ def _status_schema() -> dict[str, Any]:
     def field(kind: str, text: str) -> dict[str, Any]:
         return {"type": kind, "description": text}
 
-    return {"type": "object", "description": "The job as the coordinator last reported it.",
-            "properties": {"state": field("string", "PENDING, RUNNING, SUSPENDED, COMPLETED, "
-                                          "FAILED, ..."),
-                           "replicas": field("integer", "Replicas training now."),
-                           "epoch": field("integer", "The membership epoch."),
-                           "step": field("integer", "The last committed step."),
-                           "failures": field("integer", "Failure events survived so far."),
-                           "message": field("string", "Why it waits or failed.")}}
+    return {
+        "type": "object",
+        "description": "The job as the coordinator last reported it.",
+        "properties": {
+            "state": field("string", "PENDING, RUNNING, SUSPENDED, COMPLETED, FAILED, ..."),
+            "replicas": field("integer", "Replicas training now."),
+            "epoch": field("integer", "The membership epoch."),
+            "step": field("integer", "The last committed step."),
+            "failures": field("integer", "Failure events survived so far."),
+            "message": field("string", "Why it waits or failed."),
+        },
+    }
 
 
 def crd() -> dict[str, Any]:
     """The ``MaitreJob`` CustomResourceDefinition (apiextensions.k8s.io/v1)."""
+
     def column(name: str, kind: str, path: str) -> dict[str, str]:
         return {"name": name, "type": kind, "jsonPath": path}
 
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": f"{PLURAL}.{GROUP}",
-                     "labels": {"app.kubernetes.io/name": "maitre"}},
+        "metadata": {"name": f"{PLURAL}.{GROUP}", "labels": {"app.kubernetes.io/name": "maitre"}},
         "spec": {
             "group": GROUP,
-            "names": {"kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL,
-                      "singular": KIND.lower(), "shortNames": ["mj"]},
+            "names": {
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": KIND.lower(),
+                "shortNames": ["mj"],
+            },
             "scope": "Namespaced",
-            "versions": [{
-                "name": VERSION, "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": {
-                    "type": "object",
-                    "description": "An elastic training job of maitre's: it grows and shrinks "
-                                   "in place between minReplicas and maxReplicas.",
-                    "required": ["spec"],
-                    "properties": {"apiVersion": {"type": "string"},
-                                   "kind": {"type": "string"},
-                                   "metadata": {"type": "object"},
-                                   "spec": spec_schema(),
-                                   "status": _status_schema()}}},
-                "subresources": {"status": {},
-                                 "scale": {"specReplicasPath": ".spec.maxReplicas",
-                                           "statusReplicasPath": ".status.replicas"}},
-                "additionalPrinterColumns": [
-                    column("Queue", "string", ".spec.queue"),
-                    column("Min", "integer", ".spec.minReplicas"),
-                    column("Max", "integer", ".spec.maxReplicas"),
-                    column("Replicas", "integer", ".status.replicas"),
-                    column("State", "string", ".status.state"),
-                    column("Age", "date", ".metadata.creationTimestamp")],
-            }],
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "An elastic training job of maitre's: it grows and shrinks "
+                            "in place between minReplicas and maxReplicas.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string"},
+                                "kind": {"type": "string"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema(),
+                                "status": _status_schema(),
+                            },
+                        }
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {"specReplicasPath": ".spec.maxReplicas", "statusReplicasPath": ".status.replicas"},
+                    },
+                    "additionalPrinterColumns": [
+                        column("Queue", "string", ".spec.queue"),
+                        column("Min", "integer", ".spec.minReplicas"),
+                        column("Max", "integer", ".spec.maxReplicas"),
+                        column("Replicas", "integer", ".status.replicas"),
+                        column("State", "string", ".status.state"),
+                        column("Age", "date", ".metadata.creationTimestamp"),
+                    ],
+                }
+            ],
         },
     }
 
@@ -157,9 +196,11 @@ def crd() -> dict[str, Any]:
 def crd_yaml() -> str:
     import yaml
 
-    head = ("# Generated by `python -m maitre.engines.kubernetes crd` from maitre's job manifest "
-            "model\n# (src/maitre/scheduling/spec.py): do not edit; tests/test_kubernetes.py "
-            "checks it.\n")
+    head = (
+        "# Generated by `python -m maitre.engines.kubernetes crd` from maitre's job manifest "
+        "model\n# (src/maitre/scheduling/spec.py): do not edit; tests/test_kubernetes.py "
+        "checks it.\n"
+    )
     return head + yaml.safe_dump(crd(), sort_keys=False, width=100)
 
 
@@ -172,8 +213,9 @@ def manifest_of(resource: Any) -> dict[str, Any]:
         raise ManifestError([f"a MaitreJob is a mapping, got {type(resource).__name__}"])
     problems = []
     if resource.get("apiVersion") != API_VERSION or resource.get("kind") != KIND:
-        problems.append(f"not a {KIND} of {API_VERSION}: apiVersion "
-                        f"{resource.get('apiVersion')!r}, kind {resource.get('kind')!r}")
+        problems.append(
+            f"not a {KIND} of {API_VERSION}: apiVersion {resource.get('apiVersion')!r}, kind {resource.get('kind')!r}"
+        )
     meta, spec = resource.get("metadata"), resource.get("spec")
     name = meta.get("name") if isinstance(meta, dict) else None
     if not isinstance(name, str):
@@ -188,12 +230,12 @@ def manifest_of(resource: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m maitre.engines.kubernetes",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m maitre.engines.kubernetes", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("crd", help="print the MaitreJob CustomResourceDefinition (YAML)")
-    to = sub.add_parser("manifest", help="print a MaitreJob (YAML file, or - for stdin) as a "
-                        "job manifest for maitre submit, checked")
+    to = sub.add_parser(
+        "manifest", help="print a MaitreJob (YAML file, or - for stdin) as a job manifest for maitre submit, checked"
+    )
     to.add_argument("file")
     args = parser.parse_args(argv)
     if args.what == "crd":
@@ -208,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest = manifest_of(yaml.safe_load(text))
         parse_manifest(manifest)
     except (OSError, yaml.YAMLError) as exc:
-        print(f"maitre: error: cannot read {args.file}: {' '.join(str(exc).split())}",
-              file=sys.stderr)
+        print(f"maitre: error: cannot read {args.file}: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except ManifestError as exc:
         print(f"maitre: error: {args.file}: {exc}", file=sys.stderr)

@@ -38,8 +38,7 @@ class CharTransformer(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(block, d_model)
-        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0,
-                                           batch_first=True, norm_first=True)
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=0.0, batch_first=True, norm_first=True)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab)
@@ -64,7 +63,7 @@ class Sequences(torch.utils.data.Dataset):
         return (len(self.ids) - 1) // self.block
 
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor]:
-        return i, self.ids[i * self.block:(i + 1) * self.block + 1]
+        return i, self.ids[i * self.block : (i + 1) * self.block + 1]
 
 
 def main() -> None:
@@ -81,25 +80,40 @@ def main() -> None:
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each worker on cuda:LOCAL_RANK)")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--device-ms-per-sample", type=float, default=0.0,
-                   help="also wait this long per sequence, standing in for accelerator time "
-                   "(so that many workers on a few CPU cores scale like GPUs; `maitre demo`)")
+    p.add_argument(
+        "--device-ms-per-sample",
+        type=float,
+        default=0.0,
+        help="also wait this long per sequence, standing in for accelerator time "
+        "(so that many workers on a few CPU cores scale like GPUs; `maitre demo`)",
+    )
     p.add_argument("--out", type=Path, help="write the final parameters here (rank 0)")
-    p.add_argument("--checkpoint-dir", type=Path, help="checkpoint here and resume from here "
-                   "(under `maitre run`, its --checkpoint-dir is used when this is not given)")
-    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints "
-                   "(default: the Young/Daly interval)")
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="checkpoint here and resume from here "
+        "(under `maitre run`, its --checkpoint-dir is used when this is not given)",
+    )
+    p.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: the Young/Daly interval)")
     p.add_argument("--mtbf", type=float, help="mean time between failures (s) for the interval")
     p.add_argument("--clip", type=float, help="clip the gradients to this global norm")
-    p.add_argument("--precision", choices=["bf16", "fp16"], help="autocast the forward pass "
-                   "(fp16 with a dynamic loss scale)")
-    p.add_argument("--loss-scale", type=float, default=2.0 ** 16,
-                   help="fp16's initial loss scale (default 65536)")
-    p.add_argument("--data-workers", type=int, default=None,
-                   help="load the samples through maitre.data.Loader with this many worker "
-                   "processes (0: in this process); by default the step indexes the corpus")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="MiB of gradients per reduction launched while backward runs (DDP's 25)")
+    p.add_argument(
+        "--precision", choices=["bf16", "fp16"], help="autocast the forward pass (fp16 with a dynamic loss scale)"
+    )
+    p.add_argument("--loss-scale", type=float, default=2.0**16, help="fp16's initial loss scale (default 65536)")
+    p.add_argument(
+        "--data-workers",
+        type=int,
+        default=None,
+        help="load the samples through maitre.data.Loader with this many worker "
+        "processes (0: in this process); by default the step indexes the corpus",
+    )
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=25.0,
+        help="MiB of gradients per reduction launched while backward runs (DDP's 25)",
+    )
     args = p.parse_args()
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
@@ -129,22 +143,38 @@ def main() -> None:
     model = CharTransformer(len(vocab), args.block, args.d_model, args.layers, args.heads).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
-                                                 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
+    )
     sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=args.seed)
-    checkpoint = None if args.checkpoint_dir is None else maitre.CheckpointConfig(
-        directory=args.checkpoint_dir,
-        interval=maitre.IntervalConfig(every_steps=args.checkpoint_every, mtbf_s=args.mtbf))
+    checkpoint = (
+        None
+        if args.checkpoint_dir is None
+        else maitre.CheckpointConfig(
+            directory=args.checkpoint_dir,
+            interval=maitre.IntervalConfig(every_steps=args.checkpoint_every, mtbf_s=args.mtbf),
+        )
+    )
     scaler = maitre.LossScaler(args.loss_scale) if args.precision == "fp16" else None
-    loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
-                              micro_batch_size=args.micro_batch, checkpoint=checkpoint,
-                              precision=args.precision, clip_grad_norm=args.clip,
-                              loss_scaler=scaler, buckets=maitre.Buckets(
-                                  cap_mb=args.bucket_cap_mb,
-                                  first_cap_mb=min(1.0, args.bucket_cap_mb)))
+    loop = maitre.ElasticLoop(
+        model,
+        optimizer,
+        sampler,
+        lr_scheduler=schedule,
+        micro_batch_size=args.micro_batch,
+        checkpoint=checkpoint,
+        precision=args.precision,
+        clip_grad_norm=args.clip,
+        loss_scaler=scaler,
+        buckets=maitre.Buckets(cap_mb=args.bucket_cap_mb, first_cap_mb=min(1.0, args.bucket_cap_mb)),
+    )
 
-    loader = None if args.data_workers is None else maitre.data.Loader(
-        Sequences(ids, args.block), loop, num_workers=args.data_workers)
+    loader = (
+        None
+        if args.data_workers is None
+        else maitre.data.Loader(Sequences(ids, args.block), loop, num_workers=args.data_workers)
+    )
     started, tokens = time.monotonic(), 0
     for batch in loop.run(max_steps=args.steps):
         loaded = loader(batch) if loader is not None else iter(batch.micro_batches)
@@ -156,8 +186,9 @@ def main() -> None:
             else:
                 got, chunk = data
                 if got.tolist() != idx:  # (the loader's promise, checked at every step)
-                    raise RuntimeError(f"step {batch.step}: the loader gave samples "
-                                       f"{got.tolist()}, the loop asked for {idx}")
+                    raise RuntimeError(
+                        f"step {batch.step}: the loader gave samples {got.tolist()}, the loop asked for {idx}"
+                    )
                 chunk = chunk.to(device)
                 x, y = chunk[:, :-1], chunk[:, 1:]
             with batch.autocast():
@@ -165,23 +196,23 @@ def main() -> None:
             if logits.dtype in (torch.float16, torch.bfloat16):  # the loss in the model's dtype
                 logits = logits.to(torch.get_default_dtype())
             # Sum over sequences, mean over positions: the loop divides by the global count.
-            loss = F.cross_entropy(logits.reshape(-1, len(vocab)), y.reshape(-1),
-                                   reduction="sum") / args.block
+            loss = F.cross_entropy(logits.reshape(-1, len(vocab)), y.reshape(-1), reduction="sum") / args.block
             batch.backward(loss)  # loss.backward(), scaled for fp16; logs the loss
             if args.device_ms_per_sample:  # a GPU computes while the CPU waits
                 time.sleep(len(idx) * args.device_ms_per_sample / 1000)
         tokens += batch.global_batch_size * args.block
         if batch.rank == 0 and loop.last_loss is not None and loop.step % args.log_every == 0:
             rate = tokens / (time.monotonic() - started)
-            print(f"step {loop.step:5d}  loss {loop.last_loss:.4f}  world {batch.world_size}  "
-                  f"{rate:,.0f} tok/s", flush=True)
+            print(
+                f"step {loop.step:5d}  loss {loop.last_loss:.4f}  world {batch.world_size}  {rate:,.0f} tok/s",
+                flush=True,
+            )
 
     if loader is not None:
         loader.close()
     if loop.rank == 0:
         loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
-        skipped = f", {loop.scaler.skipped} steps skipped for fp16 overflow" \
-            if loop.scaler is not None else ""
+        skipped = f", {loop.scaler.skipped} steps skipped for fp16 overflow" if loop.scaler is not None else ""
         print(f"done: {loop.step} steps, final loss {loss}{skipped}", flush=True)
         if args.out is not None:
             torch.save(model.state_dict(), args.out)

@@ -74,8 +74,7 @@ class Block(nn.Module):
         b, t, d = x.shape
         h = self.attn_norm(x)
         # -1: this rank's heads (all of them, or heads / tp under tensor parallelism)
-        q, k, v = (w(h).view(b, t, -1, d // self.heads).transpose(1, 2)
-                   for w in (self.wq, self.wk, self.wv))
+        q, k, v = (w(h).view(b, t, -1, d // self.heads).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(attn.transpose(1, 2).reshape(b, t, -1))
@@ -117,21 +116,35 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0, help="clip to this global gradient norm")
     p.add_argument("--precision", choices=["bf16", "fp16"], help="autocast the forward pass")
-    p.add_argument("--dp-shard", type=int, help="processes a replica shards over (default: the "
-                   "job's under maitre run, a node's over --tp under torchrun, 1 alone)")
-    p.add_argument("--tp", type=int, help="tensor-parallel processes inside a replica (default: "
-                   "the job's under maitre run, 1 otherwise); --heads must divide by it")
+    p.add_argument(
+        "--dp-shard",
+        type=int,
+        help="processes a replica shards over (default: the "
+        "job's under maitre run, a node's over --tp under torchrun, 1 alone)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        help="tensor-parallel processes inside a replica (default: "
+        "the job's under maitre run, 1 otherwise); --heads must divide by it",
+    )
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--out", type=Path, help="write the final full parameters here")
     p.add_argument("--device", default="cpu", help="cpu, or cuda (each process on cuda:LOCAL_RANK)")
-    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="MiB of gradients per reduction across replicas (DDP's 25)")
-    p.add_argument("--data", type=Path, help="token shards `maitre data prepare` wrote, read "
-                   "through maitre.data.Loader (default: the bundled text, a token a character)")
-    p.add_argument("--data-workers", type=int, default=0,
-                   help="with --data: data-loading processes beside each training process")
+    p.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, help="MiB of gradients per reduction across replicas (DDP's 25)"
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        help="token shards `maitre data prepare` wrote, read "
+        "through maitre.data.Loader (default: the bundled text, a token a character)",
+    )
+    p.add_argument(
+        "--data-workers", type=int, default=0, help="with --data: data-loading processes beside each training process"
+    )
     args = p.parse_args()
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
@@ -167,9 +180,15 @@ def main() -> None:
         p.error(f"--heads {args.heads} do not split over tp={tp} processes")
     model = Decoder(n_vocab, args.block, args.d_model, args.layers, args.heads).to(device)
     if tp > 1:  # before FSDP2, which then shards the TP pieces over dp_shard
-        plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
-                "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w3": ColwiseParallel(),
-                "w2": RowwiseParallel()}
+        plan = {
+            "wq": ColwiseParallel(),
+            "wk": ColwiseParallel(),
+            "wv": ColwiseParallel(),
+            "wo": RowwiseParallel(),
+            "w1": ColwiseParallel(),
+            "w3": ColwiseParallel(),
+            "w2": RowwiseParallel(),
+        }
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], plan)
     for block in model.blocks:  # one FSDP unit per block, then the rest
@@ -177,32 +196,44 @@ def main() -> None:
     fully_shard(model, mesh=mesh["dp_shard"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     warmup = max(1, args.steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
-                                                 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)),
+    )
     try:
-        sampler = maitre.ElasticSampler.of(shards, args.global_batch, seed=args.seed) \
-            if shards is not None else \
-            maitre.ElasticSampler((len(ids) - 1) // args.block, args.global_batch, seed=args.seed)
+        sampler = (
+            maitre.ElasticSampler.of(shards, args.global_batch, seed=args.seed)
+            if shards is not None
+            else maitre.ElasticSampler((len(ids) - 1) // args.block, args.global_batch, seed=args.seed)
+        )
     except ValueError as exc:
         p.error(str(exc))
-    loop = maitre.ElasticLoop(model, optimizer, sampler, lr_scheduler=schedule,
-                              micro_batch_size=args.micro_batch, clip_grad_norm=args.clip,
-                              precision=args.precision, buckets=maitre.Buckets(
-                                  cap_mb=args.bucket_cap_mb,
-                                  first_cap_mb=min(1.0, args.bucket_cap_mb)))
+    loop = maitre.ElasticLoop(
+        model,
+        optimizer,
+        sampler,
+        lr_scheduler=schedule,
+        micro_batch_size=args.micro_batch,
+        clip_grad_norm=args.clip,
+        precision=args.precision,
+        buckets=maitre.Buckets(cap_mb=args.bucket_cap_mb, first_cap_mb=min(1.0, args.bucket_cap_mb)),
+    )
 
-    loader = None if shards is None else maitre.data.Loader(
-        shards, loop, num_workers=args.data_workers, pin_memory=device.type == "cuda")
+    loader = (
+        None
+        if shards is None
+        else maitre.data.Loader(shards, loop, num_workers=args.data_workers, pin_memory=device.type == "cuda")
+    )
     empty = torch.empty(0, args.block + 1, dtype=torch.long)
     first = torch.distributed.get_rank() == 0  # of its replica
     warm = min(5, args.steps // 4)  # tokens/s over the steps committed after step `warm` (the
-    began = 0.0                     # first ones allocate and warm up)
+    began = 0.0  # first ones allocate and warm up)
     for batch in loop.run(max_steps=args.steps):
         if loop.step == warm and not began:
             began = time.perf_counter()
         loaded = loader(batch) if loader is not None else iter(batch.micro_batches)
         for idx, data in zip(batch.micro_batches, loaded):  # (as many on every process of a
-            if loader is not None:                           # replica, some of them empty)
+            if loader is not None:  # replica, some of them empty)
                 chunk = (empty if data is None else data).to(device, non_blocking=True)
             else:
                 starts = torch.tensor(idx, dtype=torch.long, device=device) * args.block
@@ -210,21 +241,30 @@ def main() -> None:
             with batch.autocast():
                 logits = model(chunk[:, :-1])
             # Sum over sequences, mean over positions: the loop divides by the global count.
-            loss = F.cross_entropy(logits.to(torch.get_default_dtype()).reshape(-1, n_vocab),
-                                   chunk[:, 1:].reshape(-1), reduction="sum") / args.block
+            loss = (
+                F.cross_entropy(
+                    logits.to(torch.get_default_dtype()).reshape(-1, n_vocab), chunk[:, 1:].reshape(-1), reduction="sum"
+                )
+                / args.block
+            )
             batch.backward(loss)
-        if loop.rank == 0 and first and loop.last_loss is not None \
-                and loop.step % args.log_every == 0:
-            print(f"step {loop.step:5d}  loss {loop.last_loss:.4f}  replicas {batch.world_size}  "
-                  f"grad norm {loop.last_grad_norm:.3f}", flush=True)
+        if loop.rank == 0 and first and loop.last_loss is not None and loop.step % args.log_every == 0:
+            print(
+                f"step {loop.step:5d}  loss {loop.last_loss:.4f}  replicas {batch.world_size}  "
+                f"grad norm {loop.last_grad_norm:.3f}",
+                flush=True,
+            )
     if loader is not None:
         loader.close()
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a replica's collective
     if loop.rank == 0 and first:
         tokens = (loop.step - warm) * args.global_batch * args.block
         rate = tokens / (time.perf_counter() - began) if began else float("nan")
-        print(f"done: {loop.step} steps, final loss {loop.last_loss:.4f}, {rate:.0f} tokens/s "
-              f"(steps {warm + 1}-{loop.step}, all replicas)", flush=True)
+        print(
+            f"done: {loop.step} steps, final loss {loop.last_loss:.4f}, {rate:.0f} tokens/s "
+            f"(steps {warm + 1}-{loop.step}, all replicas)",
+            flush=True,
+        )
         if args.out is not None:
             torch.save(full, args.out)
 

@@ -14,15 +14,31 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping
 
-from maitre.protocol import (AGENT, COORDINATOR, COORDINATOR_TIMEOUT_S, HEARTBEAT_S, JOB_ID,
-                             JOIN, JOIN_MODES, LEDGER_DIR, MESH, NPROC, PROC, RUN_ID, STORE,
-                             STORE_KEY, TLS_CA, TOKEN, WORKER_ID)
+from maitre.protocol import (
+    AGENT,
+    COORDINATOR,
+    COORDINATOR_TIMEOUT_S,
+    HEARTBEAT_S,
+    JOB_ID,
+    JOIN,
+    JOIN_MODES,
+    LEDGER_DIR,
+    MESH,
+    NPROC,
+    PROC,
+    RUN_ID,
+    STORE,
+    STORE_KEY,
+    TLS_CA,
+    TOKEN,
+    WORKER_ID,
+)
 
 
 class Mode(str, Enum):
-    ELASTIC = "elastic"   # under maitre: membership epochs from the coordinator
-    STATIC = "static"     # under torchrun: one fixed group
-    SINGLE = "single"     # plain `python script.py`
+    ELASTIC = "elastic"  # under maitre: membership epochs from the coordinator
+    STATIC = "static"  # under torchrun: one fixed group
+    SINGLE = "single"  # plain `python script.py`
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,25 +74,36 @@ class WorkerEnv:
     def from_environ(cls, env: Mapping[str, str] | None = None) -> "WorkerEnv":
         env = os.environ if env is None else env
         local_rank = int(env.get("LOCAL_RANK", "0"))
-        common = {"local_rank": local_rank, "ledger_dir": env.get(LEDGER_DIR, ""),
-                  "run_id": env.get(RUN_ID, "")}
+        common = {"local_rank": local_rank, "ledger_dir": env.get(LEDGER_DIR, ""), "run_id": env.get(RUN_ID, "")}
         if env.get(COORDINATOR):
             missing = [k for k in (WORKER_ID, STORE, AGENT) if not env.get(k)]
             if missing:
-                raise RuntimeError(f"{COORDINATOR} is set but {', '.join(missing)} is not: "
-                                   "workers must be started by a maitre agent")
-            return cls(mode=Mode.ELASTIC, worker_id=env[WORKER_ID], coordinator=env[COORDINATOR],
-                       store=env[STORE], agent=env[AGENT], job_id=env.get(JOB_ID, ""), token=env.get(TOKEN, ""),
-                       tls_ca=env.get(TLS_CA, ""), store_key=env.get(STORE_KEY, ""),
-                       nproc=int(env.get(NPROC, "1")), proc=int(env.get(PROC, "0")),
-                       mesh=env.get(MESH, ""), join=_join_mode(env),
-                       heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
-                       coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
-                       **common)
+                raise RuntimeError(
+                    f"{COORDINATOR} is set but {', '.join(missing)} is not: workers must be started by a maitre agent"
+                )
+            return cls(
+                mode=Mode.ELASTIC,
+                worker_id=env[WORKER_ID],
+                coordinator=env[COORDINATOR],
+                store=env[STORE],
+                agent=env[AGENT],
+                job_id=env.get(JOB_ID, ""),
+                token=env.get(TOKEN, ""),
+                tls_ca=env.get(TLS_CA, ""),
+                store_key=env.get(STORE_KEY, ""),
+                nproc=int(env.get(NPROC, "1")),
+                proc=int(env.get(PROC, "0")),
+                mesh=env.get(MESH, ""),
+                join=_join_mode(env),
+                heartbeat_s=float(env.get(HEARTBEAT_S, "0.1")),
+                coordinator_timeout_s=float(env.get(COORDINATOR_TIMEOUT_S, "300")),
+                **common,
+            )
         if "WORLD_SIZE" in env and "RANK" in env:
             rank = int(env["RANK"])
-            return cls(mode=Mode.STATIC, worker_id=f"rank{rank}", rank=rank,
-                       world_size=int(env["WORLD_SIZE"]), **common)
+            return cls(
+                mode=Mode.STATIC, worker_id=f"rank{rank}", rank=rank, world_size=int(env["WORLD_SIZE"]), **common
+            )
         return cls(mode=Mode.SINGLE, worker_id="single", **common)
 
 

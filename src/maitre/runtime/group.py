@@ -36,6 +36,7 @@ def _bury(backend: object) -> None:
     _GRAVEYARD.append(backend)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(backend))
 
+
 WAIT_SLICE = timedelta(milliseconds=50)
 """How often a waiting collective checks whether its epoch was closed."""
 
@@ -46,8 +47,9 @@ BACKEND_TIMEOUT = timedelta(minutes=30)
 class EpochLost(Exception):
     """The membership epoch ended under a collective: a peer crashed, hung or was removed."""
 
-    def __init__(self, reason: str, detected_at: float, *, unbuilt: bool = False,
-                 unreachable: list[str] | None = None) -> None:
+    def __init__(
+        self, reason: str, detected_at: float, *, unbuilt: bool = False, unreachable: list[str] | None = None
+    ) -> None:
         super().__init__(reason)
         self.reason = reason
         self.detected_at = detected_at
@@ -68,8 +70,14 @@ class EpochGroup:
             the epoch, else ``None``.
     """
 
-    def __init__(self, backend: object, rank: int, world_size: int, device: torch.device,
-                 epoch_closed: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        backend: object,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        epoch_closed: Callable[[], str | None] = lambda: None,
+    ) -> None:
         self.backend = backend
         self.rank = rank
         self.world_size = world_size
@@ -78,8 +86,15 @@ class EpochGroup:
         self.waiting_since: float | None = None
 
     @classmethod
-    def create(cls, store: dist.Store, prefix: str, rank: int, world_size: int,
-               device: torch.device, epoch_closed: Callable[[], str | None]) -> "EpochGroup":
+    def create(
+        cls,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        epoch_closed: Callable[[], str | None],
+    ) -> "EpochGroup":
         """A fresh backend on the epoch's own store prefix.
 
         Building one waits for every member to publish its address; a member that died or hung
@@ -111,8 +126,7 @@ class EpochGroup:
                     torch.cuda.current_stream(device).synchronize()
                     built["backend"] = backend
                 else:
-                    built["backend"] = dist.ProcessGroupGloo(prefixed, rank, world_size,
-                                                             BACKEND_TIMEOUT)
+                    built["backend"] = dist.ProcessGroupGloo(prefixed, rank, world_size, BACKEND_TIMEOUT)
             except Exception as exc:  # surfaced below as a lost epoch
                 built["error"] = exc
             if abandoned.is_set() and "backend" in built:
@@ -129,17 +143,19 @@ class EpochGroup:
                 raise EpochLost(closed, time.monotonic())
         if "error" in built:
             error = str(built["error"])
-            raise EpochLost(f"group not built: {first_line(built['error'])}",  # type: ignore[arg-type]
-                            time.monotonic(), unbuilt=True,
-                            unreachable=sorted(set(re.findall(r"remote=\[([^\]]{1,100})\]", error))))
+            raise EpochLost(
+                f"group not built: {first_line(built['error'])}",  # type: ignore[arg-type]
+                time.monotonic(),
+                unbuilt=True,
+                unreachable=sorted(set(re.findall(r"remote=\[([^\]]{1,100})\]", error))),
+            )
         return cls(built["backend"], rank, world_size, device, epoch_closed)
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> None:
         self.wait(self.allreduce_async(tensor, op))
 
-    def allreduce_async(self, tensor: torch.Tensor,
-                        op: dist.ReduceOp = dist.ReduceOp.SUM) -> dist.Work:
+    def allreduce_async(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM) -> dist.Work:
         """Launch an allreduce of ``tensor`` in place; :meth:`wait` on the work it returns.
         Every member must launch the same collectives in the same order."""
         opts = dist.AllreduceOptions()

@@ -49,8 +49,14 @@ class CoordinatorView:
 
 
 class Heartbeat:
-    def __init__(self, client: Client, worker_id: str, interval_s: float,
-                 progress: Callable[[], tuple[int, bool, float]], proc: int = 0) -> None:
+    def __init__(
+        self,
+        client: Client,
+        worker_id: str,
+        interval_s: float,
+        progress: Callable[[], tuple[int, bool, float]],
+        proc: int = 0,
+    ) -> None:
         self.client = client
         self.worker_id = worker_id
         self.proc = proc
@@ -74,19 +80,25 @@ class Heartbeat:
             step, stalled, trained_s = self.progress()
             asked = time.monotonic()
             try:
-                reply = self.client.post(WORKER_HEARTBEAT.format(worker=self.worker_id),
-                                         {"step": step, "stalled": stalled, "proc": self.proc,
-                                          "trained_s": round(trained_s, 4)}, timeout_s=2.0)
+                reply = self.client.post(
+                    WORKER_HEARTBEAT.format(worker=self.worker_id),
+                    {"step": step, "stalled": stalled, "proc": self.proc, "trained_s": round(trained_s, 4)},
+                    timeout_s=2.0,
+                )
             except (CoordinatorUnreachable, ApiError):
                 pass  # keep the last view: the current epoch trains on
             else:
                 heard_s = reply.get("heard_s")
                 self.view = CoordinatorView(
                     member_epoch=int(reply.get("member_epoch", 0)),
-                    closed=bool(reply["closed"]), change=bool(reply["change"]),
-                    leave=bool(reply["leave"]), stop=bool(reply["stop"]),
+                    closed=bool(reply["closed"]),
+                    change=bool(reply["change"]),
+                    leave=bool(reply["leave"]),
+                    stop=bool(reply["stop"]),
                     suspend=bool(reply.get("suspend", False)),
                     job_state=str(reply["job_state"]),
-                    failures=int(reply.get("failures", 0)), age_s=float(reply.get("age_s", 0.0)),
-                    heard_at=-math.inf if heard_s is None else asked - float(heard_s))
+                    failures=int(reply.get("failures", 0)),
+                    age_s=float(reply.get("age_s", 0.0)),
+                    heard_at=-math.inf if heard_s is None else asked - float(heard_s),
+                )
             self._stop.wait(self.interval_s)

@@ -46,8 +46,13 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class LossScaler:
     """Dynamic loss scaling decided on the reduced gradients (see the module docstring)."""
 
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
         if not (init_scale > 0 and math.isfinite(init_scale)):
             raise ValueError(f"init_scale must be a positive number, got {init_scale}")
         if not growth_factor > 1.0:
@@ -78,9 +83,14 @@ class LossScaler:
             self.good_steps = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "skipped": self.skipped,
-                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval}
+        return {
+            "scale": self.scale,
+            "good_steps": self.good_steps,
+            "skipped": self.skipped,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.scale = float(state["scale"])
@@ -99,12 +109,9 @@ class StepHooks:
 
     def __post_init__(self) -> None:
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or None, "
-                             f"got {self.precision!r}")
-        if self.clip_grad_norm is not None and not (
-                self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
-            raise ValueError(f"clip_grad_norm must be a positive number, got "
-                             f"{self.clip_grad_norm}")
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)} or None, got {self.precision!r}")
+        if self.clip_grad_norm is not None and not (self.clip_grad_norm > 0 and math.isfinite(self.clip_grad_norm)):
+            raise ValueError(f"clip_grad_norm must be a positive number, got {self.clip_grad_norm}")
         if self.on_reduced_grads is not None and not callable(self.on_reduced_grads):
             raise ValueError("on_reduced_grads must be callable")
 
@@ -118,8 +125,7 @@ def all_finite(buffers: list[torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(b).all()) for b in buffers)
 
 
-def clip(params: list[torch.nn.Parameter], max_norm: float,
-         replica: "replicas.Replica | None" = None) -> float:
+def clip(params: list[torch.nn.Parameter], max_norm: float, replica: "replicas.Replica | None" = None) -> float:
     """Clip the (reduced) gradients to ``max_norm`` by their global norm; returns that norm.
 
     In a replica of several processes (by default this process's, :func:`replicas.current`)

@@ -31,28 +31,27 @@ from typing import Any
 
 
 class Ledger:
-    def __init__(self, directory: str | os.PathLike[str], worker_id: str, num_samples: int,
-                 run_id: str = "") -> None:
+    def __init__(self, directory: str | os.PathLike[str], worker_id: str, num_samples: int, run_id: str = "") -> None:
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         self._file = open(path / f"{worker_id}.jsonl", "a", buffering=1)
-        self._file.write(json.dumps({"k": "h", "n": num_samples, "t": time.time(),
-                                     "pid": os.getpid(), "run": run_id}) + "\n")
+        self._file.write(
+            json.dumps({"k": "h", "n": num_samples, "t": time.time(), "pid": os.getpid(), "run": run_id}) + "\n"
+        )
 
     def resumed(self, step: int) -> None:
         self._file.write(json.dumps({"k": "r", "s": step, "t": time.time()}) + "\n")
 
     def attempt(self, epoch: int, step: int, data_epoch: int, indices: list[int]) -> None:
-        self._file.write(json.dumps({"k": "a", "e": epoch, "s": step, "d": data_epoch,
-                                     "i": indices}, separators=(",", ":")) + "\n")
+        self._file.write(
+            json.dumps({"k": "a", "e": epoch, "s": step, "d": data_epoch, "i": indices}, separators=(",", ":")) + "\n"
+        )
 
     def skipped(self, epoch: int, step: int) -> None:
-        self._file.write(json.dumps({"k": "x", "e": epoch, "s": step}, separators=(",", ":"))
-                         + "\n")
+        self._file.write(json.dumps({"k": "x", "e": epoch, "s": step}, separators=(",", ":")) + "\n")
 
     def commit(self, epoch: int, step: int) -> None:
-        self._file.write(json.dumps({"k": "c", "e": epoch, "s": step, "t": time.time()},
-                                    separators=(",", ":")) + "\n")
+        self._file.write(json.dumps({"k": "c", "e": epoch, "s": step, "t": time.time()}, separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -79,21 +78,25 @@ class Audit:
 
     def describe(self) -> str:
         if self.ok:
-            again = f"; {self.rolled_back} committed steps were rolled back and trained again" \
-                if self.rolled_back else ""
-            return (f"exactly once: {self.samples} samples in {self.steps} committed steps, "
-                    f"{self.complete_data_epochs} complete data epoch(s), none lost or "
-                    f"repeated{again}")
-        return (f"VIOLATED: {len(self.duplicates)} repeated, {len(self.missing)} lost samples, "
-                f"{len(self.gaps)} missing steps (first: {self.duplicates[:3]} {self.missing[:3]} "
-                f"{self.gaps[:3]})")
+            again = (
+                f"; {self.rolled_back} committed steps were rolled back and trained again" if self.rolled_back else ""
+            )
+            return (
+                f"exactly once: {self.samples} samples in {self.steps} committed steps, "
+                f"{self.complete_data_epochs} complete data epoch(s), none lost or "
+                f"repeated{again}"
+            )
+        return (
+            f"VIOLATED: {len(self.duplicates)} repeated, {len(self.missing)} lost samples, "
+            f"{len(self.gaps)} missing steps (first: {self.duplicates[:3]} {self.missing[:3]} "
+            f"{self.gaps[:3]})"
+        )
 
 
 Key = tuple[str, int, int]  # run, membership epoch, step
 
 
-def read(directory: str | os.PathLike[str]) -> tuple[dict[Key, list[dict[str, Any]]],
-                                                      dict[int, set[Key]], int, int]:
+def read(directory: str | os.PathLike[str]) -> tuple[dict[Key, list[dict[str, Any]]], dict[int, set[Key]], int, int]:
     """Attempts by (run, epoch, step), the committed (run, epoch, step) of each step with
     rolled-back commits left out, the data set size and the number of rolled-back commits."""
     attempts: dict[Key, list[dict[str, Any]]] = defaultdict(list)

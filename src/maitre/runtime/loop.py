@@ -141,8 +141,9 @@ class Batch:
         loader's ``on_error="skip"``): the step's mean is over the samples trained, the same
         whatever the world size, and ``loop.skipped`` counts them."""
         if samples < 0 or self._skipped + samples > len(self.indices):
-            raise ValueError(f"cannot skip {samples} more of {len(self.indices)} samples "
-                             f"({self._skipped} skipped already)")
+            raise ValueError(
+                f"cannot skip {samples} more of {len(self.indices)} samples ({self._skipped} skipped already)"
+            )
         self._skipped += samples
 
     def log_loss(self, loss_sum: torch.Tensor | float) -> None:
@@ -228,29 +229,39 @@ class ElasticLoop:
             :class:`~maitre.runtime.reduction.Buckets`: DDP's 25 MiB, a 1 MiB first bucket).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 sampler: ElasticSampler, *, lr_scheduler: Any = None,
-                 micro_batch_size: int | None = None, scaling: Any = None,
-                 extras: dict[str, Stateful] | None = None, env: WorkerEnv | None = None,
-                 checkpoint: CheckpointConfig | None = None, precision: str | None = None,
-                 clip_grad_norm: float | None = None, on_reduced_grads: Any = None,
-                 loss_scaler: LossScaler | None = None, buckets: Buckets | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sampler: ElasticSampler,
+        *,
+        lr_scheduler: Any = None,
+        micro_batch_size: int | None = None,
+        scaling: Any = None,
+        extras: dict[str, Stateful] | None = None,
+        env: WorkerEnv | None = None,
+        checkpoint: CheckpointConfig | None = None,
+        precision: str | None = None,
+        clip_grad_norm: float | None = None,
+        on_reduced_grads: Any = None,
+        loss_scaler: LossScaler | None = None,
+        buckets: Buckets | None = None,
+    ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.hooks = StepHooks(precision=precision, clip_grad_norm=clip_grad_norm,
-                               on_reduced_grads=on_reduced_grads)
+        self.hooks = StepHooks(precision=precision, clip_grad_norm=clip_grad_norm, on_reduced_grads=on_reduced_grads)
         if loss_scaler is not None and precision != "fp16":
             raise ValueError("a loss_scaler is for precision='fp16'")
-        self.scaler = loss_scaler if loss_scaler is not None else (
-            LossScaler() if precision == "fp16" else None)
+        self.scaler = loss_scaler if loss_scaler is not None else (LossScaler() if precision == "fp16" else None)
         self.env = env or WorkerEnv.from_environ()
         self.model = model
         self.optimizer = optimizer
         self.sampler = sampler
         self.micro_batch_size = micro_batch_size
         self.scaling = scaling or ConstantBatch()
-        self.state = TrainState(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                sampler=sampler, scaling=self.scaling)
+        self.state = TrainState(
+            model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, sampler=sampler, scaling=self.scaling
+        )
         self.lr_scheduler = lr_scheduler
         for name, obj in (extras or {}).items():
             self.state.register(name, obj)
@@ -290,16 +301,22 @@ class ElasticLoop:
         """Samples left out of committed steps because their data could not be loaded
         (:meth:`Batch.skip`), over all ranks, since this process began training."""
         self.recoveries: list[Recovery] = []
-        self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL,
-                                divide_early=self.scaler is None)
+        self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL, divide_early=self.scaler is None)
         """The gradient buffers, laid out in buckets, and their reduction."""
         self._step_times: deque[float] = deque(maxlen=32)
         self._trained_s = 0.0
         self._committed_at = 0.0
         """Seconds spent in steps that committed (dropped steps do not count)."""
-        self._ledger = Ledger(self.env.ledger_dir, self.env.worker_id if self.env.nproc == 1
-                              else f"{self.env.worker_id}.p{self.env.proc}", sampler.num_samples,
-                              self.env.run_id) if self.env.ledger_dir else None
+        self._ledger = (
+            Ledger(
+                self.env.ledger_dir,
+                self.env.worker_id if self.env.nproc == 1 else f"{self.env.worker_id}.p{self.env.proc}",
+                sampler.num_samples,
+                self.env.run_id,
+            )
+            if self.env.ledger_dir
+            else None
+        )
         self._client: Client | None = None
         self._reporter: telemetry.Reporter | None = None
         """Progress, checkpoint and restore reports to the coordinator (off the step's path)."""
@@ -348,8 +365,9 @@ class ElasticLoop:
                 batch = self._next_batch()
                 # (A tp replica's first step checks each tp rank's own gradients after the body:
                 # none may be reduced before.)
-                self._reducer.begin(len(batch.micro_batches), self.group,
-                                    batch.global_batch_size, early=self._tp_checked)
+                self._reducer.begin(
+                    len(batch.micro_batches), self.group, batch.global_batch_size, early=self._tp_checked
+                )
                 step_start = self._step_began = time.monotonic()
                 self._cpu_began = time.thread_time()
                 yield batch
@@ -408,9 +426,16 @@ class ElasticLoop:
         slc = self.sampler.next_slice(self.rank, self.world_size, size)
         chunks, mine = self._split(slc.local_indices)
         dtype = self.hooks.autocast_dtype
-        return Batch(self.state.step + 1, self.rank, self.world_size, slc, chunks, mine=mine,
-                     _scale=self.scaler.scale if self.scaler is not None else 1.0,
-                     _autocast=None if dtype is None else (self.device.type, dtype))
+        return Batch(
+            self.state.step + 1,
+            self.rank,
+            self.world_size,
+            slc,
+            chunks,
+            mine=mine,
+            _scale=self.scaler.scale if self.scaler is not None else 1.0,
+            _autocast=None if dtype is None else (self.device.type, dtype),
+        )
 
     def _split(self, local: list[int]) -> tuple[list[list[int]], list[int] | None]:
         """This process's micro-batches of its rank's share ``local``, and its part of the share
@@ -423,7 +448,7 @@ class ElasticLoop:
             most = -(-len(local) // rep.spec.dp_shard)  # the largest part of the replica's share
             local = mine = local[start:end]
         micro = self.micro_batch_size or max(1, most)
-        chunks = [local[i:i + micro] for i in range(0, len(local), micro)]
+        chunks = [local[i : i + micro] for i in range(0, len(local), micro)]
         # Every process of a replica runs as many forward passes (FSDP2's collectives pair
         # them up): a smaller part gets empty micro-batches to match the largest.
         chunks += [[]] * (max(1, -(-most // micro)) - len(chunks))
@@ -437,10 +462,10 @@ class ElasticLoop:
         rank, world = self.rank, self.world_size  # (read now, not at the first ``next``)
         if rank < 0 or self._listening is not None:  # a listener trains no samples
             return iter(())
-        size = lambda: self.scaling.global_batch_size(  # noqa: E731
-            self.sampler.global_batch_size, world)
-        steps = itertools.islice(self.sampler.upcoming(size),
-                                 max(0, self._max_steps - self.state.step))  # (none past the end)
+        size = lambda: self.scaling.global_batch_size(self.sampler.global_batch_size, world)
+        steps = itertools.islice(
+            self.sampler.upcoming(size), max(0, self._max_steps - self.state.step)
+        )  # (none past the end)
         return (self._split(s[slice(*share_bounds(len(s), rank, world))])[0] for s in steps)
 
     def _finish(self, batch: Batch) -> bool:
@@ -478,7 +503,7 @@ class ElasticLoop:
         lst = self._listening
         counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
         if counts and isinstance(batch._loss, torch.Tensor):
-            control[_LOSS:_LOSS + 1].copy_(batch._loss.reshape(1))
+            control[_LOSS : _LOSS + 1].copy_(batch._loss.reshape(1))
         else:
             control[_LOSS] = batch._loss if counts else 0.0
         control[_COUNT] = len(batch.indices) - batch._skipped if counts else 0.0
@@ -486,8 +511,11 @@ class ElasticLoop:
         control[_RESIZE] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
         part = self._checkpoint_part if ckpt is not None else None  # None: it writes nothing
-        control[_SAVE] = 1.0 if part is not None and (ckpt.due(batch.step) or (
-            ckpt.cfg.save_final and batch.step == self._max_steps)) else 0.0
+        control[_SAVE] = (
+            1.0
+            if part is not None and (ckpt.due(batch.step) or (ckpt.cfg.save_final and batch.step == self._max_steps))
+            else 0.0
+        )
         control[_STOP] = 1.0 if self._stop_reason() else 0.0
         # A rank still writing the previous save vetoes a new one (it is asked again next step),
         # so no rank blocks on its writer and every rank makes the same decision. (A listener
@@ -495,8 +523,7 @@ class ElasticLoop:
         control[_BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
         # The committing rank draws the name of the save's temporary directory; the sum
         # carries it to every rank (exact in float32 below 2**24).
-        control[_TOKEN] = float(secrets.randbelow(1 << 24)) \
-            if ckpt is not None and self.rank == 0 else 0.0
+        control[_TOKEN] = float(secrets.randbelow(1 << 24)) if ckpt is not None and self.rank == 0 else 0.0
         control[_NONFINITE] = control[_LOST] = 0.0
         control[_READY] = 1.0 if lst is not None and lst.caught_up else 0.0
         self._time_step(batch, control, counts)
@@ -519,8 +546,7 @@ class ElasticLoop:
                 totals[_NONFINITE] = 0.0 if all_finite(self._reducer.grads()) else 1.0
             dist.all_reduce(totals, group=rep.group)
             if float(totals[_LOST]) > 0 and lost is None:
-                lost = EpochLost("another process of this replica lost the epoch",
-                                 time.monotonic())
+                lost = EpochLost("another process of this replica lost the epoch", time.monotonic())
             if lost is None:
                 control.copy_(totals)
         if lost is not None:
@@ -540,12 +566,14 @@ class ElasticLoop:
         count = int(round(float(control[_COUNT])))
         skipped = int(round(float(control[_SKIPPED])))
         if count + skipped != batch.global_batch_size:
-            raise RuntimeError(f"step {batch.step}: ranks trained on {count} samples and skipped "
-                               f"{skipped}, the global batch has {batch.global_batch_size}: "
-                               "shares are inconsistent")
-        if self.scaler is not None and (float(control[_NONFINITE]) > 0
-                                        if self._spanning is not None
-                                        else not all_finite(self._reducer.grads())):
+            raise RuntimeError(
+                f"step {batch.step}: ranks trained on {count} samples and skipped "
+                f"{skipped}, the global batch has {batch.global_batch_size}: "
+                "shares are inconsistent"
+            )
+        if self.scaler is not None and (
+            float(control[_NONFINITE]) > 0 if self._spanning is not None else not all_finite(self._reducer.grads())
+        ):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
             self._reducer.scale(1.0 / scale)
@@ -589,8 +617,13 @@ class ElasticLoop:
         save = float(control[_SAVE]) > 0 and (float(control[_BUSY]) == 0 or final)
         part = self._checkpoint_part if ckpt is not None else None
         if part is not None and (save or stop):  # a stop saves even if it must wait
-            ckpt.save(self.state.state_dict, step=self.state.step, rank=part[0],
-                      world_size=part[1], token=int(control[_TOKEN]))
+            ckpt.save(
+                self.state.state_dict,
+                step=self.state.step,
+                rank=part[0],
+                world_size=part[1],
+                token=int(control[_TOKEN]),
+            )
         elif part is not None:  # after the first step, when the optimizer state exists
             ckpt.prepare(self.state.state_dict, rank=part[0], world_size=part[1])
         elif ckpt is not None and save:  # another replica writes it
@@ -617,23 +650,33 @@ class ElasticLoop:
         asked); at the window's last step, the window's value, its held pace and its work per
         step into this rank's three slots (every other slot is zero here)."""
         if self._listening is None and self._faults:  # MAITRE_SLOW_RANK, _FACTOR, _STEP_JITTER
-            time.sleep(self._faults.pause(self.rank, batch.step,
-                                          time.monotonic() - self._step_began))
+            time.sleep(self._faults.pause(self.rank, batch.step, time.monotonic() - self._step_began))
         work = (batch._tokens or len(batch.indices)) if counts else 0
         compute_s = time.monotonic() - self._step_began
         if self._trace is not None:
-            self._trace.write(json.dumps({
-                "step": batch.step, "epoch": self.epoch, "rank": self.rank,
-                "world_size": self.world_size, "work": work, "compute_s": round(compute_s, 7),
-                "cpu_s": round(time.thread_time() - self._cpu_began, 7)}) + "\n")
+            self._trace.write(
+                json.dumps(
+                    {
+                        "step": batch.step,
+                        "epoch": self.epoch,
+                        "rank": self.rank,
+                        "world_size": self.world_size,
+                        "work": work,
+                        "compute_s": round(compute_s, 7),
+                        "cpu_s": round(time.thread_time() - self._cpu_began, 7),
+                    }
+                )
+                + "\n"
+            )
         if self._detector is None or self.group is None:
             return
         self._window.add(compute_s, work)
         control[_CONTROL:] = 0.0
         if batch.step % self._detector.t.window == 0:
             world, rank = self.group.world_size, self.group.rank
-            control[_CONTROL + rank], control[_CONTROL + world + rank], \
-                control[_CONTROL + 2 * world + rank] = self._window.take()
+            control[_CONTROL + rank], control[_CONTROL + world + rank], control[_CONTROL + 2 * world + rank] = (
+                self._window.take()
+            )
 
     def _judge(self, batch: Batch, control: torch.Tensor) -> None:
         """At a window's last step, rank 0 (the first process of its replica) runs the detector
@@ -643,19 +686,20 @@ class ElasticLoop:
             return
         shared = [float(v) for v in control[_CONTROL:].tolist()]
         world = len(shared) // 3
-        values, held, works = shared[:world], shared[world:2 * world], shared[2 * world:]
+        values, held, works = shared[:world], shared[world : 2 * world], shared[2 * world :]
         keys = self._members if len(self._members) == len(values) else None
-        for verdict in det.observe(max(1, batch.step - det.t.window + 1), batch.step, values,
-                                   keys, works, held):
-            report = {**verdict.report(det.t), "epoch": self.epoch,
-                      "world_size": self.world_size}
+        for verdict in det.observe(max(1, batch.step - det.t.window + 1), batch.step, values, keys, works, held):
+            report = {**verdict.report(det.t), "epoch": self.epoch, "world_size": self.world_size}
             if self._reporter is not None and keys is not None:
                 self._reporter.send(report)  # the coordinator's event: its one line
                 continue
-            print(f"maitre: straggler: {verdict.key} (rank {verdict.rank}) computes "
-                  f"{verdict.ratio:.2f}x the median since step {verdict.since_step} "
-                  f"({verdict.windows} windows of {det.t.window} steps)", file=sys.stderr,
-                  flush=True)
+            print(
+                f"maitre: straggler: {verdict.key} (rank {verdict.rank}) computes "
+                f"{verdict.ratio:.2f}x the median since step {verdict.since_step} "
+                f"({verdict.windows} windows of {det.t.window} steps)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _report_progress(self, batch: Batch) -> None:
         """Rank 0 (the first process of its replica) counts its commits; about once a second
@@ -663,9 +707,13 @@ class ElasticLoop:
         if self.rank != 0 or self.env.proc:
             self._meter.reset()
             return
-        report = self._meter.committed(self._committed_at, self.state.step,
-                                       batch.global_batch_size,
-                                       self.last_loss if batch._logged else None, self.world_size)
+        report = self._meter.committed(
+            self._committed_at,
+            self.state.step,
+            batch.global_batch_size,
+            self.last_loss if batch._logged else None,
+            self.world_size,
+        )
         if report is not None:
             assert self._reporter is not None
             self._reporter.offer(report)
@@ -684,8 +732,12 @@ class ElasticLoop:
         if self._ledger is not None and self._counts_samples and self._listening is None:
             self._ledger.skipped(self.epoch, batch.step)
         if self.rank == 0:
-            print(f"maitre: step {batch.step} overflowed at loss scale {scale:g}; training it "
-                  f"again at {self.scaler.scale:g}", file=sys.stderr, flush=True)
+            print(
+                f"maitre: step {batch.step} overflowed at loss scale {scale:g}; training it "
+                f"again at {self.scaler.scale:g}",
+                file=sys.stderr,
+                flush=True,
+            )
         return False
 
     # -- listening: a member behind catches up while the others train (MAITRE_JOIN=stream) ------
@@ -723,8 +775,11 @@ class ElasticLoop:
                 self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
-        self._exit(0, f"maitre: {self.env.worker_id}: the job finished at step "
-                      f"{self._max_steps} while this worker's state streamed in; it leaves")
+        self._exit(
+            0,
+            f"maitre: {self.env.worker_id}: the job finished at step "
+            f"{self._max_steps} while this worker's state streamed in; it leaves",
+        )
 
     def _catch_up(self, lst: "_Listening") -> None:
         if not lst.loaded:
@@ -741,8 +796,10 @@ class ElasticLoop:
             rec.result = None
             self.state.load_state_dict(transfer_unpack(meta, flats, self._mesh_of()))
             if self.state.step != lst.snapshot_step:
-                raise RuntimeError(f"the snapshot holds step {self.state.step}, not "
-                                   f"{lst.snapshot_step}: its source and this epoch disagree")
+                raise RuntimeError(
+                    f"the snapshot holds step {self.state.step}, not "
+                    f"{lst.snapshot_step}: its source and this epoch disagree"
+                )
             lst.loaded = True
         # Replayed while the training members run their forward and backward: half of a step.
         deadline = time.monotonic() + 0.5 * lst.interval
@@ -763,8 +820,7 @@ class ElasticLoop:
         """The next step as the training members take it (its global slice), with no share of
         this listener's own: what its replayed and heard steps commit."""
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
-        return Batch(self.state.step + 1, -1, self.world_size,
-                     self.sampler.next_slice(0, self.world_size, size), [])
+        return Batch(self.state.step + 1, -1, self.world_size, self.sampler.next_slice(0, self.world_size, size), [])
 
     def _ready_quorum(self) -> float:
         """The READY total at which every listener is caught up (none: never)."""
@@ -783,11 +839,19 @@ class ElasticLoop:
         if lst is not None and self._reporter is not None and not self.env.proc:
             # Sent in the background: its peers wait in the next step for this rank (a post
             # here cost a round trip to the coordinator on every member's path).
-            self._reporter.send({"kind": "caught_up", "epoch": self.epoch, "rank": self.rank,
-                                 "world_size": self.world_size, "step": self.state.step,
-                                 "listened_s": time.monotonic() - lst.started,
-                                 "state_bytes": lst.state_bytes, "replayed": lst.replayed,
-                                 "transfer_s": lst.receiver.seconds})
+            self._reporter.send(
+                {
+                    "kind": "caught_up",
+                    "epoch": self.epoch,
+                    "rank": self.rank,
+                    "world_size": self.world_size,
+                    "step": self.state.step,
+                    "listened_s": time.monotonic() - lst.started,
+                    "state_bytes": lst.state_bytes,
+                    "replayed": lst.replayed,
+                    "transfer_s": lst.receiver.seconds,
+                }
+            )
 
     def _await_snapshots(self) -> None:
         """Wait until every snapshot being streamed from here no longer reads the live state."""
@@ -820,9 +884,12 @@ class ElasticLoop:
         try:
             while hb.view.heard_at < done and self._given_up() is None:
                 if time.monotonic() > deadline:
-                    self._exit(1, f"maitre: no word from the coordinator for "
-                                  f"{self.env.coordinator_timeout_s:.0f}s after step "
-                                  f"{self.state.step + 1}; giving up")
+                    self._exit(
+                        1,
+                        f"maitre: no word from the coordinator for "
+                        f"{self.env.coordinator_timeout_s:.0f}s after step "
+                        f"{self.state.step + 1}; giving up",
+                    )
                 time.sleep(0.01)
         finally:
             self._confirming = False
@@ -862,13 +929,14 @@ class ElasticLoop:
                 reason += f"; the checkpoint failed: {failed}"
         if self.rank == 0:
             where = f"checkpoint {saved}" if saved else "no checkpoint written by this rank"
-            print(f"maitre: stopped at step {self.state.step} ({reason}); {where}",
-                  file=sys.stderr, flush=True)
+            print(f"maitre: stopped at step {self.state.step} ({reason}); {where}", file=sys.stderr, flush=True)
         if self.env.mode == Mode.ELASTIC and self._client is not None:
             try:
                 if not self.env.proc:  # the first process speaks for its replica
-                    self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id),
-                                      {"step": self.state.step, "suspended": True})
+                    self._client.post(
+                        protocol.WORKER_DONE.format(worker=self.env.worker_id),
+                        {"step": self.state.step, "suspended": True},
+                    )
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report the suspension: {exc}", file=sys.stderr)
             self._exit(0, None)
@@ -900,21 +968,19 @@ class ElasticLoop:
                 self.rank, self.world_size = rep.replica_rank, rep.replicas
                 self.group = EpochGroup(rep.cross, rep.replica_rank, rep.replicas, self.device)
             else:
-                self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size,
-                                        self.device)
+                self.group = EpochGroup(dist.group.WORLD, self.env.rank, self.env.world_size, self.device)
             self._size_slots()
             self._sync_state(Recovery("start", time.time()))
             return
-        self._client = Client(self.env.coordinator, token=self.env.token or None,
-                              tls_ca=self.env.tls_ca or None)
+        self._client = Client(self.env.coordinator, token=self.env.token or None, tls_ca=self.env.tls_ca or None)
         self._reporter = telemetry.Reporter(
-            self._client, self.env.worker_id,
-            on_error=lambda line: print(line, file=sys.stderr, flush=True))
+            self._client, self.env.worker_id, on_error=lambda line: print(line, file=sys.stderr, flush=True)
+        )
         if self.checkpointer is not None:
             self.checkpointer.on_result = self._report_checkpoint
-        self._heartbeat = Heartbeat(UnixClient(self.env.agent), self.env.worker_id,
-                                    self.env.heartbeat_s, self._progress,
-                                    proc=self.env.proc).start()
+        self._heartbeat = Heartbeat(
+            UnixClient(self.env.agent), self.env.worker_id, self.env.heartbeat_s, self._progress, proc=self.env.proc
+        ).start()
         self._recovery = Recovery("join", time.time())
         self._rendezvous("join", from_epoch=0)
 
@@ -948,8 +1014,7 @@ class ElasticLoop:
             self.checkpointer.abandon(f"the epoch was lost under the save: {lost.reason}")
         self._rendezvous(lost.reason, unbuilt=lost)
 
-    def _rendezvous(self, reason: str, from_epoch: int | None = None,
-                    unbuilt: EpochLost | None = None) -> None:
+    def _rendezvous(self, reason: str, from_epoch: int | None = None, unbuilt: EpochLost | None = None) -> None:
         """Leave the current epoch and enter the next one (or leave the job)."""
         assert self._client is not None
         if self._recovery is None:
@@ -959,18 +1024,22 @@ class ElasticLoop:
             self.group = None
         self._listeners, self._listening = (), None  # a new epoch decides again
         deadline = time.monotonic() + self.env.coordinator_timeout_s
-        body = {"from_epoch": self.epoch if from_epoch is None else from_epoch,
-                "step": self.state.step, "reason": reason[:500], "wait_s": 5.0}
+        body = {
+            "from_epoch": self.epoch if from_epoch is None else from_epoch,
+            "step": self.state.step,
+            "reason": reason[:500],
+            "wait_s": 5.0,
+        }
         if unbuilt is not None and unbuilt.unbuilt:  # the coordinator counts it as a failure
             body.update(group_failed=True, unreachable=unbuilt.unreachable[:64])
         while True:
             try:
-                answer = self._client.post(protocol.WORKER_RENDEZVOUS.format(worker=self.env.worker_id), body,
-                                           timeout_s=15.0)
+                answer = self._client.post(
+                    protocol.WORKER_RENDEZVOUS.format(worker=self.env.worker_id), body, timeout_s=15.0
+                )
             except CoordinatorUnreachable as exc:
                 if time.monotonic() > deadline:
-                    self._exit(1, f"maitre: {exc}; giving up after "
-                                  f"{self.env.coordinator_timeout_s:.0f}s")
+                    self._exit(1, f"maitre: {exc}; giving up after {self.env.coordinator_timeout_s:.0f}s")
                 time.sleep(0.5)
                 continue
             except ApiError as exc:
@@ -984,8 +1053,7 @@ class ElasticLoop:
                 self._exit(0, None)
             if action == "stop":
                 ended = ("job completed", "job suspended", "job cancelled")
-                self._exit(0 if answer.get("reason") in ended else 1,
-                           f"maitre: worker stopped: {answer.get('reason')}")
+                self._exit(0 if answer.get("reason") in ended else 1, f"maitre: worker stopped: {answer.get('reason')}")
         if self._store is None or answer.get("store_id") != self._store_id:
             # First epoch, or the coordinator restarted since the last one: the run's c10d
             # store is a new server (behind the same door), so connect again.
@@ -1000,8 +1068,9 @@ class ElasticLoop:
             # A replica of several processes: one group per position, over the replicas.
             prefix = answer["store_prefix"] + (f"x{self.env.proc}/" if self.env.nproc > 1 else "")
             self._prefix = prefix
-            self.group = EpochGroup.create(self._store, prefix, self.rank,
-                                           self.world_size, self.device, self._epoch_closed)
+            self.group = EpochGroup.create(
+                self._store, prefix, self.rank, self.world_size, self.device, self._epoch_closed
+            )
             self._members = list(answer.get("members") or [])
             self._size_slots()
             self._building_since = None
@@ -1046,8 +1115,7 @@ class ElasticLoop:
         if self._store_link is not None:
             self._store_link.close()
         self._store = None
-        self._store_link = StoreLink((host.strip("[]"), port), answer["store_key"],
-                                     self.env.token)
+        self._store_link = StoreLink((host.strip("[]"), port), answer["store_key"], self.env.token)
         deadline = time.monotonic() + 60.0  # as long as TCPStore's own connect would wait
         while True:
             try:
@@ -1057,8 +1125,7 @@ class ElasticLoop:
                 if exc.refused or time.monotonic() > deadline:
                     self._exit(1, f"maitre: {exc}")
                 time.sleep(0.5)  # the coordinator restarting: its door opens again
-        self._store = dist.TCPStore("127.0.0.1", self._store_link.port, is_master=False,
-                                    timeout=timedelta(seconds=60))
+        self._store = dist.TCPStore("127.0.0.1", self._store_link.port, is_master=False, timeout=timedelta(seconds=60))
         self._store_id = answer.get("store_id")
 
     def _catch_sigterm(self) -> None:
@@ -1084,8 +1151,12 @@ class ElasticLoop:
         def on_sigterm(signum: int, frame: Any) -> None:
             if not heard:  # (said once; what the job does next is the agent's drain)
                 heard.append(True)
-                print(f"maitre: {self.env.worker_id} heard SIGTERM: its agent drains the node, "
-                      "it leaves at a step boundary when told", file=sys.stderr, flush=True)
+                print(
+                    f"maitre: {self.env.worker_id} heard SIGTERM: its agent drains the node, "
+                    "it leaves at a step boundary when told",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
         self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
 
@@ -1100,19 +1171,24 @@ class ElasticLoop:
         loaded = self.checkpointer.load_latest(
             self.rank if rep is None else self.rank * rep.nproc + rep.local_rank,
             mesh_of=None if replica is None else (lambda names: replica.mesh[names]),
-            agree=None if rep is None else self._replica_agrees)
+            agree=None if rep is None else self._replica_agrees,
+        )
         if loaded is None:
             return False
         try:
             self.state.load_state_dict(loaded.tree)
         except (ValueError, KeyError, RuntimeError) as exc:  # another script's, model's or data's
-            raise RuntimeError(f"cannot resume from {loaded.path}: it does not fit this "
-                               f"script's state: {exc}") from None
+            raise RuntimeError(
+                f"cannot resume from {loaded.path}: it does not fit this script's state: {exc}"
+            ) from None
         if self._ledger is not None:
             self._ledger.resumed(loaded.step)
         if self.rank == 0 and (rep is None or rep.local_rank == 0):
-            print(f"maitre: resumed from {loaded.path} at step {loaded.step} (saved by "
-                  f"{loaded.world_size} worker(s), {loaded.nbytes / 1e6:.1f} MB)", flush=True)
+            print(
+                f"maitre: resumed from {loaded.path} at step {loaded.step} (saved by "
+                f"{loaded.world_size} worker(s), {loaded.nbytes / 1e6:.1f} MB)",
+                flush=True,
+            )
             if self._reporter is not None:
                 self._reporter.send(telemetry.restore_report(loaded, time.monotonic() - started))
         return True
@@ -1159,22 +1235,23 @@ class ElasticLoop:
         self._order = training + list(self._listeners)
         me, epoch = self.group.rank, self.epoch
         self.world_size = len(training)
-        pair = lambda listener: f"{self._prefix}join/{listener}/"  # noqa: E731
-        abandon = lambda: None if self.epoch == epoch and self.group is not None \
-            else "the epoch is over"  # noqa: E731
+        pair = lambda listener: f"{self._prefix}join/{listener}/"
+        abandon = lambda: None if self.epoch == epoch and self.group is not None else "the epoch is over"
         if me in self._listeners:
             source = training[self._listeners.index(me) % len(training)]
             self.rank = -1
-            self._listening = _Listening(Receiver(self._store, pair(me), self.device, abandon),
-                                         snapshot_step=ahead, queue=deque(),
-                                         started=time.monotonic())
+            self._listening = _Listening(
+                Receiver(self._store, pair(me), self.device, abandon),
+                snapshot_step=ahead,
+                queue=deque(),
+                started=time.monotonic(),
+            )
             rec.state_from = source
             return
         self.rank = training.index(me)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
-        mine = [pair(listener) for i, listener in enumerate(self._listeners)
-                if training[i % len(training)] == me]
+        mine = [pair(listener) for i, listener in enumerate(self._listeners) if training[i % len(training)] == me]
         if mine:
             packed = Packed.of(self.state.state_dict(), self.device, lazy=self._optimizer_owned())
             rec.state_bytes, rec.state_from = packed.nbytes, me
@@ -1203,13 +1280,21 @@ class ElasticLoop:
         if rec is None or self._reporter is None or self.env.proc:  # the first process speaks
             return
         now = time.time()
-        report = {"kind": "recovery", "epoch": self.epoch, "rank": self.rank, "reason": rec.reason,
-                  "world_size": self.world_size, "detected_at": rec.detected_at,
-                  "rendezvous_s": rec.assigned_at - rec.detected_at,
-                  "group_s": rec.group_at - rec.assigned_at,
-                  "state_s": rec.synced_at - rec.group_at, "state_bytes": rec.state_bytes,
-                  "to_next_step_s": now - rec.detected_at, "step": self.state.step,
-                  "state_source": rec.state_source}
+        report = {
+            "kind": "recovery",
+            "epoch": self.epoch,
+            "rank": self.rank,
+            "reason": rec.reason,
+            "world_size": self.world_size,
+            "detected_at": rec.detected_at,
+            "rendezvous_s": rec.assigned_at - rec.detected_at,
+            "group_s": rec.group_at - rec.assigned_at,
+            "state_s": rec.synced_at - rec.group_at,
+            "state_bytes": rec.state_bytes,
+            "to_next_step_s": now - rec.detected_at,
+            "step": self.state.step,
+            "state_source": rec.state_source,
+        }
         self._reporter.send(report)  # in the background: not on the first step's path
 
     def _done(self) -> None:

@@ -79,10 +79,10 @@ class Buckets:
     def __post_init__(self) -> None:
         for name in ("cap_mb", "first_cap_mb"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                    or math.isnan(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of MiB (math.inf for one "
-                                 f"bucket per dtype), got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value <= 0:
+                raise ValueError(
+                    f"{name} must be a positive number of MiB (math.inf for one bucket per dtype), got {value!r}"
+                )
 
 
 def plan(params: Sequence[torch.Tensor], cfg: Buckets) -> list[tuple[int, ...]]:
@@ -108,12 +108,16 @@ def plan(params: Sequence[torch.Tensor], cfg: Buckets) -> list[tuple[int, ...]]:
     return out
 
 
-def fingerprint(params: Sequence[torch.Tensor], buckets: Sequence[tuple[int, ...]],
-                slots: int) -> int:
+def fingerprint(params: Sequence[torch.Tensor], buckets: Sequence[tuple[int, ...]], slots: int) -> int:
     """A 62-bit digest of what every rank must agree on: each parameter's local shape and
     dtype, the buckets and the number of control slots."""
-    text = repr(([(tuple(replicas.local_tensor(p).shape), str(replicas.local_tensor(p).dtype)) for p in params],
-                 [list(b) for b in buckets], slots))
+    text = repr(
+        (
+            [(tuple(replicas.local_tensor(p).shape), str(replicas.local_tensor(p).dtype)) for p in params],
+            [list(b) for b in buckets],
+            slots,
+        )
+    )
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 2
 
 
@@ -126,7 +130,8 @@ def agree(group: "EpochGroup", digest: int) -> None:
         raise RuntimeError(
             "the ranks' gradient buckets differ: every rank must build the same model (the same "
             "parameters, in the same order, shapes and dtypes) with the same bucket settings "
-            "and straggler policy before it builds the ElasticLoop")
+            "and straggler policy before it builds the ElasticLoop"
+        )
 
 
 class Reducer:
@@ -143,8 +148,15 @@ class Reducer:
             :meth:`scatter`, after the reduction.
     """
 
-    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter], cfg: Buckets,
-                 control: int, *, divide_early: bool = False) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        params: list[torch.nn.Parameter],
+        cfg: Buckets,
+        control: int,
+        *,
+        divide_early: bool = False,
+    ) -> None:
         self.model = model
         self.params = params
         self.cfg = cfg
@@ -186,8 +198,7 @@ class Reducer:
         self._group: EpochGroup | None = None
         self._failed: BaseException | None = None
         self.renew(0)
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i))
-                         for i, p in enumerate(params)]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook_for(i)) for i, p in enumerate(params)]
 
     def digest(self) -> int:
         """What :func:`agree` compares across the ranks (:func:`fingerprint`)."""
@@ -211,15 +222,14 @@ class Reducer:
             offset = 0
             for i in members:
                 p, local = self.params[i], replicas.local_tensor(self.params[i])
-                self._view_of[i] = (p, _grad_view(p, flat[offset:offset + local.numel()]
-                                                  .view_as(local)))
+                self._view_of[i] = (p, _grad_view(p, flat[offset : offset + local.numel()].view_as(local)))
                 offset += local.numel()
             self._flats.append(flat)
             self._numels.append(numel)
         if self._own_control:
             self._flats.append(torch.zeros(extra, dtype=torch.float64, device=device))
             self._numels.append(0)
-        self.control = self._flats[-1][self._numels[-1]:]
+        self.control = self._flats[-1][self._numels[-1] :]
         self._group = None
 
     def clear(self) -> None:
@@ -252,8 +262,7 @@ class Reducer:
             p.grad = view
 
     # -- the step --------------------------------------------------------------------------
-    def begin(self, passes: int, group: EpochGroup | None, count: int = 1, *,
-              early: bool = True) -> None:
+    def begin(self, passes: int, group: EpochGroup | None, count: int = 1, *, early: bool = True) -> None:
         """A step of ``passes`` backward passes (its micro-batches) over ``count`` samples in
         all starts. Each parameter's gradient is copied into its bucket once its last pass has
         made it final (divided by ``count`` on the way, where the reducer divides early), and
@@ -309,7 +318,8 @@ class Reducer:
                     f"parameter {i} of the model changed from {tuple(shape)} {dtype} to "
                     f"{tuple(p.shape)} {p.dtype}{'' if p.requires_grad else ', frozen,'} "
                     f"after the ElasticLoop was built: the gradient buckets are laid out once, "
-                    f"for the parameters as they were")
+                    f"for the parameters as they were"
+                )
 
     def _check_listed(self) -> None:
         now = [p for p in self.model.parameters() if p.requires_grad]
@@ -318,7 +328,8 @@ class Reducer:
                 f"the model's trainable parameters changed after the ElasticLoop was built "
                 f"({len(self.params)} then, {len(now)} now): add or freeze parameters before "
                 f"building the loop, so that every rank and every joiner lays out the same "
-                f"gradient buckets")
+                f"gradient buckets"
+            )
 
     def close(self) -> None:
         """Remove the hooks (the loop is over; the model may be trained by something else)."""
@@ -331,6 +342,7 @@ class Reducer:
     def _hook_for(self, i: int) -> Any:
         def hook(param: torch.Tensor) -> None:
             self._on_grad(i)
+
         return hook
 
     def _on_grad(self, i: int) -> None:
@@ -342,7 +354,8 @@ class Reducer:
                 f"a backward pass reached parameter {i} after its gradient was final: a step "
                 f"runs one backward pass per micro-batch of batch.micro_batches ({self._passes} "
                 f"this step), and leaves the gradients alone afterwards (clip or change them in "
-                f"on_reduced_grads)")
+                f"on_reduced_grads)"
+            )
         self._counts[i] += 1
         if self._counts[i] != self._passes:
             return
@@ -412,5 +425,5 @@ def _grad_view(p: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     if not replicas.is_sharded(p):
         return view
     from torch.distributed.tensor import DTensor
-    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+
+    return DTensor.from_local(view, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

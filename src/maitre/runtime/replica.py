@@ -74,8 +74,9 @@ class MeshSpec:
         for part in filter(None, (p.strip() for p in text.split(","))):
             name, _, value = part.partition("=")
             if name not in MESH_DIMS or not value.isdigit():
-                raise ValueError(f"bad mesh {text!r}: expected dims {', '.join(MESH_DIMS)} as "
-                                 "name=size, e.g. dp_shard=4,tp=2")
+                raise ValueError(
+                    f"bad mesh {text!r}: expected dims {', '.join(MESH_DIMS)} as name=size, e.g. dp_shard=4,tp=2"
+                )
             sizes[name] = int(value)
         return cls(**sizes)
 
@@ -84,8 +85,7 @@ class MeshSpec:
 
     def check(self, nproc: int) -> None:
         if self.nproc != nproc:
-            raise ValueError(f"the mesh {self} has {self.nproc} processes, the replica has "
-                             f"{nproc} (nprocPerReplica)")
+            raise ValueError(f"the mesh {self} has {self.nproc} processes, the replica has {nproc} (nprocPerReplica)")
 
 
 def configure_fsdp(model: torch.nn.Module) -> int:
@@ -120,8 +120,10 @@ def check_mesh(model: torch.nn.Module, replica: "Replica | None") -> None:
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plain = [n for n, p in trainable if not is_sharded(p)]
     if replica is not None and replica.spec.dp_shard > 1 and plain:
-        raise ValueError(f"a replica of {replica.nproc} processes needs its model sharded on the "
-                         f"replica's mesh (fully_shard); not sharded: {', '.join(plain[:5])}")
+        raise ValueError(
+            f"a replica of {replica.nproc} processes needs its model sharded on the "
+            f"replica's mesh (fully_shard); not sharded: {', '.join(plain[:5])}"
+        )
     unsplit = []
     for name, p in trainable:
         if not is_sharded(p):
@@ -129,20 +131,25 @@ def check_mesh(model: torch.nn.Module, replica: "Replica | None") -> None:
         mesh = p.device_mesh
         names = tuple(mesh.mesh_dim_names or ())
         if replica is None:
-            raise ValueError(f"parameter {name} is sharded on a mesh the loop does not know: "
-                             "build the model on maitre.replica_mesh()")
+            raise ValueError(
+                f"parameter {name} is sharded on a mesh the loop does not know: "
+                "build the model on maitre.replica_mesh()"
+            )
         sizes = {n: mesh.size(i) for i, n in enumerate(names)}
-        if not names or any(n not in MESH_DIMS or sizes[n] != getattr(replica.spec, n)
-                            for n in names):
-            raise ValueError(f"parameter {name} is sharded on a mesh {sizes or 'without names'}"
-                             f", not on its replica's ({replica.spec}): build the model on "
-                             "maitre.replica_mesh()")
+        if not names or any(n not in MESH_DIMS or sizes[n] != getattr(replica.spec, n) for n in names):
+            raise ValueError(
+                f"parameter {name} is sharded on a mesh {sizes or 'without names'}"
+                f", not on its replica's ({replica.spec}): build the model on "
+                "maitre.replica_mesh()"
+            )
         if replica.spec.dp_shard > 1 and not _splits(p, "dp_shard"):
             unsplit.append(name)
     if unsplit:
-        raise ValueError(f"a replica of {replica.spec} needs every parameter sharded by FSDP2 on "
-                         "its dp_shard dimension (fully_shard(module, mesh=mesh['dp_shard']), "
-                         f"after the TP plan); not: {', '.join(unsplit[:5])}")
+        raise ValueError(
+            f"a replica of {replica.spec} needs every parameter sharded by FSDP2 on "
+            "its dp_shard dimension (fully_shard(module, mesh=mesh['dp_shard']), "
+            f"after the TP plan); not: {', '.join(unsplit[:5])}"
+        )
 
 
 def _splits(t: torch.Tensor, dim: str) -> bool:
@@ -173,8 +180,7 @@ def tp_replicated(t: torch.Tensor, replica: "Replica") -> bool:
     return replica.spec.tp > 1 and not (is_sharded(t) and _splits(t, "tp"))
 
 
-def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
-                   tolerance: float = 1e-6) -> bool:
+def check_tp_grads(model: torch.nn.Module, replica: "Replica | None", tolerance: float = 1e-6) -> bool:
     """After a step's backward (before any reduction across replicas): every ``tp``-replicated
     parameter must have the same gradient on every ``tp`` rank of its shard, which read the same
     samples. That holds when the parameter's input is replicated on ``tp`` (a norm or a bias on
@@ -190,8 +196,7 @@ def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
     overflowed): ask again on the next step."""
     if replica is None or replica.spec.tp == 1:
         return True
-    named = [(n, p) for n, p in model.named_parameters()
-             if p.requires_grad and tp_replicated(p, replica)]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad and tp_replicated(p, replica)]
     if not named:
         return True
     prints = torch.zeros(2 * len(named), dtype=torch.float64)
@@ -202,12 +207,11 @@ def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
     device = local_tensor(named[0][1]).device
     extremes = torch.cat([prints, -prints]).to(device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=replica.mesh.get_group("tp"))
-    high, low = extremes[:len(prints)].cpu(), -extremes[len(prints):].cpu()
+    high, low = extremes[: len(prints)].cpu(), -extremes[len(prints) :].cpu()
     finite = bool(torch.isfinite(extremes).all())
     spread = (high - low) > tolerance * high[1::2].repeat_interleave(2)
     first = int(spread.nonzero()[0]) // 2 if finite and bool(spread.any()) else -1
-    verdict = torch.tensor([0.0 if finite else 1.0, float(first + 1)], dtype=torch.float64,
-                           device=device)
+    verdict = torch.tensor([0.0 if finite else 1.0, float(first + 1)], dtype=torch.float64, device=device)
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=replica.group)
     if verdict[1] > 0:
         name = named[int(verdict[1]) - 1][0]
@@ -215,7 +219,8 @@ def check_tp_grads(model: torch.nn.Module, replica: "Replica | None",
             f"parameter {name} is replicated on the tp ranks but got different gradients on "
             "them: its input is split on tp, so each rank holds a partial sum. Give it a place "
             "in the TP plan or gather its input (maitre supports ColwiseParallel and "
-            "RowwiseParallel with the activations replicated around them, under FSDP2 or alone)")
+            "RowwiseParallel with the activations replicated around them, under FSDP2 or alone)"
+        )
     return float(verdict[0]) == 0.0
 
 
@@ -226,12 +231,12 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def is_sharded(p: torch.Tensor) -> bool:
     """A DTensor (a parameter FSDP2 or TP placed on a mesh)."""
-    return type(p) is not torch.Tensor and type(p) is not torch.nn.Parameter and \
-        isinstance(p, _dtensor())
+    return type(p) is not torch.Tensor and type(p) is not torch.nn.Parameter and isinstance(p, _dtensor())
 
 
 def _dtensor() -> type:
     from torch.distributed.tensor import DTensor
+
     return DTensor
 
 
@@ -279,8 +284,7 @@ def same_epoch(ok: bool, epoch: int, reduce_max: Callable[[torch.Tensor], None])
     round again (it is told the newer epoch); the ones ahead wait for it here, in the next
     round of this agreement. ``reduce_max``: an allreduce (max) over the replica's group."""
     while True:
-        flag = torch.tensor([0.0 if ok else 1.0, float(epoch), -float(epoch)],
-                            dtype=torch.float64)
+        flag = torch.tensor([0.0 if ok else 1.0, float(epoch), -float(epoch)], dtype=torch.float64)
         reduce_max(flag)
         newest, oldest = int(flag[1]), int(-flag[2])
         if float(flag[0]) > 0:
@@ -326,8 +330,7 @@ def current() -> Replica | None:
     return _REPLICA
 
 
-def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
-                 device_type: str | None = None) -> Any:
+def replica_mesh(dp_shard: int | None = None, tp: int | None = None, device_type: str | None = None) -> Any:
     """The ``DeviceMesh`` of this process's replica (dims ``dp_shard`` and ``tp``), for the
     script to build its model on (``fully_shard(block, mesh=mesh["dp_shard"])``, TP plans on
     ``mesh["tp"]``).
@@ -351,15 +354,20 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
         spec = MeshSpec.parse(declared)
         asked = MeshSpec(dp_shard or spec.dp_shard, tp or spec.tp)
         if asked != spec:
-            raise ValueError(f"the script builds a mesh {asked}, the job declares {spec}: "
-                             "make them agree (the job's --mesh, or the script's sizes)")
+            raise ValueError(
+                f"the script builds a mesh {asked}, the job declares {spec}: "
+                "make them agree (the job's --mesh, or the script's sizes)"
+            )
         spec.check(int(os.environ.get(protocol.NPROC, "1")))
         link, store = _run_store()
         if not dist.is_initialized():  # the replica's own group: its processes only
             worker = os.environ[protocol.WORKER_ID]
-            _init_default_group(backend, store=dist.PrefixStore(f"replica/{worker}/", store),
-                                rank=int(os.environ.get(protocol.PROC, "0")),
-                                world_size=spec.nproc)
+            _init_default_group(
+                backend,
+                store=dist.PrefixStore(f"replica/{worker}/", store),
+                rank=int(os.environ.get(protocol.PROC, "0")),
+                world_size=spec.nproc,
+            )
         mesh = init_device_mesh(device_type, (spec.dp_shard, spec.tp), mesh_dim_names=MESH_DIMS)
         _REPLICA = Replica(spec, dist.get_rank(), mesh, dist.group.WORLD, link=link)
         return mesh
@@ -368,23 +376,31 @@ def replica_mesh(dp_shard: int | None = None, tp: int | None = None,
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         spec = MeshSpec(dp_shard or max(1, local // (tp or 1)), tp or 1)
         if world % spec.nproc:
-            raise ValueError(f"a world of {world} processes does not split into replicas of "
-                             f"{spec.nproc} ({spec})")
+            raise ValueError(f"a world of {world} processes does not split into replicas of {spec.nproc} ({spec})")
         if not dist.is_initialized():
             _init_default_group(backend)
         replicas = world // spec.nproc
-        full = init_device_mesh(device_type, (replicas, spec.dp_shard, spec.tp),
-                                mesh_dim_names=("replicate", *MESH_DIMS))
-        groups = [dist.new_group(list(range(r * spec.nproc, (r + 1) * spec.nproc)))
-                  for r in range(replicas)]  # every rank makes every group, in one order
-        _REPLICA = Replica(spec, rank % spec.nproc, full[MESH_DIMS], groups[rank // spec.nproc],
-                           cross=full.get_group("replicate"), replica_rank=rank // spec.nproc,
-                           replicas=replicas)
+        full = init_device_mesh(
+            device_type, (replicas, spec.dp_shard, spec.tp), mesh_dim_names=("replicate", *MESH_DIMS)
+        )
+        groups = [
+            dist.new_group(list(range(r * spec.nproc, (r + 1) * spec.nproc))) for r in range(replicas)
+        ]  # every rank makes every group, in one order
+        _REPLICA = Replica(
+            spec,
+            rank % spec.nproc,
+            full[MESH_DIMS],
+            groups[rank // spec.nproc],
+            cross=full.get_group("replicate"),
+            replica_rank=rank // spec.nproc,
+            replicas=replicas,
+        )
         return _REPLICA.mesh
     spec = MeshSpec(dp_shard or 1, tp or 1)
     if spec.nproc != 1:
-        raise ValueError(f"a mesh of {spec.nproc} processes ({spec}) needs as many processes: "
-                         "run the script under torchrun")
+        raise ValueError(
+            f"a mesh of {spec.nproc} processes ({spec}) needs as many processes: run the script under torchrun"
+        )
     if not dist.is_initialized():
         _init_default_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     mesh = init_device_mesh(device_type, (1, 1), mesh_dim_names=MESH_DIMS)
@@ -400,8 +416,9 @@ def _run_store() -> tuple[Any, Any]:
     from maitre.wire import parse_address
 
     host, port = parse_address(os.environ[protocol.STORE])
-    link = StoreLink((host.strip("[]"), port), os.environ.get(protocol.STORE_KEY, ""),
-                     os.environ.get(protocol.TOKEN, ""))
+    link = StoreLink(
+        (host.strip("[]"), port), os.environ.get(protocol.STORE_KEY, ""), os.environ.get(protocol.TOKEN, "")
+    )
     link.check()
     store = dist.TCPStore("127.0.0.1", link.port, is_master=False, timeout=timedelta(seconds=60))
     return link, store

@@ -61,13 +61,19 @@ class ElasticSampler:
         shuffle: ``False`` keeps the natural order (useful for tests and streams).
     """
 
-    def __init__(self, num_samples: int, global_batch_size: int, *, seed: int = 0,
-                 shuffle: bool = True, order: Order | None = None,
-                 source: dict[str, Any] | None = None,
-                 check: Callable[[dict[str, Any]], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        global_batch_size: int,
+        *,
+        seed: int = 0,
+        shuffle: bool = True,
+        order: Order | None = None,
+        source: dict[str, Any] | None = None,
+        check: Callable[[dict[str, Any]], str | None] | None = None,
+    ) -> None:
         if num_samples <= 0:
-            raise ValueError(f"the data set is empty (num_samples {num_samples}): nothing to "
-                             "train on")
+            raise ValueError(f"the data set is empty (num_samples {num_samples}): nothing to train on")
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
         self.num_samples = num_samples
@@ -83,20 +89,25 @@ class ElasticSampler:
         self._order: list[int] = []
 
     @classmethod
-    def of(cls, dataset: Any, global_batch_size: int, *, seed: int = 0,
-           shuffle: bool = True) -> "ElasticSampler":
+    def of(cls, dataset: Any, global_batch_size: int, *, seed: int = 0, shuffle: bool = True) -> "ElasticSampler":
         """The sampler of ``dataset`` (``len(dataset)`` samples): with its own ``order``,
         ``describe`` and ``changes`` where it has them (:class:`maitre.data.TokenShards`)."""
         describe = getattr(dataset, "describe", None)
         if len(dataset) == 0:
             raise ValueError(f"the data set is empty ({dataset!r}): nothing to train on")
         if global_batch_size > len(dataset):
-            raise ValueError(f"the global batch ({global_batch_size}) is larger than the data "
-                             f"set ({len(dataset)} samples)")
-        return cls(len(dataset), global_batch_size, seed=seed, shuffle=shuffle,
-                   order=getattr(dataset, "order", None) if shuffle else None,
-                   source=describe() if describe is not None else None,
-                   check=getattr(dataset, "changes", None))
+            raise ValueError(
+                f"the global batch ({global_batch_size}) is larger than the data set ({len(dataset)} samples)"
+            )
+        return cls(
+            len(dataset),
+            global_batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            order=getattr(dataset, "order", None) if shuffle else None,
+            source=describe() if describe is not None else None,
+            check=getattr(dataset, "changes", None),
+        )
 
     def order(self, data_epoch: int) -> list[int]:
         """The global sample order of one data epoch (cached for the current one)."""
@@ -111,8 +122,7 @@ class ElasticSampler:
         if self._order_fn is not None:
             order = self._order_fn(self.seed, data_epoch)
             if len(order) != self.num_samples:
-                raise ValueError(f"the source's order has {len(order)} samples, not "
-                                 f"{self.num_samples}")
+                raise ValueError(f"the source's order has {len(order)} samples, not {self.num_samples}")
             return order
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_epoch)
         return torch.randperm(self.num_samples, generator=gen).tolist()
@@ -126,12 +136,13 @@ class ElasticSampler:
 
         def walk(epoch: int, cursor: int, order: list[int]) -> Iterator[list[int]]:
             while True:
-                piece = order[cursor:cursor + size()]
+                piece = order[cursor : cursor + size()]
                 yield piece
                 cursor += len(piece)
                 if cursor >= self.num_samples:
                     epoch, cursor = epoch + 1, 0
                     order = self._draw(epoch)
+
         return walk(epoch, cursor, order)
 
     def next_slice(self, rank: int, world_size: int, global_batch_size: int | None = None) -> StepSlice:
@@ -142,7 +153,7 @@ class ElasticSampler:
         if batch <= 0:
             raise ValueError(f"global batch size must be positive, got {batch}")
         order = self.order(self.data_epoch)
-        global_indices = order[self.cursor:self.cursor + batch]
+        global_indices = order[self.cursor : self.cursor + batch]
         lo, hi = share_bounds(len(global_indices), rank, world_size)
         return StepSlice(self.data_epoch, self.cursor, global_indices, global_indices[lo:hi])
 
@@ -151,16 +162,22 @@ class ElasticSampler:
         if (consumed.data_epoch, consumed.cursor) != (self.data_epoch, self.cursor):
             raise RuntimeError(
                 f"advance() of slice at epoch {consumed.data_epoch} cursor {consumed.cursor}, "
-                f"but the sampler is at epoch {self.data_epoch} cursor {self.cursor}")
+                f"but the sampler is at epoch {self.data_epoch} cursor {self.cursor}"
+            )
         self.cursor += consumed.global_count
         if self.cursor >= self.num_samples:
             self.data_epoch += 1
             self.cursor = 0
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"num_samples": self.num_samples, "global_batch_size": self.global_batch_size,
-                 "seed": self.seed, "shuffle": self.shuffle,
-                 "data_epoch": self.data_epoch, "cursor": self.cursor}
+        state = {
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "data_epoch": self.data_epoch,
+            "cursor": self.cursor,
+        }
         if self.source is not None:
             state["source"] = self.source
         return state
@@ -171,12 +188,15 @@ class ElasticSampler:
             if changed:
                 raise ValueError(f"the data changed since this state was saved: {changed}")
         if state["num_samples"] != self.num_samples:
-            raise ValueError(f"sampler state is for a different data set: it was saved with "
-                             f"{state['num_samples']} samples, this one has {self.num_samples}")
+            raise ValueError(
+                f"sampler state is for a different data set: it was saved with "
+                f"{state['num_samples']} samples, this one has {self.num_samples}"
+            )
         if state["seed"] != self.seed or state["shuffle"] != self.shuffle:
             raise ValueError(
                 "sampler state is for a different data set or seed: "
-                f"{ {k: state[k] for k in ('num_samples', 'seed', 'shuffle')} }")
+                f"{ {k: state[k] for k in ('num_samples', 'seed', 'shuffle')} }"
+            )
         self.global_batch_size = int(state["global_batch_size"])
         self.data_epoch = int(state["data_epoch"])
         self.cursor = int(state["cursor"])

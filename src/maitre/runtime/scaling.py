@@ -54,8 +54,7 @@ class _PerRankBatch:
 
     def __post_init__(self) -> None:
         if self.per_rank_batch_size < 1 or self.base_world_size < 1 or self.warmup_steps < 0:
-            raise ValueError("per_rank_batch_size and base_world_size must be >= 1, "
-                             "warmup_steps >= 0")
+            raise ValueError("per_rank_batch_size and base_world_size must be >= 1, warmup_steps >= 0")
 
     def scale(self, ratio: float) -> float:
         raise NotImplementedError

@@ -29,8 +29,7 @@ _TUPLE = "__tuple__"
 _DICT = "__dict__"
 
 
-def encode(tree: Any, originals: list[torch.Tensor] | None = None
-           ) -> tuple[Any, list[torch.Tensor]]:
+def encode(tree: Any, originals: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
     """Split ``tree`` into a JSON-able skeleton and its tensors (in placeholder order; a sharded
     tensor's local shard). ``originals``, if given, receives the tensors as they were in
     ``tree`` (sharded ones as DTensors), in the same order."""
@@ -43,10 +42,13 @@ def encode(tree: Any, originals: list[torch.Tensor] | None = None
             if is_sharded(node):
                 tensors.append(node.to_local())
                 mesh = node.device_mesh
-                return {_DTENSOR: len(tensors) - 1,
-                        "mesh": list(mesh.mesh_dim_names or ()),
-                        "placements": [_placement(p) for p in node.placements],
-                        "shape": list(node.shape), "stride": list(node.stride())}
+                return {
+                    _DTENSOR: len(tensors) - 1,
+                    "mesh": list(mesh.mesh_dim_names or ()),
+                    "placements": [_placement(p) for p in node.placements],
+                    "shape": list(node.shape),
+                    "stride": list(node.stride()),
+                }
             tensors.append(node)
             return {_TENSOR: len(tensors) - 1}
         if node is None or isinstance(node, (bool, int, float, str)):
@@ -71,8 +73,13 @@ def encode(tree: Any, originals: list[torch.Tensor] | None = None
     return walk(tree, ""), tensors
 
 
-def decode(skeleton: Any, tensors: list[torch.Tensor],
-           mesh_of: Callable[[tuple[str, ...]], Any] | None = None, *, whole: bool = False) -> Any:
+def decode(
+    skeleton: Any,
+    tensors: list[torch.Tensor],
+    mesh_of: Callable[[tuple[str, ...]], Any] | None = None,
+    *,
+    whole: bool = False,
+) -> Any:
     """Inverse of :func:`encode`; ``mesh_of(names)`` gives the mesh sharded tensors go on. With
     ``whole``, a sharded tensor's placeholder takes its tensor as given, a plain tensor (a
     checkpoint's whole tensors, for a process without a mesh)."""
@@ -92,13 +99,17 @@ def decode(skeleton: Any, tensors: list[torch.Tensor],
                 if whole:
                     return tensor(node[_DTENSOR])
                 if mesh_of is None:
-                    raise ValueError("the state holds sharded tensors and no mesh was given "
-                                     "to put them on")
+                    raise ValueError("the state holds sharded tensors and no mesh was given to put them on")
                 from torch.distributed.tensor import DTensor
+
                 return DTensor.from_local(
-                    tensor(node[_DTENSOR]), mesh_of(tuple(node["mesh"])),
-                    [_placement_of(p) for p in node["placements"]], run_check=False,
-                    shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
+                    tensor(node[_DTENSOR]),
+                    mesh_of(tuple(node["mesh"])),
+                    [_placement_of(p) for p in node["placements"]],
+                    run_check=False,
+                    shape=torch.Size(node["shape"]),
+                    stride=tuple(node["stride"]),
+                )
             if _TUPLE in node:
                 return tuple(walk(v) for v in node[_TUPLE])
             if _DICT in node:
@@ -139,12 +150,14 @@ def placeholders(skeleton: Any) -> dict[int, tuple[str, dict[str, Any] | None]]:
 def is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     """A DTensor (see :func:`maitre.runtime.replica.is_sharded`)."""
     from maitre.runtime import replica
+
     return replica.is_sharded(t)
 
 
 def _placement(p: Any) -> list[Any]:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
+
     if isinstance(p, _StridedShard):  # FSDP2 over TP: no Shard in torch 2.13, and its split
         return ["strided_shard", p.dim, int(p.split_factor)]  # factor orders the pieces
     if isinstance(p, Shard):
@@ -157,6 +170,7 @@ def _placement(p: Any) -> list[Any]:
 def _placement_of(spec: Any) -> Any:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
+
     if spec == ["replicate"]:
         return Replicate()
     if not isinstance(spec, list) or not all(isinstance(v, int) for v in spec[1:]):

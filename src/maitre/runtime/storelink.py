@@ -76,8 +76,7 @@ class StoreLink:
             # The store's requests are a few small writes each: relayed one by one, Nagle's
             # algorithm would hold each behind the last one's (delayed) acknowledgement.
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._join, args=(conn,), name="maitre-store-link-conn",
-                             daemon=True).start()
+            threading.Thread(target=self._join, args=(conn,), name="maitre-store-link-conn", daemon=True).start()
 
     def _join(self, conn: socket.socket) -> None:
         try:
@@ -85,8 +84,7 @@ class StoreLink:
         except StoreLinkError:
             conn.close()
             return
-        threading.Thread(target=_pipe, args=(up, conn), name="maitre-store-link-pipe",
-                         daemon=True).start()
+        threading.Thread(target=_pipe, args=(up, conn), name="maitre-store-link-pipe", daemon=True).start()
         _pipe(conn, up)
 
     def _open_door(self) -> socket.socket:
@@ -99,13 +97,15 @@ class StoreLink:
             greeting = _line(up)
             if not greeting.startswith(GREETING):
                 raise StoreLinkError(f"{where} is not a maitre store door", refused=bool(greeting))
-            nonce = greeting[len(GREETING):].strip()
+            nonce = greeting[len(GREETING) :].strip()
             response = hmac.new(self._token, nonce, hashlib.sha256).hexdigest()
             up.sendall(f"{self.run_key} {response}\n".encode())
             if _line(up) != b"OK\n":
-                raise StoreLinkError(f"the store door at {where} refused run {self.run_key!r}: "
-                                     "this worker's job token does not match, or the run is over",
-                                     refused=True)
+                raise StoreLinkError(
+                    f"the store door at {where} refused run {self.run_key!r}: "
+                    "this worker's job token does not match, or the run is over",
+                    refused=True,
+                )
         except StoreLinkError:  # (an OSError too: first)
             up.close()
             raise

@@ -114,16 +114,19 @@ class Thresholds:
         for name, (var, kind, low, high) in _RANGES.items():
             value = getattr(self, name)
             typed = isinstance(value, (int, float) if kind is float else int)
-            if not typed or isinstance(value, bool) or not (
-                    math.isfinite(value) and low <= value <= high):
+            if not typed or isinstance(value, bool) or not (math.isfinite(value) and low <= value <= high):
                 raise ValueError(f"{var}={value!r}: out of range [{low}, {high}]")
         if self.policy not in STRAGGLER_POLICIES:
-            raise ValueError(f"{protocol.STRAGGLER_POLICY}={self.policy!r}: no such policy; "
-                             f"the policies are {', '.join(STRAGGLER_POLICIES)}")
+            raise ValueError(
+                f"{protocol.STRAGGLER_POLICY}={self.policy!r}: no such policy; "
+                f"the policies are {', '.join(STRAGGLER_POLICIES)}"
+            )
         if self.drift > self.ratio:
-            raise ValueError(f"{protocol.STRAGGLER_DRIFT}={self.drift} is above "
-                             f"{protocol.STRAGGLER_RATIO}={self.ratio}: the onset would come after "
-                             f"the verdict")
+            raise ValueError(
+                f"{protocol.STRAGGLER_DRIFT}={self.drift} is above "
+                f"{protocol.STRAGGLER_RATIO}={self.ratio}: the onset would come after "
+                f"the verdict"
+            )
         if self.min_ranks < 3:
             raise ValueError(f"min_ranks={self.min_ranks}: a median needs three ranks or more")
 
@@ -139,8 +142,7 @@ class Thresholds:
                 try:
                     given[name] = kind(text)
                 except ValueError:
-                    raise ValueError(f"{var}={text!r}: not "
-                                     f"{'an integer' if kind is int else 'a number'}") from None
+                    raise ValueError(f"{var}={text!r}: not {'an integer' if kind is int else 'a number'}") from None
         policy = env.get(protocol.STRAGGLER_POLICY, "").strip()
         if policy:
             given["policy"] = policy
@@ -166,9 +168,11 @@ class Injected:
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> "Injected":
         """ValueError naming the variable for a value that does not parse or is out of range."""
-        return cls(slow=_slow_rank(env.get(protocol.SLOW_RANK, "")),
-                   node=_slow_factor(env.get(protocol.SLOW_FACTOR, "")),
-                   jitter=_jitter(env.get(protocol.STEP_JITTER, "")))
+        return cls(
+            slow=_slow_rank(env.get(protocol.SLOW_RANK, "")),
+            node=_slow_factor(env.get(protocol.SLOW_FACTOR, "")),
+            jitter=_jitter(env.get(protocol.STEP_JITTER, "")),
+        )
 
     def pause(self, rank: int, step: int, took_s: float) -> float:
         """Seconds rank ``rank`` sleeps at step ``step`` whose compute took ``took_s``."""
@@ -189,17 +193,19 @@ def _slow_rank(text: str) -> tuple[int, float, int] | None:
         parsed = int(rank), float(factor), int(step) if step else 1
     except ValueError:
         parsed = None
-    if not sep or parsed is None or parsed[0] < 0 or not 0 <= parsed[1] <= 1000 \
-            or parsed[2] < 1:
-        raise ValueError(f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR[:STEP] (a rank "
-                         f">= 0, a factor in [0, 1000], a step >= 1), e.g. 1:0.5 or 1:0.5:40")
+    if not sep or parsed is None or parsed[0] < 0 or not 0 <= parsed[1] <= 1000 or parsed[2] < 1:
+        raise ValueError(
+            f"{protocol.SLOW_RANK}={text!r}: expected RANK:FACTOR[:STEP] (a rank "
+            f">= 0, a factor in [0, 1000], a step >= 1), e.g. 1:0.5 or 1:0.5:40"
+        )
     return parsed
 
 
 def _slow_factor(text: str) -> float:
     """``MAITRE_SLOW_FACTOR``: ``FACTOR`` (0.0 when unset)."""
-    return _number(protocol.SLOW_FACTOR, text, 1000,
-                   "a factor in [0, 1000], e.g. 1.0 (each step's compute takes twice as long)")
+    return _number(
+        protocol.SLOW_FACTOR, text, 1000, "a factor in [0, 1000], e.g. 1.0 (each step's compute takes twice as long)"
+    )
 
 
 def _jitter(text: str) -> float:
@@ -220,12 +226,19 @@ def _number(var: str, text: str, high: float, expected: str) -> float:
     return value
 
 
-_VARIABLES = {"window": protocol.STRAGGLER_WINDOW, "ratio": protocol.STRAGGLER_RATIO,
-              "z": protocol.STRAGGLER_Z, "windows": protocol.STRAGGLER_WINDOWS,
-              "mad_floor": protocol.STRAGGLER_MAD_FLOOR, "drift": protocol.STRAGGLER_DRIFT}
+_VARIABLES = {
+    "window": protocol.STRAGGLER_WINDOW,
+    "ratio": protocol.STRAGGLER_RATIO,
+    "z": protocol.STRAGGLER_Z,
+    "windows": protocol.STRAGGLER_WINDOWS,
+    "mad_floor": protocol.STRAGGLER_MAD_FLOOR,
+    "drift": protocol.STRAGGLER_DRIFT,
+}
 _RANGES: dict[str, tuple[str, type, float, float]] = {
     # field: (its variable, type, lowest, highest), the manifest's limits
-    name: (_VARIABLES[name], kind, low, high) for name, (kind, low, high) in STRAGGLER_LIMITS.items()}
+    name: (_VARIABLES[name], kind, low, high)
+    for name, (kind, low, high) in STRAGGLER_LIMITS.items()
+}
 
 
 def lower_quartile(values: list[float]) -> float:
@@ -263,8 +276,7 @@ class Window:
         if not values:
             return 0.0, 0.0, 0.0
         full = len(self.recent) == self.recent.maxlen
-        return (lower_quartile(values), lower_quartile(list(self.recent)) if full else 0.0,
-                statistics.median(works))
+        return (lower_quartile(values), lower_quartile(list(self.recent)) if full else 0.0, statistics.median(works))
 
     def restart(self) -> None:
         """A new group: the steps so far ran among other ranks."""
@@ -293,12 +305,23 @@ class Verdict:
     """The newest windows' numbers: ``{step, value, share, median, ratio, held, z, cusum}``."""
 
     def report(self, thresholds: Thresholds) -> dict[str, Any]:
-        return {"kind": "straggler", "rank": self.rank, "straggler": self.key,
-                "ratio": self.ratio, "since_step": self.since_step, "step": self.step,
-                "windows": self.windows, "evidence": self.evidence,
-                "policy": thresholds.policy,
-                "thresholds": {"window": thresholds.window, "ratio": thresholds.ratio,
-                               "z": thresholds.z, "windows": thresholds.windows}}
+        return {
+            "kind": "straggler",
+            "rank": self.rank,
+            "straggler": self.key,
+            "ratio": self.ratio,
+            "since_step": self.since_step,
+            "step": self.step,
+            "windows": self.windows,
+            "evidence": self.evidence,
+            "policy": thresholds.policy,
+            "thresholds": {
+                "window": thresholds.window,
+                "ratio": thresholds.ratio,
+                "z": thresholds.z,
+                "windows": thresholds.windows,
+            },
+        }
 
 
 @dataclass(slots=True)
@@ -345,9 +368,15 @@ class Detector:
         self.t = thresholds or Thresholds()
         self._ranks: dict[str, _Rank] = {}
 
-    def observe(self, first_step: int, last_step: int, values: list[float],
-                keys: list[str] | None = None, works: list[float] | None = None,
-                held: list[float] | None = None) -> list[Verdict]:
+    def observe(
+        self,
+        first_step: int,
+        last_step: int,
+        values: list[float],
+        keys: list[str] | None = None,
+        works: list[float] | None = None,
+        held: list[float] | None = None,
+    ) -> list[Verdict]:
         """One window (steps ``first_step..last_step``): ``values[r]`` is slot ``r``'s compute
         per unit of work over it (0 or less: no work in it, left out), ``works[r]`` its work
         per step (None: shares not corrected for), ``held[r]`` its held value, over the last
@@ -362,8 +391,7 @@ class Detector:
         for r, v in seen.items():
             states[r].recent = (states[r].recent + [v])[-n:]
         if held is None:
-            kept = {r: lower_quartile(states[r].recent) for r in seen
-                    if len(states[r].recent) == n}
+            kept = {r: lower_quartile(states[r].recent) for r in seen if len(states[r].recent) == n}
         else:
             kept = {r: held[r] for r in seen if held[r] > 0 and math.isfinite(held[r])}
         by_work = dict(enumerate(works)) if works is not None else {}
@@ -378,10 +406,21 @@ class Detector:
                 st.onset = 0  # its run of slow windows, if any, ended
             elif not st.onset and ratio >= self.t.drift:
                 st.onset = first_step  # the change point: a run of slow windows begins
-            st.evidence = (st.evidence + [{
-                "step": last_step, "value": v, "share": round(share[r], 4), "median": med,
-                "ratio": round(ratio, 4), "held": 0.0, "z": 0.0,
-                "cusum": round(st.cusum, 4)}])[-max(n, _EVIDENCE):]
+            st.evidence = (
+                st.evidence
+                + [
+                    {
+                        "step": last_step,
+                        "value": v,
+                        "share": round(share[r], 4),
+                        "median": med,
+                        "ratio": round(ratio, 4),
+                        "held": 0.0,
+                        "z": 0.0,
+                        "cusum": round(st.cusum, 4),
+                    }
+                ]
+            )[-max(n, _EVIDENCE) :]
         # Held: each rank's pace over its last window * windows steps against the median of
         # the ranks' held paces: a rank is slow when it is slower than the others by ``ratio``
         # at three quarters of those steps.
@@ -402,10 +441,17 @@ class Detector:
             st.evidence[-1].update(held=round(h_ratio, 4), z=round(z, 3))
             if h_ratio >= self.t.ratio and z >= self.t.z and not st.flagged:
                 st.flagged = True
-                verdicts.append(Verdict(rank=r, key=keys[r], ratio=round(h_ratio, 4),
-                                        since_step=st.onset or first_step, step=last_step,
-                                        windows=n,
-                                        evidence=list(st.evidence)))
+                verdicts.append(
+                    Verdict(
+                        rank=r,
+                        key=keys[r],
+                        ratio=round(h_ratio, 4),
+                        since_step=st.onset or first_step,
+                        step=last_step,
+                        windows=n,
+                        evidence=list(st.evidence),
+                    )
+                )
             elif st.flagged and h_ratio < self.t.drift:
                 st.flagged = False  # recovered: a new slowdown is a new verdict, with its own
                 st.cusum = 0.0  # onset

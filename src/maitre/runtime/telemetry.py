@@ -52,8 +52,9 @@ class ProgressMeter:
         """Count again from the next step (this process is no longer rank 0, or is again)."""
         self._since = None
 
-    def committed(self, now: float, step: int, samples: int, loss: float | None,
-                  world_size: int) -> dict[str, Any] | None:
+    def committed(
+        self, now: float, step: int, samples: int, loss: float | None, world_size: int
+    ) -> dict[str, Any] | None:
         """A step committed at ``now``; returns a progress report when one is due."""
         if self._since is None:  # the window opens at a commit: no start-up in the rate
             self._since, self._steps, self._samples = now, 0, 0
@@ -63,33 +64,42 @@ class ProgressMeter:
         elapsed = now - self._since
         if elapsed < self.every_s:
             return None
-        report = {"kind": "progress", "step": step,
-                  "loss": loss if loss is not None and math.isfinite(loss) else None,
-                  "world_size": world_size, "steps_per_s": self._steps / elapsed,
-                  "samples_per_s": self._samples / elapsed}
+        report = {
+            "kind": "progress",
+            "step": step,
+            "loss": loss if loss is not None and math.isfinite(loss) else None,
+            "world_size": world_size,
+            "steps_per_s": self._steps / elapsed,
+            "samples_per_s": self._samples / elapsed,
+        }
         self._since, self._steps, self._samples = now, 0, 0
         return report
 
 
 def checkpoint_report(result: SaveResult) -> dict[str, Any]:
     """The committer's result of a save, as the coordinator takes it."""
-    return {"kind": "checkpoint", "step": result.step, "world_size": result.world_size,
-            "snapshot_s": result.block_s, "persist_s": result.persist_s,
-            "bytes": result.total_bytes, "interval_steps": result.interval_steps,
-            "interval_s": result.interval_s, "ok": result.error is None and result.path is not None,
-            "error": None if result.error is None else result.error[:2000]}
+    return {
+        "kind": "checkpoint",
+        "step": result.step,
+        "world_size": result.world_size,
+        "snapshot_s": result.block_s,
+        "persist_s": result.persist_s,
+        "bytes": result.total_bytes,
+        "interval_steps": result.interval_steps,
+        "interval_s": result.interval_s,
+        "ok": result.error is None and result.path is not None,
+        "error": None if result.error is None else result.error[:2000],
+    }
 
 
 def restore_report(loaded: Loaded, seconds: float) -> dict[str, Any]:
-    return {"kind": "restore", "step": loaded.step, "source": "disk", "seconds": seconds,
-            "bytes": loaded.nbytes}
+    return {"kind": "restore", "step": loaded.step, "source": "disk", "seconds": seconds, "bytes": loaded.nbytes}
 
 
 class Reporter:
     """Posts reports to the coordinator on a background thread (see the module docstring)."""
 
-    def __init__(self, client: Client, worker_id: str,
-                 on_error: Callable[[str], None] | None = None) -> None:
+    def __init__(self, client: Client, worker_id: str, on_error: Callable[[str], None] | None = None) -> None:
         self._client = client
         self._path = protocol.WORKER_REPORT.format(worker=worker_id)
         self._on_error = on_error
@@ -126,8 +136,7 @@ class Reporter:
     def flush(self, timeout_s: float = _POST_TIMEOUT_S) -> bool:
         """Wait (at most ``timeout_s``) until every queued report went out; False if not."""
         with self._cv:
-            return self._cv.wait_for(lambda: not (self._queue or self._progress or self._posting),
-                                     timeout_s)
+            return self._cv.wait_for(lambda: not (self._queue or self._progress or self._posting), timeout_s)
 
     def close(self, timeout_s: float = _POST_TIMEOUT_S) -> None:
         """Send what is queued (within ``timeout_s``), then stop the thread."""
@@ -142,8 +151,7 @@ class Reporter:
 
     def _wake(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="maitre-reporter",
-                                            daemon=True)
+            self._thread = threading.Thread(target=self._run, name="maitre-reporter", daemon=True)
             self._thread.start()
         self._cv.notify_all()
 

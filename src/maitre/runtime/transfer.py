@@ -45,8 +45,9 @@ def sync_steps(group: EpochGroup, step: int) -> list[int]:
     return steps.tolist()
 
 
-def broadcast_state(group: EpochGroup, tree: Any | None, src: int,
-                    mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> tuple[Any, int]:
+def broadcast_state(
+    group: EpochGroup, tree: Any | None, src: int, mesh_of: Callable[[tuple[str, ...]], Any] | None = None
+) -> tuple[Any, int]:
     """Send ``tree`` from rank ``src`` to every member; returns (tree, payload bytes).
 
     On the source, ``tree`` is the state to send; elsewhere it is ignored and the received
@@ -68,8 +69,9 @@ class Packed:
     that only the optimizer's step changes); :meth:`copy_lazy` copies those, on any thread,
     before that step."""
 
-    def __init__(self, header: bytes, flats: list[torch.Tensor],
-                 pending: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(
+        self, header: bytes, flats: list[torch.Tensor], pending: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
         self.header = header
         self.flats = flats
         self._pending = pending
@@ -86,7 +88,7 @@ class Packed:
             flat = torch.empty(sum(t.numel() for t in parts), dtype=_DTYPES[dtype], device=device)
             offset = 0
             for t in parts:
-                slot = flat[offset:offset + t.numel()].view(t.shape)
+                slot = flat[offset : offset + t.numel()].view(t.shape)
                 offset += t.numel()
                 if t.numel() and t.device == device and t.data_ptr() in lazy:
                     pending.append((slot, t))
@@ -112,8 +114,7 @@ class Packed:
 
     def send_header(self, group: EpochGroup, src: int) -> None:
         header = torch.frombuffer(bytearray(self.header), dtype=torch.uint8).to(group.device)
-        group.broadcast(torch.tensor([len(self.header)], dtype=torch.int64, device=group.device),
-                        src)
+        group.broadcast(torch.tensor([len(self.header)], dtype=torch.int64, device=group.device), src)
         group.broadcast(header, src)
 
     def send_flats(self, group: EpochGroup, src: int) -> None:
@@ -142,9 +143,10 @@ def receive_header(group: EpochGroup, src: int) -> dict[str, Any]:
 def allocate(meta: dict[str, Any], device: torch.device) -> list[torch.Tensor]:
     """The flat buffers a header announces, touched: the bytes then land in memory that is
     mapped already (fresh pages cost a fault each: a third of the transfer's time on CPU)."""
-    return [torch.empty(sum(_numel(meta["tensors"][i][1]) for i in indices),
-                        dtype=_DTYPES[dtype], device=device).zero_()
-            for dtype, indices in _by_dtype(meta["tensors"])]
+    return [
+        torch.empty(sum(_numel(meta["tensors"][i][1]) for i in indices), dtype=_DTYPES[dtype], device=device).zero_()
+        for dtype, indices in _by_dtype(meta["tensors"])
+    ]
 
 
 def receive_flats(group: EpochGroup, src: int, flats: list[torch.Tensor]) -> None:
@@ -156,8 +158,9 @@ def payload(meta: dict[str, Any], flats: list[torch.Tensor]) -> int:
     return meta["header_bytes"] + sum(f.numel() * f.element_size() for f in flats)
 
 
-def unpack(meta: dict[str, Any], flats: list[torch.Tensor],
-           mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> Any:
+def unpack(
+    meta: dict[str, Any], flats: list[torch.Tensor], mesh_of: Callable[[tuple[str, ...]], Any] | None = None
+) -> Any:
     """The state tree of a received header and its flat buffers (views into them)."""
     specs = meta["tensors"]
     received: list[torch.Tensor | None] = [None] * len(specs)
@@ -175,8 +178,14 @@ class Sender:
     ``abandon`` is polled while it waits: a reason once the epoch is over (a peer failed, the
     job resized) makes it give up, and the snapshot is freed."""
 
-    def __init__(self, store: dist.Store, prefixes: list[str], packed: Packed,
-                 device: torch.device, abandon: Callable[[], str | None]) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        prefixes: list[str],
+        packed: Packed,
+        device: torch.device,
+        abandon: Callable[[], str | None],
+    ) -> None:
         self.copied = threading.Event()
         """Set once the snapshot no longer reads the live state (see :meth:`Packed.copy_lazy`)."""
         self.done = threading.Event()
@@ -193,8 +202,7 @@ class Sender:
         # The copy runs beside the pair's group build and the header, so the listener
         # allocates its buffers while it runs; and the loop's wait for it never hangs on a
         # listener that does not come.
-        copier = threading.Thread(target=self._copy, args=(packed,), daemon=True,
-                                  name="maitre-state-copy")
+        copier = threading.Thread(target=self._copy, args=(packed,), daemon=True, name="maitre-state-copy")
         copier.start()
         try:
             for prefix in prefixes:
@@ -227,20 +235,19 @@ class Receiver:
     """The listener's side of :class:`Sender`: receives the snapshot on a thread. Once
     :attr:`done`, :attr:`result` holds (header, flat buffers, bytes) or :attr:`error` why not."""
 
-    def __init__(self, store: dist.Store, prefix: str, device: torch.device,
-                 abandon: Callable[[], str | None]) -> None:
+    def __init__(self, store: dist.Store, prefix: str, device: torch.device, abandon: Callable[[], str | None]) -> None:
         self.done = threading.Event()
         self.result: tuple[dict[str, Any], list[torch.Tensor], int] | None = None
         self.error: str | None = None
         self.seconds = 0.0
         """How long the bytes took once the buffers were ready (includes waiting for the
         source's copy, when it is slower than the allocation)."""
-        self._thread = threading.Thread(target=self._run, args=(store, prefix, device, abandon),
-                                        name="maitre-state-receive", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(store, prefix, device, abandon), name="maitre-state-receive", daemon=True
+        )
         self._thread.start()
 
-    def _run(self, store: dist.Store, prefix: str, device: torch.device,
-             abandon: Callable[[], str | None]) -> None:
+    def _run(self, store: dist.Store, prefix: str, device: torch.device, abandon: Callable[[], str | None]) -> None:
         try:
             pair = EpochGroup.create(store, prefix, 1, 2, device, abandon)
             try:

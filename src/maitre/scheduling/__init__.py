@@ -6,5 +6,19 @@ from maitre.scheduling.model import Cluster, Job, Node, Queue, Topology
 from maitre.scheduling.policy import Action, Plan, PolicyConfig, place, schedule
 from maitre.scheduling.spec import JobManifest, ManifestError, parse_manifest
 
-__all__ = ["Action", "Cluster", "Job", "JobManifest", "JobState", "ManifestError", "Node", "Plan",
-           "PolicyConfig", "Queue", "Topology", "parse_manifest", "place", "schedule"]
+__all__ = [
+    "Action",
+    "Cluster",
+    "Job",
+    "JobManifest",
+    "JobState",
+    "ManifestError",
+    "Node",
+    "Plan",
+    "PolicyConfig",
+    "Queue",
+    "Topology",
+    "parse_manifest",
+    "place",
+    "schedule",
+]

@@ -63,8 +63,7 @@ def leavers(replicas: Iterable[Replica], old: dict[str, int], new: dict[str, int
         drop = count - new.get(node, 0)
         if drop <= 0:
             continue
-        here = sorted(by_node.get(node, []),
-                      key=lambda r: (r.member, -(-1 if r.rank is None else r.rank)))
+        here = sorted(by_node.get(node, []), key=lambda r: (r.member, -(-1 if r.rank is None else r.rank)))
         out += [r.id for r in here[:drop]]
     return out
 
@@ -72,5 +71,4 @@ def leavers(replicas: Iterable[Replica], old: dict[str, int], new: dict[str, int
 def free_slot(used: set[int], slots: int, per_worker: int) -> int | None:
     """The first slot of a node of ``slots`` from which ``per_worker`` consecutive slots are all
     free (a worker of several GPUs holds a contiguous run of them), or None."""
-    return next((s for s in range(0, slots - per_worker + 1)
-                 if not used.intersection(range(s, s + per_worker))), None)
+    return next((s for s in range(0, slots - per_worker + 1) if not used.intersection(range(s, s + per_worker))), None)

@@ -93,8 +93,9 @@ class Job:
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"job {self.id}: need 1 <= minReplicas <= maxReplicas, got "
-                             f"{self.min_replicas} and {self.max_replicas}")
+            raise ValueError(
+                f"job {self.id}: need 1 <= minReplicas <= maxReplicas, got {self.min_replicas} and {self.max_replicas}"
+            )
         if self.slots_per_replica < 1:
             raise ValueError(f"job {self.id}: gpusPerReplica must be >= 1")
 

@@ -104,8 +104,7 @@ class FreeSlots:
         self.nodes = cluster.nodes
         self.avail = {n: node.slots - used.get(n, 0) for n, node in cluster.nodes.items()}
         self.total = sum(self.avail.values())
-        self.reserved = {n: node.reserved_for for n, node in cluster.nodes.items()
-                         if node.reserved_for}
+        self.reserved = {n: node.reserved_for for n, node in cluster.nodes.items() if node.reserved_for}
         """Nodes that take one job's workers only (see ``Node.reserved_for``)."""
         self.members: dict[str, dict[str, list[str]]] = {lvl: {} for lvl in ("rack", "block")}
         self.sums: dict[str, dict[str, int]] = {lvl: {} for lvl in ("rack", "block")}
@@ -145,8 +144,7 @@ def _domain(node: Node, level: str) -> str:
     return node.rack or node.name
 
 
-def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | None = None
-          ) -> dict[str, int] | None:
+def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | None = None) -> dict[str, int] | None:
     """Where ``replicas`` more replicas of ``job`` go in ``free`` (None: they do not fit)."""
     if replicas <= 0:
         return {}
@@ -164,40 +162,43 @@ def place(job: Job, replicas: int, free: FreeSlots, prefer: dict[str, int] | Non
         return free.avail[name] // g
 
     if topo.level == "node":  # all replicas on one node
-        best = min((n for n in free.avail if fits(n) >= replicas),
-                   key=lambda n: (n not in prefer, fits(n), n), default=None)
+        best = min(
+            (n for n in free.avail if fits(n) >= replicas), key=lambda n: (n not in prefer, fits(n), n), default=None
+        )
         if best is not None:
             return {best: replicas}
         if topo.mode == "required":
             return None
-        return _spread(sorted(free.avail, key=lambda n: (n not in prefer, -fits(n), n)),
-                       replicas, fits)
+        return _spread(sorted(free.avail, key=lambda n: (n not in prefer, -fits(n), n)), replicas, fits)
     level = topo.level
     sums = free.sums[level]
     current = {_domain(free.nodes[n], level) for n in prefer}
     # Domains whose free slots could hold the replicas (an upper bound: per-node remainders
     # smaller than a replica do not count), tightest first; the job's own domains first.
-    candidates = sorted((d for d, s in sums.items() if s >= replicas * g),
-                        key=lambda d: (d not in current, sums[d], d))
+    candidates = sorted((d for d, s in sums.items() if s >= replicas * g), key=lambda d: (d not in current, sums[d], d))
     for d in candidates:
         names = free.members[level][d]
         if sum(fits(n) for n in names) < replicas:
             continue
         # A new job takes the tightest node that fits (keeps room whole for gangs); a growing
         # job its own nodes, else the roomiest, where its next replicas can join it.
-        one = min((n for n in names if fits(n) >= replicas),
-                  key=lambda n: (n not in prefer, -fits(n) if prefer else fits(n), n),
-                  default=None)
+        one = min(
+            (n for n in names if fits(n) >= replicas),
+            key=lambda n: (n not in prefer, -fits(n) if prefer else fits(n), n),
+            default=None,
+        )
         if one is not None:
             return {one: replicas}
         return _spread(sorted(names, key=lambda n: (n not in prefer, -fits(n), n)), replicas, fits)
     if topo.mode == "required":
         return None
     # Only nodes with room can take a replica: in a full cluster that is a few of thousands.
-    domains = sorted((d for d, s in sums.items() if s >= g), key=lambda d: (d not in current,
-                                                                             -sums[d], d))
-    order = [n for d in domains for n in sorted((n for n in free.members[level][d] if fits(n)),
-                                                key=lambda n: (n not in prefer, -fits(n), n))]
+    domains = sorted((d for d, s in sums.items() if s >= g), key=lambda d: (d not in current, -sums[d], d))
+    order = [
+        n
+        for d in domains
+        for n in sorted((n for n in free.members[level][d] if fits(n)), key=lambda n: (n not in prefer, -fits(n), n))
+    ]
     return _spread(order, replicas, fits)
 
 
@@ -214,8 +215,7 @@ def _spread(order: list[str], replicas: int, fits: Callable[[str], int]) -> dict
     return None
 
 
-def schedule(cluster: Cluster, jobs: list[Job], now: float,
-             cfg: PolicyConfig | None = None) -> Plan:
+def schedule(cluster: Cluster, jobs: list[Job], now: float, cfg: PolicyConfig | None = None) -> Plan:
     """One scheduling pass (see the module docstring)."""
     cfg = cfg or PolicyConfig()
     by_id = {j.id: j for j in jobs}
@@ -242,10 +242,8 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
         return usage[j.queue] / cluster.queues[j.queue].weight
 
     # 1-2. admission, with preemption for jobs that do not fit
-    running = sorted((j for j in jobs if j.state.placed),
-                     key=lambda v: (v.priority, -v.submitted_at, v.id))
-    pending = sorted((j for j in jobs if j.state.waiting),
-                     key=lambda j: (-j.priority, share(j), j.submitted_at, j.id))
+    running = sorted((j for j in jobs if j.state.placed), key=lambda v: (v.priority, -v.submitted_at, v.id))
+    pending = sorted((j for j in jobs if j.state.waiting), key=lambda j: (-j.priority, share(j), j.submitted_at, j.id))
     for j in pending:
         need = j.min_replicas * j.slots_per_replica
         if usage[j.queue] + need > cluster.queues[j.queue].ceiling:
@@ -259,8 +257,7 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             admitted[j.id] = Action("admit", j.id, where)
             plan.actions.append(admitted[j.id])
             continue
-        found = _preemption(j, running, by_id, cluster, free, usage, target, touched,
-                            cfg.reclaim_surplus)
+        found = _preemption(j, running, by_id, cluster, free, usage, target, touched, cfg.reclaim_surplus)
         if found is None:
             continue
         victims, where = found
@@ -272,8 +269,9 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
             target[v.id] = new
             touched.add(v.id)
             plan.actions.append(Action(kind, v.id, new, reason=f"preempted by {j.id}"))
-        plan.actions.append(Action("preempting", j.id, where, reason="waits for " + ", ".join(
-            v.id for v, _ in victims)))
+        plan.actions.append(
+            Action("preempting", j.id, where, reason="waits for " + ", ".join(v.id for v, _ in victims))
+        )
 
     # 3. elastic fill by marginal gain
     curves: dict[str, Speedup] = {}
@@ -342,10 +340,17 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float,
     return plan
 
 
-def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Cluster,
-                free: FreeSlots, usage: dict[str, int], target: dict[str, dict[str, int]],
-                touched: set[str], reclaim_surplus: bool = True
-                ) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
+def _preemption(
+    j: Job,
+    running: list[Job],
+    by_id: dict[str, Job],
+    cluster: Cluster,
+    free: FreeSlots,
+    usage: dict[str, int],
+    target: dict[str, dict[str, int]],
+    touched: set[str],
+    reclaim_surplus: bool = True,
+) -> tuple[list[tuple[Job, dict[str, int]]], dict[str, int]] | None:
     """Victims (with their new placements; empty = suspend) that let ``j``'s minimum fit, and
     where it will go then; None if no admissible set of victims would make it fit. ``running``
     is in the order victims are chosen: lowest priority first, then the youngest."""
@@ -375,8 +380,11 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
         if v.preemptible or v.elastic:
             keep = 0 if v.preemptible and not peer(v) else v.min_replicas * v.slots_per_replica
             takeable[v.queue] += sum(target[v.id].values()) * v.slots_per_replica - keep
-    if free.total + sum(min(t, max((room(v) for v in candidates if v.queue == q), default=0))
-                        for q, t in takeable.items()) < need:
+    if (
+        free.total
+        + sum(min(t, max((room(v) for v in candidates if v.queue == q), default=0)) for q, t in takeable.items())
+        < need
+    ):
         return None
     trial = free.copy()
     taken = {q: 0 for q in cluster.queues}
@@ -387,8 +395,7 @@ def _preemption(j: Job, running: list[Job], by_id: dict[str, Job], cluster: Clus
     rank = {v.id: i for i, v in enumerate(candidates)}
 
     def shrinkable(v: Job) -> bool:
-        return (sum(current[v.id].values()) > v.min_replicas
-                and taken[v.queue] + v.slots_per_replica <= room(v))
+        return sum(current[v.id].values()) > v.min_replicas and taken[v.queue] + v.slots_per_replica <= room(v)
 
     while True:
         left = [v for v in candidates if v.id in current and shrinkable(v)]
@@ -437,13 +444,19 @@ def _drop_one(placement: dict[str, int]) -> str:
     return node
 
 
-def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[str],
-               now: float, cfg: PolicyConfig, plan: Plan,
-               speedup: Callable[[Job, int], float]) -> None:
+def _rebalance(
+    jobs: list[Job],
+    target: dict[str, dict[str, int]],
+    touched: set[str],
+    now: float,
+    cfg: PolicyConfig,
+    plan: Plan,
+    speedup: Callable[[Job, int], float],
+) -> None:
     """Shrink the peers that lose least so that the peers that gain most can grow (step 4)."""
+
     def settled(j: Job) -> bool:
-        return (j.state.placed and j.elastic and j.id not in touched
-                and now - j.last_resize_at >= cfg.resize_cooldown_s)
+        return j.state.placed and j.elastic and j.id not in touched and now - j.last_resize_at >= cfg.resize_cooldown_s
 
     groups: dict[tuple[str, int], list[Job]] = {}
     for j in jobs:
@@ -453,8 +466,13 @@ def _rebalance(jobs: list[Job], target: dict[str, dict[str, int]], touched: set[
         _rebalance_peers(peers, target, cfg, plan, speedup)
 
 
-def _rebalance_peers(peers: list[Job], target: dict[str, dict[str, int]], cfg: PolicyConfig,
-                     plan: Plan, speedup: Callable[[Job, int], float]) -> None:
+def _rebalance_peers(
+    peers: list[Job],
+    target: dict[str, dict[str, int]],
+    cfg: PolicyConfig,
+    plan: Plan,
+    speedup: Callable[[Job, int], float],
+) -> None:
     size = {j.id: sum(target[j.id].values()) for j in peers}
     weight = {j.id: _las_weight(j, cfg) for j in peers}
 
@@ -472,8 +490,7 @@ def _rebalance_peers(peers: list[Job], target: dict[str, dict[str, int]], cfg: P
         if not takers or not givers:
             break
         t = max(takers, key=lambda j: (gain(j), -j.submitted_at))
-        g = min((j for j in givers if j.id != t.id), key=lambda j: (loss(j), -j.submitted_at),
-                default=None)
+        g = min((j for j in givers if j.id != t.id), key=lambda j: (loss(j), -j.submitted_at), default=None)
         if g is None:
             break
         if gain(t) - loss(g) < cfg.rebalance_gain or g.slots_per_replica != t.slots_per_replica:
@@ -484,5 +501,6 @@ def _rebalance_peers(peers: list[Job], target: dict[str, dict[str, int]], cfg: P
         given[g.id] = given.get(g.id, 0) + 1
         _drop_one(target[g.id])
     for gid, k in sorted(given.items()):
-        plan.actions.append(Action("shrink", gid, dict(target[gid]),
-                                   reason=f"rebalance: {k} replica(s) to peers that gain more"))
+        plan.actions.append(
+            Action("shrink", gid, dict(target[gid]), reason=f"rebalance: {k} replica(s) to peers that gain more")
+        )

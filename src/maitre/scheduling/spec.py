@@ -29,8 +29,7 @@ import re
 import shlex
 from typing import Any, Literal, get_args
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo,
-                      field_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
@@ -56,9 +55,15 @@ def _problem(text: str) -> PydanticCustomError:
 
 
 class _Fields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, alias_generator=to_camel,
-                              field_title_generator=lambda name, f: f.alias or to_camel(name),
-                              use_attribute_docstrings=True, defer_build=True)
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        frozen=True,
+        alias_generator=to_camel,
+        field_title_generator=lambda name, f: f.alias or to_camel(name),
+        use_attribute_docstrings=True,
+        defer_build=True,
+    )
     # defer_build: built when first used (maitre.protocol, which every process imports, names
     # the model for the API's schema only)
 
@@ -97,16 +102,23 @@ class StragglerSpec(_Fields):
     the slow rank's replica leaves at a step boundary, its node is avoided until its health
     check passes or ``cooldownSeconds`` end, and a spare or a free slot takes its place; off: no
     timing shared."""
-    window: int = _limit("window", 5, "Steps per window: the ranks share their numbers at its "
-                         "last step.")
-    ratio: float = _limit("ratio", 1.3, "A rank's held pace (the lower quartile of its compute "
-                          "per sample over window * windows steps) over the ranks' median that "
-                          "flags it.")
+    window: int = _limit("window", 5, "Steps per window: the ranks share their numbers at its last step.")
+    ratio: float = _limit(
+        "ratio",
+        1.3,
+        "A rank's held pace (the lower quartile of its compute "
+        "per sample over window * windows steps) over the ranks' median that "
+        "flags it.",
+    )
     z: float = _limit("z", 3.0, "The robust z score of its held pace (the other ranks' MAD).")
     windows: int = _limit("windows", 3, "Windows its held pace spans (window * windows steps).")
     mad_floor: float = _limit("mad_floor", 0.05, "The MAD's floor, a fraction of the median.")
-    drift: float = _limit("drift", 1.15, "A window's ratio from which the onset counts, and the "
-                          "held ratio under which a flagged rank has recovered; at most `ratio`.")
+    drift: float = _limit(
+        "drift",
+        1.15,
+        "A window's ratio from which the onset counts, and the "
+        "held ratio under which a flagged rank has recovered; at most `ratio`.",
+    )
     cooldown_s: float = Field(600.0, ge=0, le=7 * 86400, alias="cooldownSeconds")
     """evict: how long the slow rank's node is avoided unless its health check passes first."""
 
@@ -115,8 +127,9 @@ class StragglerSpec(_Fields):
     def _drift_below_ratio(cls, drift: float, info: ValidationInfo) -> float:
         ratio = info.data.get("ratio")
         if ratio is not None and drift > ratio:
-            raise _problem(f"stragglers.drift {drift} is above stragglers.ratio {ratio}: the onset "
-                           "would come after the verdict")
+            raise _problem(
+                f"stragglers.drift {drift} is above stragglers.ratio {ratio}: the onset would come after the verdict"
+            )
         return drift
 
 
@@ -170,8 +183,10 @@ class JobManifest(_Fields):
     @classmethod
     def _name(cls, name: str) -> str:
         if not re.fullmatch(_NAME, name):
-            raise _problem(f"name {name!r} must be 1-63 lowercase letters, digits or '-', "
-                           "starting and ending with a letter or digit")
+            raise _problem(
+                f"name {name!r} must be 1-63 lowercase letters, digits or '-', "
+                "starting and ending with a letter or digit"
+            )
         return name
 
     @field_validator("queue")
@@ -187,8 +202,9 @@ class JobManifest(_Fields):
     def _known_class(cls, name: str | None, info: ValidationInfo) -> str | None:
         classes = _classes(info)
         if name is not None and name not in classes:
-            raise _problem(f"unknown priorityClassName {name!r} (known: "
-                           f"{', '.join(f'{k}={v}' for k, v in classes.items())})")
+            raise _problem(
+                f"unknown priorityClassName {name!r} (known: {', '.join(f'{k}={v}' for k, v in classes.items())})"
+            )
         return name
 
     @field_validator("priority", mode="before")
@@ -219,8 +235,10 @@ class JobManifest(_Fields):
     def _mesh_fits(cls, mesh: MeshSpecFields | None, info: ValidationInfo) -> Any:
         nproc = info.data.get("nproc_per_replica")
         if mesh is not None and nproc is not None and mesh.dp_shard * mesh.tp != nproc:
-            raise _problem(f"mesh dp_shard={mesh.dp_shard} x tp={mesh.tp} is "
-                           f"{mesh.dp_shard * mesh.tp} processes, nprocPerReplica is {nproc}")
+            raise _problem(
+                f"mesh dp_shard={mesh.dp_shard} x tp={mesh.tp} is "
+                f"{mesh.dp_shard * mesh.tp} processes, nprocPerReplica is {nproc}"
+            )
         return mesh
 
     @field_validator("gpus_per_replica", mode="before")
@@ -230,8 +248,10 @@ class JobManifest(_Fields):
         if value is _DERIVED:
             return nproc
         if isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value % nproc:
-            raise _problem(f"gpusPerReplica {value} is not a multiple of nprocPerReplica {nproc}"
-                           " (each process of a replica holds the same number of slots)")
+            raise _problem(
+                f"gpusPerReplica {value} is not a multiple of nprocPerReplica {nproc}"
+                " (each process of a replica holds the same number of slots)"
+            )
         return value
 
     @field_validator("spares")
@@ -245,8 +265,7 @@ class JobManifest(_Fields):
     @property
     def mesh_text(self) -> str:
         """The replica's mesh as ``MAITRE_MESH`` carries it."""
-        dp, tp = (self.nproc_per_replica, 1) if self.mesh is None else (self.mesh.dp_shard,
-                                                                         self.mesh.tp)
+        dp, tp = (self.nproc_per_replica, 1) if self.mesh is None else (self.mesh.dp_shard, self.mesh.tp)
         return f"dp_shard={dp},tp={tp}"
 
     @field_validator("command", mode="before", json_schema_input_type=str | list[str | int | float])
@@ -258,7 +277,8 @@ class JobManifest(_Fields):
             except ValueError as exc:
                 raise _problem(f"command: {exc}") from None
         elif not isinstance(value, list) or any(
-                isinstance(a, bool) or not isinstance(a, (str, int, float)) for a in value):
+            isinstance(a, bool) or not isinstance(a, (str, int, float)) for a in value
+        ):
             raise _problem(f"command must be a string or a list of strings, got {value!r}")
         if not value:
             raise _problem("command is empty")
@@ -266,13 +286,19 @@ class JobManifest(_Fields):
 
     def job(self, submitted_at: float) -> Job:
         """The scheduler's view of this manifest, pending."""
-        topology = None if self.topology is None else Topology(self.topology.level,
-                                                               self.topology.mode)
-        return Job(id=self.name, queue=self.queue, priority=self.priority,
-                   min_replicas=self.min_replicas, max_replicas=self.max_replicas,
-                   slots_per_replica=self.gpus_per_replica, preemptible=self.preemptible,
-                   grace_period_s=self.grace_period_s, topology=topology,
-                   submitted_at=submitted_at)
+        topology = None if self.topology is None else Topology(self.topology.level, self.topology.mode)
+        return Job(
+            id=self.name,
+            queue=self.queue,
+            priority=self.priority,
+            min_replicas=self.min_replicas,
+            max_replicas=self.max_replicas,
+            slots_per_replica=self.gpus_per_replica,
+            preemptible=self.preemptible,
+            grace_period_s=self.grace_period_s,
+            topology=topology,
+            submitted_at=submitted_at,
+        )
 
 
 def _classes(info: ValidationInfo) -> dict[str, int]:
@@ -280,8 +306,9 @@ def _classes(info: ValidationInfo) -> dict[str, int]:
     return PRIORITY_CLASSES if classes is None else classes
 
 
-def parse_manifest(source: str | dict[str, Any], *, queues: set[str] | None = None,
-                   priority_classes: dict[str, int] | None = None) -> JobManifest:
+def parse_manifest(
+    source: str | dict[str, Any], *, queues: set[str] | None = None, priority_classes: dict[str, int] | None = None
+) -> JobManifest:
     """Check and parse a manifest (YAML text or an already-loaded mapping); raises
     :class:`ManifestError` naming every problem. ``queues``, when given, are the known ones."""
     if isinstance(source, str):
@@ -298,8 +325,7 @@ def parse_manifest(source: str | dict[str, Any], *, queues: set[str] | None = No
     if not isinstance(doc, dict):
         raise ManifestError([f"a manifest is a mapping of fields, got {type(doc).__name__}"])
     try:
-        return JobManifest.model_validate(doc, context={"queues": queues,
-                                                        "priority_classes": priority_classes})
+        return JobManifest.model_validate(doc, context={"queues": queues, "priority_classes": priority_classes})
     except ValidationError as exc:
         raise ManifestError([_say(e) for e in exc.errors()]) from None
 
@@ -339,6 +365,9 @@ def _keys(loc: tuple[Any, ...]) -> list[str]:
     model: type[BaseModel] = JobManifest
     for part in loc:
         field = next(f for n, f in model.model_fields.items() if (f.alias or n) == part)
-        model = next(t for t in get_args(field.annotation) or (field.annotation,)
-                     if isinstance(t, type) and issubclass(t, BaseModel))
+        model = next(
+            t
+            for t in get_args(field.annotation) or (field.annotation,)
+            if isinstance(t, type) and issubclass(t, BaseModel)
+        )
     return [f.alias or n for n, f in model.model_fields.items()]

@@ -22,8 +22,7 @@ class SimEvents:
         self._epochs: dict[str, int] = {}
 
     def add(self, t: float, kind: str, job: str | None = None, **body: Any) -> None:
-        self.events.append({"seq": len(self.events) + 1, "t": round(t, 3), "job": job,
-                            "kind": kind, **body})
+        self.events.append({"seq": len(self.events) + 1, "t": round(t, 3), "job": job, "kind": kind, **body})
 
     def nodes(self, nodes: list[Any], prices: dict[str, float]) -> None:
         self.add(0.0, "prices", prices=prices)
@@ -31,8 +30,14 @@ class SimEvents:
             self.node(0.0, n, "node_registered")
 
     def node(self, t: float, n: Any, kind: str) -> None:
-        self.add(t, kind, node=node_name(n.index), slots=n.gpus, price=n.price,
-                 labels={"capacity_type": "spot" if n.spot else "on-demand"})
+        self.add(
+            t,
+            kind,
+            node=node_name(n.index),
+            slots=n.gpus,
+            price=n.price,
+            labels={"capacity_type": "spot" if n.spot else "on-demand"},
+        )
 
     def placed(self, t: float, job: Any, old: list[int], new: list[int]) -> None:
         """A job's allocation changed from ``old`` to ``new`` (GPU -> node index lists)."""
@@ -46,12 +51,17 @@ class SimEvents:
         if not new:
             self.add(t, "job_suspended", name, placement={})
             return
-        kind = "admit" if not old else "grow" if len(new) > len(old) else "shrink" \
-            if len(new) < len(old) else "repair"
+        kind = "admit" if not old else "grow" if len(new) > len(old) else "shrink" if len(new) < len(old) else "repair"
         self.add(t, kind, name, placement=placement, reason="policy")
         epoch = self._epochs.get(name, 0) + 1
         self._epochs[name] = epoch
         if old:
             self.add(t, "epoch_closed", name, epoch=epoch - 1, reason=kind)
-        self.add(t, "epoch", name, epoch=epoch, members=[f"{name}-r{k}" for k in range(len(new))],
-                 reason=kind if old else "start")
+        self.add(
+            t,
+            "epoch",
+            name,
+            epoch=epoch,
+            members=[f"{name}-r{k}" for k in range(len(new))],
+            reason=kind if old else "start",
+        )

@@ -57,9 +57,18 @@ def young_daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
 class SimJob:
     """What every simulated job has; subclasses say how fast it goes and when it is done."""
 
-    def __init__(self, name: str, submitted: float, *, replicas: int, min_replicas: int = 1,
-                 max_replicas: int | None = None, queue: str = "default", priority: int = 0,
-                 recovery: Recovery | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        submitted: float,
+        *,
+        replicas: int,
+        min_replicas: int = 1,
+        max_replicas: int | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        recovery: Recovery | None = None,
+    ) -> None:
         self.name = name
         self.submitted = submitted
         self.replicas = replicas
@@ -168,9 +177,19 @@ class SimJob:
 
 
 class ProfiledJob(SimJob):
-    def __init__(self, name: str, submitted: float, app: Application, *, replicas: int,
-                 batch_size: int | None, adaptive: bool = False, gpus_per_node: int = 4,
-                 explore: float = 0.0, **kw) -> None:
+    def __init__(
+        self,
+        name: str,
+        submitted: float,
+        app: Application,
+        *,
+        replicas: int,
+        batch_size: int | None,
+        adaptive: bool = False,
+        gpus_per_node: int = 4,
+        explore: float = 0.0,
+        **kw,
+    ) -> None:
         super().__init__(name, submitted, replicas=replicas, **kw)
         self.app = app
         self.batch_size = batch_size
@@ -217,10 +236,14 @@ class ProfiledJob(SimJob):
         basis, count = self._perf_basis
         if self._perf is None or not sizes <= basis or len(self._timed) >= 4 * count:
             keys = list(self._timed)
-            self._perf = fit([k[0] for k in keys], [k[1] for k in keys], [k[2] for k in keys],
-                             [self._timed[k][0] for k in keys],
-                             [self._timed[k][0] - self._timed[k][1] for k in keys],
-                             start=self._perf)
+            self._perf = fit(
+                [k[0] for k in keys],
+                [k[1] for k in keys],
+                [k[2] for k in keys],
+                [self._timed[k][0] for k in keys],
+                [self._timed[k][0] - self._timed[k][1] for k in keys],
+                start=self._perf,
+            )
             self._perf_basis = (sizes, len(self._timed))
         return self._perf
 
@@ -237,8 +260,7 @@ class ProfiledJob(SimJob):
             placement = even_placement(n, self.gpus_per_node)
             grid = app.batch_grid(n)
             if grid:
-                steps = params.step_time(len(placement), n, [c.atomic for c in grid],
-                                         [c.accum_steps for c in grid])
+                steps = params.step_time(len(placement), n, [c.atomic for c in grid], [c.accum_steps for c in grid])
                 gains = np.array([app.gain(c.batch_size, epoch) for c in grid])
                 out[n] = float(np.max(gains / steps)) * app.init_batch_size
             n *= 2
@@ -296,8 +318,9 @@ class ProfiledJob(SimJob):
 
 
 class TraceJob(SimJob):
-    def __init__(self, name: str, submitted: float, duration_s: float, *, replicas: int,
-                 comm_cost: float = 0.05, **kw) -> None:
+    def __init__(
+        self, name: str, submitted: float, duration_s: float, *, replicas: int, comm_cost: float = 0.05, **kw
+    ) -> None:
         super().__init__(name, submitted, replicas=replicas, **kw)
         self.work = float(duration_s)
         self.done = 0.0

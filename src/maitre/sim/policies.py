@@ -40,8 +40,7 @@ Allocations = dict[str, list[int]]
 class Policy(Protocol):
     name: str
 
-    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int],
-                 prev: Allocations) -> Allocations: ...
+    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int], prev: Allocations) -> Allocations: ...
 
 
 def _take(free: dict[int, int], count: int) -> list[int]:
@@ -68,8 +67,7 @@ def _free(nodes: dict[int, int], allocs: Allocations) -> dict[int, int]:
 class Fifo:
     name = "fifo"
 
-    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int],
-                 prev: Allocations) -> Allocations:
+    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int], prev: Allocations) -> Allocations:
         allocs = {j.name: prev[j.name] for j in jobs if prev.get(j.name)}
         free = _free(nodes, allocs)
         for j in jobs:
@@ -91,8 +89,7 @@ class Tiresias:
         self.last_check: dict[str, int] = {}
         self.executed: dict[str, int] = {}
 
-    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int],
-                 prev: Allocations) -> Allocations:
+    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int], prev: Allocations) -> Allocations:
         t = int(now)
         by_name = {j.name: j for j in jobs}
         q0, q1 = (list(filter(by_name.__contains__, q)) for q in self.queues)
@@ -143,13 +140,15 @@ class Optimus:
             app = job.app
             top = 1 if app.name == "ncf" else job.batch_size // app.min_local_bsz
             end = app.completion_epoch
-            left = 1.0 if end <= job.epoch else (app.iterations(job.batch_size, end)
-                                                 - app.iterations(job.batch_size, job.epoch))
+            left = (
+                1.0
+                if end <= job.epoch
+                else (app.iterations(job.batch_size, end) - app.iterations(job.batch_size, job.epoch))
+            )
             return top, left
         return job.max_replicas, job.remaining()
 
-    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int],
-                 prev: Allocations) -> Allocations:
+    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int], prev: Allocations) -> Allocations:
         gpus = sum(nodes.values())
         count: dict[str, int] = {}
         gain: dict[str, float] = {}
@@ -199,8 +198,7 @@ class PolluxLike:
             return min(64, job.app.max_batch_size // job.app.min_local_bsz)
         return job.max_replicas
 
-    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int],
-                 prev: Allocations) -> Allocations:
+    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int], prev: Allocations) -> Allocations:
         gpus = sum(nodes.values())
         order = sorted(jobs, key=lambda j: (j.attained_s, j.submitted, j.name))
         base = {j.name: j.rate(1) for j in jobs}
@@ -215,8 +213,7 @@ class PolluxLike:
             s = j.rate(n) / base[j.name] if n else 0.0
             if n != len(prev.get(j.name, ())) and prev.get(j.name):
                 age = max(now - j.submitted, 0.0)
-                s *= max(age - (j.restarts + 1) * self.restart_penalty_s, 0.0) / (
-                    age + self.restart_penalty_s)
+                s *= max(age - (j.restarts + 1) * self.restart_penalty_s, 0.0) / (age + self.restart_penalty_s)
             return s
 
         while gpus > 0:
@@ -260,24 +257,33 @@ class Maitre:
         self.rack_size = rack_size
         self.resized_at: dict[str, float] = {}
 
-    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int],
-                 prev: Allocations) -> Allocations:
+    def allocate(self, now: float, jobs: list[SimJob], nodes: dict[int, int], prev: Allocations) -> Allocations:
         queues = sorted({j.queue for j in jobs}) or ["default"]
-        cluster = Cluster.of([Node(str(n), g, rack=f"r{n // self.rack_size}")
-                              for n, g in nodes.items()], [Queue(q) for q in queues])
+        cluster = Cluster.of(
+            [Node(str(n), g, rack=f"r{n // self.rack_size}") for n, g in nodes.items()], [Queue(q) for q in queues]
+        )
         views = []
         for j in jobs:
             alloc = prev.get(j.name, [])
             placement: dict[str, int] = {}
             for n in alloc:
                 placement[str(n)] = placement.get(str(n), 0) + 1
-            state = JobState.RUNNING if alloc else (
-                JobState.SUSPENDED if j.restarts >= 0 else JobState.PENDING)
-            views.append(Job(id=j.name, queue=j.queue, priority=j.priority,
-                             min_replicas=j.min_replicas, max_replicas=j.max_replicas,
-                             submitted_at=j.submitted, state=state, placement=placement,
-                             last_resize_at=self.resized_at.get(j.name, -math.inf),
-                             throughput=dict(j.throughput), attained_slot_s=j.attained_s))
+            state = JobState.RUNNING if alloc else (JobState.SUSPENDED if j.restarts >= 0 else JobState.PENDING)
+            views.append(
+                Job(
+                    id=j.name,
+                    queue=j.queue,
+                    priority=j.priority,
+                    min_replicas=j.min_replicas,
+                    max_replicas=j.max_replicas,
+                    submitted_at=j.submitted,
+                    state=state,
+                    placement=placement,
+                    last_resize_at=self.resized_at.get(j.name, -math.inf),
+                    throughput=dict(j.throughput),
+                    attained_slot_s=j.attained_s,
+                )
+            )
         # The live coordinator runs a pass every 0.5 s: a preemptor admitted a pass after its
         # victims let go starts within a second. Here the passes run back to back.
         # A gang that lost replicas below its minimum (a node failed) gets them back first, on
@@ -287,8 +293,7 @@ class Maitre:
         for _ in range(4):
             plan = schedule(cluster, views, now, cfg)
             cfg = replace(self.cfg, rebalance_gain=0.0)  # later passes only fill what was freed
-            if not plan.actions_of("preempting") and not any(
-                    a.reason.startswith("rebalance") for a in plan.actions):
+            if not plan.actions_of("preempting") and not any(a.reason.startswith("rebalance") for a in plan.actions):
                 break
             for v in views:
                 placement = {n: r for n, r in plan.placements.get(v.id, {}).items() if r}
@@ -319,8 +324,7 @@ class Maitre:
         return out
 
 
-POLICIES = {"fifo": Fifo, "tiresias": Tiresias, "optimus": Optimus, "pollux": PolluxLike,
-            "maitre": Maitre}
+POLICIES = {"fifo": Fifo, "tiresias": Tiresias, "optimus": Optimus, "pollux": PolluxLike, "maitre": Maitre}
 
 
 def make_policy(name: str) -> Policy:

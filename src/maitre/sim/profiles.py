@@ -34,8 +34,7 @@ from maitre.sim.workload import DATA
 PROFILES = DATA / "pollux_app_profiles"
 _EPS = 1e-8
 # Epochs to completion per model (Pollux's simulator), and the per-GPU batch limits it overrides.
-_MAX_EPOCHS = {"bert": 2, "cifar10": 100, "ncf": 10, "imagenet": 90, "deepspeech2": 80,
-               "yolov3": 50}
+_MAX_EPOCHS = {"bert": 2, "cifar10": 100, "ncf": 10, "imagenet": 90, "deepspeech2": 80, "yolov3": 50}
 _MAX_LOCAL_BSZ = {"yolov3": 8}
 
 
@@ -89,13 +88,13 @@ class Application:
             rows = _read(path)
             validation[int(path.name.removesuffix(".csv").split("-")[-1])] = {
                 col: np.array([float(r[col]) for r in rows])
-                for col in ("progress", "iteration", "grad_sqr", "grad_var")}
+                for col in ("progress", "iteration", "grad_sqr", "grad_var")
+            }
         validation = dict(sorted(validation.items()))
         groups: dict[tuple[int, ...], list[tuple[float, float, float]]] = {}
         for r in _read(folder / "placements.csv"):
             key = tuple(int(c) for c in r["placement"])
-            groups.setdefault(key, []).append((float(r["local_bsz"]), float(r["step_time"]),
-                                               float(r["sync_time"])))
+            groups.setdefault(key, []).append((float(r["local_bsz"]), float(r["step_time"]), float(r["sync_time"])))
         placements = {k: tuple(np.array(c) for c in zip(*sorted(v))) for k, v in groups.items()}
         # The interpolation points: the mean of each (nodes, replicas, local batch) measured in
         # placements.csv, in sorted order, then scalability.csv's rows as they are.
@@ -104,18 +103,30 @@ class Application:
             for b, s, y in zip(bsz, step, sync):
                 means.setdefault((len(key), sum(key), b), []).append((s, y))
         pts = [(*k, *np.mean(v, axis=0)) for k, v in sorted(means.items())]
-        pts += [(float(r["num_nodes"]), float(r["num_replicas"]), float(r["local_bsz"]),
-                 float(r["step_time"]), float(r["sync_time"]))
-                for r in _read(folder / "scalability.csv")]
+        pts += [
+            (
+                float(r["num_nodes"]),
+                float(r["num_replicas"]),
+                float(r["local_bsz"]),
+                float(r["step_time"]),
+                float(r["sync_time"]),
+            )
+            for r in _read(folder / "scalability.csv")
+        ]
         table = np.array(pts, dtype=float)
         local = np.concatenate([b for b, _, _ in placements.values()])
-        return cls(name=name, max_epochs=_MAX_EPOCHS.get(name, min(
-                       len(v["progress"]) for v in validation.values())),
-                   validation=validation, placements=placements,
-                   points=table[:, :3], values=table[:, 3:],
-                   init_batch_size=min(validation), max_batch_size=max(validation),
-                   min_local_bsz=int(local.min()),
-                   max_local_bsz=_MAX_LOCAL_BSZ.get(name, int(local.max())))
+        return cls(
+            name=name,
+            max_epochs=_MAX_EPOCHS.get(name, min(len(v["progress"]) for v in validation.values())),
+            validation=validation,
+            placements=placements,
+            points=table[:, :3],
+            values=table[:, 3:],
+            init_batch_size=min(validation),
+            max_batch_size=max(validation),
+            min_local_bsz=int(local.min()),
+            max_local_bsz=_MAX_LOCAL_BSZ.get(name, int(local.max())),
+        )
 
     # -- length and progress ------------------------------------------------------------------
 
@@ -139,8 +150,10 @@ class Application:
                 upper = b
                 break
         if lower is None or upper is None:
-            raise ValueError(f"{self.name}: batch size {batch_size} is outside the measured "
-                             f"{self.init_batch_size}..{self.max_batch_size}")
+            raise ValueError(
+                f"{self.name}: batch size {batch_size} is outside the measured "
+                f"{self.init_batch_size}..{self.max_batch_size}"
+            )
         return lower, upper
 
     def _lerp(self, batch_size: float, column: str, epoch: int) -> float:
@@ -157,8 +170,7 @@ class Application:
     def grad_stats(self, batch_size: float, epoch: int) -> tuple[float, float]:
         key = ("grad", batch_size, epoch)
         if key not in self._memo:
-            self._memo[key] = (self._lerp(batch_size, "grad_sqr", epoch),
-                               self._lerp(batch_size, "grad_var", epoch))
+            self._memo[key] = (self._lerp(batch_size, "grad_sqr", epoch), self._lerp(batch_size, "grad_var", epoch))
         return self._memo[key]
 
     def gain(self, batch_size: float, epoch: int) -> float:
@@ -187,20 +199,22 @@ class Application:
         if measured is not None:
             bsz, step, sync = measured
             if not bsz[0] <= atomic_bsz <= bsz[-1]:
-                raise ValueError(f"{self.name}: per-GPU batch {atomic_bsz} on {p} is outside "
-                                 f"the measured {bsz[0]:g}..{bsz[-1]:g}")
+                raise ValueError(
+                    f"{self.name}: per-GPU batch {atomic_bsz} on {p} is outside the measured {bsz[0]:g}..{bsz[-1]:g}"
+                )
             return float(np.interp(atomic_bsz, bsz, step)), float(np.interp(atomic_bsz, bsz, sync))
         if self._interp is None:
             from scipy.interpolate import LinearNDInterpolator
+
             self._interp = LinearNDInterpolator(self.points, self.values)
         out = self._interp([min(len(p), 16), sum(p), atomic_bsz])[0]
         if not np.all(np.isfinite(out)):
-            raise ValueError(f"{self.name}: no throughput for {p} at per-GPU batch {atomic_bsz} "
-                             "(outside what was measured)")
+            raise ValueError(
+                f"{self.name}: no throughput for {p} at per-GPU batch {atomic_bsz} (outside what was measured)"
+            )
         return float(out[0]), float(out[1])
 
-    def fixed_batch(self, batch_size: int, replicas: int, single_gets_accum: bool = False
-                    ) -> BatchConfig:
+    def fixed_batch(self, batch_size: int, replicas: int, single_gets_accum: bool = False) -> BatchConfig:
         """How ``batch_size`` is split over ``replicas`` GPUs: as little accumulation as the
         per-GPU limit allows. One GPU accumulates at least one extra pass when the batch exceeds
         the smallest measured one (Pollux's rule: the gradient-noise estimate needs two)."""
@@ -263,8 +277,7 @@ class Application:
                 best, best_rate = cfg, rate
         if best is None:
             replicas = sum(placement)
-            best = self.fixed_batch(max(self.init_batch_size, self.min_local_bsz * replicas),
-                                    replicas)
+            best = self.fixed_batch(max(self.init_batch_size, self.min_local_bsz * replicas), replicas)
         self._memo[key] = best
         return best
 

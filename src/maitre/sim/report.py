@@ -17,19 +17,32 @@ from pathlib import Path
 
 from maitre.sim.simulator import SimResult
 
-_COLUMNS = [("policy", "{}"), ("avg JCT s", "{:.0f}"), ("p99 JCT s", "{:.0f}"),
-            ("makespan s", "{:.0f}"), ("util η", "{:.1%}"), ("alloc", "{:.1%}"),
-            ("GPU-h", "{:.1f}"), ("cost $", "{:,.0f}")]
+_COLUMNS = [
+    ("policy", "{}"),
+    ("avg JCT s", "{:.0f}"),
+    ("p99 JCT s", "{:.0f}"),
+    ("makespan s", "{:.0f}"),
+    ("util η", "{:.1%}"),
+    ("alloc", "{:.1%}"),
+    ("GPU-h", "{:.1f}"),
+    ("cost $", "{:,.0f}"),
+]
 
 
 def table(results: list[SimResult]) -> str:
-    rows = [[fmt.format(v) for (_, fmt), v in zip(_COLUMNS, (
-        r.policy, r.avg_jct_s, r.p99_jct_s, r.makespan_s, r.utilization, r.allocation,
-        r.gpu_hours, r.cost))] for r in results]
+    rows = [
+        [
+            fmt.format(v)
+            for (_, fmt), v in zip(
+                _COLUMNS,
+                (r.policy, r.avg_jct_s, r.p99_jct_s, r.makespan_s, r.utilization, r.allocation, r.gpu_hours, r.cost),
+            )
+        ]
+        for r in results
+    ]
     head = [c for c, _ in _COLUMNS]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -44,8 +57,7 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def write(results: list[SimResult], out: Path, meta: dict | None = None,
-          plots: bool = True) -> list[Path]:
+def write(results: list[SimResult], out: Path, meta: dict | None = None, plots: bool = True) -> list[Path]:
     """Write everything under ``out`` (created if missing); returns the files written."""
     out.mkdir(parents=True, exist_ok=True)
     summary = {"meta": meta or {}, **{r.policy: r.summary() for r in results}}
@@ -54,13 +66,21 @@ def write(results: list[SimResult], out: Path, meta: dict | None = None,
 
     def timeline(f) -> None:
         w = csv.writer(f)
-        w.writerow(["policy", "time_s", "available_gpus", "allocated_gpus", "running_jobs",
-                    "queued_jobs", "cost"])
+        w.writerow(["policy", "time_s", "available_gpus", "allocated_gpus", "running_jobs", "queued_jobs", "cost"])
         for r in results:
             tl = r.timeline
             for i, t in enumerate(tl.time):
-                w.writerow([r.policy, f"{t:.0f}", tl.available[i], tl.allocated[i],
-                            tl.running[i], tl.queued[i], f"{tl.cost[i]:.2f}"])
+                w.writerow(
+                    [
+                        r.policy,
+                        f"{t:.0f}",
+                        tl.available[i],
+                        tl.allocated[i],
+                        tl.running[i],
+                        tl.queued[i],
+                        f"{tl.cost[i]:.2f}",
+                    ]
+                )
 
     def allocations(f) -> None:
         w = csv.writer(f)
@@ -73,8 +93,7 @@ def write(results: list[SimResult], out: Path, meta: dict | None = None,
     _atomic_write(files[2], allocations)
     for r in results:  # `maitre dashboard DIR` replays these
         path = out / f"events-{r.policy}.jsonl"
-        _atomic_write(path, lambda f, r=r: f.writelines(
-            json.dumps(e, separators=(",", ":")) + "\n" for e in r.events))
+        _atomic_write(path, lambda f, r=r: f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in r.events))
         files.append(path)
     if plots:
         files += _plots(results, out)
@@ -83,6 +102,7 @@ def write(results: list[SimResult], out: Path, meta: dict | None = None,
 
 def _plots(results: list[SimResult], out: Path) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -95,29 +115,35 @@ def _plots(results: list[SimResult], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
 
-    hours = lambda ts: [t / 3600 for t in ts]  # noqa: E731
+    hours = lambda ts: [t / 3600 for t in ts]
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for r in results:
         tl = r.timeline
-        ax.step(hours(tl.time), [a / v if v else 0 for a, v in zip(tl.allocated, tl.available)],
-                where="post", label=r.policy, lw=1)
-    ax.set(xlabel="hours", ylabel="GPUs allocated / available", ylim=(0, 1.05),
-           title="Utilization over time")
+        ax.step(
+            hours(tl.time),
+            [a / v if v else 0 for a, v in zip(tl.allocated, tl.available)],
+            where="post",
+            label=r.policy,
+            lw=1,
+        )
+    ax.set(xlabel="hours", ylabel="GPUs allocated / available", ylim=(0, 1.05), title="Utilization over time")
     ax.legend(loc="lower right")
     save(fig, "utilization.png")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in results:
         v = sorted(r.jcts.values())
-        ax.step([x / 3600 for x in v], [(i + 1) / len(v) for i in range(len(v))], where="post",
-                label=f"{r.policy} (avg {r.avg_jct_s / 3600:.2f} h)")
-    ax.set(xscale="log", xlabel="job completion time, hours", ylabel="fraction of jobs",
-           title="JCT CDF")
+        ax.step(
+            [x / 3600 for x in v],
+            [(i + 1) / len(v) for i in range(len(v))],
+            where="post",
+            label=f"{r.policy} (avg {r.avg_jct_s / 3600:.2f} h)",
+        )
+    ax.set(xscale="log", xlabel="job completion time, hours", ylabel="fraction of jobs", title="JCT CDF")
     ax.legend(loc="lower right")
     save(fig, "jct_cdf.png")
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.2 * len(results)), squeeze=False,
-                             sharex=True)
+    fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.2 * len(results)), squeeze=False, sharex=True)
     for ax, r in zip(axes[:, 0], results):
         series: dict[str, tuple[list[float], list[int]]] = {}
         for t, job, gpus in r.timeline.changes:

@@ -73,14 +73,12 @@ class SimOptions:
     def __post_init__(self) -> None:
         bad = [p for p in self.policies if p not in POLICIES]
         if bad or not self.policies:
-            raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from "
-                             f"{', '.join(POLICIES)}")
+            raise ValueError(f"unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(POLICIES)}")
         if len(set(self.policies)) != len(self.policies):
             raise ValueError("a policy is named twice")
         if not 0 <= self.spot <= 1:
             raise ValueError(f"--spot is a fraction of the nodes, 0..1; got {self.spot}")
-        for name in ("price", "spot_price", "spot_life_h", "notice_s", "mtbf_h",
-                     "checkpoint_s", "interval_s"):
+        for name in ("price", "spot_price", "spot_life_h", "notice_s", "mtbf_h", "checkpoint_s", "interval_s"):
             v = getattr(self, name)
             if not v >= 0 or (name in ("interval_s", "spot_life_h", "mtbf_h") and not v > 0):
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {v}")
@@ -97,8 +95,12 @@ class SimOptions:
             resize, failure = measured_costs()
         else:
             resize = failure = float(self.resize)
-        return Recovery(resize_s=resize, failure_pause_s=max(failure, resize),
-                        peer_recovery=policy == "maitre", checkpoint_s=self.checkpoint_s)
+        return Recovery(
+            resize_s=resize,
+            failure_pause_s=max(failure, resize),
+            peer_recovery=policy == "maitre",
+            checkpoint_s=self.checkpoint_s,
+        )
 
 
 @dataclass
@@ -115,7 +117,7 @@ def resolve(opts: SimOptions) -> Setup:
     m = re.fullmatch(r"pollux-([1-8])(?:@(0\.5|1\.0|1|1\.5|2\.0|2))?", name)
     if m:
         arrivals = load_workload(pollux_workload(int(m[1]), float(m[2] or 1.0)))
-        return _pollux(arrivals[:opts.limit] if opts.limit else arrivals, opts)
+        return _pollux(arrivals[: opts.limit] if opts.limit else arrivals, opts)
     if name == "philly":
         return _philly(load_philly(limit=opts.limit))
     if name == "pressure":
@@ -124,30 +126,47 @@ def resolve(opts: SimOptions) -> Setup:
         setup.events = scenarios.pressure_curve(nodes, horizon_s=4 * 86400)
         return setup
     if name == "daytime-inference":
+
         def jobs(policy: str, rec: Recovery) -> list[SimJob]:
             static = policy in scenarios.STATIC
-            return [TraceJob("train", 0.0, 4 * 86400, replicas=8, min_replicas=8,
-                             max_replicas=8 if static else 32, recovery=rec)]
+            return [
+                TraceJob(
+                    "train", 0.0, 4 * 86400, replicas=8, min_replicas=8, max_replicas=8 if static else 32, recovery=rec
+                )
+            ]
+
         return Setup(jobs, 8, 4, scenarios.daytime_inference(days=8))
     path = Path(name)
     if not path.is_file():
-        raise ValueError(f"--workload {name!r}: no such file, and not one of pollux-N[@LOAD], "
-                         "philly, daytime-inference, pressure")
+        raise ValueError(
+            f"--workload {name!r}: no such file, and not one of pollux-N[@LOAD], philly, daytime-inference, pressure"
+        )
     if is_philly(path):
         return _philly(load_philly(path, limit=opts.limit))
     arrivals = load_workload(path)
-    return _pollux(arrivals[:opts.limit] if opts.limit else arrivals, opts)
+    return _pollux(arrivals[: opts.limit] if opts.limit else arrivals, opts)
 
 
 def _pollux(arrivals, opts: SimOptions) -> Setup:
-    return Setup(lambda policy, rec: scenarios.pollux_jobs(
-        arrivals, policy, recovery=rec, adaptive_batch=opts.adaptive_batch,
-        gpus_per_node=opts.cluster[1] if opts.cluster else 4), 16, 4)
+    return Setup(
+        lambda policy, rec: scenarios.pollux_jobs(
+            arrivals,
+            policy,
+            recovery=rec,
+            adaptive_batch=opts.adaptive_batch,
+            gpus_per_node=opts.cluster[1] if opts.cluster else 4,
+        ),
+        16,
+        4,
+    )
 
 
 def _philly(arrivals) -> Setup:
-    return Setup(lambda policy, rec: scenarios.philly_jobs(arrivals, policy, recovery=rec),
-                 scenarios.philly_cluster_size(arrivals), 8)
+    return Setup(
+        lambda policy, rec: scenarios.philly_jobs(arrivals, policy, recovery=rec),
+        scenarios.philly_cluster_size(arrivals),
+        8,
+    )
 
 
 def _progress_bar(policy: str) -> Callable[[int, int, float], None]:
@@ -159,37 +178,41 @@ def _progress_bar(policy: str) -> Callable[[int, int, float], None]:
             return
         state["shown"] = pct
         bar = "#" * (pct // 4)
-        sys.stderr.write(f"\r{policy:>9} [{bar:<25}] {pct:3d}%  {done}/{total} jobs  "
-                         f"t={now / 3600:.1f} h")
+        sys.stderr.write(f"\r{policy:>9} [{bar:<25}] {pct:3d}%  {done}/{total} jobs  t={now / 3600:.1f} h")
         if done == total:
             sys.stderr.write("\n")
         sys.stderr.flush()
+
     return show
 
 
-def simulate(opts: SimOptions, progress: bool = False, setup: Setup | None = None
-             ) -> list[SimResult]:
+def simulate(opts: SimOptions, progress: bool = False, setup: Setup | None = None) -> list[SimResult]:
     setup = setup or resolve(opts)
     nodes, gpus = opts.cluster or (setup.nodes, setup.gpus)
     results = []
     for policy in opts.policies:
         spot_nodes = round(nodes * opts.spot)
-        cluster: list[SimNode] = scenarios.cluster(nodes, gpus, price=opts.price,
-                                                   spot_nodes=spot_nodes,
-                                                   spot_price=opts.spot_price)
+        cluster: list[SimNode] = scenarios.cluster(
+            nodes, gpus, price=opts.price, spot_nodes=spot_nodes, spot_price=opts.spot_price
+        )
         events = list(setup.events)
         if spot_nodes:
-            events += scenarios.spot_reclaims(cluster, mean_life_s=opts.spot_life_h * 3600,
-                                              notice_s=opts.notice_s, seed=opts.seed,
-                                              horizon_s=400 * 86400)
-        sim = Simulation(setup.jobs(policy, opts.recovery(policy)), cluster,
-                         make_policy(policy),
-                         SimConfig(interval_s=opts.interval_s, node_mtbf_s=opts.mtbf_h * 3600,
-                                   seed=opts.seed),
-                         node_events=events,
-                         prices={"on-demand": opts.price, "spot": opts.spot_price},
-                         progress=_progress_bar(policy) if progress and sys.stderr.isatty()
-                         else None)
+            events += scenarios.spot_reclaims(
+                cluster,
+                mean_life_s=opts.spot_life_h * 3600,
+                notice_s=opts.notice_s,
+                seed=opts.seed,
+                horizon_s=400 * 86400,
+            )
+        sim = Simulation(
+            setup.jobs(policy, opts.recovery(policy)),
+            cluster,
+            make_policy(policy),
+            SimConfig(interval_s=opts.interval_s, node_mtbf_s=opts.mtbf_h * 3600, seed=opts.seed),
+            node_events=events,
+            prices={"on-demand": opts.price, "spot": opts.spot_price},
+            progress=_progress_bar(policy) if progress and sys.stderr.isatty() else None,
+        )
         results.append(sim.run())
     return results
 
@@ -205,11 +228,19 @@ def main(opts: SimOptions, out: Path, progress: bool = True) -> list[SimResult]:
     setup = resolve(opts)
     results = simulate(opts, progress=progress, setup=setup)
     nodes, gpus = opts.cluster or (setup.nodes, setup.gpus)
-    meta = {"workload": opts.workload, "cluster": f"{nodes}x{gpus}", "resize": opts.resize,
-            "adaptive_batch": opts.adaptive_batch, "spot": opts.spot, "seed": opts.seed,
-            **opts.meta}
-    print(f"workload {opts.workload} on {nodes}x{gpus} GPUs, resize cost {opts.resize}"
-          + (" s" if opts.resize != "measured" else ""))
+    meta = {
+        "workload": opts.workload,
+        "cluster": f"{nodes}x{gpus}",
+        "resize": opts.resize,
+        "adaptive_batch": opts.adaptive_batch,
+        "spot": opts.spot,
+        "seed": opts.seed,
+        **opts.meta,
+    }
+    print(
+        f"workload {opts.workload} on {nodes}x{gpus} GPUs, resize cost {opts.resize}"
+        + (" s" if opts.resize != "measured" else "")
+    )
     print(report.table(results))
     files = report.write(results, out, meta, plots=opts.plots)
     print(f"wrote {', '.join(str(f) for f in files)}")

@@ -36,44 +36,79 @@ def elastic_cap(app_name: str) -> int:
     return min(64, app.max_batch_size // app.min_local_bsz)
 
 
-def pollux_jobs(arrivals: list[Arrival], policy: str, *, recovery: Recovery | None = None,
-                adaptive_batch: bool = False, gpus_per_node: int = 4,
-                explore: float = 2.0) -> list[SimJob]:
+def pollux_jobs(
+    arrivals: list[Arrival],
+    policy: str,
+    *,
+    recovery: Recovery | None = None,
+    adaptive_batch: bool = False,
+    gpus_per_node: int = 4,
+    explore: float = 2.0,
+) -> list[SimJob]:
     jobs: list[SimJob] = []
     for a in arrivals:
         app = application(a.application)
         kw = dict(recovery=recovery, gpus_per_node=gpus_per_node)
         if policy in STATIC:
-            jobs.append(ProfiledJob(a.name, a.time, app, replicas=a.num_replicas,
-                                    batch_size=a.batch_size, min_replicas=a.num_replicas, **kw))
+            jobs.append(
+                ProfiledJob(
+                    a.name,
+                    a.time,
+                    app,
+                    replicas=a.num_replicas,
+                    batch_size=a.batch_size,
+                    min_replicas=a.num_replicas,
+                    **kw,
+                )
+            )
             continue
         if policy == "optimus":
             cap = 1 if app.name == "ncf" else a.batch_size // app.min_local_bsz
-            jobs.append(ProfiledJob(a.name, a.time, app, replicas=a.num_replicas,
-                                    batch_size=a.batch_size, max_replicas=max(1, cap), **kw))
+            jobs.append(
+                ProfiledJob(
+                    a.name,
+                    a.time,
+                    app,
+                    replicas=a.num_replicas,
+                    batch_size=a.batch_size,
+                    max_replicas=max(1, cap),
+                    **kw,
+                )
+            )
             continue
         adaptive = policy == "pollux" or adaptive_batch
         batch = a.batch_size
         if app.name == "ncf" and adaptive:
             batch, adaptive = 32768, False
-        jobs.append(ProfiledJob(a.name, a.time, app, replicas=a.num_replicas,
-                                batch_size=None if adaptive else batch,
-                                explore=explore if policy == "maitre" and adaptive else 0.0,
-                                max_replicas=elastic_cap(app.name) if adaptive else
-                                max(1, min(64, batch // app.min_local_bsz)), **kw))
+        jobs.append(
+            ProfiledJob(
+                a.name,
+                a.time,
+                app,
+                replicas=a.num_replicas,
+                batch_size=None if adaptive else batch,
+                explore=explore if policy == "maitre" and adaptive else 0.0,
+                max_replicas=elastic_cap(app.name) if adaptive else max(1, min(64, batch // app.min_local_bsz)),
+                **kw,
+            )
+        )
     return jobs
 
 
-def cluster(nodes: int, gpus: int, *, price: float = 2.5, spot_nodes: int = 0,
-            spot_price: float = 0.75) -> list[SimNode]:
+def cluster(
+    nodes: int, gpus: int, *, price: float = 2.5, spot_nodes: int = 0, spot_price: float = 0.75
+) -> list[SimNode]:
     """``nodes`` nodes of ``gpus`` GPUs; the last ``spot_nodes`` of them are spot."""
     if nodes < 1 or gpus < 1:
-        raise ValueError(f"a cluster needs at least one node and one GPU per node, got "
-                         f"{nodes}x{gpus}")
+        raise ValueError(f"a cluster needs at least one node and one GPU per node, got {nodes}x{gpus}")
     if not 0 <= spot_nodes <= nodes:
         raise ValueError(f"spot nodes must be between 0 and {nodes}, got {spot_nodes}")
-    return [SimNode(index=i, gpus=gpus, price=spot_price if i >= nodes - spot_nodes else price,
-                    spot=i >= nodes - spot_nodes) for i in range(nodes)]
+    return [
+        SimNode(
+            index=i, gpus=gpus, price=spot_price if i >= nodes - spot_nodes else price, spot=i >= nodes - spot_nodes
+        )
+        for i in range(nodes)
+    ]
 
 
 def parse_cluster(text: str) -> tuple[int, int]:
@@ -90,8 +125,8 @@ def parse_cluster(text: str) -> tuple[int, int]:
 
 # -- the Philly-derived trace ------------------------------------------------------------------
 
-def philly_jobs(arrivals: list[TraceArrival], policy: str, *,
-                recovery: Recovery | None = None) -> list[SimJob]:
+
+def philly_jobs(arrivals: list[TraceArrival], policy: str, *, recovery: Recovery | None = None) -> list[SimJob]:
     """Trace jobs: a fixed gang of the requested GPUs for the static policies; for the others,
     elastic between half and twice the request (an assumption: the trace does not say)."""
     jobs: list[SimJob] = []
@@ -100,13 +135,22 @@ def philly_jobs(arrivals: list[TraceArrival], policy: str, *,
             lo = hi = a.gpus
         else:
             lo, hi = max(1, a.gpus // 2), a.gpus * 2
-        jobs.append(TraceJob(a.name, a.time, a.duration_s, replicas=a.gpus, min_replicas=lo,
-                             max_replicas=hi, queue=a.team, recovery=recovery))
+        jobs.append(
+            TraceJob(
+                a.name,
+                a.time,
+                a.duration_s,
+                replicas=a.gpus,
+                min_replicas=lo,
+                max_replicas=hi,
+                queue=a.team,
+                recovery=recovery,
+            )
+        )
     return jobs
 
 
-def philly_cluster_size(arrivals: list[TraceArrival], gpus_per_node: int = 8,
-                        headroom: float = 1.25) -> int:
+def philly_cluster_size(arrivals: list[TraceArrival], gpus_per_node: int = 8, headroom: float = 1.25) -> int:
     """Nodes for the trace: its mean GPU demand times ``headroom``, and at least its largest
     job."""
     span = max(a.time for a in arrivals) or 1.0
@@ -117,9 +161,16 @@ def philly_cluster_size(arrivals: list[TraceArrival], gpus_per_node: int = 8,
 
 # -- capacity that comes and goes --------------------------------------------------------------
 
-def daytime_inference(nodes: int = 8, gpus: int = 4, inference_nodes: int = 6, days: int = 3,
-                      day_start_h: float = 8.0, day_end_h: float = 20.0,
-                      notice_s: float = 60.0) -> list[NodeEvent]:
+
+def daytime_inference(
+    nodes: int = 8,
+    gpus: int = 4,
+    inference_nodes: int = 6,
+    days: int = 3,
+    day_start_h: float = 8.0,
+    day_end_h: float = 20.0,
+    notice_s: float = 60.0,
+) -> list[NodeEvent]:
     """A shared cluster where inference takes ``inference_nodes`` of the nodes from
     ``day_start_h`` to ``day_end_h`` every day (with ``notice_s`` of warning) and gives them back
     at night: on 8 nodes of 4 GPUs, a training job goes 32 -> 8 -> 32 GPUs. The run starts at
@@ -136,9 +187,14 @@ def daytime_inference(nodes: int = 8, gpus: int = 4, inference_nodes: int = 6, d
     return events
 
 
-def pressure_curve(nodes: int, period_s: float = 6 * 3600, low: float = 0.25,
-                   step_s: float = 600, horizon_s: float = 2 * 86400,
-                   notice_s: float = 60.0) -> list[NodeEvent]:
+def pressure_curve(
+    nodes: int,
+    period_s: float = 6 * 3600,
+    low: float = 0.25,
+    step_s: float = 600,
+    horizon_s: float = 2 * 86400,
+    notice_s: float = 60.0,
+) -> list[NodeEvent]:
     """Free capacity following a periodic pressure curve: the nodes left to training swing
     between ``low`` and all of them as ``(1 + cos(2 pi t / period)) / 2``, updated every
     ``step_s``; nodes leave with ``notice_s`` of warning, the highest indices first."""
@@ -158,9 +214,15 @@ def pressure_curve(nodes: int, period_s: float = 6 * 3600, low: float = 0.25,
     return events
 
 
-def spot_reclaims(nodes: list[SimNode], *, mean_life_s: float = 4 * 3600,
-                  notice_s: float = 120.0, back_after_s: float = 1800.0,
-                  horizon_s: float = 30 * 86400, seed: int = 0) -> list[NodeEvent]:
+def spot_reclaims(
+    nodes: list[SimNode],
+    *,
+    mean_life_s: float = 4 * 3600,
+    notice_s: float = 120.0,
+    back_after_s: float = 1800.0,
+    horizon_s: float = 30 * 86400,
+    seed: int = 0,
+) -> list[NodeEvent]:
     """Reclaims of the spot nodes: each lives an exponential time of mean ``mean_life_s``, is
     reclaimed with ``notice_s`` of warning, and is replaced ``back_after_s`` later (a new spot
     node at the same price). Deterministic for a seed."""

@@ -75,10 +75,16 @@ class Timeline:
 
 
 class Simulation:
-    def __init__(self, jobs: list[SimJob], nodes: list[SimNode], policy: Policy,
-                 cfg: SimConfig | None = None, node_events: list[NodeEvent] = (),
-                 progress: Callable[[int, int, float], None] | None = None,
-                 prices: dict[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        jobs: list[SimJob],
+        nodes: list[SimNode],
+        policy: Policy,
+        cfg: SimConfig | None = None,
+        node_events: list[NodeEvent] = (),
+        progress: Callable[[int, int, float], None] | None = None,
+        prices: dict[str, float] | None = None,
+    ) -> None:
         self.cfg = cfg or SimConfig()
         self.jobs = sorted(jobs, key=lambda j: (j.submitted, j.name))
         self.nodes = {n.index: n for n in nodes}
@@ -94,8 +100,9 @@ class Simulation:
         biggest = max((n.gpus for n in nodes), default=0) * len(nodes)
         too_big = [j.name for j in jobs if j.min_replicas > biggest]
         if too_big:
-            raise ValueError(f"{len(too_big)} job(s) need more GPUs than the cluster has "
-                             f"({biggest}): {', '.join(too_big[:5])}")
+            raise ValueError(
+                f"{len(too_big)} job(s) need more GPUs than the cluster has ({biggest}): {', '.join(too_big[:5])}"
+            )
         for j in self.jobs:
             self.engine.at(j.submitted, self._arrive, j)
         for ev in node_events:
@@ -109,8 +116,14 @@ class Simulation:
 
     def _arrive(self, job: SimJob) -> None:
         self.active.append(job)
-        self.log.add(self.engine.now, "submitted", job.name, queue=job.queue,
-                     priority=job.priority, replicas=[job.min_replicas, job.max_replicas])
+        self.log.add(
+            self.engine.now,
+            "submitted",
+            job.name,
+            queue=job.queue,
+            priority=job.priority,
+            replicas=[job.min_replicas, job.max_replicas],
+        )
 
     def _round(self) -> None:
         self.reschedule()
@@ -121,8 +134,10 @@ class Simulation:
             self.engine.stop()  # capacity events after the last job change nothing it reports
         else:
             if self.engine.now > self.cfg.max_time_s:
-                raise RuntimeError(f"simulation not finished after {self.cfg.max_time_s:.0f} s: "
-                                   f"{len(self.jobs) - len(self.done)} jobs left")
+                raise RuntimeError(
+                    f"simulation not finished after {self.cfg.max_time_s:.0f} s: "
+                    f"{len(self.jobs) - len(self.done)} jobs left"
+                )
             self.engine.after(self.cfg.interval_s, self._round)
 
     def _schedule_failure(self, node: SimNode) -> None:
@@ -132,8 +147,9 @@ class Simulation:
     def _fail(self, node: SimNode) -> None:
         if node.up:
             self._node_event(NodeEvent(self.engine.now, node.index, "down"))
-            self.engine.after(self.cfg.repair_s, self._node_event,
-                              NodeEvent(self.engine.now + self.cfg.repair_s, node.index, "up"))
+            self.engine.after(
+                self.cfg.repair_s, self._node_event, NodeEvent(self.engine.now + self.cfg.repair_s, node.index, "up")
+            )
         self._schedule_failure(node)
 
     def _node_event(self, ev: NodeEvent) -> None:
@@ -149,18 +165,21 @@ class Simulation:
         for j in self.active:
             j.advance(now)
         if ev.kind == "notice" and ev.notice_s > 0:
-            self.log.add(now, "spot_notice", node=node_name(node.index), notice_s=ev.notice_s,
-                         deadline=round(now + ev.notice_s, 3), source="simulated")
+            self.log.add(
+                now,
+                "spot_notice",
+                node=node_name(node.index),
+                notice_s=ev.notice_s,
+                deadline=round(now + ev.notice_s, 3),
+                source="simulated",
+            )
             node.leaving = True
-            self.engine.at(now + ev.notice_s, self._node_event,
-                           NodeEvent(now + ev.notice_s, ev.node, "down"))
+            self.engine.at(now + ev.notice_s, self._node_event, NodeEvent(now + ev.notice_s, ev.node, "down"))
             on_it = [j.name for j in self.active if node.index in j.alloc]
             self._evict(node, failed=False)
-            self.log.add(now, "node_drained", node=node_name(node.index), workers=on_it,
-                         seconds=0.0)
+            self.log.add(now, "node_drained", node=node_name(node.index), workers=on_it, seconds=0.0)
         else:
-            self.log.add(now, "node_reclaimed" if node.leaving else "node_dead",
-                         node=node_name(node.index))
+            self.log.add(now, "node_reclaimed" if node.leaving else "node_dead", node=node_name(node.index))
             node.cost += (now - node.up_since) * node.gpus * node.price / 3600
             node.up = node.leaving = False
             self._evict(node, failed=True)
@@ -181,8 +200,11 @@ class Simulation:
                     j.lose(0.0, rec.failure_pause_s)
                 else:
                     since = j.clock - j.started if j.started is not None else 0.0
-                    lost = self.engine.rng(f"job-{j.name}").uniform(
-                        0, min(since, j.checkpoint_interval_s)) if since > 0 else 0.0
+                    lost = (
+                        self.engine.rng(f"job-{j.name}").uniform(0, min(since, j.checkpoint_interval_s))
+                        if since > 0
+                        else 0.0
+                    )
                     j.lose(lost, rec.failure_pause_s)
             self._set(j, keep)
 
@@ -217,8 +239,9 @@ class Simulation:
                 used[n] = used.get(n, 0) + 1
         for n, u in used.items():
             if n not in usable or u > usable[n]:
-                raise AssertionError(f"policy {self.policy.name} over-allocated node {n}: "
-                                     f"{u} GPUs of {usable.get(n, 0)}")
+                raise AssertionError(
+                    f"policy {self.policy.name} over-allocated node {n}: {u} GPUs of {usable.get(n, 0)}"
+                )
 
     def _set(self, job: SimJob, alloc: list[int]) -> None:
         now = self.engine.now
@@ -227,7 +250,8 @@ class Simulation:
         self.log.placed(now, job, old, alloc)
         if alloc and job.recovery.checkpoint_s > 0 and math.isfinite(self.cfg.node_mtbf_s):
             job.checkpoint_interval_s = young_daly_interval(
-                job.recovery.checkpoint_s, self.cfg.node_mtbf_s / len(set(alloc)))
+                job.recovery.checkpoint_s, self.cfg.node_mtbf_s / len(set(alloc))
+            )
         self.timeline.changes.append((now, job.name, len(alloc)))
 
     def _record(self) -> None:
@@ -244,8 +268,9 @@ class Simulation:
     def cost_until(self, t: float) -> float:
         """What the nodes cost up to ``t`` (between the last completion and the round that
         sees it, a node that came up has not cost anything yet by ``t``)."""
-        return sum(n.cost + (max(0.0, t - n.up_since) * n.gpus * n.price / 3600 if n.up else 0.0)
-                   for n in self.nodes.values())
+        return sum(
+            n.cost + (max(0.0, t - n.up_since) * n.gpus * n.price / 3600 if n.up else 0.0) for n in self.nodes.values()
+        )
 
     def run(self) -> "SimResult":
         self.engine.run()
@@ -282,14 +307,19 @@ class SimResult:
         for i in range(len(tl.time)):
             start = tl.time[i - 1] if i else 0.0
             avail += (min(tl.time[i], end) - min(start, end)) * tl.available[i]
-        return cls(policy=sim.policy.name,
-                   jcts={j.name: j.completed - j.submitted for j in jobs},
-                   makespan_s=end - first, utilization=useful / held if held else 0.0,
-                   allocation=held / avail if avail else 0.0, gpu_hours=held / 3600,
-                   cost=sim.cost_until(end),
-                   restarts=sum(max(0, j.restarts) for j in jobs),
-                   failures=sum(j.failures for j in jobs), timeline=tl,
-                   events=sim.log.events)
+        return cls(
+            policy=sim.policy.name,
+            jcts={j.name: j.completed - j.submitted for j in jobs},
+            makespan_s=end - first,
+            utilization=useful / held if held else 0.0,
+            allocation=held / avail if avail else 0.0,
+            gpu_hours=held / 3600,
+            cost=sim.cost_until(end),
+            restarts=sum(max(0, j.restarts) for j in jobs),
+            failures=sum(j.failures for j in jobs),
+            timeline=tl,
+            events=sim.log.events,
+        )
 
     @property
     def avg_jct_s(self) -> float:
@@ -303,9 +333,15 @@ class SimResult:
         return values[min(len(values) - 1, math.ceil(0.99 * len(values)) - 1)]
 
     def summary(self) -> dict[str, float]:
-        return {"avg_jct_s": round(self.avg_jct_s, 1), "p99_jct_s": round(self.p99_jct_s, 1),
-                "makespan_s": round(self.makespan_s, 1),
-                "utilization": round(self.utilization, 4),
-                "allocation": round(self.allocation, 4),
-                "gpu_hours": round(self.gpu_hours, 2), "cost": round(self.cost, 2),
-                "jobs": len(self.jcts), "restarts": self.restarts, "failures": self.failures}
+        return {
+            "avg_jct_s": round(self.avg_jct_s, 1),
+            "p99_jct_s": round(self.p99_jct_s, 1),
+            "makespan_s": round(self.makespan_s, 1),
+            "utilization": round(self.utilization, 4),
+            "allocation": round(self.allocation, 4),
+            "gpu_hours": round(self.gpu_hours, 2),
+            "cost": round(self.cost, 2),
+            "jobs": len(self.jcts),
+            "restarts": self.restarts,
+            "failures": self.failures,
+        }

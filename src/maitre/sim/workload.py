@@ -54,8 +54,9 @@ def parse_workload(text: str, source: str = "workload") -> list[Arrival]:
     reader = csv.DictReader(io.StringIO(text))
     missing = [c for c in _COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
-        raise WorkloadError(source, [f"missing column(s) {', '.join(missing)} (a Pollux workload "
-                                     f"has {','.join(_COLUMNS)})"])
+        raise WorkloadError(
+            source, [f"missing column(s) {', '.join(missing)} (a Pollux workload has {','.join(_COLUMNS)})"]
+        )
     problems: list[str] = []
     jobs: list[Arrival] = []
     names: set[str] = set()
@@ -92,8 +93,7 @@ def pollux_workload(number: int, load: float = 1.0) -> Traversable:
     """The bundled file of Pollux workload ``number`` (1-8) at ``load`` (0.5, 1.0, 1.5, 2.0)."""
     folder = {0.5: "workloads-0.5", 1.0: "workloads", 1.5: "workloads-1.5", 2.0: "workloads-2.0"}
     if load not in folder or not 1 <= number <= 8:
-        raise ValueError(f"Pollux workloads are 1-8 at loads 0.5, 1.0, 1.5, 2.0; got {number} "
-                         f"at {load}")
+        raise ValueError(f"Pollux workloads are 1-8 at loads 0.5, 1.0, 1.5, 2.0; got {number} at {load}")
     return DATA / "pollux_workloads" / folder[load] / f"workload-{number}.csv"
 
 
@@ -111,8 +111,7 @@ class TraceArrival:
 _PHILLY_COLUMNS = ("timestamp", "duration", "num_gpus", "cluster")
 
 
-def load_philly(path: str | Traversable | None = None,
-                limit: int | None = None) -> list[TraceArrival]:
+def load_philly(path: str | Traversable | None = None, limit: int | None = None) -> list[TraceArrival]:
     """The Philly-derived trace (``timestamp,duration,num_gpus,gpu_time,cluster``): submission
     times in seconds from the first row, durations in seconds, teams from the virtual cluster."""
     from datetime import datetime, timezone
@@ -135,8 +134,7 @@ def load_philly(path: str | Traversable | None = None,
             t = datetime.fromisoformat(row["timestamp"]).replace(tzinfo=timezone.utc).timestamp()
             duration, gpus = float(row["duration"]), int(row["num_gpus"])
         except (TypeError, ValueError):
-            problems.append(f"line {line}: timestamp must be YYYY-MM-DD HH:MM:SS, duration and "
-                            "num_gpus numbers")
+            problems.append(f"line {line}: timestamp must be YYYY-MM-DD HH:MM:SS, duration and num_gpus numbers")
             continue
         if not (math.isfinite(duration) and duration > 0 and gpus >= 1):
             problems.append(f"line {line}: duration must be > 0 and num_gpus >= 1")
@@ -150,8 +148,7 @@ def load_philly(path: str | Traversable | None = None,
         raise WorkloadError(str(path), ["no jobs"])
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
-    return [TraceArrival(f"philly-{i}", t - t0, d, g, team)
-            for i, (t, d, g, team) in enumerate(rows)]
+    return [TraceArrival(f"philly-{i}", t - t0, d, g, team) for i, (t, d, g, team) in enumerate(rows)]
 
 
 def is_philly(path: str | Path) -> bool:

@@ -17,8 +17,10 @@ def identity(env: Mapping[str, str], slurm: Slurm) -> tuple[str, dict[str, str]]
     """(node name, labels) of the node this job step runs on; ValueError outside Slurm."""
     node = env.get("SLURMD_NODENAME")
     if not node or not env.get("SLURM_JOB_ID"):
-        raise ValueError("--slurm: not inside a Slurm job (no SLURMD_NODENAME/SLURM_JOB_ID); "
-                         "maitre up --slurm submits the agents itself")
+        raise ValueError(
+            "--slurm: not inside a Slurm job (no SLURMD_NODENAME/SLURM_JOB_ID); "
+            "maitre up --slurm submits the agents itself"
+        )
     try:
         found = inventory.read(slurm).node(node)
     except SlurmError as exc:

@@ -36,15 +36,20 @@ class Slurm:
         cmd = list(args)
         self.calls.append(cmd)
         try:
-            done = subprocess.run(cmd, env=None if self.env is None else dict(self.env),
-                                  capture_output=True, text=True, timeout=self.timeout_s,
-                                  stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                cmd,
+                env=None if self.env is None else dict(self.env),
+                capture_output=True,
+                text=True,
+                timeout=self.timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
         except FileNotFoundError:
-            raise SlurmError(cmd, f"{cmd[0]} is not installed (Slurm's client tools are needed "
-                             "on the coordinator's machine)") from None
+            raise SlurmError(
+                cmd, f"{cmd[0]} is not installed (Slurm's client tools are needed on the coordinator's machine)"
+            ) from None
         except subprocess.TimeoutExpired:
-            raise SlurmError(cmd, f"no answer within {self.timeout_s:g} s "
-                             "(is slurmctld reachable?)") from None
+            raise SlurmError(cmd, f"no answer within {self.timeout_s:g} s (is slurmctld reachable?)") from None
         if done.returncode != 0:
             lines = [ln for ln in (done.stderr or done.stdout).splitlines() if ln.strip()]
             raise SlurmError(cmd, lines[-1] if lines else f"exit status {done.returncode}")

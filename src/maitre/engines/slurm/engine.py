@@ -78,8 +78,14 @@ class Plan:
     """Requeued replica jobs Slurm holds back (``BeginTime``): to run as soon as there is room."""
 
 
-def plan(jobs: list[dict[str, Any]], nodes: dict[str, list[str]], have: list[ReplicaJob],
-         idle_scavenger: int, *, scavenger: bool = True) -> Plan:
+def plan(
+    jobs: list[dict[str, Any]],
+    nodes: dict[str, list[str]],
+    have: list[ReplicaJob],
+    idle_scavenger: int,
+    *,
+    scavenger: bool = True,
+) -> Plan:
     """What to submit and cancel. ``jobs``: the coordinator's job summaries; ``nodes``: each
     maitre node's workers; ``have``: the replica jobs Slurm has; ``idle_scavenger``: idle nodes
     in the scavenger partition."""
@@ -94,8 +100,7 @@ def plan(jobs: list[dict[str, Any]], nodes: dict[str, list[str]], have: list[Rep
     for job_id, job in sorted(live.items()):
         mine = by_job.get(job_id, [])
         indices = {r.index for r in mine}
-        out.release.extend(r.slurm_id for r in mine
-                           if r.state == "PENDING" and r.reason == "BeginTime")
+        out.release.extend(r.slurm_id for r in mine if r.state == "PENDING" and r.reason == "BeginTime")
         lo, hi = job["min_workers"], job["max_workers"]
         out.submit.extend(Submit(job_id, i, False) for i in range(lo) if i not in indices)
         extra = len(mine) - hi
@@ -132,8 +137,14 @@ def check(slurm: Slurm, cfg: SlurmConfig) -> inventory.Inventory:
 class SlurmEngine:
     """The loop (a thread of ``maitre up --slurm``) that applies :func:`plan` every interval."""
 
-    def __init__(self, client: Client, cfg: SlurmConfig, agent: AgentCommand,
-                 slurm: Slurm | None = None, inv: inventory.Inventory | None = None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        cfg: SlurmConfig,
+        agent: AgentCommand,
+        slurm: Slurm | None = None,
+        inv: inventory.Inventory | None = None,
+    ) -> None:
         self.client = client
         self.cfg = cfg
         self.agent = agent
@@ -159,8 +170,7 @@ class SlurmEngine:
     def once(self) -> Plan:
         """One pass; raises :class:`SlurmError` or :class:`CoordinatorUnreachable`."""
         jobs = self.client.get(protocol.JOBS)["jobs"]
-        nodes = {n["node"]: n["workers"] for n in self.client.get(protocol.NODES)["nodes"]
-                 if n["alive"]}
+        nodes = {n["node"]: n["workers"] for n in self.client.get(protocol.NODES)["nodes"] if n["alive"]}
         have = replicas.listed(self.slurm)
         idle = self._idle(self.cfg.scavenger) if self.cfg.scavenger else 0
         todo = plan(jobs, nodes, have, idle, scavenger=self.cfg.scavenger is not None)
@@ -172,10 +182,19 @@ class SlurmEngine:
         for s in todo.submit:
             part = self.cfg.scavenger if s.scavenger else self.cfg.partition
             assert part is not None
-            sid = replicas.submit(self.slurm, s.job, s.index, partition=part, agent=self.agent,
-                                  grace_s=self._grace_s(part), scavenger=s.scavenger,
-                                  log_dir=self.cfg.log_dir, qos=self.cfg.qos,
-                                  account=self.cfg.account, gpus=self.cfg.gpus_per_replica)
+            sid = replicas.submit(
+                self.slurm,
+                s.job,
+                s.index,
+                partition=part,
+                agent=self.agent,
+                grace_s=self._grace_s(part),
+                scavenger=s.scavenger,
+                log_dir=self.cfg.log_dir,
+                qos=self.cfg.qos,
+                account=self.cfg.account,
+                gpus=self.cfg.gpus_per_replica,
+            )
             log.info("sbatch %s in %s: Slurm job %s", replicas.name(s.job, s.index), part, sid)
         return todo
 

@@ -97,8 +97,7 @@ def parse_nodes(text: str, topology: dict[str, dict[str, str]] | None = None) ->
         if not line.startswith("NodeName="):
             continue
         f = fields(line)
-        features = tuple(x for x in f.get("AvailableFeatures", "").split(",")
-                         if x and x != "(null)")
+        features = tuple(x for x in f.get("AvailableFeatures", "").split(",") if x and x != "(null)")
         labels = dict((topology or {}).get(f["NodeName"], {}))
         for feat in features:
             m = re.fullmatch(r"(rack|block)[-_=]?(.+)", feat)
@@ -108,11 +107,17 @@ def parse_nodes(text: str, topology: dict[str, dict[str, str]] | None = None) ->
         kind = re.match(r"gpu:([A-Za-z][\w.-]*):\d", gres)
         if kind:
             labels["accelerator"] = kind.group(1)
-        nodes.append(SlurmNode(
-            name=f["NodeName"], cpus=int(f.get("CPUTot", "0") or 0), gpus=gpus(gres),
-            state=f.get("State", "unknown").lower(),
-            partitions=tuple(p for p in f.get("Partitions", "").split(",") if p),
-            features=features, labels=labels))
+        nodes.append(
+            SlurmNode(
+                name=f["NodeName"],
+                cpus=int(f.get("CPUTot", "0") or 0),
+                gpus=gpus(gres),
+                state=f.get("State", "unknown").lower(),
+                partitions=tuple(p for p in f.get("Partitions", "").split(",") if p),
+                features=features,
+                labels=labels,
+            )
+        )
     return nodes
 
 
@@ -134,10 +139,13 @@ def parse_partitions(text: str) -> dict[str, Partition]:
         f = fields(line)
         nodes = f.get("Nodes", "")
         parts[f["PartitionName"]] = Partition(
-            name=f["PartitionName"], priority_tier=int(f.get("PriorityTier", "1")),
-            preempt_mode=f.get("PreemptMode", "OFF"), grace_s=_seconds(f.get("GraceTime", "0")),
+            name=f["PartitionName"],
+            priority_tier=int(f.get("PriorityTier", "1")),
+            preempt_mode=f.get("PreemptMode", "OFF"),
+            grace_s=_seconds(f.get("GraceTime", "0")),
             nodes=tuple(expand(nodes)) if nodes and nodes != "(null)" else (),
-            state=f.get("State", "UP"))
+            state=f.get("State", "UP"),
+        )
     return parts
 
 
@@ -158,9 +166,10 @@ class Inventory:
     def partition(self, name: str) -> Partition:
         """The partition, or a :class:`SlurmError` that names the ones there are."""
         if name not in self.partitions:
-            raise SlurmError(["scontrol", "show", "partition", name],
-                             f"Partition {name!r} does not exist (Slurm has: "
-                             f"{', '.join(sorted(self.partitions)) or 'none'})")
+            raise SlurmError(
+                ["scontrol", "show", "partition", name],
+                f"Partition {name!r} does not exist (Slurm has: {', '.join(sorted(self.partitions)) or 'none'})",
+            )
         return self.partitions[name]
 
     def node(self, name: str) -> SlurmNode | None:

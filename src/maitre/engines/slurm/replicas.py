@@ -24,8 +24,17 @@ from maitre.engines.slurm.commands import Slurm
 
 PREFIX = "maitre-"
 _NAME = re.compile(r"maitre-(?P<job>[a-z0-9-]+)-(?P<index>\d+)")
-ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-          "RESIZING", "SUSPENDED", "COMPLETING"}
+ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "REQUEUED",
+    "REQUEUE_HOLD",
+    "REQUEUE_FED",
+    "RESIZING",
+    "SUSPENDED",
+    "COMPLETING",
+}
 
 
 def name(job: str, index: int) -> str:
@@ -63,10 +72,23 @@ class AgentCommand:
     def line(self, job: str, grace_s: float, scavenger: bool) -> str:
         """The agent of one of ``job``'s replica jobs: its node takes that job's workers only
         (``reserved_for``), so Slurm's record of the replica job is the job's own usage."""
-        cmd = [self.python, "-m", "maitre.cli", "agent", "--slurm",
-               "--coordinator", self.coordinator, "--token-file", self.token_file,
-               "--nproc-per-node", str(self.nproc_per_node),
-               "--sigterm-notice", f"{max(grace_s, 1.0):g}", "--label", f"reserved_for={job}"]
+        cmd = [
+            self.python,
+            "-m",
+            "maitre.cli",
+            "agent",
+            "--slurm",
+            "--coordinator",
+            self.coordinator,
+            "--token-file",
+            self.token_file,
+            "--nproc-per-node",
+            str(self.nproc_per_node),
+            "--sigterm-notice",
+            f"{max(grace_s, 1.0):g}",
+            "--label",
+            f"reserved_for={job}",
+        ]
         if self.tls_ca:
             cmd += ["--tls-ca", self.tls_ca]
         if scavenger:
@@ -74,13 +96,37 @@ class AgentCommand:
         return shlex.join(cmd)
 
 
-def submit(slurm: Slurm, job: str, index: int, *, partition: str, agent: AgentCommand,
-           grace_s: float, scavenger: bool, log_dir: str, qos: str | None = None,
-           account: str | None = None, gpus: int = 0) -> str:
+def submit(
+    slurm: Slurm,
+    job: str,
+    index: int,
+    *,
+    partition: str,
+    agent: AgentCommand,
+    grace_s: float,
+    scavenger: bool,
+    log_dir: str,
+    qos: str | None = None,
+    account: str | None = None,
+    gpus: int = 0,
+) -> str:
     """``sbatch`` one replica job; its Slurm job id (:class:`SlurmError` if sbatch refuses)."""
     wrap = f"srun --kill-on-bad-exit=0 {agent.line(job, grace_s, scavenger)} && exec sleep infinity"
-    cmd = ["sbatch", "--parsable", "--requeue", "--exclusive", "-N", "1", "-J", name(job, index),
-           "-p", partition, "-o", f"{log_dir}/%x-%j.log", "--open-mode=append"]
+    cmd = [
+        "sbatch",
+        "--parsable",
+        "--requeue",
+        "--exclusive",
+        "-N",
+        "1",
+        "-J",
+        name(job, index),
+        "-p",
+        partition,
+        "-o",
+        f"{log_dir}/%x-%j.log",
+        "--open-mode=append",
+    ]
     if qos:
         cmd += ["--qos", qos]
     if account:
@@ -102,8 +148,7 @@ def listed(slurm: Slurm) -> list[ReplicaJob]:
         owner = parse_name(parts[1])
         if owner is None or parts[3] not in ACTIVE:
             continue
-        found.append(ReplicaJob(parts[0], owner[0], owner[1], parts[2], parts[3], parts[4],
-                                parts[5]))
+        found.append(ReplicaJob(parts[0], owner[0], owner[1], parts[2], parts[3], parts[4], parts[5]))
     return found
 
 
