@@ -16,6 +16,9 @@ import pytest
 
 from maitre import protocol
 from maitre.agent.agent import Agent, WorkerBeats, _Worker
+from maitre.errors import ApiError
+from maitre.scheduling.lifecycle import JobState
+from maitre.wire import UnixClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,6 +41,11 @@ class _Coordinator(BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
+
+
+def orders(**fields: object) -> protocol.NodeOrders:
+    """A node's orders as the coordinator's answer brings them."""
+    return protocol.NodeOrders.model_validate(fields)
 
 
 def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once() -> None:
@@ -87,14 +95,14 @@ def test_a_start_order_that_comes_again_is_carried_out_once(monkeypatch) -> None
     lost on its way); the agent starts the worker once however often the order comes."""
     agent = Agent("127.0.0.1:1", "n0", 1)
     spawned: list[str] = []
-    monkeypatch.setattr(agent, "_spawn", lambda order: spawned.append(order["worker_id"]))
+    monkeypatch.setattr(agent, "_spawn", lambda order: spawned.append(order.worker_id))
     try:
-        order = {"worker_id": "j-w1", "job_id": "j"}
-        for _ in range(3):  # a beat's answer and a watch's may both carry it
-            agent._apply({"version": 0, "views": None, "start": [order], "kill": []}, time.monotonic())
-        agent._apply(
-            {"version": 1, "views": None, "start": [{**order, "worker_id": "j-w2"}], "kill": []}, time.monotonic()
+        order = protocol.StartOrder(
+            worker_id="j-w1", job_id="j", command=["true"], env={}, local_rank=0, slots=1, store="x:1", token="t"
         )
+        for _ in range(3):  # a beat's answer and a watch's may both carry it
+            agent._apply(orders(version=0, start=[order]), time.monotonic())
+        agent._apply(orders(version=1, start=[order.model_copy(update={"worker_id": "j-w2"})]), time.monotonic())
         deadline = time.monotonic() + 5
         while len(spawned) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -111,24 +119,45 @@ def test_a_restarted_coordinators_views_are_taken_though_its_count_starts_again(
     epoch close: a job stuck in rendezvous after a coordinator kill, found by the chaos run)."""
     agent = Agent("127.0.0.1:1", "n0", 1)
     try:
-        view = {"member_epoch": 7, "closed": False, "stop": False}
-        agent._apply(
-            {"version": 800, "boot": "old", "views": {"j-w1": view}, "start": [], "kill": []}, time.monotonic()
-        )
-        assert agent.version == 800 and agent.views["j-w1"]["member_epoch"] == 7
+        view = protocol.WorkerView(member_epoch=7)
+        agent._apply(orders(version=800, boot="old", views={"j-w1": view}), time.monotonic())
+        assert agent.version == 800 and agent.views["j-w1"].member_epoch == 7
         agent._poke.clear()
-        agent._apply(
-            {"version": 3, "boot": "new", "views": None, "start": [], "kill": []}, time.monotonic()
-        )  # "nothing changed since 800", in the new count
+        agent._apply(orders(version=3, boot="new"), time.monotonic())  # "nothing changed since 800", in the new count
         assert agent.version == -1 and agent._poke.is_set()  # the next request: since -1
+        closed = view.model_copy(update={"closed": True})
+        agent._apply(orders(version=4, boot="new", views={"j-w1": closed}), time.monotonic())
+        assert agent.version == 4 and agent.views["j-w1"].closed is True
         agent._apply(
-            {"version": 4, "boot": "new", "views": {"j-w1": {**view, "closed": True}}, "start": [], "kill": []},
-            time.monotonic(),
-        )
-        assert agent.version == 4 and agent.views["j-w1"]["closed"] is True
-        agent._apply(
-            {"version": 2, "boot": "new", "views": {"j-w1": view}, "start": [], "kill": []}, time.monotonic()
-        )  # an older answer of the new one: dropped
-        assert agent.version == 4 and agent.views["j-w1"]["closed"] is True
+            orders(version=2, boot="new", views={"j-w1": view}), time.monotonic()
+        )  # older, of the new: dropped
+        assert agent.version == 4 and agent.views["j-w1"].closed is True
     finally:
+        agent.stop(grace_s=0.5)
+
+
+def test_a_workers_beat_on_the_socket_gets_its_view_and_a_malformed_one_a_400() -> None:
+    """The node's socket speaks :class:`protocol.LocalBeat` in and :class:`protocol.AgentView`
+    out: a worker the coordinator said nothing of yet gets the empty view, then the one the
+    orders brought; a beat that is no LocalBeat is refused and changes nothing."""
+    agent = Agent("127.0.0.1:1", "n0", 1)
+    server = threading.Thread(target=agent._local.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    server.start()
+    client = UnixClient(agent.socket_path)
+    route = protocol.WORKER_HEARTBEAT.format(worker="j-w1")
+    try:
+        first = protocol.AgentView.model_validate(client.post(route, protocol.LocalBeat(step=3).model_dump()))
+        assert first == protocol.AgentView()  # no view yet, and nothing heard
+        view = protocol.WorkerView(job_state=JobState.RUNNING, epoch=2, member_epoch=2, change=True)
+        agent._apply(orders(version=1, views={"j-w1": view}), time.monotonic())
+        reply = protocol.AgentView.model_validate(client.post(route, {"step": 4, "trained_s": 1.5}))
+        assert reply.model_dump(exclude={"heard_s"}) == view.model_dump() and reply.heard_s is not None
+        assert agent.beats["j-w1"][0].step == 4
+        for bad in ({"step": -1}, {"step": "5"}, {"stalled": 1}, {"steps": 5}, {"proc": 5000}):
+            with pytest.raises(ApiError) as refused:
+                client.post(route, bad)
+            assert refused.value.status == 400 and "bad heartbeat" in refused.value.message, bad
+        assert agent.beats["j-w1"][0].step == 4 and list(agent.beats["j-w1"]) == [0]
+    finally:
+        agent._local.shutdown()
         agent.stop(grace_s=0.5)

@@ -50,7 +50,7 @@ class Sim:
         self.running: dict[str, set[str]] = {n: set() for n in nodes}
         self.down: set[str] = set()
         self.steps: dict[str, int] = {}
-        self.views: dict[str, dict] = {}
+        self.views: dict[str, p.WorkerView] = {}
         self.version: dict[str, int] = {n: -1 for n in nodes}
         self.labels: dict[str, dict[str, str]] = {}
         """Each node's labels, as its agent sends them (none by default)."""
@@ -126,17 +126,17 @@ class Sim:
                     ],
                 )
                 reply = self.co.node_heartbeat(node, beat)
-                if reply["start"] and node in self.lose_starts:
+                if reply.start and node in self.lose_starts:
                     self.lose_starts.discard(node)
                     continue
-                self.version[node] = reply["version"]
-                self.probe_asked[node] = reply.get("probe", False)
-                if reply["views"] is not None:
-                    self.views.update(reply["views"])
-                for wid in reply["kill"]:
+                self.version[node] = reply.version
+                self.probe_asked[node] = reply.probe
+                if reply.views is not None:
+                    self.views.update(reply.views)
+                for wid in reply.kill:
                     self._exit(node, wid, -9)
-                for order in reply["start"]:
-                    self.running[node].add(order["worker_id"])
+                for order in reply.start:
+                    self.running[node].add(order.worker_id)
                 held = sum(self.co._worker_job[w].workers[w].slots for w in self.running[node])
                 assert held <= self.slots[node], f"{node} over-committed: {self.running[node]}"
             for node in self.slots:
@@ -149,13 +149,11 @@ class Sim:
         ms = self.co._worker_job[wid]
         w = ms.workers[wid]
         hb = self.views[wid]
-        if hb["stop"]:
+        if hb.stop:
             self._exit(node, wid, 0)
             return
-        news = hb["member_epoch"] == w.epoch  # as the loop reads it: older views are stale
-        if w.state in (WorkerState.STARTING, WorkerState.READY) or (
-            news and (hb["closed"] or hb["change"] or hb["leave"])
-        ):
+        news = hb.member_epoch == w.epoch  # as the loop reads it: older views are stale
+        if w.state in (WorkerState.STARTING, WorkerState.READY) or (news and (hb.closed or hb.change or hb.leave)):
             answer = self.co.rendezvous(
                 wid, p.RendezvousRequest(from_epoch=w.epoch, wait_s=0, step=self.steps.get(wid, 0))
             )
@@ -475,7 +473,7 @@ def test_throughput_is_timed_by_when_steps_were_reached_not_by_when_beats_arrive
                     for w in sorted(sim.running[node])
                 ],
             )
-            sim.version[node] = sim.co.node_heartbeat(node, beat)["version"]
+            sim.version[node] = sim.co.node_heartbeat(node, beat).version
         sim.co.tick()
     assert ms.state.value == "RUNNING" and ms.epoch == epoch  # one stretch of training
     measured = managed.job.throughput[2]

@@ -340,8 +340,7 @@ def test_the_monitor_probes_at_start_then_when_asked_and_says_so_in_the_beat() -
     monitor.on_result = results.append
     assert monitor.beat() is None
     monitor.first()
-    assert monitor.beat() == {"id": 1, "ok": True, "detail": "fine", "seconds": results[0].seconds, "probe": "command"}
-    p.NodeHealth(**monitor.beat())  # the beat's shape
+    assert monitor.beat() == p.NodeHealth(id=1, ok=True, detail="fine", seconds=results[0].seconds, probe="command")
     monitor.start()
     try:
         time.sleep(0.2)

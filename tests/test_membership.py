@@ -34,13 +34,13 @@ def start(m: Membership, n: int, now: float = 1.0, node: str = "n0") -> list[str
     return wids
 
 
-def heartbeat(m: Membership, wid: str, t: float, step: int, stalled: bool) -> dict:
+def heartbeat(m: Membership, wid: str, t: float, step: int, stalled: bool) -> p.WorkerView:
     """A worker's heartbeat as it reaches the coordinator: its agent measures the rhythm and
     reports it with the step in the node's beat; the reply is the view the agent hands back."""
     beats = m.__dict__.setdefault("_agent", {}).setdefault(wid, WorkerBeats())
     beats.beat(t, step, stalled, 0.0)
     r = beats.report(wid, t)
-    m.progress(wid, t, step, stalled, 0.0, r["gap_mean_s"], r["gap_std_s"])
+    m.progress(wid, t, step, stalled, 0.0, r.gap_mean_s, r.gap_std_s)
     return m.view(wid, t)
 
 
@@ -139,7 +139,7 @@ def test_first_epoch_grace_for_starting_workers(third, t_open, expect_members):
         assert m.members == [w1, w2]
         if third == "starting":
             assert state(m, w3) == WorkerState.STARTING
-            assert heartbeat(m, w3, 3.1, 0, False)["member_epoch"] == 0
+            assert heartbeat(m, w3, 3.1, 0, False).member_epoch == 0
 
 
 def test_no_grace_when_nobody_is_starting():
@@ -178,14 +178,14 @@ def test_ranks_ordered_by_node_then_slot(placements, arrival_order, expected_ran
 def test_member_exit_closes_epoch_and_survivors_open_the_next():
     m = make(min_w=2, max_w=3)
     w1, w2, w3 = start(m, 3)
-    assert heartbeat(m, w1, 2.0, 5, False)["closed"] is False
+    assert heartbeat(m, w1, 2.0, 5, False).closed is False
     m.exited(w2, 1, "RuntimeError: CUDA error", 2.5)
     assert (m.state, m.failures, state(m, w2)) == (JobState.RENDEZVOUS, 1, WorkerState.DEAD)
     assert m.workers[w2].error == "RuntimeError: CUDA error"
     assert m.assignment(w2, 1) == {"action": "stop", "reason": "this worker was removed from the job"}
     hb = heartbeat(m, w1, 2.6, 5, True)
-    assert (hb["closed"], hb["epoch"], hb["member_epoch"], hb["stop"]) == (True, 1, 1, False)
-    assert heartbeat(m, w2, 2.6, 5, False)["stop"] is True
+    assert (hb.closed, hb.epoch, hb.member_epoch, hb.stop) == (True, 1, 1, False)
+    assert heartbeat(m, w2, 2.6, 5, False).stop is True
 
     m.arrive(w3, 1, 5, "allreduce failed", 3.0)
     assert not m.try_open_epoch(3.0)  # w1 is expected too
@@ -206,7 +206,7 @@ def test_member_exit_closes_epoch_and_survivors_open_the_next():
     assert m.failures == 1
     assert m.wants_workers() == 1  # a replacement for w2
     hb = heartbeat(m, w1, 3.2, 5, False)
-    assert (hb["closed"], hb["epoch"], hb["member_epoch"]) == (False, 2, 2)
+    assert (hb.closed, hb.epoch, hb.member_epoch) == (False, 2, 2)
 
 
 @pytest.mark.parametrize("order", ["agent_first", "survivors_first", "survivors_then_opened_try"])
@@ -383,8 +383,8 @@ def test_scale_down_marks_highest_ranks_leaving():
     ]
     assert m.assignment(w4, 1) == {"action": "leave"}
     hb3, hb1 = heartbeat(m, w3, 2.1, 9, False), heartbeat(m, w1, 2.1, 9, False)
-    assert (hb3["leave"], hb3["change"], hb3["closed"]) == (True, True, False)
-    assert (hb1["leave"], hb1["change"]) == (False, True)
+    assert (hb3.leave, hb3.change, hb3.closed) == (True, True, False)
+    assert (hb1.leave, hb1.change) == (False, True)
     assert m.wants_workers() == 0
 
     m.arrive(w4, 1, 9, "leave", 2.2)
@@ -399,7 +399,7 @@ def test_scale_down_marks_highest_ranks_leaving():
     assert (m.epoch, m.members, m.failures) == (2, [w1, w2], 0)
     assert state(m, w3) == WorkerState.LEFT and state(m, w4) == WorkerState.LEFT
     assert m.assignment(w2, 1)["world_size"] == 2
-    assert heartbeat(m, w1, 2.6, 9, False)["change"] is False
+    assert heartbeat(m, w1, 2.6, 9, False).change is False
 
 
 def test_scale_out_of_range_raises():
@@ -431,26 +431,26 @@ def test_heartbeat_change_when_a_ready_joiner_exists_and_members_below_target():
     for w in (w1, w2):
         m.arrive(w, 0, 0, "join", 1.0)
     assert m.try_open_epoch(1.0)  # nobody STARTING: no grace
-    assert heartbeat(m, w1, 1.1, 1, False)["change"] is False
+    assert heartbeat(m, w1, 1.1, 1, False).change is False
     (w3,) = add(m, [("n1", 0)], now=1.2)
-    assert heartbeat(m, w1, 1.3, 1, False)["change"] is False  # STARTING is not ready
+    assert heartbeat(m, w1, 1.3, 1, False).change is False  # STARTING is not ready
     m.arrive(w3, 0, 0, "join", 1.4)
     assert state(m, w3) == WorkerState.READY
     hb = heartbeat(m, w1, 1.5, 2, False)
-    assert (hb["change"], hb["closed"], hb["epoch"], hb["member_epoch"]) == (True, False, 1, 1)
+    assert (hb.change, hb.closed, hb.epoch, hb.member_epoch) == (True, False, 1, 1)
     hb3 = heartbeat(m, w3, 1.5, 0, False)
-    assert (hb3["closed"], hb3["member_epoch"], hb3["change"]) == (True, 0, True)
+    assert (hb3.closed, hb3.member_epoch, hb3.change) == (True, 0, True)
 
     # members stop at the step boundary and come to the round
     m.arrive(w1, 1, 2, "resize", 1.6)
     hb = heartbeat(m, w2, 1.65, 2, False)  # w2 has not arrived yet: its epoch is closed
-    assert (hb["closed"], hb["change"], hb["epoch"], hb["member_epoch"]) == (True, False, 1, 1)
+    assert (hb.closed, hb.change, hb.epoch, hb.member_epoch) == (True, False, 1, 1)
     m.arrive(w2, 1, 2, "resize", 1.7)
     assert m.try_open_epoch(1.7)
     assert m.members == [w1, w2, w3]
     for w in (w1, w3):
         hb = heartbeat(m, w, 1.8, 2, False)
-        assert (hb["closed"], hb["change"], hb["epoch"], hb["member_epoch"]) == (False, False, 2, 2)
+        assert (hb.closed, hb.change, hb.epoch, hb.member_epoch) == (False, False, 2, 2)
 
 
 def test_heartbeat_no_change_when_members_at_target():
@@ -461,9 +461,9 @@ def test_heartbeat_no_change_when_members_at_target():
     m.arrive(w4, 0, 0, "join", 1.7)  # arrive makes a STARTING worker READY
     assert state(m, w4) == WorkerState.READY
     assert m.change_pending() is False
-    assert heartbeat(m, w1, 1.8, 0, False)["change"] is False
+    assert heartbeat(m, w1, 1.8, 0, False).change is False
     m.scale(4, 1.9)
-    assert heartbeat(m, w1, 2.0, 0, False)["change"] is True
+    assert heartbeat(m, w1, 2.0, 0, False).change is True
 
 
 def test_leaving_member_left_out_of_next_epoch_sees_stale_member_epoch():
@@ -474,7 +474,7 @@ def test_leaving_member_left_out_of_next_epoch_sees_stale_member_epoch():
         m.arrive(w, 1, 3, "resize", 2.1)
     assert m.try_open_epoch(2.1)
     hb = heartbeat(m, w3, 2.2, 3, False)
-    assert (hb["epoch"], hb["member_epoch"], hb["closed"], hb["leave"]) == (2, 1, True, True)
+    assert (hb.epoch, hb.member_epoch, hb.closed, hb.leave) == (2, 1, True, True)
 
 
 # -- job outcomes -----------------------------------------------------------------------------------
@@ -491,7 +491,7 @@ def test_same_error_on_every_member_fails_the_job_with_it():
     assert m.failure == f"every worker failed with: {err}"
     assert m.failures == 1  # one lost epoch: far from max_restarts
     assert m.assignment(w1, 1) == {"action": "stop", "reason": m.failure}
-    assert heartbeat(m, w1, 2.2, 0, False)["stop"] is True
+    assert heartbeat(m, w1, 2.2, 0, False).stop is True
     assert m.wants_workers() == 0
     assert not m.try_open_epoch(2.3)
 
@@ -695,7 +695,7 @@ def test_member_told_to_leave_before_it_joined_its_epoch_ends_that_epoch() -> No
     assert m.assignment(w3, 0) == {"action": "leave"}
     m.left(w3, 2.1)
     assert m.state == JobState.RENDEZVOUS
-    assert heartbeat(m, w1, 2.2, 5, False)["closed"] is True
+    assert heartbeat(m, w1, 2.2, 5, False).closed is True
     for w in (w1, w2):
         m.arrive(w, 1, 5, "the coordinator closed the epoch", 2.3)
     assert m.try_open_epoch(2.3)
@@ -720,7 +720,7 @@ def test_suspend_waits_for_every_member_to_checkpoint():
     m.suspend("preempted", 2.0)
     assert m.state == JobState.SUSPENDING and m.open and m.wants_workers() == 0
     reply = heartbeat(m, a, 2.1, step=7, stalled=False)
-    assert reply["suspend"] and not reply["stop"] and not reply["change"]
+    assert reply.suspend and not reply.stop and not reply.change
     m.done(a, 8, 2.5, suspended=True)
     assert m.state == JobState.SUSPENDING  # b still training
     m.done(b, 8, 2.6, suspended=True)

@@ -28,7 +28,7 @@ class SpotSim(Sim):
     def _worker(self, node: str, wid: str) -> None:
         ms = self.co._worker_job[wid]
         view = self.views[wid]
-        if view["suspend"] and wid in ms.members and not view["stop"]:
+        if view.suspend and wid in ms.members and not view.stop:
             self.co.worker_done(wid, p.DoneRequest(step=self.steps.get(wid, 0), suspended=True))
             self._exit(node, wid, 0)
             return

@@ -24,9 +24,11 @@ Step-boundary decisions never pass through the coordinator: they ride in the gra
 
 Requests are validated here (``extra="forbid"``: a misspelt field is an error, not ignored;
 ``strict``: ``"2"`` or ``true`` is no integer); the coordinator's API (:mod:`maitre.control.api`)
-turns every problem into a 4xx whose JSON body names the field. Replies are plain models too;
-the worker's side reads them with a small stdlib client (:mod:`maitre.wire`), so the training
-process needs no HTTP library.
+turns every problem into a 4xx whose JSON body names the field. Replies are models too, and
+their readers parse them (the agent its :class:`NodeOrders`, the worker its :class:`AgentView`):
+a reader ignores fields it does not know, so an agent or a worker one version behind the
+coordinator still reads its answers. The worker's side talks with a small stdlib client
+(:mod:`maitre.wire`), so the training process needs no HTTP library.
 """
 
 from __future__ import annotations
@@ -206,7 +208,9 @@ class _Request(BaseModel):
 
 
 class _Reply(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A reader ignores the fields it does not know (a newer sender's: see the docstring); the
+    # schema still says that this coordinator sends none but these.
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"additionalProperties": False})
 
 
 # -- errors ----------------------------------------------------------------------------------
@@ -538,21 +542,49 @@ class StartOrder(_Reply):
 
 
 class WorkerView(_Reply):
-    """What a worker must know between two steps (the agent hands it over at 10 Hz)."""
+    """What a worker must know between two steps (the agent hands it over at 10 Hz). The
+    defaults are the view of a worker the coordinator said nothing about yet."""
 
-    job_state: JobState
-    epoch: int
-    member_epoch: int
-    closed: bool
+    job_state: JobState | None = None
+    """The job's state (None: no view came yet)."""
+    epoch: int = 0
+    """The job's membership epoch."""
+    member_epoch: int = 0
+    """The epoch the worker is a member of (a view of an older one is stale news)."""
+    closed: bool = False
     """The worker's epoch is over (a peer died, hung or left): abandon the collective."""
-    change: bool
+    change: bool = False
     """Stop at the next step boundary and rendezvous (a joiner is ready, a member leaves)."""
-    leave: bool
-    stop: bool
-    suspend: bool
+    leave: bool = False
+    stop: bool = False
+    suspend: bool = False
     """Checkpoint after the current step and exit."""
-    failures: int
-    age_s: float
+    failures: int = 0
+    """The job's failures so far, and its age: the checkpoint interval's failure rate."""
+    age_s: float = 0.0
+
+
+class LocalBeat(_Request):
+    """A worker process's heartbeat to its agent (:data:`WORKER_HEARTBEAT`, on the node's
+    unix socket, 10 a second)."""
+
+    step: int = Field(0, ge=0)
+    """Its committed steps."""
+    stalled: bool = False
+    """Waiting in a collective past its stall threshold."""
+    trained_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Seconds it spent in steps that committed."""
+    proc: int = Field(0, ge=0, le=4096)
+    """Its index among its replica's processes (the agent tells them apart by it)."""
+
+
+class AgentView(WorkerView):
+    """The agent's answer to a :class:`LocalBeat`: the worker's view as the coordinator last
+    sent it, and how old that word is."""
+
+    heard_s: float | None = None
+    """Seconds since the agent sent the request the coordinator answered last (None: none
+    answered yet): the worker's loop does not commit a step on older news than it needs."""
 
 
 class NodeOrders(_Reply):

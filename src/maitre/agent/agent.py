@@ -56,6 +56,8 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
+from pydantic import ValidationError
+
 from maitre import protocol
 from maitre.agent import netaddr, warmstart
 from maitre.agent.health import HealthMonitor
@@ -137,46 +139,37 @@ class WorkerBeats:
         self.last, self.step, self.stalled, self.trained_s = now, step, stalled, trained_s
         return changed
 
-    def report(self, worker_id: str, now: float) -> dict[str, Any]:
-        return {
-            "id": worker_id,
-            "step": self.step,
-            "stalled": self.stalled,
-            "trained_s": round(self.trained_s, 4),
-            "silent_s": None if self.last is None else round(max(0.0, now - self.last), 4),
-            "gap_mean_s": round(min(self.gap_mean, 3600.0), 4),
-            "gap_std_s": round(min(math.sqrt(self.gap_var), 3600.0), 4),
-        }
+    def report(self, worker_id: str, now: float) -> protocol.WorkerBeat:
+        return protocol.WorkerBeat(
+            id=worker_id,
+            step=self.step,
+            stalled=self.stalled,
+            trained_s=round(self.trained_s, 4),
+            silent_s=None if self.last is None else round(max(0.0, now - self.last), 4),
+            gap_mean_s=round(min(self.gap_mean, 3600.0), 4),
+            gap_std_s=round(min(math.sqrt(self.gap_var), 3600.0), 4),
+        )
 
 
-def _report(wid: str, procs: dict[int, WorkerBeats], now: float) -> dict[str, Any]:
+def _report(wid: str, procs: dict[int, WorkerBeats], now: float) -> protocol.WorkerBeat:
     """A worker as its processes' beats tell it: a replica is as far as its slowest process,
     stalled if any is, and as silent as its most silent one (a hung process hangs it)."""
+    if not procs:  # started, not heard from yet
+        return protocol.WorkerBeat(id=wid)
     if len(procs) == 1:
         return next(iter(procs.values())).report(wid, now)
     parts = [b.report(wid, now) for b in procs.values()]
-    heard = [r for r in parts if r["silent_s"] is not None]
-    worst = max(heard, key=lambda r: r["silent_s"]) if heard else parts[0]
-    return {
-        **worst,
-        "step": min(r["step"] for r in parts),
-        "stalled": any(r["stalled"] for r in parts),
-        "trained_s": min(r["trained_s"] for r in parts),
-    }
+    heard = [r for r in parts if r.silent_s is not None]
+    worst = max(heard, key=lambda r: r.silent_s or 0.0) if heard else parts[0]
+    return worst.model_copy(
+        update={
+            "step": min(r.step for r in parts),
+            "stalled": any(r.stalled for r in parts),
+            "trained_s": min(r.trained_s for r in parts),
+        }
+    )
 
 
-_NO_VIEW = {
-    "job_state": "",
-    "epoch": 0,
-    "member_epoch": 0,
-    "closed": False,
-    "change": False,
-    "leave": False,
-    "stop": False,
-    "suspend": False,
-    "failures": 0,
-    "age_s": 0.0,
-}
 _BEAT_ROUTE = re.compile(
     re.escape(protocol.API + protocol.WORKER_HEARTBEAT).replace(r"\{worker\}", "(?P<w>[A-Za-z0-9_.-]+)")
 )
@@ -238,7 +231,7 @@ class Agent:
         heartbeat reply says how long ago that was (``heard_s``)."""
         self.beats: dict[str, dict[int, WorkerBeats]] = {}
         """Each worker's processes' beats (one, or each process of a replica's)."""
-        self.views: dict[str, dict[str, Any]] = {}
+        self.views: dict[str, protocol.WorkerView] = {}
         self._poke = threading.Event()
         self._dir = Path(tempfile.mkdtemp(prefix="maitre-agent-"))  # mode 0700: ours only
         self.socket_path = str(self._dir / "agent.sock")
@@ -333,10 +326,15 @@ class Agent:
                     {"since": self.version, "wait_s": 30.0},
                     timeout_s=45.0,
                 )
+                orders = protocol.NodeOrders.model_validate(reply)
             except (CoordinatorUnreachable, ApiError):  # restarting, or not yet beaten to
                 self._stop.wait(0.5)
                 continue
-            self._apply(reply, sent)
+            except ValidationError as exc:  # (the next beat says so, and ends the agent)
+                log.error("node %s: the coordinator's orders cannot be read: %s", self.node_id, exc)
+                self._stop.wait(0.5)
+                continue
+            self._apply(orders, sent)
 
     def stop(self, grace_s: float = 3.0, drain_s: float = 0.0) -> None:
         """Stop heartbeating and end the workers: first wait up to ``drain_s`` for them to exit
@@ -403,36 +401,41 @@ class Agent:
         now = time.monotonic()
         running = self.running()
         with self._lock:
-            workers = [_report(wid, self.beats[wid], now) if wid in self.beats else {"id": wid} for wid in running]
-        body: dict[str, Any] = {
-            "slots": self.slots,
-            "labels": self.labels,
-            "workers": workers,
-            "since": self.version,
-            "interval_s": self.heartbeat_s,
-            "agent": self.agent_id,
-        }
+            workers = [_report(wid, self.beats.get(wid, {}), now) for wid in running]
         notice = self.notices.current if self.notices is not None else None
-        if notice is not None:
-            left = 0.0 if self._going else notice.remaining_s(self.notices.clock())
-            body["notice"] = {"notice_s": round(left, 3), "action": notice.action[:64], "source": notice.source[:500]}
-        health = self.health.beat() if self.health is not None else None
-        if health is not None:
-            body["health"] = health
+        beat = protocol.NodeBeat(
+            slots=self.slots,
+            labels=protocol.Labels(**self.labels),
+            workers=workers,
+            since=self.version,
+            interval_s=self.heartbeat_s,
+            agent=self.agent_id,
+            notice=None
+            if notice is None
+            else protocol.SpotNotice(
+                notice_s=round(0.0 if self._going else notice.remaining_s(self.notices.clock()), 3),
+                action=notice.action[:64],
+                source=notice.source[:500],
+            ),
+            health=self.health.beat() if self.health is not None else None,
+        )
         sent = time.monotonic()
         try:
-            reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id), body)
+            reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id), beat.model_dump(mode="json"))
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
-        self._apply(reply, sent)
+        try:
+            orders = protocol.NodeOrders.model_validate(reply)
+        except ValidationError as exc:
+            raise RuntimeError(f"node {self.node_id}: the coordinator's orders cannot be read: {exc}") from None
+        self._apply(orders, sent)
 
-    def _apply(self, orders: dict[str, Any], sent: float) -> None:
+    def _apply(self, orders: protocol.NodeOrders, sent: float) -> None:
         """Carry out the node's orders (from a beat or a watch, in whichever order they come:
         views older than the ones applied are dropped), the answer to a request sent at
         ``sent``. A start order is carried out once, however often it comes."""
         with self._lock:
-            views = orders.get("views")
-            boot = orders.get("boot")
+            views, boot = orders.views, orders.boot
             recount = bool(boot) and self.boot is not None and boot != self.boot
             if boot:
                 self.boot = boot
@@ -441,75 +444,73 @@ class Agent:
             if recount and views is None:  # (views "unchanged since" a count not its own)
                 self._poke.set()  # ask again at once, since -1: every view comes
             else:
-                if views is not None and orders["version"] >= self.version:
+                if views is not None and orders.version >= self.version:
                     for wid in set(self.views) - set(views):  # no longer live for it
-                        self.views[wid] = {**self.views[wid], "stop": True}
+                        self.views[wid] = self.views[wid].model_copy(update={"stop": True})
                     self.views.update(views)
-                self.version = max(self.version, orders["version"])
+                self.version = max(self.version, orders.version)
                 # With the views it brought (or none: nothing changed since ``since``).
                 self.heard_at = sent if self.heard_at is None else max(self.heard_at, sent)
-            start = [o for o in orders.get("start", []) if o["worker_id"] not in self._ordered]
-            self._ordered.update(o["worker_id"] for o in start)
+            start = [o for o in orders.start if o.worker_id not in self._ordered]
+            self._ordered.update(o.worker_id for o in start)
         for order in start:  # off this thread: a start must not delay a beat
             threading.Thread(target=self._spawn, args=(order,), name="maitre-spawn", daemon=True).start()
-        for wid in orders.get("kill", []):
+        for wid in orders.kill:
             w = self.workers.get(wid)
             if w is not None:
                 w.signal(signal.SIGKILL)
-        if orders.get("probe") and self.health is not None:
+        if orders.probe and self.health is not None:
             self.health.request()
 
-    def worker_beat(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
+    def worker_beat(self, wid: str, beat: protocol.LocalBeat) -> protocol.AgentView:
         """A worker's heartbeat on the local socket; returns its view."""
         now = time.monotonic()
         with self._lock:
             procs = self.beats.setdefault(wid, {})
-            index = int(body.get("proc", 0))
-            beats = procs.get(index)
+            beats = procs.get(beat.proc)
             if beats is None:
-                beats = procs[index] = WorkerBeats()
-            news = beats.beat(
-                now, int(body.get("step", 0)), bool(body.get("stalled", False)), float(body.get("trained_s", 0.0))
-            )
-            view = self.views.get(wid, _NO_VIEW)
+                beats = procs[beat.proc] = WorkerBeats()
+            news = beats.beat(now, beat.step, beat.stalled, beat.trained_s)
+            view = self.views.get(wid)
             heard = self.heard_at
         if news:
             self._poke.set()
-        return {**view, "heard_s": None if heard is None else round(max(0.0, now - heard), 4)}
+        heard_s = None if heard is None else round(max(0.0, now - heard), 4)
+        return protocol.AgentView(**(view.model_dump() if view is not None else {}), heard_s=heard_s)
 
-    def _spawn(self, order: dict) -> None:
-        wid = order["worker_id"]
-        env = {**os.environ, **self.extra_env, **order.get("env", {})}
+    def _spawn(self, order: protocol.StartOrder) -> None:
+        wid = order.worker_id
+        env = {**os.environ, **self.extra_env, **order.env}
         env.update(netaddr.worker_env(self.coordinator, env, self.iface))  # peers reach it
         for key in ("RANK", "WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)  # known only per membership epoch
         # The worker holds its run's token, never the agent's: it opens that worker's own routes
         # and store only (a training script is the user's code).
         env.pop(protocol.TOKEN_FILE, None)
-        env[protocol.TOKEN] = order["token"]
+        env[protocol.TOKEN] = order.token
         if self.tls_ca:
             env[protocol.TLS_CA] = str(Path(self.tls_ca).resolve())
-        nproc = int(order.get("nproc", 1))
+        nproc = order.nproc
         env.update(
             {
                 protocol.COORDINATOR: self.coordinator,
                 protocol.WORKER_ID: wid,
-                protocol.JOB_ID: order["job_id"],
-                protocol.STORE: self._store_address(order["store"]),
-                protocol.STORE_KEY: order.get("store_key", ""),
+                protocol.JOB_ID: order.job_id,
+                protocol.STORE: self._store_address(order.store),
+                protocol.STORE_KEY: order.store_key,
                 protocol.AGENT: self.socket_path,
                 "LOCAL_WORLD_SIZE": str(self.slots),
-                "TORCHELASTIC_RUN_ID": order["job_id"],
+                "TORCHELASTIC_RUN_ID": order.job_id,
                 "PYTHONUNBUFFERED": "1",
             }
         )
         if nproc > 1:
-            env.update({protocol.NPROC: str(nproc), protocol.MESH: order.get("mesh", "")})
+            env.update({protocol.NPROC: str(nproc), protocol.MESH: order.mesh})
         env.setdefault("OMP_NUM_THREADS", "1")
-        per = max(1, order.get("slots", 1) // nproc)  # slots (GPUs) of each process
+        per = max(1, order.slots // nproc)  # slots (GPUs) of each process
         procs: list[Any] = []
         for i in range(nproc):
-            first = order["local_rank"] + i * per
+            first = order.local_rank + i * per
             mine = {
                 **env,
                 "LOCAL_RANK": str(first),
@@ -519,12 +520,12 @@ class Agent:
             if nproc > 1:
                 mine[protocol.PROC] = str(i)
             try:
-                if warmstart.enabled(mine) and warmstart.warm_target(order["command"]):
-                    procs.append(warmstart.WarmProcess(order["command"], mine))
+                if warmstart.enabled(mine) and warmstart.warm_target(order.command):
+                    procs.append(warmstart.WarmProcess(order.command, mine))
                 else:
                     procs.append(
                         subprocess.Popen(
-                            order["command"],
+                            order.command,
                             env=mine,
                             stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE,
@@ -535,12 +536,12 @@ class Agent:
             except OSError as exc:  # no such program, not executable: the job's error, not ours
                 for p in procs:
                     _signal(p, signal.SIGKILL)
-                self.output(wid, f"maitre: cannot start {order['command'][0]!r}: {exc}\n")
+                self.output(wid, f"maitre: cannot start {order.command[0]!r}: {exc}\n")
                 threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"), daemon=True).start()
                 return
         worker = _Worker(wid, *procs)
         with self._lock:
-            self.views[wid] = dict(self.views.get(wid, _NO_VIEW))
+            self.views.setdefault(wid, protocol.WorkerView())
         for proc in procs:
             worker.threads += [
                 threading.Thread(target=self._pump, args=(worker, proc.stdout, False), daemon=True),
@@ -630,15 +631,16 @@ class _LocalHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         match = _BEAT_ROUTE.fullmatch(self.path)
-        status, reply = 404, {"error": f"no route POST {self.path}"}
+        data = json.dumps({"error": f"no route POST {self.path}"}).encode()
+        status = 404
         try:
             length = int(self.headers.get("Content-Length") or 0)
-            body = json.loads(self.rfile.read(min(length, 1 << 16)) or b"{}") if length else {}
-            if match and isinstance(body, dict):
-                status, reply = 200, self.server.agent.worker_beat(match["w"], body)
-        except (ValueError, TypeError) as exc:
-            status, reply = 400, {"error": f"bad heartbeat: {exc}"}
-        data = json.dumps(reply).encode()
+            body = self.rfile.read(min(length, 1 << 16)) if length > 0 else b""
+            if match:
+                beat = protocol.LocalBeat.model_validate_json(body or b"{}")
+                status, data = 200, self.server.agent.worker_beat(match["w"], beat).model_dump_json().encode()
+        except ValueError as exc:  # (pydantic's ValidationError is one)
+            status, data = 400, json.dumps({"error": f"bad heartbeat: {exc}"}).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))

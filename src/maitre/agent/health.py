@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from maitre import protocol
+
 __all__ = ["HealthConfig", "HealthMonitor", "Prober", "Result", "command", "judge", "run_child"]
 
 log = logging.getLogger("maitre.agent.health")
@@ -219,19 +221,15 @@ class HealthMonitor:
         """Probe now (once: requests while one runs are the same request)."""
         self._wake.set()
 
-    def beat(self) -> dict[str, Any] | None:
-        """The latest result as :class:`maitre.protocol.NodeHealth`'s fields."""
+    def beat(self) -> protocol.NodeHealth | None:
+        """The latest result, as the node's beat carries it."""
         with self._lock:
             r, count = self.latest, self.count
         if r is None:
             return None
-        return {
-            "id": count,
-            "ok": r.ok,
-            "detail": r.detail[-_MAX_DETAIL:],
-            "seconds": min(r.seconds, 86400.0),
-            "probe": r.probe,
-        }
+        return protocol.NodeHealth(
+            id=count, ok=r.ok, detail=r.detail[-_MAX_DETAIL:], seconds=min(float(r.seconds), 86400.0), probe=r.probe
+        )
 
     def _loop(self) -> None:
         while not self._stop.is_set():

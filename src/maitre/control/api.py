@@ -37,7 +37,7 @@ from typing import Annotated, Any, Callable
 from fastapi import Body, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
@@ -284,15 +284,15 @@ def build_app(co: Coordinator, token: str | None = None) -> FastAPI:
         co.when_durable(need, staged, lambda error: loop.call_soon_threadsafe(settle, error))
         await future
 
-    async def beat(node: str, beat: p.NodeBeat) -> dict[str, Any]:
+    async def beat(node: str, beat: p.NodeBeat) -> p.NodeOrders:
         return await now(Coordinator.node_heartbeat, node, beat)
 
     @route("POST", p.NODE_HEARTBEAT, p.NodeOrders)
     async def node_heartbeat(beat: p.NodeBeat, node: Name) -> Any:  # (served by the lane)
-        return Response(json.dumps(await beat(node, beat)), media_type="application/json")
+        return Response((await beat(node, beat)).model_dump_json(), media_type="application/json")
 
     @route("POST", p.NODE_WATCH, p.NodeOrders)
-    async def node_watch(req: p.WatchRequest, node: Name) -> dict[str, Any]:
+    async def node_watch(req: p.WatchRequest, node: Name) -> p.NodeOrders:
         if node not in co.nodes:
             raise NotFound(f"no node {node!r}: it has not sent a heartbeat", "path.node")
         deadline = asyncio.get_running_loop().time() + req.wait_s
@@ -482,7 +482,8 @@ class _Gate:
         except Exception as exc:  # a bug: say so, keep serving
             log.exception("coordinator bug answering %s", name)
             return _error(500, f"{type(exc).__name__}: {exc}")
-        return Response(json.dumps(reply), media_type="application/json")
+        body = reply.model_dump_json() if isinstance(reply, BaseModel) else json.dumps(reply)
+        return Response(body, media_type="application/json")
 
 
 class CoordinatorServer:

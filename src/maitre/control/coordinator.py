@@ -201,7 +201,7 @@ class Coordinator:
         self._spare_jobs: set[str] = set()
         """Jobs whose runs keep warm spares (the only ones a node's orders look at for them)."""
         self._pending_kills: dict[str, set[str]] = {}
-        self._unacked: dict[str, dict[str, tuple[dict[str, Any], float]]] = {}
+        self._unacked: dict[str, dict[str, tuple[p.StartOrder, float]]] = {}
         """Per node, the start orders (and when each was last sent) that no beat of its agent
         has listed the worker of yet: an answer can be lost (its agent died with a watch
         pending, a link dropped it), so each is sent again until the agent runs the worker."""
@@ -380,7 +380,7 @@ class Coordinator:
 
     # -- agents ----------------------------------------------------------------------------------
     @acknowledged
-    def node_heartbeat(self, node: str, beat: p.NodeBeat) -> dict[str, Any]:
+    def node_heartbeat(self, node: str, beat: p.NodeBeat) -> p.NodeOrders:
         """An agent's beat: its node, and what each of its workers is doing. Returns its
         orders: workers to start and to kill, and its workers' views when they changed."""
         labels = beat.labels.given()
@@ -588,14 +588,14 @@ class Coordinator:
         return self._node_version.get(node, 0)
 
     @acknowledged
-    def node_orders(self, node: str, since: int) -> dict[str, Any]:
+    def node_orders(self, node: str, since: int) -> p.NodeOrders:
         """A watch's answer: the node's orders as of now (the node must have beaten once)."""
         with self.lock:
             if node not in self.nodes:
                 raise NotFound(f"no node {node!r}: it has not sent a heartbeat", "path.node")
             return self._orders(node, since, self.clock())
 
-    def _orders(self, node: str, since: int, now: float) -> dict[str, Any]:
+    def _orders(self, node: str, since: int, now: float) -> p.NodeOrders:
         info = self.nodes[node]
         running: set[str] = info.get("running", set())
         kill = sorted(self._pending_kills.pop(node, set()))
@@ -629,11 +629,11 @@ class Coordinator:
         if fresh:  # (most beats start nothing)
             unacked = self._unacked.setdefault(node, {})
             for order in fresh:
-                unacked[order["worker_id"]] = (order, now)
+                unacked[order.worker_id] = (order, now)
             start += fresh
         self._flush()  # (may bump this node: the views below are as of the version returned)
         version = self._node_version.setdefault(node, 0)
-        views = None
+        views: dict[str, p.WorkerView] | None = None
         if version > since or start:
             here = self._on_node.get(node, set())  # with the workers just started
             views = {
@@ -641,16 +641,16 @@ class Coordinator:
                 for wid in sorted(here)
                 if self._worker_job[wid].workers[wid].state in LIVE
             }
-        return {
-            "version": version,
-            "boot": self.boot,
-            "start": start,
-            "kill": kill,
-            "views": views,
-            "probe": self.cluster.wants_probe(node),
-        }
+        return p.NodeOrders(
+            version=version,
+            boot=self.boot,
+            start=start,
+            kill=kill,
+            views=views,
+            probe=self.cluster.wants_probe(node),
+        )
 
-    def _resent(self, node: str, running: set[str], beat_at: float, now: float) -> list[dict[str, Any]]:
+    def _resent(self, node: str, running: set[str], beat_at: float, now: float) -> list[p.StartOrder]:
         """The start orders of ``node`` to send again: those whose worker is still starting and
         that a beat which came :data:`_RESEND_AFTER_S` after them did not list."""
         unacked = self._unacked.get(node)
@@ -673,12 +673,12 @@ class Coordinator:
                 again.append(order)
         return again
 
-    def _start_orders(self, node: str, slots: int, used: set[int], now: float) -> list[dict[str, Any]]:
+    def _start_orders(self, node: str, slots: int, used: set[int], now: float) -> list[p.StartOrder]:
         state = self.cluster.nodes.get(node)
         if state is None or not state.takes_work:
             return []
         candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
-        start: list[dict[str, Any]] = []
+        start: list[p.StartOrder] = []
         for job in candidates:
             want = job.wants_workers()
             per = 1
@@ -702,7 +702,7 @@ class Coordinator:
                 start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per), used))
         return start + self._start_spares(node, slots, used, now)
 
-    def _start_order(self, job: Membership, worker: Worker, used: set[int]) -> dict[str, Any]:
+    def _start_order(self, job: Membership, worker: Worker, used: set[int]) -> p.StartOrder:
         slot, per = worker.slot, worker.slots
         used.update(range(slot, slot + per))
         if job.spec.nproc_per_replica > 1 and self.stores is not None:
@@ -712,21 +712,21 @@ class Coordinator:
         self._touch(job.spec.job_id)
         return self._order(job, worker)
 
-    def _order(self, job: Membership, worker: Worker) -> dict[str, Any]:
+    def _order(self, job: Membership, worker: Worker) -> p.StartOrder:
         """What the agent needs to start ``worker``."""
-        return {
-            "worker_id": worker.id,
-            "job_id": job.spec.job_id,
-            "command": job.spec.command,
-            "env": dict(job.spec.env),
-            "local_rank": worker.slot,
-            "slots": worker.slots,
-            "store": self.store_address,
-            "token": job.spec.token,
-            "store_key": job.spec.run_key,
-            "nproc": job.spec.nproc_per_replica,
-            "mesh": job.spec.mesh,
-        }
+        return p.StartOrder(
+            worker_id=worker.id,
+            job_id=job.spec.job_id,
+            command=job.spec.command,
+            env=dict(job.spec.env),
+            local_rank=worker.slot,
+            slots=worker.slots,
+            store=self.store_address,
+            token=job.spec.token,
+            store_key=job.spec.run_key,
+            nproc=job.spec.nproc_per_replica,
+            mesh=job.spec.mesh,
+        )
 
     # -- warm spares (see maitre.control.membership) ---------------------------------------------
     def _spares_here(self, node: str) -> list[Worker]:
@@ -736,7 +736,7 @@ class Coordinator:
             if (w := self._worker_job[wid].workers[wid]).spare and w.state in LIVE
         ]
 
-    def _start_spares(self, node: str, slots: int, used: set[int], now: float) -> list[dict[str, Any]]:
+    def _start_spares(self, node: str, slots: int, used: set[int], now: float) -> list[p.StartOrder]:
         """Spares of the jobs that want some, on this node's slots that no allocation holds (so
         the scheduler, which counts them free, never waits for them)."""
         wanting = [
@@ -754,7 +754,7 @@ class Coordinator:
             for j in self.cluster.allocated_on(node)
         )
         room = slots - allocated - sum(w.slots for w in self._spares_here(node))
-        start = []
+        start: list[p.StartOrder] = []
         for ms in wanting:
             per = self.cluster.slots_per_worker(ms.spec.job_id)
             for _ in range(ms.spares_wanted()):

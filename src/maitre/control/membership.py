@@ -55,6 +55,7 @@ import copy
 from enum import Enum
 from typing import Any
 
+from maitre import protocol as p
 from maitre.control import detectors
 from maitre.control.detectors import DetectorConfig
 from maitre.scheduling.lifecycle import JobState
@@ -481,22 +482,22 @@ class Membership:
                 self._stalled = max(0, self._stalled + (1 if stalled else -1))
             w.stalled = stalled
 
-    def view(self, wid: str, now: float) -> dict[str, Any]:
-        """What the worker must know between two steps (see :class:`maitre.protocol.WorkerView`)."""
+    def view(self, wid: str, now: float) -> p.WorkerView:
+        """What the worker must know between two steps."""
         w = self._worker(wid)
         closed = w.state not in (WorkerState.ACTIVE, WorkerState.LEAVING) or w.epoch != self.epoch or not self.open
-        return {
-            "job_state": self.state.value,
-            "epoch": self.epoch,
-            "member_epoch": w.epoch,
-            "closed": closed,
-            "change": self.change_pending(),
-            "leave": w.state == WorkerState.LEAVING,
-            "stop": w.state == WorkerState.DEAD or self.over,
-            "suspend": self.suspending is not None,
-            "failures": self.failures,
-            "age_s": round(now - self.created_at, 3),
-        }
+        return p.WorkerView(
+            job_state=self.state,
+            epoch=self.epoch,
+            member_epoch=w.epoch,
+            closed=closed,
+            change=self.change_pending(),
+            leave=w.state == WorkerState.LEAVING,
+            stop=w.state == WorkerState.DEAD or self.over,
+            suspend=self.suspending is not None,
+            failures=self.failures,
+            age_s=round(now - self.created_at, 3),
+        )
 
     def change_pending(self) -> bool:
         """Members should stop at the next step boundary and rendezvous."""

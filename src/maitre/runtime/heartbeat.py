@@ -18,14 +18,19 @@ one step that must not commit on old news (see ``ElasticLoop._confirm_epoch``).
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from maitre.protocol import WORKER_HEARTBEAT
+from pydantic import ValidationError
+
+from maitre.protocol import WORKER_HEARTBEAT, AgentView, LocalBeat
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
+
+log = logging.getLogger("maitre.runtime.heartbeat")
 
 
 @dataclass(slots=True)
@@ -64,6 +69,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self.progress = progress
         self.view = CoordinatorView()
+        self._unreadable = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="maitre-heartbeat", daemon=True)
 
@@ -79,26 +85,28 @@ class Heartbeat:
         while not self._stop.is_set():
             step, stalled, trained_s = self.progress()
             asked = time.monotonic()
+            beat = LocalBeat(step=step, stalled=stalled, proc=self.proc, trained_s=round(trained_s, 4))
             try:
-                reply = self.client.post(
-                    WORKER_HEARTBEAT.format(worker=self.worker_id),
-                    {"step": step, "stalled": stalled, "proc": self.proc, "trained_s": round(trained_s, 4)},
-                    timeout_s=2.0,
+                reply = AgentView.model_validate(
+                    self.client.post(WORKER_HEARTBEAT.format(worker=self.worker_id), beat.model_dump(), timeout_s=2.0)
                 )
             except (CoordinatorUnreachable, ApiError):
                 pass  # keep the last view: the current epoch trains on
+            except ValidationError as exc:  # an agent of another version: the same, said once
+                if not self._unreadable:
+                    log.warning("worker %s: its agent's answers cannot be read: %s", self.worker_id, exc)
+                self._unreadable = True
             else:
-                heard_s = reply.get("heard_s")
                 self.view = CoordinatorView(
-                    member_epoch=int(reply.get("member_epoch", 0)),
-                    closed=bool(reply["closed"]),
-                    change=bool(reply["change"]),
-                    leave=bool(reply["leave"]),
-                    stop=bool(reply["stop"]),
-                    suspend=bool(reply.get("suspend", False)),
-                    job_state=str(reply["job_state"]),
-                    failures=int(reply.get("failures", 0)),
-                    age_s=float(reply.get("age_s", 0.0)),
-                    heard_at=-math.inf if heard_s is None else asked - float(heard_s),
+                    member_epoch=reply.member_epoch,
+                    closed=reply.closed,
+                    change=reply.change,
+                    leave=reply.leave,
+                    stop=reply.stop,
+                    suspend=reply.suspend,
+                    job_state="" if reply.job_state is None else reply.job_state.value,
+                    failures=reply.failures,
+                    age_s=reply.age_s,
+                    heard_at=-math.inf if reply.heard_s is None else asked - reply.heard_s,
                 )
             self._stop.wait(self.interval_s)
