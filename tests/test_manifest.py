@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
 
 from maitre.scheduling.model import JobState, Topology
-from maitre.scheduling.spec import ManifestError, parse_manifest
+from maitre.scheduling.spec import ManifestError, manifest_from_record, manifest_record, parse_manifest
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -257,3 +258,20 @@ def test_stragglers_and_spares() -> None:
         with pytest.raises(ManifestError) as err:
             parse_manifest({**base, **change})
         assert words in str(err.value), (change, str(err.value))
+
+
+def test_a_stored_manifest_reads_back_equal_whatever_the_classes_are_now() -> None:
+    """The store's record keeps the priority resolved at submission: a class renumbered since
+    does not move a stored job, and a record an older coordinator wrote (absent fields as
+    null, no stragglers) still reads."""
+    named = parse_manifest(
+        {"name": "a", "queue": "q", "priorityClassName": "team", "command": "python x.py", "stragglers": {"z": 4}},
+        priority_classes={"team": 500},
+    )
+    record = manifest_record(named)
+    assert record["priority"] == 500 and record["stragglers"]["z"] == 4 and "checkpointDir" not in record
+    assert manifest_from_record(json.loads(json.dumps(record))) == named
+    older = {"name": "b", "queue": "q", "priority": 100, "minReplicas": 1, "maxReplicas": 2, "gpusPerReplica": 1}
+    older |= {"nprocPerReplica": 1, "mesh": None, "preemptible": True, "gracePeriodSeconds": 30.0, "topology": None}
+    older |= {"command": ["python", "x.py"], "checkpointDir": None, "spares": 0}
+    assert manifest_from_record(older) == parse_manifest({k: v for k, v in older.items() if v is not None})

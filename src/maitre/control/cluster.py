@@ -65,7 +65,7 @@ from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
 from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
-from maitre.scheduling.spec import JobManifest
+from maitre.scheduling.spec import JobManifest, manifest_record
 
 
 @dataclass(slots=True)
@@ -129,6 +129,26 @@ class ManagedJob:
     @property
     def id(self) -> str:
         return self.job.id
+
+    def record_key(self) -> tuple[Any, ...]:
+        """What the store must have of the job as soon as it changes (its progress and
+        accounting wait for the next save of progress): a pass saves the jobs whose key it
+        moved."""
+        j = self.job
+        return (
+            self.incarnation,
+            self.workers_started,
+            self.generation,
+            self.suspended_run,
+            self.held,
+            self.admitted_at,
+            self.ended_at,
+            self.suspend_deadline,
+            j.state,
+            j.max_replicas,
+            j.last_resize_at,
+            tuple(sorted(j.placement.items())),
+        )
 
 
 class ClusterState:
@@ -777,24 +797,8 @@ class ClusterState:
 
     # -- persistence -----------------------------------------------------------------------------
     def job_extra(self, m: ManagedJob, ms: Membership | None) -> dict[str, Any]:
-        man = m.manifest
         return {
-            "manifest": {
-                "name": man.name,
-                "queue": man.queue,
-                "priority": man.priority,
-                "minReplicas": man.min_replicas,
-                "maxReplicas": man.max_replicas,
-                "gpusPerReplica": man.gpus_per_replica,
-                "nprocPerReplica": man.nproc_per_replica,
-                "mesh": None if man.mesh is None else {"dp_shard": man.mesh.dp_shard, "tp": man.mesh.tp},
-                "preemptible": man.preemptible,
-                "gracePeriodSeconds": man.grace_period_s,
-                "topology": None if man.topology is None else {"level": man.topology.level, "mode": man.topology.mode},
-                "command": list(man.command),
-                "checkpointDir": man.checkpoint_dir,
-                "spares": man.spares,
-            },
+            "manifest": manifest_record(m.manifest),
             "incarnation": m.incarnation,
             "workers_started": m.workers_started,
             "generation": m.generation,

@@ -52,7 +52,7 @@ from maitre.scheduling.assign import free_slot
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Node
 from maitre.scheduling.policy import schedule
-from maitre.scheduling.spec import ManifestError, parse_manifest
+from maitre.scheduling.spec import ManifestError, manifest_from_record, parse_manifest
 
 if TYPE_CHECKING:  # (torch: the controller itself never imports it)
     from maitre.control.storedoor import Stores
@@ -1008,7 +1008,7 @@ class Coordinator:
         some, self._to_save = self._to_save[:_SAVES_PER_TICK], self._to_save[_SAVES_PER_TICK:]
         self._persist(set(some))
 
-    def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, dict[str, int]], tuple[Any, ...]]:
+    def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, tuple[Any, ...]], tuple[Any, ...]]:
         """A pass, under the lock: dead nodes, the jobs brought up to date, what the policy
         will see (and the fingerprint it is made on)."""
         cluster = self.cluster
@@ -1022,20 +1022,25 @@ class Coordinator:
             )
         for node in cluster.cool_suspects(now):
             self._bump(node)
+        synced = {m.id: m.record_key() for m in cluster.managed.values()}
         cluster.sync(self.jobs, now)
-        before = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
+        placed = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
         view, jobs = cluster.prepare(now)
         for m in cluster.managed.values():
-            if m.job.placement != before.get(m.id):  # repaired: its agents start workers
+            if m.job.placement != placed.get(m.id):  # repaired: its agents start workers
                 for node in m.job.placement:
                     self._bump(node)
+            if m.record_key() != synced.get(m.id):  # (a suspension or an end acted on, a repair)
                 self._touch(m.id, persist=True)
         cluster.index_allocations()
+        before = {m.id: m.record_key() for m in cluster.managed.values()}
         return view, jobs, before, cluster.fingerprint()
 
-    def _end_pass(self, plan: Any, before: dict[str, dict[str, int]], now: float) -> None:
-        """The plan carried out, under the lock, and the accounting."""
+    def _end_pass(self, plan: Any, before: dict[str, tuple[Any, ...]], now: float) -> None:
+        """The plan carried out, under the lock, and the accounting (``before``: each job's
+        :meth:`ManagedJob.record_key` as the plan was made)."""
         cluster = self.cluster
+        placed = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
         for kind, _, membership in cluster.apply(plan, self.jobs, now):
             if kind == "start":
                 self._install(membership)
@@ -1043,9 +1048,10 @@ class Coordinator:
             m.workers_started = max(
                 m.workers_started, self.jobs[m.id].workers_added if m.id in self.jobs and m.incarnation else 0
             )
-            if m.job.placement != before.get(m.id):
-                for node in set(m.job.placement) | set(before.get(m.id, {})):
+            if m.job.placement != placed.get(m.id):
+                for node in set(m.job.placement) | set(placed.get(m.id, {})):
                     self._bump(node)  # start orders (or a shrink) for its agent
+            if m.record_key() != before.get(m.id):
                 self._touch(m.id, persist=True)
             else:
                 self._touch(m.id)  # sync and the plan may have moved its membership
@@ -1191,6 +1197,8 @@ class Coordinator:
             if m is None:
                 continue
             ms = self.jobs.get(m.id) if m.incarnation else None
+            if ms is not None:  # (workers it started since the last pass: their ids are taken)
+                m.workers_started = max(m.workers_started, ms.workers_added)
             extra = self.cluster.job_extra(m, ms)
             text = json.dumps(
                 [extra, m.job.state.value, m.job.placement, m.job.max_replicas, m.job.throughput, m.job.last_resize_at],
@@ -1215,7 +1223,7 @@ class Coordinator:
             cluster.node_beat(node, now)
             self.nodes[node.name] = {"slots": node.slots, "registered_at": now, "last_heartbeat": now}
         for job, extra in self.db.jobs():
-            manifest = parse_manifest({k: v for k, v in extra["manifest"].items() if v is not None})
+            manifest = manifest_from_record(extra["manifest"])
             job.attained_slot_s = extra.get("attained_slot_s", 0.0)
             managed = ManagedJob(
                 manifest,

@@ -301,6 +301,24 @@ class JobManifest(_Fields):
         )
 
 
+def manifest_record(manifest: JobManifest) -> dict[str, Any]:
+    """The manifest as the coordinator's store keeps it: every field, by the names a manifest
+    spells, as parsed (its priority resolved). :func:`manifest_from_record` reads it back."""
+    return manifest.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def manifest_from_record(record: dict[str, Any]) -> JobManifest:
+    """A stored manifest, equal to the one stored: its priority is the one resolved at
+    submission, whatever the priority classes are now. Older records wrote absent fields as
+    null, and some fields not at all (they take their defaults)."""
+    doc = {k: v for k, v in record.items() if v is not None}
+    named = doc.get("priorityClassName")
+    classes = None
+    if named is not None and "priority" in doc:
+        classes = {named: doc.pop("priority")}
+    return JobManifest.model_validate(doc, context={"priority_classes": classes})
+
+
 def _classes(info: ValidationInfo) -> dict[str, int]:
     classes: dict[str, int] | None = (info.context or {}).get("priority_classes")
     return PRIORITY_CLASSES if classes is None else classes
