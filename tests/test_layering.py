@@ -180,3 +180,93 @@ def test_no_import_cycle_between_the_packages_modules() -> None:
         if module not in done:
             walk(module, [module])
     assert not cycles, "\n".join(cycles)
+
+
+LIFECYCLE = {
+    # a managed job's lifecycle (maitre.control.job): its placement, bounds, deadlines, runs
+    "placement",
+    "last_resize_at",
+    "min_replicas",
+    "max_replicas",
+    "suspend_deadline",
+    "held",
+    "admitted_at",
+    "ended_at",
+    "suspended_run",
+    "incarnation",
+    "workers_started",
+    "generation",
+}
+RUN = {"target", "min_workers", "max_workers"}
+"""A run's size and bounds: its membership's own, and the job module's."""
+WRITERS = {
+    "control/job.py": LIFECYCLE | RUN | {"move"},
+    # the run moves the job's state (epochs, its end); ``ended_at``: its workers' own
+    "control/membership.py": RUN | {"move", "ended_at"},
+}
+NOT_THE_COORDINATORS = ("scheduling/", "sim/")
+"""The policy and the simulator change their own copies of jobs (the pass hands the policy
+copies; the simulator has no coordinator)."""
+
+
+def _writes(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, attribute)`` of each write of an attribute in LIFECYCLE | RUN: assigned (alone,
+    in a tuple, augmented), an item set or deleted, a mutating method called on it, and each
+    call of ``.move()`` (the job's state)."""
+    watched = LIFECYCLE | RUN
+    out = []
+
+    def target(node: ast.AST) -> None:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                target(elt)
+        elif isinstance(node, ast.Attribute) and node.attr in watched:
+            out.append((node.lineno, node.attr))
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Attribute) and node.value.attr in watched:
+            out.append((node.lineno, node.value.attr))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                target(t)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            target(node.target)
+        elif isinstance(node, ast.Delete):
+            for t in node.targets:
+                target(t)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if node.func.attr == "move" and (
+                ast.unparse(owner).endswith("job") or any("JobState" in ast.unparse(a) for a in node.args)
+            ):
+                out.append((node.lineno, "move"))  # (a job's: job.move(...), m.job.move(JobState.X))
+            elif (
+                node.func.attr in ("pop", "update", "clear", "setdefault", "popitem", "__setitem__")
+                and isinstance(owner, ast.Attribute)
+                and owner.attr in watched
+            ):
+                out.append((node.lineno, owner.attr))
+    return out
+
+
+def test_a_jobs_lifecycle_is_written_by_the_job_module_only() -> None:
+    """Nothing but :mod:`maitre.control.job` writes a managed job's placement, bounds,
+    deadlines or runs, or moves its state (its running membership moves the state, and owns its
+    own target): the other modules call the job's verbs. A constructor's own ``self.x = ...``
+    in ``__init__`` is a new object, not a write of a job's."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if rel.startswith(NOT_THE_COORDINATORS):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        inits = {
+            n.lineno
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef) and f.name == "__init__"
+            for n in ast.walk(f)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+        }
+        allowed = WRITERS.get(rel, set())
+        found += [f"{rel}:{line}: {attr}" for line, attr in _writes(tree) if attr not in allowed and line not in inits]
+    assert not found, "lifecycle written outside maitre.control.job:\n" + "\n".join(found)

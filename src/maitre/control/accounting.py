@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 from maitre.control.membership import LIVE, Membership
 
 if TYPE_CHECKING:
-    from maitre.control.cluster import ClusterState, ManagedJob
+    from maitre.control.cluster import ClusterState
+    from maitre.control.job import ManagedJob
 
 THROUGHPUT_WINDOW_S = 4.0
 """Shortest stretch of uninterrupted training a throughput sample is taken over."""

@@ -47,7 +47,6 @@ and persists what changed (:mod:`maitre.control.store`).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections import Counter
@@ -60,12 +59,13 @@ from maitre.control.accounting import Usage, account, measure
 from maitre.control.detectors import DetectorConfig, PhiAccrual, PhiConfig
 from maitre.control.drain import Reclaim, decide
 from maitre.control.health import NodeHealth, Probe
+from maitre.control.job import ManagedJob
 from maitre.control.membership import JobSpec, Membership, Worker, WorkerState
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
 from maitre.scheduling.policy import FreeSlots, Plan, PolicyConfig, place, schedule
-from maitre.scheduling.spec import JobManifest, manifest_record
+from maitre.scheduling.spec import JobManifest
 
 
 @dataclass(slots=True)
@@ -92,63 +92,6 @@ class NodeState:
 DEFAULT_PRICES = {"on-demand": 2.5, "spot": 0.75}
 """Per slot (GPU) hour, by capacity type: ``maitre up``'s defaults (``--price``), the same as
 the simulator's (``maitre simulate --price/--spot-price``): spot at 30% of on-demand."""
-
-
-@dataclass(slots=True)
-class ManagedJob:
-    """A submitted job: its manifest, the policy's view of it and its current incarnation."""
-
-    manifest: JobManifest
-    job: Job
-    incarnation: int = 0
-    """Admissions so far; each runs a fresh membership (a resume after a suspension is one)."""
-    workers_started: int = 0
-    suspended_run: int = 0
-    """The last incarnation whose suspension the cluster acted on (freed its slots, logged)."""
-    held: bool = False
-    """Suspended by a user (``maitre suspend``): not admitted again until resumed."""
-    generation: int = 0
-    """How many earlier jobs had this name (each gets its own data ledger)."""
-    suspend_deadline: float | None = None
-    admitted_at: float | None = None
-    ended_at: float | None = None
-    """When the cluster saw the job end (COMPLETED, FAILED or CANCELLED) and freed its slots."""
-    productive_s: float = 0.0
-    """Wall seconds the job spent in steps that committed (its effective training time)."""
-    history: list[Membership] = field(default_factory=list)
-    """Earlier incarnations (their workers' time still counts in the accounting)."""
-    env: dict[str, str] = field(default_factory=dict)
-    """Its workers' environment beyond the cluster's (given by the submitter in process, as
-    ``maitre run`` gives its checkpoint settings and ledger; not part of the manifest)."""
-    seen_trained: dict[str, float] = field(default_factory=dict)
-    window: tuple[int, int, int, float] | None = None
-    """(incarnation, epoch, step, time) where the current throughput sample began: the time
-    that step was reached, NaN until the epoch's first step is."""
-    last_waiting: str = ""
-
-    @property
-    def id(self) -> str:
-        return self.job.id
-
-    def record_key(self) -> tuple[Any, ...]:
-        """What the store must have of the job as soon as it changes (its progress and
-        accounting wait for the next save of progress): a pass saves the jobs whose key it
-        moved."""
-        j = self.job
-        return (
-            self.incarnation,
-            self.workers_started,
-            self.generation,
-            self.suspended_run,
-            self.held,
-            self.admitted_at,
-            self.ended_at,
-            self.suspend_deadline,
-            j.state,
-            j.max_replicas,
-            j.last_resize_at,
-            tuple(sorted(j.placement.items())),
-        )
 
 
 class ClusterState:
@@ -335,7 +278,7 @@ class ClusterState:
                 continue
             ms = memberships.get(m.id) if m.incarnation else None
             d = decide(m, ms, node, reason)
-            m.job.placement = d.placement
+            m.place(d.placement)
             changed.add(m.id)
             if d.kind == "leave":
                 assert ms is not None
@@ -348,7 +291,7 @@ class ClusterState:
             elif d.kind == "suspend":
                 assert ms is not None
                 ms.suspend(d.reason, now)
-                m.suspend_deadline = min(now + m.job.grace_period_s, now + within_s)
+                m.suspending(min(now + m.job.grace_period_s, now + within_s))
                 self.log(now, "suspend", job=m.id, reason=d.reason)
             elif d.kind == "blocked":
                 self.log(now, "drain_blocked", job=m.id, node=node, reason=d.reason)
@@ -446,11 +389,7 @@ class ClusterState:
             )
             return None
         ms.release(worker, now)
-        left = m.job.placement.get(node, 0) - 1
-        if left > 0:
-            m.job.placement[node] = left
-        else:
-            m.job.placement.pop(node, None)
+        m.give_up(node)
         self.log(now, "evict", job=job_id, worker=worker, node=node, reason=reason)
         promoted = ms.promote_spare(worker, now, avoid_node=node)
         if promoted is not None:  # a warm spare comes in at the step boundary the worker leaves at
@@ -473,8 +412,7 @@ class ClusterState:
                 ms.scale(size, now)
             self.log(now, "replace_waiting", job=m.id, reason=f"{reason}: no free slot")
             return None
-        for n, r in where.items():
-            m.job.placement[n] = m.job.placement.get(n, 0) + r
+        m.grow(where)
         self.log(now, "repair", job=m.id, placement=dict(m.job.placement), reason=reason)
         self.index_allocations()
         return dict(where)
@@ -505,10 +443,13 @@ class ClusterState:
         job = manifest.job(now)
         if manifest.checkpoint_dir is None:  # nothing to resume from: never suspend it
             job.preemptible = False
-        managed = ManagedJob(manifest, job, env=dict(env or {}))
-        if old is not None:  # the name is reused: worker ids go on, history is dropped
-            managed.workers_started = old.workers_started
-            managed.generation = old.generation + 1
+        managed = ManagedJob(  # a name reused: worker ids go on, history is dropped
+            manifest,
+            job,
+            env=dict(env or {}),
+            workers_started=0 if old is None else old.workers_started,
+            generation=0 if old is None else old.generation + 1,
+        )
         self.managed[manifest.name] = managed
         self.log(
             now,
@@ -579,15 +520,12 @@ class ClusterState:
             spare = ms.workers[wid]
             if spare.spare or spare.state not in (WorkerState.STARTING, WorkerState.READY, WorkerState.ACTIVE):
                 continue  # lost meanwhile (it may be in its epoch already: that is no loss)
-            place[spare.node] = place.get(spare.node, 0) + 1
+            m.grow({spare.node: 1})
             held = Counter(w.node for w in ms.live_workers() if w.state != WorkerState.LEAVING)
             gone = ms.workers[replacing].node if replacing in ms.workers else None
             unfilled = [n for n in place if place[n] > held[n]]
             if unfilled:
-                node = gone if gone in unfilled else max(unfilled, key=lambda n: (place[n] - held[n], n))
-                place[node] -= 1
-                if not place[node]:
-                    del place[node]
+                m.give_up(gone if gone in unfilled else max(unfilled, key=lambda n: (place[n] - held[n], n)))
             changed = True
             self.log(
                 now, "spare_assigned", job=m.id, worker=wid, replacing=replacing, node=spare.node, placement=dict(place)
@@ -608,26 +546,23 @@ class ClusterState:
             job = m.job
             # Lost (or shrunk) nodes take their allocation with them.
             lost = [n for n in job.placement if not self._alive(n) or n in self._withdraw]
-            for name in lost:
-                del job.placement[name]
+            m.lose_nodes(lost)
             if ms is None:
                 continue
             self.take_spares(m, ms, now)  # (before the lost nodes' replicas are counted)
-            if lost and not ms.over:
-                ms.target = max(ms.spec.min_workers, min(ms.spec.max_workers, job.replicas))
+            if lost:
+                m.retarget(ms)
             account(m, ms)
             # The run moved the job (to an end, or suspended): free its slots, once.
             if job.state.ended:
-                m.ended_at, job.placement = now, {}
+                m.ended(now)
                 self.log(now, "job_" + job.state.value.lower(), job=m.id, reason=ms.failure or "", step=self._step(ms))
                 continue
             if job.state == JobState.SUSPENDED:
-                if m.suspended_run != m.incarnation:
-                    m.suspended_run, job.placement, m.suspend_deadline = m.incarnation, {}, None
+                if m.suspended():
                     self.log(now, "job_suspended", job=m.id, step=self._step(ms))
                 continue
-            if job.state == JobState.SUSPENDING and m.suspend_deadline is not None and now > m.suspend_deadline:
-                m.suspend_deadline = None
+            if m.grace_expired(now):
                 for w in ms.live_workers():
                     ms.evict(w.id, f"grace period of {job.grace_period_s:.0f}s ran out", now)
                 self.log(now, "grace_expired", job=m.id)
@@ -644,13 +579,10 @@ class ClusterState:
         self._withdraw.clear()  # sync() has withdrawn their allocations
         jobs = [m.job for m in self.managed.values() if not m.job.state.ended and not (m.held and m.job.state.waiting)]
         cluster = self.cluster()
-        for j in repair(cluster, jobs):  # before anything else is scheduled
-            self.log(now, "repair", job=j.id, placement=dict(j.placement))
-        copies = []
-        for j in jobs:
-            c = copy.copy(j)
-            c.placement, c.throughput = dict(j.placement), dict(j.throughput)
-            copies.append(c)
+        copies = [dataclasses.replace(j, placement=dict(j.placement), throughput=dict(j.throughput)) for j in jobs]
+        for c in repair(cluster, copies):  # before anything else is scheduled
+            self.managed[c.id].place(c.placement)
+            self.log(now, "repair", job=c.id, placement=dict(c.placement))
         return cluster, copies
 
     def fingerprint(self) -> tuple[Any, ...]:
@@ -684,17 +616,12 @@ class ClusterState:
             job = m.job
             new = dict(action.placement)
             if action.kind == "admit":
-                m.incarnation += 1
-                ms = Membership(self.incarnation_spec(m), self.detector, now, m.workers_started, job)
-                ms.target = sum(new.values())
-                old = memberships.get(m.id)
-                if old is not None:
-                    old.archive()
-                    m.history.append(old)
-                job.move(JobState.ADMITTED)
-                job.placement, job.last_resize_at = new, now
-                m.admitted_at = m.admitted_at if m.admitted_at is not None else now
-                m.window = None
+                ms = m.admit(
+                    new,
+                    now,
+                    lambda m=m: Membership(self.incarnation_spec(m), self.detector, now, m.workers_started, m.job),
+                    memberships.get(m.id),
+                )
                 out.append(("start", m.id, ms))
                 self.log(
                     now,
@@ -707,7 +634,7 @@ class ClusterState:
             elif action.kind in ("grow", "shrink"):
                 ms = memberships[m.id]
                 leave = self._leavers(ms, job.placement, new) if action.kind == "shrink" else None
-                job.placement, job.last_resize_at = new, now
+                m.resize(new, now)
                 try:
                     ms.scale(sum(new.values()), now, leave=leave)
                 except ValueError as exc:  # the membership ended meanwhile
@@ -720,7 +647,7 @@ class ClusterState:
                     ms.suspend(action.reason, now)  # the job is SUSPENDING
                 except ValueError:  # its run stopped meanwhile: the next sync sees how
                     continue
-                m.suspend_deadline = now + job.grace_period_s
+                m.suspending(now + job.grace_period_s)
                 self.log(now, "suspend", job=m.id, reason=action.reason)
             elif action.kind == "preempting" and action.reason != m.last_waiting:
                 m.last_waiting = action.reason
@@ -741,26 +668,13 @@ class ClusterState:
 
     # -- user requests ---------------------------------------------------------------------------
     def cancel(self, job_id: str, ms: Membership | None, now: float) -> None:
-        m = self._get(job_id)
-        if m.job.state.ended:
-            raise ValueError(f"job {job_id} is already {m.job.state.value}")
-        if ms is not None and not ms.over:
-            ms.cancel("cancelled by request", now)  # tells its workers to stop
-        else:  # queued, or suspended: no run to stop
-            m.job.move(JobState.CANCELLED)
-        m.ended_at, m.job.placement = now, {}
+        self._get(job_id).cancel(ms, now)
         self.log(now, "job_cancelled", job=job_id)
 
-    def set_max(self, job_id: str, replicas: int, now: float) -> None:
+    def set_max(self, job_id: str, replicas: int, ms: Membership | None, now: float) -> None:
         """``maitre scale`` on a managed job: a new ceiling (the policy shrinks it now if above,
-        and grows it up to the ceiling when slots are idle)."""
-        m = self._get(job_id)
-        if m.job.state.ended:
-            raise ValueError(f"job {job_id} is {m.job.state.value}")
-        if not m.job.min_replicas <= replicas:
-            raise ValueError(f"job {job_id}: {replicas} is below its minReplicas {m.job.min_replicas}")
-        m.job.max_replicas = replicas
-        m.job.last_resize_at = -math.inf  # a user's request is not damped
+        and grows it up to the ceiling when slots are idle); ``ms``: its run."""
+        self._get(job_id).set_max(replicas, ms)
         self.log(now, "max_replicas", job=job_id, replicas=replicas)
 
     def shrink_to_max(self, job_id: str, ms: Membership | None, now: float) -> list[str]:
@@ -777,8 +691,7 @@ class ClusterState:
             excess -= take
         new = {n: r for n, r in new.items() if r}
         leave = self._leavers(ms, m.job.placement, new)
-        ms.spec.max_workers = m.job.max_replicas
-        m.job.placement = new
+        m.shrink_to_max(new, ms)
         return ms.scale(sum(new.values()), now, leave=leave)
 
     def _get(self, job_id: str) -> ManagedJob:
@@ -796,23 +709,6 @@ class ClusterState:
         return max((w.step for w in ms.workers.values()), default=0)
 
     # -- persistence -----------------------------------------------------------------------------
-    def job_extra(self, m: ManagedJob, ms: Membership | None) -> dict[str, Any]:
-        return {
-            "manifest": manifest_record(m.manifest),
-            "incarnation": m.incarnation,
-            "workers_started": m.workers_started,
-            "generation": m.generation,
-            "suspended_run": m.suspended_run,
-            "held": m.held,
-            "admitted_at": m.admitted_at,
-            "ended_at": m.ended_at,
-            "productive_s": m.productive_s,
-            "attained_slot_s": m.job.attained_slot_s,
-            "suspend_deadline": m.suspend_deadline,
-            "env": dict(m.env),
-            "membership": None if ms is None else ms.to_json(),
-            "history": [h.to_json() for h in m.history],
-        }
 
 
 def node_labels(node: Node) -> dict[str, str]:

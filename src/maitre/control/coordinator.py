@@ -40,10 +40,11 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from maitre import protocol as p
 from maitre.control import accounting
-from maitre.control.cluster import ClusterState, ManagedJob
+from maitre.control.cluster import ClusterState
 from maitre.control.detectors import DetectorConfig
 from maitre.control.eventlog import EventLog
 from maitre.control.health import Probe, Suspect
+from maitre.control.job import ManagedJob
 from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
@@ -316,10 +317,8 @@ class Coordinator:
         with self.lock:
             now = self.clock()
             try:
-                self.cluster.set_max(job_id, workers, now)
                 ms = self.jobs.get(job_id)
-                if ms is not None and not ms.over:  # it may grow past its manifest
-                    ms.spec.max_workers = max(workers, ms.spec.min_workers)
+                self.cluster.set_max(job_id, workers, ms, now)
                 leaving = self.cluster.shrink_to_max(job_id, ms, now)
             except KeyError as exc:
                 raise NotFound(exc.args[0], "path.job") from None
@@ -342,13 +341,14 @@ class Coordinator:
                     f"job {job_id} has no checkpointDir: suspending it would lose its progress (cancel it instead)",
                     "path.job",
                 )
+            deadline = None
             if managed.job.state.placed:
                 try:  # refused (the run stopped meanwhile): nothing is changed
                     self.jobs[job_id].suspend(str(reason), self.clock())  # SUSPENDING
                 except ValueError as exc:
                     raise BadRequest(str(exc), "path.job") from None
-                managed.suspend_deadline = self.clock() + managed.job.grace_period_s
-            managed.held = True  # a user's suspension lasts until `maitre resume`
+                deadline = self.clock() + managed.job.grace_period_s
+            managed.hold(deadline)  # a user's suspension lasts until `maitre resume`
             self._changed(job_id, persist=True)
             return {"state": managed.job.state.value}
 
@@ -360,7 +360,7 @@ class Coordinator:
                 raise NotFound(f"no job {job_id!r}", "path.job")
             if not managed.held:
                 raise BadRequest(f"job {job_id} was not suspended by a user", "path.job")
-            managed.held = False
+            managed.release()
             self._next_pass = 0.0
             self._changed(job_id, persist=True)
             return {"state": managed.job.state.value}
@@ -1045,9 +1045,8 @@ class Coordinator:
             if kind == "start":
                 self._install(membership)
         for m in cluster.managed.values():
-            m.workers_started = max(
-                m.workers_started, self.jobs[m.id].workers_added if m.id in self.jobs and m.incarnation else 0
-            )
+            if m.id in self.jobs and m.incarnation:
+                m.started(self.jobs[m.id])
             if m.job.placement != placed.get(m.id):
                 for node in set(m.job.placement) | set(placed.get(m.id, {})):
                     self._bump(node)  # start orders (or a shrink) for its agent
@@ -1197,9 +1196,7 @@ class Coordinator:
             if m is None:
                 continue
             ms = self.jobs.get(m.id) if m.incarnation else None
-            if ms is not None:  # (workers it started since the last pass: their ids are taken)
-                m.workers_started = max(m.workers_started, ms.workers_added)
-            extra = self.cluster.job_extra(m, ms)
+            extra = m.record(ms)
             text = json.dumps(
                 [extra, m.job.state.value, m.job.placement, m.job.max_replicas, m.job.throughput, m.job.last_resize_at],
                 sort_keys=True,
@@ -1223,22 +1220,7 @@ class Coordinator:
             cluster.node_beat(node, now)
             self.nodes[node.name] = {"slots": node.slots, "registered_at": now, "last_heartbeat": now}
         for job, extra in self.db.jobs():
-            manifest = manifest_from_record(extra["manifest"])
-            job.attained_slot_s = extra.get("attained_slot_s", 0.0)
-            managed = ManagedJob(
-                manifest,
-                job,
-                incarnation=extra["incarnation"],
-                workers_started=extra["workers_started"],
-                suspended_run=extra["suspended_run"],
-                held=extra["held"],
-                admitted_at=extra["admitted_at"],
-                ended_at=extra["ended_at"],
-                productive_s=extra["productive_s"],
-                suspend_deadline=extra["suspend_deadline"],
-                generation=extra.get("generation", 0),
-                env=extra.get("env", {}),
-            )
+            managed = ManagedJob.from_record(manifest_from_record(extra["manifest"]), job, extra)
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
             for h in managed.history:
                 self._tokens[h.spec.token] = h  # its workers may still report their exits

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 
 if TYPE_CHECKING:
-    from maitre.control.cluster import ManagedJob
+    from maitre.control.job import ManagedJob
 
 
 @dataclass(slots=True)
