@@ -48,9 +48,9 @@ from maitre.control.job import ManagedJob
 from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.store import Store
+from maitre.control import views
 from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.assign import free_slot
-from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Node
 from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, manifest_from_record, parse_manifest
@@ -60,19 +60,6 @@ if TYPE_CHECKING:  # (torch: the controller itself never imports it)
 
 log = logging.getLogger("maitre.coordinator")
 
-_NOT_STARTED = {
-    "epoch": 0,
-    "epoch_open": False,
-    "members": [],
-    "step": 0,
-    "failures": 0,
-    "failure": None,
-    "workers": [],
-    "target": 0,
-    "min_workers": 0,
-    "max_workers": 0,
-    "spares": [],
-}
 _VOUCH_SLACK_S = 0.5
 """How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
 loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
@@ -118,26 +105,6 @@ def acknowledged(method: F) -> F:
                 self.durable(*self.take_pending())
 
     return call  # type: ignore[return-value]
-
-
-def _health_view(state: Any, now: float) -> dict[str, Any]:
-    """A node's health for ``maitre status`` (:class:`maitre.protocol.NodeSummary`)."""
-    if state is None:
-        return {}
-    h = state.health
-    probe = (
-        None
-        if h.probe is None
-        else {
-            "ok": h.probe.ok,
-            "detail": h.probe.detail,
-            "seconds": h.probe.seconds,
-            "probe": h.probe.probe,
-            "age_s": round(max(0.0, now - h.probe.heard_at), 2),
-        }
-    )
-    suspect = None if h.suspect is None else {"reason": h.suspect.reason, "until": round(h.suspect.until, 4)}
-    return {"health": probe, "unhealthy": h.unhealthy, "suspect": suspect}
 
 
 class Coordinator:
@@ -269,48 +236,6 @@ class Coordinator:
             return self.jobs[job_id]
         except KeyError:
             raise NotFound(f"no job {job_id!r}", "path.job") from None
-
-    def job_status(self, job_id: str) -> dict[str, Any]:
-        with self.lock:
-            if job_id in self.cluster.managed and job_id not in self.jobs:  # never admitted yet
-                return {**_NOT_STARTED, **self._managed_summary(job_id), "events": [], "reports": []}
-            job = self.job(job_id)
-            return {
-                **job.summary(),
-                **self._managed_summary(job_id),
-                "events": list(job.events),
-                "reports": list(self.reports[job_id]),
-                "progress": self.progress.get(job_id),
-            }
-
-    def job_list(self) -> list[dict[str, Any]]:
-        with self.lock:
-            ids = list(self.jobs) + [j for j in self.cluster.managed if j not in self.jobs]
-            out = []
-            for jid in ids:
-                base = self.jobs[jid].summary() if jid in self.jobs else _NOT_STARTED
-                out.append({**base, **self._managed_summary(jid)})
-            return out
-
-    def _managed_summary(self, job_id: str) -> dict[str, Any]:
-        """The scheduler's side of a job."""
-        m = self.cluster.managed.get(job_id)
-        if m is None:
-            return {}
-        return {
-            "job_id": m.id,
-            "state": m.job.state.value,
-            "queue": m.job.queue,
-            "spares_wanted": m.manifest.spares,
-            "priority": m.job.priority,
-            "min_workers": m.job.min_replicas,
-            "max_workers": m.job.max_replicas,
-            "placement": dict(m.job.placement),
-            "incarnation": m.incarnation,
-            "held": m.held,
-            "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else "",
-            "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())},
-        }
 
     @acknowledged
     def scale(self, job_id: str, workers: int) -> dict[str, Any]:
@@ -1070,65 +995,39 @@ class Coordinator:
                 self._touch(ms.spec.job_id)
         self._bump(node)
 
-    def dashboard_meta(self) -> dict[str, Any]:
-        """What the dashboard's page needs besides the event log."""
-        prices = getattr(self.cluster, "prices", None)
-        return {"source": "coordinator", "now": self.clock(), "prices": dict(prices) if prices else None}
+    # -- read models (maitre.control.views) ------------------------------------------------------
+    def on_node(self, node: str) -> set[str]:
+        """The workers that hold (or may still hold) slots of ``node``."""
+        return self._on_node.get(node, set())
+
+    def worker_job(self, wid: str) -> Membership:
+        """The run a worker id belongs to (KeyError: none of this coordinator's)."""
+        return self._worker_job[wid]
+
+    def job_status(self, job_id: str) -> dict[str, Any]:
+        with self.lock:
+            return views.job_status(self, job_id)
+
+    def job_list(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return views.job_list(self)
+
+    def nodes_view(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return views.nodes(self)
+
+    def queues_view(self) -> list[dict[str, Any]]:
+        with self.lock:
+            return views.queues(self.cluster)
 
     def report(self) -> dict[str, Any]:
         with self.lock:
             return accounting.report(self.cluster, self.jobs, self.clock())
 
-    def nodes_view(self) -> list[dict[str, Any]]:
-        with self.lock:
-            now = self.clock()
-            out = []
-            for name, info in sorted(self.nodes.items()):
-                held = [
-                    wid
-                    for wid in sorted(self._on_node.get(name, ()))
-                    if self._worker_job[wid].workers[wid].state in LIVE
-                ]
-                state = self.cluster.nodes.get(name)
-                out.append(
-                    {
-                        "node": name,
-                        "slots": info["slots"],
-                        "labels": info.get("labels", {}),
-                        "alive": True if state is None else state.alive,
-                        "price": self.cluster.node_price(name),
-                        "draining": state is not None and state.draining,
-                        "reclaimed": state is not None
-                        and state.reclaim is not None
-                        and state.reclaim.reclaimed_at is not None,
-                        "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
-                        "used": sum(self._worker_job[w].workers[w].slots for w in held),
-                        "workers": held,
-                        "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2),
-                        **_health_view(state, now),
-                    }
-                )
-            return out
-
-    def queues_view(self) -> list[dict[str, Any]]:
-        with self.lock:
-            usage: dict[str, int] = {}
-            for m in self.cluster.managed.values():
-                if not m.job.state.ended:
-                    usage[m.job.queue] = usage.get(m.job.queue, 0) + m.job.slots
-            return [
-                {
-                    "queue": q.name,
-                    "guaranteed": q.guaranteed,
-                    "borrowing_limit": q.borrowing_limit,
-                    "weight": q.weight,
-                    "allocated": usage.get(q.name, 0),
-                    "jobs": sum(
-                        1 for m in self.cluster.managed.values() if m.job.queue == q.name and not m.job.state.ended
-                    ),
-                }
-                for q in self.cluster.queues.values()
-            ]
+    def dashboard_meta(self) -> dict[str, Any]:
+        """What the dashboard's page needs besides the event log."""
+        prices = getattr(self.cluster, "prices", None)
+        return {"source": "coordinator", "now": self.clock(), "prices": dict(prices) if prices else None}
 
     # -- changes ---------------------------------------------------------------------------------
     def _bump(self, node: str) -> None:
