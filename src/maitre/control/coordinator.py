@@ -30,7 +30,6 @@ coordinator carries on from it. Every event it emits is also counted for ``/metr
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import secrets
 import threading
@@ -47,11 +46,12 @@ from maitre.control.health import Probe, Suspect
 from maitre.control.job import ManagedJob
 from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
+from maitre.control.journal import Journal
 from maitre.control.store import Store
 from maitre.control import views
 from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.assign import free_slot
-from maitre.scheduling.model import Node
+from maitre.scheduling.model import Job, Node
 from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, manifest_from_record, parse_manifest
 
@@ -68,11 +68,6 @@ _RESEND_AFTER_S = 3.0
 worker (the agent starts a worker within milliseconds, and carries out an order once)."""
 _LOST_CHECK_S = 0.5
 """Workers silent past ``dead_after_s`` (15 s) are looked for this often; hangs, every tick."""
-_SAVE_EVERY_S = 5.0
-"""Progress and accounting (steps, trained seconds, usage) are saved this often; every state
-change is saved when it happens."""
-_SAVES_PER_TICK = 2
-"""... a few jobs a tick, so that no tick holds the lock for long (see _save_progress)."""
 _REPORTS_KEPT = 4096
 """A job's recovery, checkpoint and restore reports kept in memory (the newest; the event log
 keeps them all)."""
@@ -151,18 +146,9 @@ class Coordinator:
         self.db = store
         self.pass_s = pass_s
         self._next_pass = 0.0
-        self._next_save = 0.0
-        self._to_save: list[str] = []
-        self._mine = threading.local()
-        self._dirty: set[str] = set()
-        """Jobs changed and not yet saved; saved in rounds (see :meth:`durable`)."""
-        self._dirty_round = 1
-        self._saved_round = 0
-        self._save_cv = threading.Condition()
-        self._durable_waits: list[tuple[int, int, Callable[[BaseException | None], None]]] = []
-        self._saver: threading.Thread | None = None
+        self.journal = Journal(store, self.lock, self._record) if store is not None else None
+        """Saves what calls changed before they answer (:mod:`maitre.control.journal`)."""
         self._next_lost_check = 0.0
-        self._persisted: dict[str, str] = {}
         self._worker_job: dict[str, Membership] = {}
         self._on_node: dict[str, set[str]] = {}
         """Per node, the workers that hold (or may still hold) its slots."""
@@ -446,68 +432,20 @@ class Coordinator:
         return result, self.take_pending()
 
     def take_pending(self) -> tuple[int, int]:
-        """What this thread's last calls left to make durable: (save round, store commit);
-        zeros for nothing. :meth:`durable` waits for them, on any thread."""
-        need = getattr(self._mine, "need", 0)
-        self._mine.need = 0
-        return need, (self.db.take_staged() if self.db is not None else 0)
+        """What this thread's last calls left to make durable (:meth:`Journal.take_pending`)."""
+        return self.journal.take_pending() if self.journal is not None else (0, 0)
 
     def durable(self, need: int, staged: int) -> None:
-        """Wait until the jobs changed by a call are saved (save round ``need``) and what it
-        staged is committed (``staged``): :meth:`when_durable`, waited for here."""
-        if self.db is None or not (need or staged):
-            return
-        done = threading.Event()
-        failed: list[BaseException | None] = []
-        self.when_durable(need, staged, lambda exc: (failed.append(exc), done.set()))
-        done.wait()
-        if failed[0] is not None:
-            raise failed[0]
+        """Wait until a call's changes are saved and committed (:meth:`Journal.durable`)."""
+        if self.journal is not None:
+            self.journal.durable(need, staged)
 
     def when_durable(self, need: int, staged: int, then: Callable[[BaseException | None], None]) -> None:
-        """Call ``then(None)`` once save round ``need`` is saved and store commit ``staged`` is
-        in (``then(error)`` if the store failed), from the saver thread, or at once for nothing
-        to wait for. Saving is grouped: the saver serializes every job changed so far, under the
-        lock, once a round, while the calls that changed them wait; so the 256 exits of a
-        cancelled gang save their job a few times, not 256 (each save is O(the job's workers):
-        256 exits took 1.3 s when each saved it). Waiting holds no thread: the API's event loop
-        awaits a future, and 256 exits no longer fill its thread pool ahead of the arrivals of
-        the gang that takes their slots (that queue made such a gang open 3 s late at 64
-        nodes)."""
-        if self.db is None or not (need or staged):
+        """Call ``then`` once a call's changes are saved and committed (:meth:`Journal.when_durable`)."""
+        if self.journal is None:
             then(None)
-            return
-        with self._save_cv:
-            self._durable_waits.append((need, staged, then))
-            if self._saver is None:
-                self._saver = threading.Thread(target=self._save_rounds, name="maitre-saver", daemon=True)
-                self._saver.start()
-            self._save_cv.notify()
-
-    def _save_rounds(self) -> None:
-        assert self.db is not None
-        while True:
-            with self._save_cv:
-                while not self._durable_waits:
-                    self._save_cv.wait()
-                waits, self._durable_waits = self._durable_waits, []
-            error: BaseException | None = None
-            try:
-                seq = max(staged for _, staged, _ in waits)
-                if max(need for need, _, _ in waits) > self._saved_round:
-                    with self.lock:
-                        jobs, self._dirty = self._dirty, set()
-                        done = self._dirty_round
-                        self._dirty_round += 1
-                        self._write_jobs(jobs)
-                    seq = max(seq, self.db.take_staged())
-                    self._saved_round = done
-                if seq:
-                    self.db.wait(seq)
-            except Exception as exc:  # the store failed: every waiter hears it
-                error = exc
-            for _, _, then in waits:
-                then(error)
+        else:
+            self.journal.when_durable(need, staged, then)
 
     def node_version(self, node: str) -> int:
         return self._node_version.get(node, 0)
@@ -882,8 +820,8 @@ class Coordinator:
                 began = time.perf_counter()  # (self.clock may be a test's)
                 pending = self._begin_pass(now)
                 pass_s = time.perf_counter() - began
-            if self.db is not None:
-                self._save_progress(now)
+            if self.journal is not None:
+                self.journal.save_progress(now, lambda: list(self.cluster.managed), self.cluster.usage.snapshot)
             if self.stores is not None and now >= self._next_store_check:
                 self._next_store_check = now + 1.0
                 self._close_stores(now)
@@ -920,18 +858,6 @@ class Coordinator:
             elif now - self._runs_ended.setdefault(key, now) < 60.0:
                 keep.add(key)
         self.stores.retain(keep)
-
-    def _save_progress(self, now: float) -> None:
-        """Progress and accounting (steps, trained seconds, throughput, usage) of every job
-        every :data:`_SAVE_EVERY_S`, a few jobs a tick: saving 8,192 workers at once held the
-        lock for a third of a second, and every beat behind it waited."""
-        assert self.db is not None
-        if now >= self._next_save:
-            self._next_save = now + _SAVE_EVERY_S
-            self._to_save = sorted(self.cluster.managed)
-            self.db.put_meta("usage", self.cluster.usage.snapshot())
-        some, self._to_save = self._to_save[:_SAVES_PER_TICK], self._to_save[_SAVES_PER_TICK:]
-        self._persist(set(some))
 
     def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, tuple[Any, ...]], tuple[Any, ...]]:
         """A pass, under the lock: dead nodes, the jobs brought up to date, what the policy
@@ -1082,28 +1008,15 @@ class Coordinator:
     def _persist(self, job_ids: set[str]) -> None:
         """Mark jobs to save (under the lock); the call saves them when it let go of it
         (:meth:`durable`)."""
-        if self.db is None or not job_ids:
-            return
-        self._dirty |= job_ids
-        self._mine.need = self._dirty_round
+        if self.journal is not None:
+            self.journal.mark(job_ids)
 
-    def _write_jobs(self, job_ids: set[str]) -> None:
-        """Stage the managed jobs among ``job_ids`` whose saved state changed (under the lock)."""
-        assert self.db is not None
-        for job_id in sorted(job_ids):
-            m = self.cluster.managed.get(job_id)
-            if m is None:
-                continue
-            ms = self.jobs.get(m.id) if m.incarnation else None
-            extra = m.record(ms)
-            text = json.dumps(
-                [extra, m.job.state.value, m.job.placement, m.job.max_replicas, m.job.throughput, m.job.last_resize_at],
-                sort_keys=True,
-                default=str,
-            )
-            if self._persisted.get(m.id) != text:
-                self.db.put_job(m.job, extra)
-                self._persisted[m.id] = text
+    def _record(self, job_id: str) -> tuple[Job, dict[str, Any]] | None:
+        """A managed job's scheduler view and record, for the journal (under the lock)."""
+        m = self.cluster.managed.get(job_id)
+        if m is None:
+            return None
+        return m.job, m.record(self.jobs.get(m.id) if m.incarnation else None)
 
     def _restore(self) -> None:
         """Carry on from the store: nodes, queues, jobs and their memberships."""
