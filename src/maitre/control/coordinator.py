@@ -16,7 +16,7 @@ Work per call is proportional to what the call touches, not to the cluster:
   by id (``_worker_job``); a node beat reads and writes only its own workers;
 - a job's memberships count their workers by state, so "does it want workers", "is a change
   pending" cost O(1);
-- a node's orders carry a version (``_node_version``): views of its workers are sent only when
+- a node's orders carry a version (:mod:`maitre.control.nodes`): views of its workers are sent only when
   something they show changed (:meth:`Membership.view_key` moved), and only the nodes of the
   job that changed are woken (``on_wake``).
 
@@ -47,6 +47,7 @@ from maitre.control.job import ManagedJob
 from maitre.control.metrics import Metrics
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
 from maitre.control.journal import Journal
+from maitre.control.nodes import NodeRegistry
 from maitre.control.store import Store
 from maitre.control import views
 from maitre.errors import BadRequest, NotFound
@@ -135,7 +136,8 @@ class Coordinator:
         membership changed: the API wakes the watches and rendezvous waiting on them."""
         self.lock = threading.RLock()
         self.jobs: dict[str, Membership] = {}
-        self.nodes: dict[str, dict[str, Any]] = {}
+        self.nodes = NodeRegistry()
+        """Every node whose agent beat, and its orders' versions (:mod:`maitre.control.nodes`)."""
         self.reports: dict[str, deque[dict[str, Any]]] = {}
         """Per job, its workers' reports but progress, newest :data:`_REPORTS_KEPT`."""
         self.progress: dict[str, dict[str, Any]] = {}
@@ -164,12 +166,9 @@ class Coordinator:
         """Each membership's :meth:`~Membership.view_key` when its nodes were last told."""
         self._assigned: dict[str, tuple[Any, ...]] = {}
         """... and its :meth:`~Membership.assignment_key` when its waiters last asked."""
-        self._version = 0
-        self._node_version: dict[str, int] = {}
         self.boot = secrets.token_hex(8)
         """This process's id in every node's orders: its versions count from 0, not on from a
         previous coordinator's."""
-        self._wake_nodes: set[str] = set()
         self._wake_jobs: set[str] = set()
         self.events = EventLog(store)
         """Every state change, numbered (:mod:`maitre.control.eventlog`)."""
@@ -297,13 +296,13 @@ class Coordinator:
         labels = beat.labels.given()
         now = self.clock()
         with self.lock:
-            info = self.nodes.setdefault(node, {"slots": beat.slots, "registered_at": now})
-            info.update(slots=beat.slots, last_heartbeat=now, labels=labels)
+            entry = self.nodes.beat(node, beat.slots, labels, now)
             try:
                 described = Node(node, beat.slots, **labels)
             except ValueError as exc:
                 raise BadRequest(str(exc), "body.labels") from None
-            self._agent_seen(node, info, beat.agent, now)
+            if self.nodes.agent_restarted(entry, beat.agent):
+                self._agent_restarted(node, now)
             change = self.cluster.node_beat(described, now, noticed=beat.notice is not None)
             if change and self.db is not None:
                 self.db.put_node(described, now)
@@ -328,17 +327,14 @@ class Coordinator:
                     else 0.0
                 )
                 ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s, wb.gap_std_s, vouched)
-            info.update(running=running, beat_at=now)
+            self.nodes.listed(entry, running, now)
             return self._orders(node, beat.since, now)
 
-    def _agent_seen(self, node: str, info: dict[str, Any], agent: str, now: float) -> None:
+    def _agent_restarted(self, node: str, now: float) -> None:
         """A beat from another agent process than the node's last one: the agent restarted (it
         was killed, its host rebooted), and the workers of the one before are gone with it
         (any still running are orphans: killed if the new agent finds them). Their jobs
         recover at once, as from a crash, instead of waiting out their heartbeats' silence."""
-        before, info["agent"] = info.get("agent"), agent
-        if not agent or not before or before == agent:  # (a restarted coordinator: None)
-            return
         self._unacked.pop(node, None)  # orders for the agent before: its workers go too
         gone = [wid for wid in self._on_node.get(node, ()) if self._worker_job[wid].workers[wid].state in LIVE]
         if gone:
@@ -448,7 +444,7 @@ class Coordinator:
             self.journal.when_durable(need, staged, then)
 
     def node_version(self, node: str) -> int:
-        return self._node_version.get(node, 0)
+        return self.nodes.version(node)
 
     @acknowledged
     def node_orders(self, node: str, since: int) -> p.NodeOrders:
@@ -459,8 +455,8 @@ class Coordinator:
             return self._orders(node, since, self.clock())
 
     def _orders(self, node: str, since: int, now: float) -> p.NodeOrders:
-        info = self.nodes[node]
-        running: set[str] = info.get("running", set())
+        entry = self.nodes[node]
+        running = entry.running
         kill = sorted(self._pending_kills.pop(node, set()))
         # Slots in use: processes the agent runs, and workers it was asked to start that it
         # does not list yet (it starts them off its heartbeat thread).
@@ -487,15 +483,15 @@ class Coordinator:
         for wid in running:
             if wid not in self._worker_job and wid not in kill:
                 kill.append(wid)  # no job of this coordinator knows it
-        start = self._resent(node, running, info.get("beat_at", 0.0), now)
-        fresh = self._start_orders(node, info["slots"], used, now)
+        start = self._resent(node, running, entry.beat_at, now)
+        fresh = self._start_orders(node, entry.slots, used, now)
         if fresh:  # (most beats start nothing)
             unacked = self._unacked.setdefault(node, {})
             for order in fresh:
                 unacked[order.worker_id] = (order, now)
             start += fresh
         self._flush()  # (may bump this node: the views below are as of the version returned)
-        version = self._node_version.setdefault(node, 0)
+        version = self.nodes.version(node)
         views: dict[str, p.WorkerView] | None = None
         if version > since or start:
             here = self._on_node.get(node, set())  # with the workers just started
@@ -958,9 +954,7 @@ class Coordinator:
     # -- changes ---------------------------------------------------------------------------------
     def _bump(self, node: str) -> None:
         """The node's orders changed: its watch answers."""
-        self._version += 1
-        self._node_version[node] = self._version
-        self._wake_nodes.add(node)
+        self.nodes.bump(node)
 
     def _touch(self, job_id: str, persist: bool = False) -> None:
         self._wake_jobs.add(job_id)
@@ -974,7 +968,7 @@ class Coordinator:
     def _flush(self) -> None:
         """After a call: every job it touched whose views moved wakes its nodes, is saved, and
         its new events go out."""
-        if not self._wake_jobs and not self._wake_nodes:
+        if not self._wake_jobs and not self.nodes.woken():
             return
         jobs, self._wake_jobs = self._wake_jobs, set()
         save, woken = set(), set()
@@ -1001,8 +995,7 @@ class Coordinator:
                 self._emit(job_id, event["kind"], event)
             self._emitted[job_id] = len(events)
         self._persist(save)
-        nodes, self._wake_nodes = self._wake_nodes, set()
-        self.on_wake(nodes, woken)
+        self.on_wake(self.nodes.take_woken(), woken)
 
     # -- persistence -----------------------------------------------------------------------------
     def _persist(self, job_ids: set[str]) -> None:
@@ -1030,7 +1023,7 @@ class Coordinator:
             self.db.put_queue(q)
         for node in stored.nodes.values():
             cluster.node_beat(node, now)
-            self.nodes[node.name] = {"slots": node.slots, "registered_at": now, "last_heartbeat": now}
+            self.nodes.restored(node.name, node.slots, now)
         for job, extra in self.db.jobs():
             managed = ManagedJob.from_record(manifest_from_record(extra["manifest"]), job, extra)
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]

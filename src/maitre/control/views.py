@@ -79,14 +79,14 @@ def nodes(co: Coordinator) -> list[dict[str, Any]]:
     """Every node that beat: its slots, labels, life, price, workers and health."""
     now = co.clock()
     out = []
-    for name, info in sorted(co.nodes.items()):
+    for name, entry in sorted(co.nodes.items()):
         held = [wid for wid in sorted(co.on_node(name)) if co.worker_job(wid).workers[wid].state in LIVE]
         state = co.cluster.nodes.get(name)
         out.append(
             {
                 "node": name,
-                "slots": info["slots"],
-                "labels": info.get("labels", {}),
+                "slots": entry.slots,
+                "labels": entry.labels,
                 "alive": True if state is None else state.alive,
                 "price": co.cluster.node_price(name),
                 "draining": state is not None and state.draining,
@@ -94,7 +94,7 @@ def nodes(co: Coordinator) -> list[dict[str, Any]]:
                 "phi": None if state is None else round(min(state.detector.phi(now), 1e6), 2),
                 "used": sum(co.worker_job(w).workers[w].slots for w in held),
                 "workers": held,
-                "last_heartbeat_s": round(now - info.get("last_heartbeat", now), 2),
+                "last_heartbeat_s": round(now - entry.last_heartbeat, 2),
                 **_health(state, now),
             }
         )
