@@ -270,3 +270,31 @@ def test_a_jobs_lifecycle_is_written_by_the_job_module_only() -> None:
         allowed = WRITERS.get(rel, set())
         found += [f"{rel}:{line}: {attr}" for line, attr in _writes(tree) if attr not in allowed and line not in inits]
     assert not found, "lifecycle written outside maitre.control.job:\n" + "\n".join(found)
+
+
+TRAINING_PROCESS = ("runtime/", "data/", "checkpoint/")
+
+
+def test_the_training_processs_code_writes_no_environment_variable() -> None:
+    """The loop, the data pipeline and the checkpointer read the environment the agent or
+    torchrun gave the process, and never change it: a script reads rank and world size from
+    the loop (it used to find ``RANK`` and ``WORLD_SIZE`` rewritten under it at every epoch)."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(TRAINING_PROCESS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            write = False
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
+                write = any(isinstance(t, ast.Subscript) and ast.unparse(t.value) == "os.environ" for t in flat)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = ast.unparse(node.func.value)
+                write = (owner == "os.environ" and node.func.attr in ("update", "setdefault", "pop", "clear")) or (
+                    owner == "os" and node.func.attr in ("putenv", "unsetenv")
+                )
+            if write:
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
+    assert not found, "the training process's environment written:\n" + "\n".join(found)

@@ -1051,7 +1051,9 @@ def build_parser() -> argparse.ArgumentParser:
     _coordinator_args(scale)
     scale.set_defaults(fn=cmd_scale)
 
-    suspend = sub.add_parser("suspend", help="checkpoint a job and stop it (resume with maitre run --resume)")
+    suspend = sub.add_parser(
+        "suspend", help="checkpoint a job and stop it (maitre resume JOB runs it again from that checkpoint)"
+    )
     suspend.add_argument("job")
     _coordinator_args(suspend)
     suspend.set_defaults(fn=cmd_suspend)

@@ -1,8 +1,9 @@
 """How a worker process finds out where it runs: maitre's variables, else torchrun's.
 
 Under ``maitre`` the agent sets ``MAITRE_COORDINATOR``, ``MAITRE_WORKER_ID``, ``MAITRE_STORE``,
-``MAITRE_AGENT`` and ``LOCAL_RANK``; rank and world size are not known at start and come from each membership epoch
-(the loop then sets ``RANK`` and ``WORLD_SIZE`` for scripts that read them). Under plain
+``MAITRE_AGENT`` and ``LOCAL_RANK``; rank and world size are not known at start and come from each
+membership epoch: a script reads them from the loop (``loop.rank``, ``loop.world_size``), never
+from the environment, which the library leaves as the process found it. Under plain
 ``torchrun`` the usual ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` make a fixed
 group. With neither, the script runs as a single process.
 """

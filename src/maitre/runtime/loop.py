@@ -834,7 +834,6 @@ class ElasticLoop:
         lst, self._listeners, self._listening = self._listening, (), None
         assert self.group is not None
         self.rank, self.world_size = self._order.index(self.group.rank), self.group.world_size
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self.scaling.on_resize(self.world_size, self.state.step)
         if lst is not None and self._reporter is not None and not self.env.proc:
             # Sent in the background: its peers wait in the next step for this rank (a post
@@ -1062,7 +1061,6 @@ class ElasticLoop:
         rec.assigned_at = time.time()
         self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]
         self._state_lost = bool(answer.get("state_lost"))
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self._building_since = time.monotonic()
         try:
             # A replica of several processes: one group per position, over the replicas.
@@ -1249,7 +1247,6 @@ class ElasticLoop:
             rec.state_from = source
             return
         self.rank = training.index(me)
-        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(self.rank), str(self.world_size)
         self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
         mine = [pair(listener) for i, listener in enumerate(self._listeners) if training[i % len(training)] == me]
         if mine:

@@ -1,2 +1,2 @@
-"""The cluster simulator: traces replayed through maitre's own scheduling policy (issue 5, begun:
-the event engine and the traces in ``sim/traces``)."""
+"""The cluster simulator: traces replayed (``sim/traces``) through maitre's own scheduling
+policy, on a discrete-event engine."""
