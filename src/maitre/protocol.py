@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.spec import JobManifest, StragglerSpec
@@ -622,6 +622,9 @@ class RendezvousRequest(_Request):
 
 
 class Assignment(_Reply):
+    """A rendezvous's answer: ``train`` in an epoch (with everything below but ``reason``),
+    ``wait`` and ask again, ``leave`` the job, or ``stop`` (``reason`` says why)."""
+
     action: Literal["train", "wait", "leave", "stop"]
     reason: str | None = None
     epoch: int | None = None
@@ -636,6 +639,13 @@ class Assignment(_Reply):
     """The run's name at that door."""
     store_id: str | None = None
     """Changes when the store is a new one (a restart): the worker connects again."""
+
+    @model_validator(mode="after")
+    def _train_is_whole(self) -> Assignment:
+        missing = [f for f in ("epoch", "rank", "world_size", "store_prefix") if getattr(self, f) is None]
+        if self.action == "train" and missing:
+            raise ValueError(f"a train answer without {', '.join(missing)}")
+        return self
 
 
 class DoneRequest(_Request):

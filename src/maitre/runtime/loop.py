@@ -61,6 +61,7 @@ from typing import IO, Any, Iterator
 
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from maitre import protocol
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
@@ -1023,18 +1024,23 @@ class ElasticLoop:
             self.group = None
         self._listeners, self._listening = (), None  # a new epoch decides again
         deadline = time.monotonic() + self.env.coordinator_timeout_s
-        body = {
-            "from_epoch": self.epoch if from_epoch is None else from_epoch,
-            "step": self.state.step,
-            "reason": reason[:500],
-            "wait_s": 5.0,
-        }
-        if unbuilt is not None and unbuilt.unbuilt:  # the coordinator counts it as a failure
-            body.update(group_failed=True, unreachable=unbuilt.unreachable[:64])
+        unbuilt_group = unbuilt is not None and unbuilt.unbuilt  # the coordinator counts it as a failure
+        request = protocol.RendezvousRequest(
+            from_epoch=self.epoch if from_epoch is None else from_epoch,
+            step=self.state.step,
+            reason=reason[:500],
+            wait_s=5.0,
+            group_failed=unbuilt_group,
+            unreachable=unbuilt.unreachable[:64] if unbuilt is not None and unbuilt_group else [],
+        )
         while True:
             try:
-                answer = self._client.post(
-                    protocol.WORKER_RENDEZVOUS.format(worker=self.env.worker_id), body, timeout_s=15.0
+                answer = protocol.Assignment.model_validate(
+                    self._client.post(
+                        protocol.WORKER_RENDEZVOUS.format(worker=self.env.worker_id),
+                        request.model_dump(),
+                        timeout_s=15.0,
+                    )
                 )
             except CoordinatorUnreachable as exc:
                 if time.monotonic() > deadline:
@@ -1043,33 +1049,36 @@ class ElasticLoop:
                 continue
             except ApiError as exc:
                 self._exit(1, f"maitre: rendezvous refused: {exc.message}")
-            action = answer["action"]
-            if action == "train":
+            except ValidationError as exc:  # a coordinator of another version
+                self._exit(1, f"maitre: the coordinator's rendezvous answer cannot be read: {exc}")
+            if answer.action == "train":
                 break
-            if action == "leave":
+            if answer.action == "leave":
                 if not self.env.proc:  # the first process speaks for its replica
                     self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
                 self._exit(0, None)
-            if action == "stop":
+            if answer.action == "stop":
                 ended = ("job completed", "job suspended", "job cancelled")
-                self._exit(0 if answer.get("reason") in ended else 1, f"maitre: worker stopped: {answer.get('reason')}")
-        if self._store is None or answer.get("store_id") != self._store_id:
+                self._exit(0 if answer.reason in ended else 1, f"maitre: worker stopped: {answer.reason}")
+        if self._store is None or answer.store_id != self._store_id:
             # First epoch, or the coordinator restarted since the last one: the run's c10d
             # store is a new server (behind the same door), so connect again.
             self._connect_store(answer)
         rec = self._recovery
         rec.assigned_at = time.time()
-        self.epoch, self.rank, self.world_size = answer["epoch"], answer["rank"], answer["world_size"]
-        self._state_lost = bool(answer.get("state_lost"))
+        assert answer.epoch is not None and answer.rank is not None and answer.world_size is not None
+        assert answer.store_prefix is not None  # (a train answer has them all: Assignment checks)
+        self.epoch, self.rank, self.world_size = answer.epoch, answer.rank, answer.world_size
+        self._state_lost = bool(answer.state_lost)
         self._building_since = time.monotonic()
         try:
             # A replica of several processes: one group per position, over the replicas.
-            prefix = answer["store_prefix"] + (f"x{self.env.proc}/" if self.env.nproc > 1 else "")
+            prefix = answer.store_prefix + (f"x{self.env.proc}/" if self.env.nproc > 1 else "")
             self._prefix = prefix
             self.group = EpochGroup.create(
                 self._store, prefix, self.rank, self.world_size, self.device, self._epoch_closed
             )
-            self._members = list(answer.get("members") or [])
+            self._members = list(answer.members or [])
             self._size_slots()
             self._building_since = None
             rec.group_at = time.time()
@@ -1104,16 +1113,16 @@ class ElasticLoop:
         dist.all_reduce(there, op=dist.ReduceOp.MAX, group=self._spanning.group)
         flag.copy_(there.cpu())
 
-    def _connect_store(self, answer: dict[str, Any]) -> None:
+    def _connect_store(self, answer: protocol.Assignment) -> None:
         """The run's c10d store, through its door (:class:`StoreLink`): ``TCPStore`` connects to
         the link on loopback, the link proves the run's token at the door."""
-        host, port = parse_address(answer.get("store") or self.env.store)
+        host, port = parse_address(answer.store or self.env.store)
         if host.strip("[]") in ("0.0.0.0", "::"):  # bound everywhere: where we reach it
             host = parse_address(self.env.coordinator)[0]
         if self._store_link is not None:
             self._store_link.close()
         self._store = None
-        self._store_link = StoreLink((host.strip("[]"), port), answer["store_key"], self.env.token)
+        self._store_link = StoreLink((host.strip("[]"), port), answer.store_key or "", self.env.token)
         deadline = time.monotonic() + 60.0  # as long as TCPStore's own connect would wait
         while True:
             try:
@@ -1124,7 +1133,7 @@ class ElasticLoop:
                     self._exit(1, f"maitre: {exc}")
                 time.sleep(0.5)  # the coordinator restarting: its door opens again
         self._store = dist.TCPStore("127.0.0.1", self._store_link.port, is_master=False, timeout=timedelta(seconds=60))
-        self._store_id = answer.get("store_id")
+        self._store_id = answer.store_id
 
     def _catch_sigterm(self) -> None:
         """Under torchrun or alone, SIGTERM (preemption, ``scancel``, a pod deleted) means: finish
