@@ -121,17 +121,17 @@ def test_a_busy_writer_vetoes_a_save_but_not_the_last_steps() -> None:
     last step has none, so its save waits for the writer instead of being lost."""
     import torch
 
-    from maitre.runtime.loop import _BUSY, _CONTROL, _SAVE
+    from maitre.runtime.control import SLOTS, Slot
 
-    control = torch.zeros(_CONTROL)
-    control[_SAVE], control[_BUSY] = 2.0, 1.0  # due on two ranks, one of them still writing
+    control = torch.zeros(SLOTS)
+    control[Slot.SAVE], control[Slot.BUSY] = 2.0, 1.0  # due on two ranks, one of them still writing
     loop, writer = loop_saving(step=5, max_steps=6)
     loop._commit(SimpleNamespace(step=5), control, stop=False)
     assert writer.saved == [] and writer.prepared == 1
     loop, writer = loop_saving(step=6, max_steps=6)
     loop._commit(SimpleNamespace(step=6), control, stop=False)
     assert writer.saved == [6]
-    control[_SAVE] = 0.0  # not due (no save_final): nothing, busy or not
+    control[Slot.SAVE] = 0.0  # not due (no save_final): nothing, busy or not
     loop, writer = loop_saving(step=6, max_steps=6)
     writer.cfg.save_final = False
     loop._commit(SimpleNamespace(step=6), control, stop=False)

@@ -45,19 +45,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import secrets
 import signal
 import statistics
 import sys
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -66,6 +63,7 @@ from pydantic import ValidationError
 from maitre import protocol
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
 from maitre.checkpoint.writer import SaveResult
+from maitre.runtime.control import SLOTS, Slot
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
 from maitre.runtime.heartbeat import Heartbeat
@@ -75,23 +73,15 @@ from maitre.runtime.ledger import Ledger
 from maitre.runtime.reduction import Buckets, Reducer, agree
 from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
+from maitre.runtime.signals import SigtermLatch
+from maitre.runtime.steptiming import StepTiming
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.storelink import StoreLink, StoreLinkError
-from maitre.runtime import stragglers
 from maitre.runtime import telemetry
 from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
 from maitre.runtime.transfer import unpack as transfer_unpack
 from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
 
-# loss sum, sample count, resize flag; save request, stop request, save token, writer busy;
-# in a replica of several processes: gradients not finite, the epoch lost; a listener caught up;
-# then one slot per member of the epoch's group: its compute per unit of work over the window
-# that ends at this step, then one per member: its held value over the last steps, then one per
-# member: its work per step (zero on other steps: :mod:`maitre.runtime.stragglers`). Samples
-# whose data could not be loaded (a loader's ``on_error="skip"``) ride in the last slot.
-_CONTROL = 11
-_LOSS, _COUNT, _RESIZE = 0, 1, 2
-_SAVE, _STOP, _TOKEN, _BUSY, _NONFINITE, _LOST, _READY, _SKIPPED = 3, 4, 5, 6, 7, 8, 9, 10
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
 _JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
@@ -278,18 +268,7 @@ class ElasticLoop:
         self._tp_checked = self._spanning is None or self._spanning.spec.tp == 1
         """Whether the tp ranks' copies of a tp-replicated parameter got the same gradients."""
         cfg = checkpoint if checkpoint is not None else CheckpointConfig.from_environ()
-        try:
-            thresholds = stragglers.Thresholds.from_environ(os.environ)
-            self._faults = stragglers.Injected.from_environ(os.environ)
-        except ValueError as exc:
-            raise SystemExit(f"maitre: {exc}") from None
-        self._detector = stragglers.Detector(thresholds) if thresholds.policy != "off" else None
-        """Rank 0's verdicts on the ranks' timings (None: policy ``off``, nothing shared)."""
-        self._window = stragglers.Window(thresholds.window * thresholds.windows)
-        """This rank's compute per unit of work over the window so far, and its last steps."""
-        self._step_began = self._cpu_began = 0.0
-        self._trace = _trace_file(os.environ.get(protocol.STRAGGLER_TRACE, ""), self.env)
-        """Diagnostics: where this rank appends its timing per step (None: not asked)."""
+        self._timing = StepTiming(self.env, os.environ)  # (ValueError: a bad MAITRE_STRAGGLER_*)
         self._members: list[str] = []
         """The epoch's members (worker ids) by group rank, when the coordinator named them."""
         self.device = self.params[0].device
@@ -302,7 +281,7 @@ class ElasticLoop:
         """Samples left out of committed steps because their data could not be loaded
         (:meth:`Batch.skip`), over all ranks, since this process began training."""
         self.recoveries: list[Recovery] = []
-        self._reducer = Reducer(model, self.params, buckets or Buckets(), _CONTROL, divide_early=self.scaler is None)
+        self._reducer = Reducer(model, self.params, buckets or Buckets(), SLOTS, divide_early=self.scaler is None)
         """The gradient buffers, laid out in buckets, and their reduction."""
         self._step_times: deque[float] = deque(maxlen=32)
         self._trained_s = 0.0
@@ -345,8 +324,7 @@ class ElasticLoop:
         """Waiting for the coordinator's word before a long step commits (_confirm_epoch)."""
         self.checkpointer = Checkpointer(cfg, meta={"job_id": self.env.job_id}) if cfg else None
         self._max_steps = 0
-        self._signalled: str | None = None
-        self._previous_sigterm: Any = None
+        self._sigterm = SigtermLatch()
 
     # -- public ----------------------------------------------------------------------------------
     @property
@@ -369,8 +347,7 @@ class ElasticLoop:
                 self._reducer.begin(
                     len(batch.micro_batches), self.group, batch.global_batch_size, early=self._tp_checked
                 )
-                step_start = self._step_began = time.monotonic()
-                self._cpu_began = time.thread_time()
+                step_start = self._timing.begin()
                 yield batch
                 if not self._tp_checked:  # each tp rank's own gradients, before any reduction
                     self._tp_checked = replicas.check_tp_grads(self.model, self._spanning)
@@ -390,14 +367,12 @@ class ElasticLoop:
                 self.checkpointer.close()
             if self._reporter is not None:  # (its last checkpoint's report included)
                 self._reporter.close()
-            if self._previous_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._sigterm.restore()
             if self._heartbeat is not None:
                 self._heartbeat.stop()
             if self._ledger is not None:
                 self._ledger.close()
-            if self._trace is not None:
-                self._trace.close()
+            self._timing.close()
 
     @property
     def _spanning(self) -> "replicas.Replica | None":
@@ -478,7 +453,7 @@ class ElasticLoop:
         if control.device.type != "cpu":  # read once: every slot read below is a host read
             control = control.cpu()
         lst = self._listening
-        stop = float(control[_STOP]) > 0
+        stop = float(control[Slot.STOP]) > 0
         if lst is not None and not lst.caught_up:  # kept, to be replayed once the state lands
             lst.queue.append(([g.clone() for g in self._reducer.grads()], control.clone()))
             committed = False
@@ -487,11 +462,11 @@ class ElasticLoop:
             if committed:
                 self._judge(batch, control)
                 self._commit(batch, control, stop)
-        if float(control[_READY]) >= self._ready_quorum():
+        if float(control[Slot.READY]) >= self._ready_quorum():
             self._promote()
         if stop and (committed or lst is not None):  # a skipped step asks again next step
             self._stop_here()
-        if float(control[_RESIZE]) > 0:
+        if float(control[Slot.RESIZE]) > 0:
             self._rendezvous("resize")
         return committed
 
@@ -504,29 +479,29 @@ class ElasticLoop:
         lst = self._listening
         counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
         if counts and isinstance(batch._loss, torch.Tensor):
-            control[_LOSS : _LOSS + 1].copy_(batch._loss.reshape(1))
+            control[Slot.LOSS : Slot.LOSS + 1].copy_(batch._loss.reshape(1))
         else:
-            control[_LOSS] = batch._loss if counts else 0.0
-        control[_COUNT] = len(batch.indices) - batch._skipped if counts else 0.0
-        control[_SKIPPED] = batch._skipped if counts else 0.0
-        control[_RESIZE] = 1.0 if self._change_requested() else 0.0
+            control[Slot.LOSS] = batch._loss if counts else 0.0
+        control[Slot.COUNT] = len(batch.indices) - batch._skipped if counts else 0.0
+        control[Slot.SKIPPED] = batch._skipped if counts else 0.0
+        control[Slot.RESIZE] = 1.0 if self._change_requested() else 0.0
         ckpt = self.checkpointer
         part = self._checkpoint_part if ckpt is not None else None  # None: it writes nothing
-        control[_SAVE] = (
+        control[Slot.SAVE] = (
             1.0
             if part is not None and (ckpt.due(batch.step) or (ckpt.cfg.save_final and batch.step == self._max_steps))
             else 0.0
         )
-        control[_STOP] = 1.0 if self._stop_reason() else 0.0
+        control[Slot.STOP] = 1.0 if self._stop_reason() else 0.0
         # A rank still writing the previous save vetoes a new one (it is asked again next step),
         # so no rank blocks on its writer and every rank makes the same decision. (A listener
         # writes no part: the parts of a save are the training members'.)
-        control[_BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
+        control[Slot.BUSY] = 1.0 if ckpt is not None and ckpt.busy else 0.0
         # The committing rank draws the name of the save's temporary directory; the sum
         # carries it to every rank (exact in float32 below 2**24).
-        control[_TOKEN] = float(secrets.randbelow(1 << 24)) if ckpt is not None and self.rank == 0 else 0.0
-        control[_NONFINITE] = control[_LOST] = 0.0
-        control[_READY] = 1.0 if lst is not None and lst.caught_up else 0.0
+        control[Slot.TOKEN] = float(secrets.randbelow(1 << 24)) if ckpt is not None and self.rank == 0 else 0.0
+        control[Slot.NONFINITE] = control[Slot.LOST] = 0.0
+        control[Slot.READY] = 1.0 if lst is not None and lst.caught_up else 0.0
         self._time_step(batch, control, counts)
         if self._ledger is not None and counts:
             self._ledger.attempt(self.epoch, batch.step, batch.slice.data_epoch, batch.indices)
@@ -542,11 +517,11 @@ class ElasticLoop:
             # of the replica drops the step if any lost its epoch, so the replica's shards
             # always hold the same step.
             totals = torch.zeros_like(control) if lost is not None else control.clone()
-            totals[_LOST] = 1.0 if lost is not None else 0.0
+            totals[Slot.LOST] = 1.0 if lost is not None else 0.0
             if self.scaler is not None and lost is None:  # each process checks its own shards
-                totals[_NONFINITE] = 0.0 if all_finite(self._reducer.grads()) else 1.0
+                totals[Slot.NONFINITE] = 0.0 if all_finite(self._reducer.grads()) else 1.0
             dist.all_reduce(totals, group=rep.group)
-            if float(totals[_LOST]) > 0 and lost is None:
+            if float(totals[Slot.LOST]) > 0 and lost is None:
                 lost = EpochLost("another process of this replica lost the epoch", time.monotonic())
             if lost is None:
                 control.copy_(totals)
@@ -564,8 +539,8 @@ class ElasticLoop:
         commits nothing. A listener replays queued steps through here too, so it stays exact."""
         self._await_snapshots()  # a snapshot being copied still reads the live state
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        count = int(round(float(control[_COUNT])))
-        skipped = int(round(float(control[_SKIPPED])))
+        count = int(round(float(control[Slot.COUNT])))
+        skipped = int(round(float(control[Slot.SKIPPED])))
         if count + skipped != batch.global_batch_size:
             raise RuntimeError(
                 f"step {batch.step}: ranks trained on {count} samples and skipped "
@@ -573,7 +548,7 @@ class ElasticLoop:
                 "shares are inconsistent"
             )
         if self.scaler is not None and (
-            float(control[_NONFINITE]) > 0 if self._spanning is not None else not all_finite(self._reducer.grads())
+            float(control[Slot.NONFINITE]) > 0 if self._spanning is not None else not all_finite(self._reducer.grads())
         ):
             return self._skip(batch, scale)  # the same on every rank: the buffers are one
         if scale != 1.0:  # unscaled apart: 1 / (count * scale) may be subnormal, and inexact
@@ -600,7 +575,7 @@ class ElasticLoop:
         self.sampler.advance(batch.slice)
         self.state.step += 1
         self.skipped += skipped
-        self.last_loss = float(control[_LOSS]) / max(count, 1)
+        self.last_loss = float(control[Slot.LOSS]) / max(count, 1)
         return True
 
     def _commit(self, batch: Batch, control: torch.Tensor, stop: bool) -> None:
@@ -615,7 +590,7 @@ class ElasticLoop:
         # has no next step: it waits for the writer, as a stop's does (every rank sees the same
         # step and the same reduced slots, so every rank decides alike).
         final = ckpt is not None and ckpt.cfg.save_final and batch.step == self._max_steps
-        save = float(control[_SAVE]) > 0 and (float(control[_BUSY]) == 0 or final)
+        save = float(control[Slot.SAVE]) > 0 and (float(control[Slot.BUSY]) == 0 or final)
         part = self._checkpoint_part if ckpt is not None else None
         if part is not None and (save or stop):  # a stop saves even if it must wait
             ckpt.save(
@@ -623,7 +598,7 @@ class ElasticLoop:
                 step=self.state.step,
                 rank=part[0],
                 world_size=part[1],
-                token=int(control[_TOKEN]),
+                token=int(control[Slot.TOKEN]),
             )
         elif part is not None:  # after the first step, when the optimizer state exists
             ckpt.prepare(self.state.state_dict, rank=part[0], world_size=part[1])
@@ -639,65 +614,42 @@ class ElasticLoop:
         window starts afresh (its steps ran in another group). Every member checks that all laid
         out the same buckets (one tiny collective), before the first step can hang on them."""
         assert self.group is not None
-        slots = 3 * self.group.world_size if self._detector is not None else 0
+        slots = self._timing.slots(self.group.world_size)
         if slots != self._reducer.slots:
             self._reducer.renew(slots)
         agree(self.group, self._reducer.digest())
-        self._window.restart()
+        self._timing.window.restart()
 
     def _time_step(self, batch: Batch, control: torch.Tensor, counts: bool) -> None:
-        """This rank's compute this step (from the step's start to here, its arrival at the
-        step's first collective) per unit of its work, into its window (and its trace, if
-        asked); at the window's last step, the window's value, its held pace and its work per
-        step into this rank's three slots (every other slot is zero here)."""
-        if self._listening is None and self._faults:  # MAITRE_SLOW_RANK, _FACTOR, _STEP_JITTER
-            time.sleep(self._faults.pause(self.rank, batch.step, time.monotonic() - self._step_began))
-        work = (batch._tokens or len(batch.indices)) if counts else 0
-        compute_s = time.monotonic() - self._step_began
-        if self._trace is not None:
-            self._trace.write(
-                json.dumps(
-                    {
-                        "step": batch.step,
-                        "epoch": self.epoch,
-                        "rank": self.rank,
-                        "world_size": self.world_size,
-                        "work": work,
-                        "compute_s": round(compute_s, 7),
-                        "cpu_s": round(time.thread_time() - self._cpu_began, 7),
-                    }
-                )
-                + "\n"
-            )
-        if self._detector is None or self.group is None:
-            return
-        self._window.add(compute_s, work)
-        control[_CONTROL:] = 0.0
-        if batch.step % self._detector.t.window == 0:
-            world, rank = self.group.world_size, self.group.rank
-            control[_CONTROL + rank], control[_CONTROL + world + rank], control[_CONTROL + 2 * world + rank] = (
-                self._window.take()
-            )
+        """This rank arrived at the step's first collective (:meth:`StepTiming.end`)."""
+        self._timing.end(
+            control,
+            step=batch.step,
+            work=(batch._tokens or len(batch.indices)) if counts else 0,
+            epoch=self.epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            group=None if self.group is None else (self.group.rank, self.group.world_size),
+            trains=self._listening is None,
+        )
 
     def _judge(self, batch: Batch, control: torch.Tensor) -> None:
         """At a window's last step, rank 0 (the first process of its replica) runs the detector
         on every member's slot; each verdict goes out as a ``straggler`` report."""
-        det = self._detector
-        if det is None or batch.step % det.t.window or self.rank != 0 or self.env.proc:
+        det = self._timing.detector
+        if det is None or self.rank != 0 or self.env.proc:
             return
-        shared = [float(v) for v in control[_CONTROL:].tolist()]
-        world = len(shared) // 3
-        values, held, works = shared[:world], shared[world : 2 * world], shared[2 * world :]
-        keys = self._members if len(self._members) == len(values) else None
-        for verdict in det.observe(max(1, batch.step - det.t.window + 1), batch.step, values, keys, works, held):
-            report = {**verdict.report(det.t), "epoch": self.epoch, "world_size": self.world_size}
-            if self._reporter is not None and keys is not None:
+        verdicts, named = self._timing.judge(control, batch.step, self._members)
+        for verdict in verdicts:
+            t = det.t
+            report = {**verdict.report(t), "epoch": self.epoch, "world_size": self.world_size}
+            if self._reporter is not None and named:
                 self._reporter.send(report)  # the coordinator's event: its one line
                 continue
             print(
                 f"maitre: straggler: {verdict.key} (rank {verdict.rank}) computes "
                 f"{verdict.ratio:.2f}x the median since step {verdict.since_step} "
-                f"({verdict.windows} windows of {det.t.window} steps)",
+                f"({verdict.windows} windows of {t.window} steps)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -910,8 +862,8 @@ class ElasticLoop:
     def _stop_reason(self) -> str | None:
         """Why the job must stop after this step with a checkpoint: SIGTERM (under torchrun or
         alone) or the coordinator suspending the job."""
-        if self._signalled:
-            return self._signalled
+        if self._sigterm.heard:
+            return self._sigterm.heard
         hb = self._heartbeat
         if hb is not None and hb.view.suspend and hb.view.member_epoch == self.epoch:
             return "the job is suspended"
@@ -952,9 +904,9 @@ class ElasticLoop:
     # -- membership ------------------------------------------------------------------------------
     def _start(self) -> None:
         if self.env.mode != Mode.ELASTIC and self.checkpointer is not None:
-            self._catch_sigterm()
+            self._sigterm.catch()
         elif self.env.mode == Mode.ELASTIC and os.environ.get(protocol.SIGTERM_DRAINS):
-            self._let_sigterm_pass()
+            self._sigterm.let_pass(self.env.worker_id)
         if self.env.mode == Mode.SINGLE:
             self._resume_from_disk()
             return
@@ -1135,38 +1087,6 @@ class ElasticLoop:
         self._store = dist.TCPStore("127.0.0.1", self._store_link.port, is_master=False, timeout=timedelta(seconds=60))
         self._store_id = answer.store_id
 
-    def _catch_sigterm(self) -> None:
-        """Under torchrun or alone, SIGTERM (preemption, ``scancel``, a pod deleted) means: finish
-        the step, checkpoint it, exit. Under maitre the coordinator suspends the job instead."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            self._signalled = "SIGTERM"
-
-        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-
-    def _let_sigterm_pass(self) -> None:
-        """Under an agent whose SIGTERM is a notice, the one that reaches this process too
-        (Slurm's ``proctrack/cgroup`` signals the whole step) is the same notice: the agent
-        drains its node, this worker leaves at a step boundary when told."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-
-        heard: list[bool] = []
-
-        def on_sigterm(signum: int, frame: Any) -> None:
-            if not heard:  # (said once; what the job does next is the agent's drain)
-                heard.append(True)
-                print(
-                    f"maitre: {self.env.worker_id} heard SIGTERM: its agent drains the node, "
-                    "it leaves at a step boundary when told",
-                    file=sys.stderr,
-                    flush=True,
-                )
-
-        self._previous_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
-
     def _resume_from_disk(self) -> bool:
         """Load the newest complete checkpoint, if any; True if one was loaded."""
         if self.checkpointer is None or not self.checkpointer.cfg.resume:
@@ -1325,17 +1245,3 @@ class ElasticLoop:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         raise SystemExit(code)
-
-
-def _trace_file(directory: str, env: WorkerEnv) -> "IO[str] | None":
-    """``MAITRE_STRAGGLER_TRACE`` (diagnostics): this process's trace, line-buffered (None when
-    unset)."""
-    if not directory.strip():
-        return None
-    name = env.worker_id if env.nproc == 1 else f"{env.worker_id}.p{env.proc}"
-    path = Path(directory) / f"{name}.jsonl"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return path.open("a", buffering=1)
-    except OSError as exc:
-        raise SystemExit(f"maitre: {protocol.STRAGGLER_TRACE}={directory!r}: {exc}") from None
