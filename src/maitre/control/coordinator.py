@@ -156,11 +156,6 @@ class Coordinator:
         """Per node, the workers that hold (or may still hold) its slots."""
         self._spare_jobs: set[str] = set()
         """Jobs whose runs keep warm spares (the only ones a node's orders look at for them)."""
-        self._pending_kills: dict[str, set[str]] = {}
-        self._unacked: dict[str, dict[str, tuple[p.StartOrder, float]]] = {}
-        """Per node, the start orders (and when each was last sent) that no beat of its agent
-        has listed the worker of yet: an answer can be lost (its agent died with a watch
-        pending, a link dropped it), so each is sent again until the agent runs the worker."""
         self._emitted: dict[str, int] = {}
         self._keys: dict[str, tuple[Any, ...]] = {}
         """Each membership's :meth:`~Membership.view_key` when its nodes were last told."""
@@ -335,7 +330,7 @@ class Coordinator:
         was killed, its host rebooted), and the workers of the one before are gone with it
         (any still running are orphans: killed if the new agent finds them). Their jobs
         recover at once, as from a crash, instead of waiting out their heartbeats' silence."""
-        self._unacked.pop(node, None)  # orders for the agent before: its workers go too
+        self.nodes.forget_starts(node)  # orders for the agent before: its workers go too
         gone = [wid for wid in self._on_node.get(node, ()) if self._worker_job[wid].workers[wid].state in LIVE]
         if gone:
             log.info("node %s: a new agent, without %s", node, ", ".join(sorted(gone)))
@@ -457,7 +452,7 @@ class Coordinator:
     def _orders(self, node: str, since: int, now: float) -> p.NodeOrders:
         entry = self.nodes[node]
         running = entry.running
-        kill = sorted(self._pending_kills.pop(node, set()))
+        kill = sorted(self.nodes.take_kills(node))
         # Slots in use: processes the agent runs, and workers it was asked to start that it
         # does not list yet (it starts them off its heartbeat thread).
         used: set[int] = set()
@@ -485,11 +480,9 @@ class Coordinator:
                 kill.append(wid)  # no job of this coordinator knows it
         start = self._resent(node, running, entry.beat_at, now)
         fresh = self._start_orders(node, entry.slots, used, now)
-        if fresh:  # (most beats start nothing)
-            unacked = self._unacked.setdefault(node, {})
-            for order in fresh:
-                unacked[order.worker_id] = (order, now)
-            start += fresh
+        for order in fresh:  # (most beats start nothing)
+            self.nodes.sent(node, order, now)
+        start += fresh
         self._flush()  # (may bump this node: the views below are as of the version returned)
         version = self.nodes.version(node)
         views: dict[str, p.WorkerView] | None = None
@@ -512,7 +505,7 @@ class Coordinator:
     def _resent(self, node: str, running: set[str], beat_at: float, now: float) -> list[p.StartOrder]:
         """The start orders of ``node`` to send again: those whose worker is still starting and
         that a beat which came :data:`_RESEND_AFTER_S` after them did not list."""
-        unacked = self._unacked.get(node)
+        unacked = self.nodes.unacked(node)
         if not unacked:
             return []
         again = []
@@ -528,7 +521,7 @@ class Coordinator:
                     wid,
                     now - sent_at,
                 )
-                unacked[wid] = (order, now)
+                self.nodes.sent(node, order, now)
                 again.append(order)
         return again
 
@@ -643,7 +636,7 @@ class Coordinator:
                 self._touch(ms.spec.job_id)
                 continue
             ms.release_spare(w.id, reason, now)
-            self._pending_kills.setdefault(node, set()).add(w.id)
+            self.nodes.kill(node, w.id)
             self._touch(ms.spec.job_id)
             self._bump(node)
 
@@ -806,7 +799,7 @@ class Coordinator:
                 dead = job.detect_failures(now, lost=lost)
                 for wid in dead:
                     node = job.workers[wid].node
-                    self._pending_kills.setdefault(node, set()).add(wid)
+                    self.nodes.kill(node, wid)
                     self._bump(node)
                 if job.try_open_epoch(now) or dead:
                     self._touch(job_id)
@@ -913,7 +906,7 @@ class Coordinator:
             ms = self._worker_job[wid]
             if ms.workers[wid].state in LIVE:
                 ms.evict(wid, reason, now)
-                self._pending_kills.setdefault(node, set()).add(wid)
+                self.nodes.kill(node, wid)
                 self._touch(ms.spec.job_id)
         self._bump(node)
 
@@ -1038,7 +1031,7 @@ class Coordinator:
                 self._install(ms)
                 for w in ms.workers.values():  # their orders may never have reached an agent
                     if w.state == WorkerState.STARTING:
-                        self._unacked.setdefault(w.node, {})[w.id] = (self._order(ms, w), now)
+                        self.nodes.sent(w.node, self._order(ms, w), now)
         self._restore_suspects(now)
         usage = self.db.meta("usage")
         if usage:

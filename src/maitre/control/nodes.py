@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from maitre.protocol import StartOrder
+
 
 @dataclass(slots=True)
 class NodeEntry:
@@ -41,6 +43,8 @@ class NodeRegistry:
         self._version = 0
         self._versions: dict[str, int] = {}
         self._woken: set[str] = set()
+        self._kills: dict[str, set[str]] = {}
+        self._unacked: dict[str, dict[str, tuple[StartOrder, float]]] = {}
 
     def beat(self, node: str, slots: int, labels: dict[str, str], now: float) -> NodeEntry:
         """A beat of ``node``'s agent came (the first one registers it)."""
@@ -81,6 +85,29 @@ class NodeRegistry:
         """The nodes bumped since the last call."""
         woken, self._woken = self._woken, set()
         return woken
+
+    # -- what its agent must still hear -------------------------------------------------------------
+    def kill(self, node: str, worker: str) -> None:
+        """The node's agent must kill ``worker`` (its next orders say so)."""
+        self._kills.setdefault(node, set()).add(worker)
+
+    def take_kills(self, node: str) -> set[str]:
+        return self._kills.pop(node, set())
+
+    def sent(self, node: str, order: StartOrder, now: float) -> None:
+        """A start order went to the node's agent at ``now``: it is sent again until a beat
+        lists the worker (an answer can be lost: its agent died with a watch pending, a link
+        dropped it)."""
+        self._unacked.setdefault(node, {})[order.worker_id] = (order, now)
+
+    def unacked(self, node: str) -> dict[str, tuple[StartOrder, float]]:
+        """The node's start orders no beat listed the worker of yet, with when each was last
+        sent (the caller drops the ones acknowledged)."""
+        return self._unacked.get(node, {})
+
+    def forget_starts(self, node: str) -> None:
+        """Orders for an agent that is gone (a restarted one's workers went with it)."""
+        self._unacked.pop(node, None)
 
     # -- reading -----------------------------------------------------------------------------------
     def __contains__(self, node: object) -> bool:
