@@ -340,8 +340,8 @@ of ~12 ms, 15 of them are within it: one rank kept off its core for 0.2 s looks 
 def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkeypatch, reference, slow: str) -> None:
     """Three workers under ``maitre run``, uneven shares, every rank sleeping a random part
     (up to 30%) of its compute each step (MAITRE_STEP_JITTER); with MAITRE_SLOW_RANK=1:0.5
-    rank 1 computes 1.5x as long: a ``straggler`` event names its worker and node within 20
-    steps, the metric counts it, and the run is exact (every sample once, the parameters of
+    rank 1 computes 1.5x as long: a ``straggler`` event names its worker and node within 30
+    steps (20 on a quiet machine), the metric counts it, and the run is exact (every sample once, the parameters of
     a fixed-size run). Without: nothing."""
     monkeypatch.setenv(protocol.STEP_JITTER, "0.3")
     if slow:
@@ -375,7 +375,11 @@ def test_a_real_run_reports_its_slow_rank_and_stays_exact(tmp_path: Path, monkey
     assert verdict["worker"] == members[1] and verdict["node"] == node_of[members[1]], verdict
     assert verdict["rank"] == 1 and verdict["reporter"] == members[0]
     assert verdict["ratio"] >= 1.3 and verdict["windows"] == 3
-    assert verdict["since_step"] <= 10 and verdict["step"] <= 20, verdict  # slow from the start
+    # Slow from the start: the onset within the first two windows, and the verdict three windows
+    # on (15 steps), or a window or two later where the machine's own load made a window of it
+    # look ordinary (seen beside a CPU hog: step 25). How soon it is found on recorded noise is
+    # test_a_slow_rank_is_found_within_twenty_steps_with_its_onset's, over many seeds.
+    assert verdict["since_step"] <= 10 and verdict["step"] <= 30, verdict
     # In the terminal, one line (the evidence is the event's, in the log and the dashboard).
     [line] = [line for line in lines if "straggler" in line]
     assert f"straggler: {members[1]} on {node_of[members[1]]} (rank 1) computes" in line, line

@@ -421,7 +421,10 @@ class Agent:
         )
         sent = time.monotonic()
         try:
-            reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id), beat.model_dump(mode="json"))
+            # (absent fields left out: a beat without a notice carries no "notice", and a
+            # thousand nodes' beats stay small)
+            body = beat.model_dump(mode="json", exclude_none=True)
+            reply = self.client.post(protocol.NODE_HEARTBEAT.format(node=self.node_id), body)
         except ApiError as exc:
             raise RuntimeError(f"coordinator refused node {self.node_id}: {exc.message}") from None
         try:
