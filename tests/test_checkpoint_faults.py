@@ -163,7 +163,8 @@ def test_full_disk_fails_the_save_not_training(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference) -> None:
-    """Preemption under torchrun or alone: SIGTERM finishes the step, checkpoints it, exits 143."""
+    """Preemption under torchrun or alone: SIGTERM finishes the step, checkpoints it, and the
+    process then ends by that SIGTERM (delivered again once the loop has ended)."""
     directory = tmp_path / "ckpt"
     cmd = checkpointed(directory, every=1000)
     cmd[cmd.index("--log-every") + 1] = "1"
@@ -181,7 +182,7 @@ def test_sigterm_checkpoints_then_exits(tmp_path: Path, reference) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert proc.returncode == -signal.SIGTERM, err
     assert "stopped at step" in err and "(SIGTERM)" in err, err
     steps = assert_all_complete(directory)
     assert len(steps) == 1 and 8 <= steps[0] < STEPS

@@ -146,6 +146,7 @@ def test_clipping_by_the_global_norm_under_a_crash_and_a_leave(tmp_path: Path, r
     assert run.job()["failures"] == 1
 
 
+@pytest.mark.slow  # (with ranks as threads in the default suite: tests/test_inprocess.py)
 @pytest.mark.timeout(180)
 def test_fp16_loss_scaling_and_clipping_under_a_crash_and_a_leave(tmp_path: Path, reference) -> None:
     code, lines, run = run_story(tmp_path, "kill@40,leave@150", nodes=3, extra=FP16)
@@ -154,6 +155,7 @@ def test_fp16_loss_scaling_and_clipping_under_a_crash_and_a_leave(tmp_path: Path
     assert skips, "no step overflowed: the scaler's skip was not exercised"
 
 
+@pytest.mark.slow  # (with ranks as threads in the default suite: tests/test_inprocess.py)
 @pytest.mark.timeout(180)
 def test_a_joiner_replays_the_steps_trained_while_its_state_streamed(tmp_path: Path, reference, monkeypatch) -> None:
     """The snapshot lands 1.5 s late: the joiner hears dozens of steps meanwhile and replays
@@ -169,6 +171,7 @@ def test_a_joiner_replays_the_steps_trained_while_its_state_streamed(tmp_path: P
     assert len(caught_up) == 1 and caught_up[0]["replayed"] >= 10, "\n".join(lines)
 
 
+@pytest.mark.slow  # (with ranks as threads in the default suite: tests/test_inprocess.py)
 @pytest.mark.timeout(180)
 def test_a_job_that_finishes_while_a_joiners_state_streams_completes_without_it(
     tmp_path: Path, reference, monkeypatch

@@ -10,8 +10,6 @@ queued, while a post is in flight.
 
 from __future__ import annotations
 
-import http.server
-import json
 import threading
 import time
 from pathlib import Path
@@ -21,7 +19,6 @@ import pytest
 from conftest import example_command, play
 from maitre.runtime.ledger import audit
 from maitre.runtime.telemetry import ProgressMeter, Reporter
-from maitre.wire import Client
 from test_metrics import sample
 
 STEPS = 250
@@ -109,34 +106,17 @@ def test_a_resumed_job_reports_its_restore_from_disk(tmp_path: Path) -> None:
 
 
 # -- the worker's side, alone ----------------------------------------------------------------------
-class _Held(http.server.BaseHTTPRequestHandler):
-    """Answers every report, the first only once the test lets it."""
-
-    protocol_version = "HTTP/1.1"
+@pytest.mark.timeout(30)
+def test_reports_never_wait_and_progress_is_dropped_while_a_post_is_in_flight() -> None:
     got: list[dict] = []
     release = threading.Event()
 
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if not self.got:
-            self.release.wait(10)
-        self.got.append(body)
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", "2")
-        self.end_headers()
-        self.wfile.write(b"{}")
+    def post(report: dict, timeout_s: float) -> None:  # the first report is held until released
+        if not got:
+            release.wait(10)
+        got.append(report)
 
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.mark.timeout(30)
-def test_reports_never_wait_and_progress_is_dropped_while_a_post_is_in_flight() -> None:
-    _Held.got, _Held.release = [], threading.Event()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Held)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    reporter = Reporter(Client(f"127.0.0.1:{server.server_address[1]}"), "w1")
+    reporter = Reporter(post)
     try:
 
         def progress(step: int) -> dict:
@@ -157,16 +137,14 @@ def test_reports_never_wait_and_progress_is_dropped_while_a_post_is_in_flight() 
         assert not reporter.offer(progress(2))  # dropped: one is in flight
         reporter.send({"kind": "checkpoint", "step": 2})  # queued behind it
         assert not reporter.offer(progress(3))  # dropped: a report is waiting
-        assert time.monotonic() - began < 1.0  # none of it waited for the server
-        _Held.release.set()
+        assert time.monotonic() - began < 1.0  # none of it waited for the coordinator
+        release.set()
         assert reporter.flush(5.0)
-        assert [(r["kind"], r["step"]) for r in _Held.got] == [("progress", 1), ("checkpoint", 2)]
+        assert [(r["kind"], r["step"]) for r in got] == [("progress", 1), ("checkpoint", 2)]
         assert reporter.dropped == 2 and reporter.sent == 2
     finally:
-        _Held.release.set()
+        release.set()
         reporter.close()
-        server.shutdown()
-        server.server_close()
 
 
 def test_the_progress_meter_reports_rates_over_its_window() -> None:

@@ -16,6 +16,7 @@ from maitre._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from maitre.checkpoint import CheckpointConfig, IntervalConfig
+    from maitre.errors import WorkerStopped
     from maitre.runtime.hooks import LossScaler
     from maitre.runtime.loop import Batch, ElasticLoop
     from maitre.runtime.reduction import Buckets
@@ -36,6 +37,7 @@ _HOMES = {
     "LossScaler": "maitre.runtime.hooks",
     "SqrtScaling": "maitre.runtime.scaling",
     "TrainState": "maitre.runtime.state",
+    "WorkerStopped": "maitre.errors",
     "replica_mesh": "maitre.runtime.replica",
 }
 """Where each public name is defined."""
@@ -52,6 +54,7 @@ __all__ = [
     "LossScaler",
     "SqrtScaling",
     "TrainState",
+    "WorkerStopped",
     "replica_mesh",
 ]
 try:  # the version is written once, in pyproject.toml; an installed package's metadata has it

@@ -3,6 +3,8 @@
     MaitreError
     ├── IllegalMove             a job state change the state machine does not allow (a bug in
     │                           maitre; see maitre.scheduling.lifecycle)
+    ├── WorkerStopped           a training loop cannot go on in its job (refused, the
+    │                           coordinator out of reach too long, the job failed)
     ├── RequestError            a request the coordinator refuses (the API answers 4xx)
     │   ├── BadRequest          400: the request is wrong (``field`` says where)
     │   └── NotFound            404: no such job, node or worker
@@ -47,6 +49,11 @@ class NotFound(RequestError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.message
+
+
+class WorkerStopped(MaitreError, RuntimeError):
+    """A training loop cannot go on in its job: the coordinator refused it, stayed out of reach
+    past the worker's timeout, or stopped it because the job failed."""
 
 
 class ClientError(MaitreError):

@@ -119,8 +119,9 @@ for batch in loop.run(max_steps=args.steps):
         # Every process runs the same number of forward passes (FSDP's collectives need it),
         # an empty micro-batch adding nothing.
         batch.backward(loss_of(model, idx))
-full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
-if loop.rank == 0 and torch.distributed.get_rank() == 0:  # one process of one replica
+if loop.completed:  # (not a replica that left, or stopped with a checkpoint)
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+if loop.completed and loop.rank == 0 and torch.distributed.get_rank() == 0:  # one process of one replica
     torch.save(full, args.out)
     skipped = loop.scaler.skipped if loop.scaler is not None else 0
     print(f"done: {loop.step} steps, loss {loop.last_loss:.6f}, {skipped} skipped", flush=True)

@@ -210,7 +210,7 @@ def main() -> None:
 
     if loader is not None:
         loader.close()
-    if loop.rank == 0:
+    if loop.completed and loop.rank == 0:  # (not a worker that left, or stopped early)
         loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
         skipped = f", {loop.scaler.skipped} steps skipped for fp16 overflow" if loop.scaler is not None else ""
         print(f"done: {loop.step} steps, final loss {loss}{skipped}", flush=True)

@@ -256,6 +256,8 @@ def main() -> None:
             )
     if loader is not None:
         loader.close()
+    if not loop.completed:  # a replica that left, or stopped with a checkpoint: not the final model
+        return
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}  # a replica's collective
     if loop.rank == 0 and first:
         tokens = (loop.step - warm) * args.global_batch * args.block

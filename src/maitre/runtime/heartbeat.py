@@ -27,8 +27,8 @@ from typing import Callable
 
 from pydantic import ValidationError
 
-from maitre.protocol import WORKER_HEARTBEAT, AgentView, LocalBeat
-from maitre.wire import ApiError, Client, CoordinatorUnreachable
+from maitre.protocol import AgentView, LocalBeat
+from maitre.wire import ApiError, CoordinatorUnreachable
 
 log = logging.getLogger("maitre.runtime.heartbeat")
 
@@ -56,13 +56,15 @@ class CoordinatorView:
 class Heartbeat:
     def __init__(
         self,
-        client: Client,
+        send: Callable[[LocalBeat, float], AgentView],
         worker_id: str,
         interval_s: float,
         progress: Callable[[], tuple[int, bool, float]],
         proc: int = 0,
     ) -> None:
-        self.client = client
+        self.send = send
+        """Sends a beat to the agent, with a timeout, and returns its answer (the link's
+        :meth:`~maitre.runtime.link.CoordinatorLink.beat`)."""
         self.worker_id = worker_id
         self.proc = proc
         """Its index in its replica (the agent tells a replica's processes apart by it)."""
@@ -87,9 +89,7 @@ class Heartbeat:
             asked = time.monotonic()
             beat = LocalBeat(step=step, stalled=stalled, proc=self.proc, trained_s=round(trained_s, 4))
             try:
-                reply = AgentView.model_validate(
-                    self.client.post(WORKER_HEARTBEAT.format(worker=self.worker_id), beat.model_dump(), timeout_s=2.0)
-                )
+                reply = self.send(beat, 2.0)
             except (CoordinatorUnreachable, ApiError):
                 pass  # keep the last view: the current epoch trains on
             except ValidationError as exc:  # an agent of another version: the same, said once

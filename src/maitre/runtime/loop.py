@@ -47,13 +47,11 @@ import contextlib
 import itertools
 import os
 import secrets
-import signal
 import statistics
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
@@ -76,11 +74,12 @@ from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.signals import SigtermLatch
 from maitre.runtime.steptiming import StepTiming
 from maitre.runtime.state import Stateful, TrainState
-from maitre.runtime.storelink import StoreLink, StoreLinkError
+from maitre.runtime.storelink import StoreLinkError
 from maitre.runtime import telemetry
 from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
 from maitre.runtime.transfer import unpack as transfer_unpack
-from maitre.wire import ApiError, Client, CoordinatorUnreachable, UnixClient, parse_address
+from maitre.errors import ApiError, CoordinatorUnreachable, WorkerStopped
+from maitre.runtime.link import CoordinatorLink, HttpLink
 
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
@@ -218,6 +217,11 @@ class ElasticLoop:
             and the optimizer's step (see :mod:`maitre.runtime.hooks`).
         buckets: how the gradients are bucketed and reduced while backward runs (default
             :class:`~maitre.runtime.reduction.Buckets`: DDP's 25 MiB, a 1 MiB first bucket).
+        env: where this process runs (default: read from its environment, see
+            :class:`~maitre.runtime.env.WorkerEnv`).
+        link: how an elastic worker reaches its coordinator, agent and store (default: an
+            :class:`~maitre.runtime.link.HttpLink` to those ``env`` names; see
+            :class:`~maitre.control.inprocess.InProcessCluster` for ranks as threads).
     """
 
     def __init__(
@@ -237,6 +241,7 @@ class ElasticLoop:
         on_reduced_grads: Any = None,
         loss_scaler: LossScaler | None = None,
         buckets: Buckets | None = None,
+        link: CoordinatorLink | None = None,
     ) -> None:
         if micro_batch_size is not None and micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
@@ -297,14 +302,19 @@ class ElasticLoop:
             if self.env.ledger_dir
             else None
         )
-        self._client: Client | None = None
+        self._link = link
+        self.ended: str | None = None
+        """Why :meth:`run` ended: ``"completed"`` (every step committed), ``"left"`` (the job went
+        on without this worker: scaled down, or it finished while this worker's state streamed
+        in), ``"suspended"`` (checkpointed; the job resumes later), ``"stopped"`` (the job ended
+        without it: completed, cancelled), ``"SIGTERM"`` (checkpointed, under torchrun or alone;
+        the signal is delivered again once the loop has ended). None while it runs."""
         self._reporter: telemetry.Reporter | None = None
         """Progress, checkpoint and restore reports to the coordinator (off the step's path)."""
         self._meter = telemetry.ProgressMeter()
         self._heartbeat: Heartbeat | None = None
         self._store: dist.Store | None = None
         self._store_id: str | None = None
-        self._store_link: StoreLink | None = None
         self._state_lost = False
         """The coordinator says every worker that held the job's state was lost."""
         self._recovery: Recovery | None = None
@@ -332,11 +342,24 @@ class ElasticLoop:
         """Committed steps so far."""
         return self.state.step
 
+    @property
+    def completed(self) -> bool:
+        """Whether :meth:`run` ended with every step committed: what a script checks before it
+        writes the final model (a worker that left, or stopped with a checkpoint, holds a state
+        that is not the last)."""
+        return self.ended == "completed"
+
     def run(self, max_steps: int) -> Iterator[Batch]:
-        """Yield one :class:`Batch` per step until ``max_steps`` steps are committed."""
+        """Yield one :class:`Batch` per step until ``max_steps`` steps are committed, or until
+        this worker's part in the job ends before (:attr:`ended` says why; :attr:`completed`).
+
+        Raises :class:`~maitre.errors.WorkerStopped` when this worker cannot go on: the
+        coordinator refused it, stayed out of reach past ``coordinator_timeout_s``, or stopped it
+        because the job failed."""
         self._max_steps = max_steps
-        self._start()
+        self.ended = None
         try:
+            self._start()
             while self.state.step < max_steps:
                 if self._listening is not None:
                     self._listen()
@@ -361,7 +384,15 @@ class ElasticLoop:
                             view = self._heartbeat.view
                             self.checkpointer.policy.observe_history(view.failures, view.age_s)
             self._done()
+            self.ended = "completed"
+        except _Ended as end:
+            self.ended = end.why
+            if end.message:
+                print(end.message, file=sys.stderr, flush=True)
         finally:
+            if self.ended is None and self.group is not None:  # left by an exception
+                self.group.retire()  # (set aside: its destructor would wait for a collective)
+                self.group = None
             self._reducer.close()
             if self.checkpointer is not None:  # a save in flight becomes durable (or fails)
                 self.checkpointer.close()
@@ -373,6 +404,10 @@ class ElasticLoop:
             if self._ledger is not None:
                 self._ledger.close()
             self._timing.close()
+            if self._link is not None:
+                self._link.close()
+        if self.ended == "SIGTERM":
+            self._sigterm.deliver()  # the process ends as the signal meant (its own handler, if any)
 
     @property
     def _spanning(self) -> "replicas.Replica | None":
@@ -723,13 +758,13 @@ class ElasticLoop:
         streamed in: the job is done and this worker holds none of it. It leaves (its script
         never sees the end of a training it did not do), so that the job completes instead of
         waiting for it, or training again from its checkpoint with it as the only member."""
-        if self._client is not None and not self.env.proc:  # the first process speaks
+        if self._link is not None and not self.env.proc:  # the first process speaks
             try:
-                self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
+                self._link.left()
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
-        self._exit(
-            0,
+        raise _Ended(
+            "left",
             f"maitre: {self.env.worker_id}: the job finished at step "
             f"{self._max_steps} while this worker's state streamed in; it leaves",
         )
@@ -836,11 +871,9 @@ class ElasticLoop:
         try:
             while hb.view.heard_at < done and self._given_up() is None:
                 if time.monotonic() > deadline:
-                    self._exit(
-                        1,
-                        f"maitre: no word from the coordinator for "
-                        f"{self.env.coordinator_timeout_s:.0f}s after step "
-                        f"{self.state.step + 1}; giving up",
+                    raise WorkerStopped(
+                        f"no word from the coordinator for {self.env.coordinator_timeout_s:.0f}s "
+                        f"after step {self.state.step + 1}; giving up"
                     )
                 time.sleep(0.01)
         finally:
@@ -882,17 +915,14 @@ class ElasticLoop:
         if self.rank == 0:
             where = f"checkpoint {saved}" if saved else "no checkpoint written by this rank"
             print(f"maitre: stopped at step {self.state.step} ({reason}); {where}", file=sys.stderr, flush=True)
-        if self.env.mode == Mode.ELASTIC and self._client is not None:
+        if self.env.mode == Mode.ELASTIC and self._link is not None:
             try:
                 if not self.env.proc:  # the first process speaks for its replica
-                    self._client.post(
-                        protocol.WORKER_DONE.format(worker=self.env.worker_id),
-                        {"step": self.state.step, "suspended": True},
-                    )
+                    self._link.done(self.state.step, suspended=True)
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report the suspension: {exc}", file=sys.stderr)
-            self._exit(0, None)
-        self._exit(128 + signal.SIGTERM, None)
+            raise _Ended("suspended")
+        raise _Ended("SIGTERM" if self._sigterm.heard else "suspended")
 
     def _change_requested(self) -> bool:
         hb = self._heartbeat
@@ -924,14 +954,15 @@ class ElasticLoop:
             self._size_slots()
             self._sync_state(Recovery("start", time.time()))
             return
-        self._client = Client(self.env.coordinator, token=self.env.token or None, tls_ca=self.env.tls_ca or None)
+        if self._link is None:
+            self._link = HttpLink(self.env)
         self._reporter = telemetry.Reporter(
-            self._client, self.env.worker_id, on_error=lambda line: print(line, file=sys.stderr, flush=True)
+            self._link.report, on_error=lambda line: print(line, file=sys.stderr, flush=True)
         )
         if self.checkpointer is not None:
             self.checkpointer.on_result = self._report_checkpoint
         self._heartbeat = Heartbeat(
-            UnixClient(self.env.agent), self.env.worker_id, self.env.heartbeat_s, self._progress, proc=self.env.proc
+            self._link.beat, self.env.worker_id, self.env.heartbeat_s, self._progress, proc=self.env.proc
         ).start()
         self._recovery = Recovery("join", time.time())
         self._rendezvous("join", from_epoch=0)
@@ -968,7 +999,7 @@ class ElasticLoop:
 
     def _rendezvous(self, reason: str, from_epoch: int | None = None, unbuilt: EpochLost | None = None) -> None:
         """Leave the current epoch and enter the next one (or leave the job)."""
-        assert self._client is not None
+        assert self._link is not None
         if self._recovery is None:
             self._recovery = Recovery(reason, time.time())
         if self.group is not None:
@@ -987,31 +1018,32 @@ class ElasticLoop:
         )
         while True:
             try:
-                answer = protocol.Assignment.model_validate(
-                    self._client.post(
-                        protocol.WORKER_RENDEZVOUS.format(worker=self.env.worker_id),
-                        request.model_dump(),
-                        timeout_s=15.0,
-                    )
-                )
+                answer = self._link.rendezvous(request, timeout_s=15.0)
             except CoordinatorUnreachable as exc:
                 if time.monotonic() > deadline:
-                    self._exit(1, f"maitre: {exc}; giving up after {self.env.coordinator_timeout_s:.0f}s")
+                    raise WorkerStopped(f"{exc}; giving up after {self.env.coordinator_timeout_s:.0f}s") from None
                 time.sleep(0.5)
                 continue
             except ApiError as exc:
-                self._exit(1, f"maitre: rendezvous refused: {exc.message}")
+                raise WorkerStopped(f"rendezvous refused: {exc.message}") from None
             except ValidationError as exc:  # a coordinator of another version
-                self._exit(1, f"maitre: the coordinator's rendezvous answer cannot be read: {exc}")
+                raise WorkerStopped(f"the coordinator's rendezvous answer cannot be read: {exc}") from None
             if answer.action == "train":
                 break
             if answer.action == "leave":
                 if not self.env.proc:  # the first process speaks for its replica
-                    self._client.post(protocol.WORKER_LEFT.format(worker=self.env.worker_id))
-                self._exit(0, None)
+                    try:
+                        self._link.left()
+                    except (CoordinatorUnreachable, ApiError) as exc:  # its exit tells it as well
+                        print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
+                raise _Ended("left")
             if answer.action == "stop":
-                ended = ("job completed", "job suspended", "job cancelled")
-                self._exit(0 if answer.reason in ended else 1, f"maitre: worker stopped: {answer.reason}")
+                said = f"maitre: worker stopped: {answer.reason}"
+                if answer.reason == "job suspended":
+                    raise _Ended("suspended", said)
+                if answer.reason in ("job completed", "job cancelled"):
+                    raise _Ended("stopped", said)
+                raise WorkerStopped(f"worker stopped: {answer.reason}")
         if self._store is None or answer.store_id != self._store_id:
             # First epoch, or the coordinator restarted since the last one: the run's c10d
             # store is a new server (behind the same door), so connect again.
@@ -1066,25 +1098,13 @@ class ElasticLoop:
         flag.copy_(there.cpu())
 
     def _connect_store(self, answer: protocol.Assignment) -> None:
-        """The run's c10d store, through its door (:class:`StoreLink`): ``TCPStore`` connects to
-        the link on loopback, the link proves the run's token at the door."""
-        host, port = parse_address(answer.store or self.env.store)
-        if host.strip("[]") in ("0.0.0.0", "::"):  # bound everywhere: where we reach it
-            host = parse_address(self.env.coordinator)[0]
-        if self._store_link is not None:
-            self._store_link.close()
+        """The run's c10d store, from the link (through its door, for an :class:`HttpLink`)."""
+        assert self._link is not None
         self._store = None
-        self._store_link = StoreLink((host.strip("[]"), port), answer.store_key or "", self.env.token)
-        deadline = time.monotonic() + 60.0  # as long as TCPStore's own connect would wait
-        while True:
-            try:
-                self._store_link.check()
-                break
-            except StoreLinkError as exc:
-                if exc.refused or time.monotonic() > deadline:
-                    self._exit(1, f"maitre: {exc}")
-                time.sleep(0.5)  # the coordinator restarting: its door opens again
-        self._store = dist.TCPStore("127.0.0.1", self._store_link.port, is_master=False, timeout=timedelta(seconds=60))
+        try:
+            self._store = self._link.store(answer)
+        except StoreLinkError as exc:
+            raise WorkerStopped(str(exc)) from None
         self._store_id = answer.store_id
 
     def _resume_from_disk(self) -> bool:
@@ -1233,15 +1253,18 @@ class ElasticLoop:
             self.group = None
         if self._reporter is not None:  # the last checkpoint's report before "done"
             self._reporter.flush()
-        if self._client is not None and not self.env.proc:  # the first process speaks
+        if self._link is not None and not self.env.proc:  # the first process speaks
             try:
-                self._client.post(protocol.WORKER_DONE.format(worker=self.env.worker_id), {"step": self.state.step})
+                self._link.done(self.state.step)
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report completion: {exc}", file=sys.stderr)
 
-    def _exit(self, code: int, message: str | None) -> None:
-        if message:
-            print(message, file=sys.stderr, flush=True)
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-        raise SystemExit(code)
+
+class _Ended(Exception):
+    """This worker's part in the job ended before its last step; :meth:`ElasticLoop.run` catches
+    it and returns (``why``: :attr:`ElasticLoop.ended`)."""
+
+    def __init__(self, why: str, message: str | None = None) -> None:
+        super().__init__(why)
+        self.why = why
+        self.message = message

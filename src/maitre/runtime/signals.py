@@ -1,7 +1,8 @@
 """What SIGTERM means to a training process, and the handler the loop installs for it.
 
 Under torchrun or alone, SIGTERM (a preemption, ``scancel``, a pod deleted) means: finish the
-step, checkpoint it, exit (:class:`SigtermLatch`: the loop reads it at the step boundary). Under
+step, checkpoint it, exit (:class:`SigtermLatch`: the loop reads it at the step boundary, and
+delivers the signal again once it has ended). Under
 an agent whose own SIGTERM is a spot notice, the one that reaches the worker too (Slurm's
 ``proctrack/cgroup`` signals the whole step) is the same notice: the agent drains its node and
 the worker leaves at a step boundary when told (:func:`let_pass`). Under maitre otherwise the
@@ -51,6 +52,13 @@ class SigtermLatch:
                 )
 
         self._install(on_sigterm)
+
+    def deliver(self) -> None:
+        """The SIGTERM heard while the loop ran, once more, with the process's own handler back:
+        the process ends as the signal meant (killed by it, 143 to a shell), or its handler runs."""
+        if self.heard and threading.current_thread() is threading.main_thread():
+            self.restore()
+            signal.raise_signal(signal.SIGTERM)
 
     def restore(self) -> None:
         """Put back the handler the process had."""

@@ -25,10 +25,9 @@ import threading
 from collections import deque
 from typing import Any, Callable
 
-from maitre import protocol
 from maitre.checkpoint.loader import Loaded
 from maitre.checkpoint.writer import SaveResult
-from maitre.wire import ApiError, Client, CoordinatorUnreachable
+from maitre.wire import ApiError, CoordinatorUnreachable
 
 PROGRESS_EVERY_S = 1.0
 """Rank 0's progress reports are at least this far apart."""
@@ -99,9 +98,11 @@ def restore_report(loaded: Loaded, seconds: float) -> dict[str, Any]:
 class Reporter:
     """Posts reports to the coordinator on a background thread (see the module docstring)."""
 
-    def __init__(self, client: Client, worker_id: str, on_error: Callable[[str], None] | None = None) -> None:
-        self._client = client
-        self._path = protocol.WORKER_REPORT.format(worker=worker_id)
+    def __init__(
+        self, send: Callable[[dict[str, Any], float], None], on_error: Callable[[str], None] | None = None
+    ) -> None:
+        self._send = send
+        """Posts one report, with a timeout (the link's :meth:`~maitre.runtime.link.CoordinatorLink.report`)."""
         self._on_error = on_error
         """Told of a checkpoint or restore report that could not be sent."""
         self._cv = threading.Condition()
@@ -168,7 +169,7 @@ class Reporter:
                 self._posting = True
             error = None
             try:
-                self._client.post(self._path, report, timeout_s=_POST_TIMEOUT_S)
+                self._send(report, _POST_TIMEOUT_S)
                 self.sent += 1
             except (CoordinatorUnreachable, ApiError) as exc:
                 error = str(exc)
