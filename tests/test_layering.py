@@ -298,3 +298,35 @@ def test_the_training_processs_code_writes_no_environment_variable() -> None:
             if write:
                 found.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:80]}")
     assert not found, "the training process's environment written:\n" + "\n".join(found)
+
+
+_OWN_PROCESSES = {("data/loader.py", "_WorkerInit")}
+"""Classes whose code runs in processes maitre started (a data worker ends itself when the
+training process that owns it is gone)."""
+
+
+def test_the_training_processs_code_never_exits_the_process() -> None:
+    """A library in a user's process ends what it runs, never the process: no ``SystemExit``,
+    ``sys.exit``, ``os._exit`` or ``os.kill`` of itself (the loop's ``run()`` returns, and says
+    why in ``loop.ended``; a worker that cannot go on gets ``maitre.WorkerStopped``)."""
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        if not rel.startswith(TRAINING_PROCESS):
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        own = {  # code that runs in processes of maitre's own, not the user's
+            id(n)
+            for c in tree.body
+            if isinstance(c, ast.ClassDef) and (rel, c.name) in _OWN_PROCESSES
+            for n in ast.walk(c)
+        }
+        for node in ast.walk(tree):
+            if id(node) in own:
+                continue
+            text = ast.unparse(node) if isinstance(node, (ast.Raise, ast.Call)) else ""
+            if isinstance(node, ast.Raise) and node.exc is not None and "SystemExit" in ast.unparse(node.exc):
+                found.append(f"{rel}:{node.lineno}: {text[:80]}")
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.exit", "os._exit", "exit", "quit"):
+                found.append(f"{rel}:{node.lineno}: {text[:80]}")
+    assert not found, "the training process's code exits the process:\n" + "\n".join(found)

@@ -42,6 +42,7 @@ PUBLIC = [
     "LossScaler",
     "SqrtScaling",
     "TrainState",
+    "WorkerStopped",
     "replica_mesh",
 ]
 
