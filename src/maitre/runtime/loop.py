@@ -73,6 +73,7 @@ from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.signals import SigtermLatch
 from maitre.runtime.steptiming import StepTiming
+from maitre.runtime.streamjoin import Listening, StreamJoin
 from maitre.runtime.state import Stateful, TrainState
 from maitre.runtime.storelink import StoreLinkError
 from maitre.runtime import telemetry
@@ -155,28 +156,6 @@ class Batch:
             return contextlib.nullcontext()
         device_type, dtype = self._autocast
         return torch.autocast(device_type, dtype=dtype)
-
-
-@dataclass(slots=True)
-class _Listening:
-    """A member behind in this epoch: it hears every step while its snapshot streams in."""
-
-    receiver: Receiver
-    snapshot_step: int
-    """The committed step of the snapshot (the training members' step as the epoch opened)."""
-    queue: deque[tuple[list[torch.Tensor], torch.Tensor]]
-    """The reduced gradients and control slots of each step heard and not yet replayed."""
-    loaded: bool = False
-    state_bytes: int = 0
-    replayed: int = 0
-    started: float = 0.0
-    """When it began to listen (``time.monotonic()``)."""
-    interval: float = 0.0
-    """Seconds between its last two steps heard (the training members' step time)."""
-
-    @property
-    def caught_up(self) -> bool:
-        return self.loaded and not self.queue
 
 
 @dataclass(slots=True)
@@ -318,14 +297,8 @@ class ElasticLoop:
         self._state_lost = False
         """The coordinator says every worker that held the job's state was lost."""
         self._recovery: Recovery | None = None
-        self._listeners: tuple[int, ...] = ()
-        """This epoch's members that are catching up (group ranks), while they do."""
-        self._order: list[int] = []
-        """Group ranks in the order of their data ranks once every listener trains: the training
-        members first, as they were (the checkpoint's writer stays the same)."""
-        self._listening: _Listening | None = None
-        """This member is one of them."""
-        self._senders: list[Sender] = []
+        self._join = StreamJoin()
+        """This epoch's streamed join: who listens, who sends (:mod:`maitre.runtime.streamjoin`)."""
         self._prefix = ""
         """This epoch's store prefix (of this process's cross-replica group)."""
         self._owns_default_group = False
@@ -361,7 +334,7 @@ class ElasticLoop:
         try:
             self._start()
             while self.state.step < max_steps:
-                if self._listening is not None:
+                if self._join.listening is not None:
                     self._listen()
                     continue
                 batch = self._next_batch()
@@ -424,7 +397,7 @@ class ElasticLoop:
         """(part, parts) of a checkpoint this process writes: its rank's share of the replicated
         state, or, when a replica spans processes, its own shards if its replica is the first
         (the others write nothing: they hold the same shards)."""
-        if self._listening is not None:  # the parts of a save are the training members'
+        if self._join.listening is not None:  # the parts of a save are the training members'
             return None
         rep = self._spanning
         if rep is None:
@@ -471,7 +444,7 @@ class ElasticLoop:
         Nothing is consumed: :class:`maitre.data.Loader` prefetches along it and starts again
         from here when a step asks for other samples (a resize, a dropped step)."""
         rank, world = self.rank, self.world_size  # (read now, not at the first ``next``)
-        if rank < 0 or self._listening is not None:  # a listener trains no samples
+        if rank < 0 or self._join.listening is not None:  # a listener trains no samples
             return iter(())
         size = lambda: self.scaling.global_batch_size(self.sampler.global_batch_size, world)
         steps = itertools.islice(
@@ -487,17 +460,17 @@ class ElasticLoop:
             return False
         if control.device.type != "cpu":  # read once: every slot read below is a host read
             control = control.cpu()
-        lst = self._listening
+        lst = self._join.listening
         stop = float(control[Slot.STOP]) > 0
         if lst is not None and not lst.caught_up:  # kept, to be replayed once the state lands
-            lst.queue.append(([g.clone() for g in self._reducer.grads()], control.clone()))
+            lst.hear(self._reducer.grads(), control)
             committed = False
         else:
             committed = self._update(batch, control)
             if committed:
                 self._judge(batch, control)
                 self._commit(batch, control, stop)
-        if float(control[Slot.READY]) >= self._ready_quorum():
+        if float(control[Slot.READY]) >= self._join.ready_quorum(self._spanning.nproc if self._spanning else 1):
             self._promote()
         if stop and (committed or lst is not None):  # a skipped step asks again next step
             self._stop_here()
@@ -511,7 +484,7 @@ class ElasticLoop:
         dropped (a membership change: recovered already)."""
         control = self._reducer.control
         rep = self._spanning
-        lst = self._listening
+        lst = self._join.listening
         counts = self._counts_samples and lst is None  # a shard's tp ranks read the same samples
         if counts and isinstance(batch._loss, torch.Tensor):
             control[Slot.LOSS : Slot.LOSS + 1].copy_(batch._loss.reshape(1))
@@ -572,7 +545,7 @@ class ElasticLoop:
         """The update from the reduced gradients (in the buffers) and control slots: the global
         mean, the step hooks, the optimizer and the schedules. False: an fp16 overflow, the step
         commits nothing. A listener replays queued steps through here too, so it stays exact."""
-        self._await_snapshots()  # a snapshot being copied still reads the live state
+        self._join.await_snapshots()  # a snapshot being copied still reads the live state
         scale = self.scaler.scale if self.scaler is not None else 1.0
         count = int(round(float(control[Slot.COUNT])))
         skipped = int(round(float(control[Slot.SKIPPED])))
@@ -615,7 +588,7 @@ class ElasticLoop:
 
     def _commit(self, batch: Batch, control: torch.Tensor, stop: bool) -> None:
         """After the update: the ledger's commit, the recovery report, a checkpoint."""
-        training = self._listening is None
+        training = self._join.listening is None
         if self._ledger is not None and self._counts_samples and training:
             self._ledger.commit(self.epoch, batch.step)
         if self._recovery is not None:
@@ -665,7 +638,7 @@ class ElasticLoop:
             rank=self.rank,
             world_size=self.world_size,
             group=None if self.group is None else (self.group.rank, self.group.world_size),
-            trains=self._listening is None,
+            trains=self._join.listening is None,
         )
 
     def _judge(self, batch: Batch, control: torch.Tensor) -> None:
@@ -717,7 +690,7 @@ class ElasticLoop:
         stop or a save is asked again by the step trained next."""
         assert self.scaler is not None
         self.scaler.update(False)
-        if self._ledger is not None and self._counts_samples and self._listening is None:
+        if self._ledger is not None and self._counts_samples and self._join.listening is None:
             self._ledger.skipped(self.epoch, batch.step)
         if self.rank == 0:
             print(
@@ -734,7 +707,7 @@ class ElasticLoop:
         it has landed, replay queued steps), then take part in the step's allreduce with no
         samples. The training members' step goes on meanwhile; a listener that is caught up
         applies each step as it comes and says so, and all are promoted together."""
-        lst = self._listening
+        lst = self._join.listening
         assert lst is not None
         self._reducer.begin(0, None)
         heard = time.monotonic()
@@ -747,10 +720,9 @@ class ElasticLoop:
         if self._spanning is not None:
             batch.mine = []  # (no samples of its own)
         self._finish(batch)
-        if self._listening is lst:
+        if self._join.listening is lst:
             lst.interval = time.monotonic() - heard
-            upto = (self.state.step if lst.loaded else lst.snapshot_step) + len(lst.queue)
-            if not lst.caught_up and upto >= self._max_steps:
+            if not lst.caught_up and lst.heard_upto(self.state.step) >= self._max_steps:
                 self._leave_unfinished()
 
     def _leave_unfinished(self) -> None:
@@ -769,19 +741,14 @@ class ElasticLoop:
             f"{self._max_steps} while this worker's state streamed in; it leaves",
         )
 
-    def _catch_up(self, lst: "_Listening") -> None:
+    def _catch_up(self, lst: Listening) -> None:
         if not lst.loaded:
-            rec = lst.receiver
-            if rec.done.is_set() and rec.result is None:
-                raise EpochLost(f"the state transfer failed: {rec.error}", time.monotonic())
-            landed = rec.done.is_set()
+            landed = lst.landed()
             if self._spanning is not None:  # the replica's processes load and replay together
                 landed = self._replica_agrees(landed)
             if not landed:
                 return
-            assert rec.result is not None
-            meta, flats, lst.state_bytes = rec.result
-            rec.result = None
+            meta, flats = lst.take()
             self.state.load_state_dict(transfer_unpack(meta, flats, self._mesh_of()))
             if self.state.step != lst.snapshot_step:
                 raise RuntimeError(
@@ -810,41 +777,17 @@ class ElasticLoop:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
         return Batch(self.state.step + 1, -1, self.world_size, self.sampler.next_slice(0, self.world_size, size), [])
 
-    def _ready_quorum(self) -> float:
-        """The READY total at which every listener is caught up (none: never)."""
-        if not self._listeners:
-            return float("inf")
-        return float(len(self._listeners) * (self._spanning.nproc if self._spanning else 1))
-
     def _promote(self) -> None:
         """Every listener is caught up: from the next step all members train, on the epoch's
         group as it is (no rebuild)."""
-        lst, self._listeners, self._listening = self._listening, (), None
         assert self.group is not None
-        self.rank, self.world_size = self._order.index(self.group.rank), self.group.world_size
+        self.rank, lst = self._join.promote(self.group.rank)
+        self.world_size = self.group.world_size
         self.scaling.on_resize(self.world_size, self.state.step)
         if lst is not None and self._reporter is not None and not self.env.proc:
             # Sent in the background: its peers wait in the next step for this rank (a post
             # here cost a round trip to the coordinator on every member's path).
-            self._reporter.send(
-                {
-                    "kind": "caught_up",
-                    "epoch": self.epoch,
-                    "rank": self.rank,
-                    "world_size": self.world_size,
-                    "step": self.state.step,
-                    "listened_s": time.monotonic() - lst.started,
-                    "state_bytes": lst.state_bytes,
-                    "replayed": lst.replayed,
-                    "transfer_s": lst.receiver.seconds,
-                }
-            )
-
-    def _await_snapshots(self) -> None:
-        """Wait until every snapshot being streamed from here no longer reads the live state."""
-        for sender in self._senders:
-            sender.copied.wait()
-        self._senders = [s for s in self._senders if not s.done.is_set()]
+            self._reporter.send(lst.caught_up_report(self.epoch, self.rank, self.world_size, self.state.step))
 
     def _confirm_epoch(self, began: float) -> None:
         """A step whose collectives kept this rank waiting past its stall threshold (they began
@@ -1005,7 +948,7 @@ class ElasticLoop:
         if self.group is not None:
             self.group.retire()
             self.group = None
-        self._listeners, self._listening = (), None  # a new epoch decides again
+        self._join.reset()  # a new epoch decides again
         deadline = time.monotonic() + self.env.coordinator_timeout_s
         unbuilt_group = unbuilt is not None and unbuilt.unbuilt  # the coordinator counts it as a failure
         request = protocol.RendezvousRequest(
@@ -1079,7 +1022,7 @@ class ElasticLoop:
             self._recover(lost)
             return
         rec.synced_at = time.time()
-        if self._listening is not None:  # it reports nothing until it trains
+        if self._join.listening is not None:  # it reports nothing until it trains
             self._recovery = None
 
     def _replica_agrees(self, ok: bool) -> bool:
@@ -1172,36 +1115,28 @@ class ElasticLoop:
             self.scaling.on_resize(self.world_size, self.state.step)
 
     def _stream_state(self, steps: list[int], ahead: int, rec: Recovery) -> None:
-        """The members behind listen; the others train on at once. Listener ``i`` gets the
-        committed state from the ``i``-th member ahead (round robin: sources spread over the
-        members), streamed in the background on a pair group of its own. Until every listener
-        is caught up the data shares are the training members' (ranks among them)."""
+        """The members behind listen, the others train on at once (:mod:`maitre.runtime.streamjoin`):
+        until every listener is caught up the data shares are the training members'."""
         assert self.group is not None and self._store is not None
-        training = [r for r, s in enumerate(steps) if s == ahead]
-        self._listeners = tuple(r for r, s in enumerate(steps) if s != ahead)
-        self._order = training + list(self._listeners)
+        join = self._join
+        training = join.plan(steps, ahead)
         me, epoch = self.group.rank, self.epoch
         self.world_size = len(training)
         pair = lambda listener: f"{self._prefix}join/{listener}/"
         abandon = lambda: None if self.epoch == epoch and self.group is not None else "the epoch is over"
-        if me in self._listeners:
-            source = training[self._listeners.index(me) % len(training)]
+        source = join.source_of(me, training)
+        if source is not None:
             self.rank = -1
-            self._listening = _Listening(
-                Receiver(self._store, pair(me), self.device, abandon),
-                snapshot_step=ahead,
-                queue=deque(),
-                started=time.monotonic(),
-            )
+            join.listening = Listening(Receiver(self._store, pair(me), self.device, abandon), snapshot_step=ahead)
             rec.state_from = source
             return
         self.rank = training.index(me)
         self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
-        mine = [pair(listener) for i, listener in enumerate(self._listeners) if training[i % len(training)] == me]
+        mine = [pair(listener) for listener in join.listeners_of(me, training)]
         if mine:
             packed = Packed.of(self.state.state_dict(), self.device, lazy=self._optimizer_owned())
             rec.state_bytes, rec.state_from = packed.nbytes, me
-            self._senders.append(Sender(self._store, mine, packed, self.device, abandon))
+            join.senders.append(Sender(self._store, mine, packed, self.device, abandon))
 
     def _optimizer_owned(self) -> set[int]:
         """The storages that only the optimizer's step changes: the parameters (their local
