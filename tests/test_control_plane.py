@@ -141,7 +141,7 @@ class Sim:
                     self._exit(node, wid, -9)
                 for order in reply.start:
                     self.running[node].add(order.worker_id)
-                held = sum(self.co._worker_job[w].workers[w].slots for w in self.running[node])
+                held = sum(self.co.workers.run(w).workers[w].slots for w in self.running[node])
                 assert held <= self.slots[node], f"{node} over-committed: {self.running[node]}"
             for node in self.slots:
                 if node not in self.down:
@@ -150,7 +150,7 @@ class Sim:
             self.co.tick()
 
     def _worker(self, node: str, wid: str) -> None:
-        ms = self.co._worker_job[wid]
+        ms = self.co.workers.run(wid)
         w = ms.workers[wid]
         hb = self.views[wid]
         if hb.stop:
@@ -210,7 +210,7 @@ def test_elastic_jobs_fill_the_cluster_then_shrink_for_a_high_priority_gang(tmp_
     assert len(b["members"]) >= 2, "team-b keeps its guarantee"
     gone = before - {w for n in sim.running.values() for w in n}
     for wid in gone:  # every worker that made room left gracefully; none was killed
-        w = sim.co._worker_job[wid].workers[wid]
+        w = sim.co.workers.run(wid).workers[wid]
         assert w.state == WorkerState.LEFT and w.exit_code == 0, (wid, w)
     assert a["failures"] == b["failures"] == 0
 
@@ -268,7 +268,7 @@ def test_a_restarted_agents_first_beat_ends_the_workers_of_the_one_before(tmp_pa
     assert sim.members("a") == 2
     sim.agents["n0"], sim.running["n0"] = "agent-a2", set()  # killed, restarted, no exit report
     sim.advance(0.25)
-    w = sim.co._worker_job[old].workers[old]
+    w = sim.co.workers.run(old).workers[old]
     assert w.state == WorkerState.DEAD, w
     dead = [e for e in sim.db.events() if e["kind"] == "worker_dead"]
     assert [e["worker"] for e in dead] == [old] and "agent restarted" in dead[0]["reason"], dead

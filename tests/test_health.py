@@ -47,7 +47,7 @@ def test_a_failing_probe_drains_its_node_and_no_work_goes_there_until_one_passes
     sim.advance(2)
     assert not sim.running["n2"], "the node's workers are gone"
     for wid in on_n2:  # they left at a step boundary; none was killed
-        w = sim.co._worker_job[wid].workers[wid]
+        w = sim.co.workers.run(wid).workers[wid]
         assert w.state.value == "LEFT" and w.exit_code == 0, (wid, w)
     job = sim.job("a")
     assert job["state"] == "RUNNING" and len(job["members"]) == 4 and job["failures"] == 0

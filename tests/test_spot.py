@@ -26,7 +26,7 @@ class SpotSim(Sim):
     """Workers that are asked to suspend checkpoint and say so (as the loop does)."""
 
     def _worker(self, node: str, wid: str) -> None:
-        ms = self.co._worker_job[wid]
+        ms = self.co.workers.run(wid)
         view = self.views[wid]
         if view.suspend and wid in ms.members and not view.stop:
             self.co.worker_done(wid, p.DoneRequest(step=self.steps.get(wid, 0), suspended=True))
@@ -67,7 +67,7 @@ def test_a_noticed_node_is_drained_gracefully_and_reclaimed_without_a_failure(tm
     job = sim.job("a")
     assert not sim.running["s0"], "the node's workers are gone well within the notice"
     for wid in on_spot:  # they left at a step boundary; none was killed
-        w = sim.co._worker_job[wid].workers[wid]
+        w = sim.co.workers.run(wid).workers[wid]
         assert w.state.value == "LEFT" and w.exit_code == 0, (wid, w)
     assert job["state"] == "RUNNING" and len(job["members"]) == 4 and job["failures"] == 0
     assert "s0" not in job["placement"]

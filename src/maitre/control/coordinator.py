@@ -12,8 +12,8 @@ directly on an injected clock.
 
 Work per call is proportional to what the call touches, not to the cluster:
 
-- workers are indexed by node (``_on_node``: the workers that hold or may hold its slots) and
-  by id (``_worker_job``); a node beat reads and writes only its own workers;
+- workers are indexed by node and by id (:mod:`maitre.control.workers`); a node beat reads and
+  writes only its own workers;
 - a job's memberships count their workers by state, so "does it want workers", "is a change
   pending" cost O(1);
 - a node's orders carry a version (:mod:`maitre.control.nodes`): views of its workers are sent only when
@@ -45,13 +45,14 @@ from maitre.control.eventlog import EventLog
 from maitre.control.health import Probe, Suspect
 from maitre.control.job import ManagedJob
 from maitre.control.metrics import Metrics
-from maitre.control.membership import LIVE, Membership, Worker, WorkerState
+from maitre.control.membership import LIVE, Membership, WorkerState
 from maitre.control.journal import Journal
 from maitre.control.nodes import NodeRegistry
+from maitre.control.orders import Orders
 from maitre.control.store import Store
 from maitre.control import views
+from maitre.control.workers import WorkerIndex
 from maitre.errors import BadRequest, NotFound
-from maitre.scheduling.assign import free_slot
 from maitre.scheduling.model import Job, Node
 from maitre.scheduling.policy import schedule
 from maitre.scheduling.spec import ManifestError, manifest_from_record, parse_manifest
@@ -64,9 +65,6 @@ log = logging.getLogger("maitre.coordinator")
 _VOUCH_SLACK_S = 0.5
 """How late a node beat may come past its ``interval_s`` before its workers' silence counts (a
 loaded agent, the network; the agent beats every ``urgent_s`` once a worker falls silent)."""
-_RESEND_AFTER_S = 3.0
-"""A start order is sent again once a beat that came this long after it does not list the
-worker (the agent starts a worker within milliseconds, and carries out an order once)."""
 _LOST_CHECK_S = 0.5
 """Workers silent past ``dead_after_s`` (15 s) are looked for this often; hangs, every tick."""
 _REPORTS_KEPT = 4096
@@ -151,10 +149,12 @@ class Coordinator:
         self.journal = Journal(store, self.lock, self._record) if store is not None else None
         """Saves what calls changed before they answer (:mod:`maitre.control.journal`)."""
         self._next_lost_check = 0.0
-        self._worker_job: dict[str, Membership] = {}
-        self._on_node: dict[str, set[str]] = {}
+        self.workers = WorkerIndex()
+        """Each worker's run, each node's workers (:mod:`maitre.control.workers`)."""
+        self.orders = Orders(self)
+        """What each node's agent is told (:mod:`maitre.control.orders`)."""
         """Per node, the workers that hold (or may still hold) its slots."""
-        self._spare_jobs: set[str] = set()
+        self.spare_jobs: set[str] = set()
         """Jobs whose runs keep warm spares (the only ones a node's orders look at for them)."""
         self._emitted: dict[str, int] = {}
         self._keys: dict[str, tuple[Any, ...]] = {}
@@ -189,7 +189,7 @@ class Coordinator:
                 managed = self.cluster.submit(parsed, self.clock(), env)
             except (ManifestError, ValueError) as exc:
                 raise BadRequest(str(exc), "body.manifest") from None
-            self._persist({managed.id})
+            self.persist({managed.id})
             self._next_pass = 0.0  # schedule it in the next tick
             return {"job_id": managed.id, "queue": parsed.queue, "priority": parsed.priority}
 
@@ -200,16 +200,11 @@ class Coordinator:
         self.reports.setdefault(job_id, deque(maxlen=_REPORTS_KEPT))
         self._emitted[job_id] = 0
         if membership.spec.spares:
-            self._spare_jobs.add(job_id)
+            self.spare_jobs.add(job_id)
         else:
-            self._spare_jobs.discard(job_id)
+            self.spare_jobs.discard(job_id)
         for w in membership.workers.values():
-            self._index(membership, w)
-
-    def _index(self, ms: Membership, w: Worker) -> None:
-        self._worker_job[w.id] = ms
-        if w.ended_at is None:
-            self._on_node.setdefault(w.node, set()).add(w.id)
+            self.workers.add(membership, w)
 
     def job(self, job_id: str) -> Membership:
         try:
@@ -304,7 +299,7 @@ class Coordinator:
             if change == "node_shrunk":
                 self._evict_node(node, f"node {node} now has {beat.slots} slots", now)
             if change:
-                self._bump(node)
+                self.bump(node)
             if beat.notice is not None:
                 self._noticed(node, beat.notice, now)
             if beat.health is not None:
@@ -312,7 +307,7 @@ class Coordinator:
             running = set()
             for wb in beat.workers:
                 running.add(wb.id)
-                ms = self._worker_job.get(wb.id)
+                ms = self.workers.get(wb.id)
                 if ms is None or ms.workers[wb.id].node != node:
                     continue  # not ours (a leftover of another coordinator's run): killed below
                 seen = now - wb.silent_s if wb.silent_s is not None else 0.0
@@ -323,7 +318,7 @@ class Coordinator:
                 )
                 ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s, wb.gap_std_s, vouched)
             self.nodes.listed(entry, running, now)
-            return self._orders(node, beat.since, now)
+            return self.orders.of(node, beat.since, now)
 
     def _agent_restarted(self, node: str, now: float) -> None:
         """A beat from another agent process than the node's last one: the agent restarted (it
@@ -331,7 +326,7 @@ class Coordinator:
         (any still running are orphans: killed if the new agent finds them). Their jobs
         recover at once, as from a crash, instead of waiting out their heartbeats' silence."""
         self.nodes.forget_starts(node)  # orders for the agent before: its workers go too
-        gone = [wid for wid in self._on_node.get(node, ()) if self._worker_job[wid].workers[wid].state in LIVE]
+        gone = [w.id for _, w in self.workers.live_on(node)]
         if gone:
             log.info("node %s: a new agent, without %s", node, ", ".join(sorted(gone)))
             self._evict_node(node, f"node {node}'s agent restarted: its workers went with the agent before", now)
@@ -349,20 +344,16 @@ class Coordinator:
                 state.reclaim.deadline = now + notice.notice_s
                 self._next_pass = 0.0  # (the pass counts the reclaim)
             return
-        self._release_spares(node, f"node {node} has a spot notice", now)  # (no state to save)
-        here = [
-            (ms.spec.job_id, ms.workers[wid])
-            for wid in sorted(self._on_node.get(node, ()))
-            if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over
-        ]
+        self.orders.release_spares(node, f"node {node} has a spot notice", now)  # (no state to save)
+        here = [(ms.spec.job_id, w) for ms, w in self.workers.live_on(node) if not ms.over]
         changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source, here, self.jobs, now)
         for job_id in changed:
-            self._touch(job_id, persist=True)
+            self.touch(job_id, persist=True)
         self.cluster.index_allocations()
         self.cluster.check_drained(node, now)  # (nothing ran there)
-        self._bump(node)
+        self.bump(node)
         self._next_pass = 0.0  # the jobs that gave it up may grow elsewhere
-        self._flush()
+        self.flush()
 
     def _health(self, node: str, health: p.NodeHealth, now: float) -> None:
         """A probe result in a node's beat: a new failing one drains the node (as a notice
@@ -370,23 +361,19 @@ class Coordinator:
         state = self.cluster.nodes.get(node)
         if state is None or (state.health.probe is not None and state.health.probe.id == health.id):
             return  # (every beat carries the latest: the same one again is no news)
-        here = {
-            ms.spec.job_id
-            for wid in self._on_node.get(node, ())
-            if (ms := self._worker_job[wid]).workers[wid].state in LIVE and not ms.over
-        }
+        here = {ms.spec.job_id for ms, _ in self.workers.live_on(node) if not ms.over}
         before = (state.health.unhealthy, state.health.suspect)
         if not health.ok:  # its spares hold no state: they go at once, the rest drains
-            self._release_spares(node, f"node {node} failed its health probe", now)
+            self.orders.release_spares(node, f"node {node} failed its health probe", now)
         probe = Probe(health.id, health.ok, health.detail, health.seconds, health.probe, now)
         changed = self.cluster.node_health(node, probe, here, self.jobs, now)
         for job_id in changed:
-            self._touch(job_id, persist=True)
+            self.touch(job_id, persist=True)
         if changed or (state.health.unhealthy, state.health.suspect) != before:
             self.cluster.index_allocations()
-            self._bump(node)
+            self.bump(node)
             self._next_pass = 0.0  # jobs that gave it up may grow elsewhere, or back here
-            self._flush()
+            self.flush()
 
     def _evict_straggler(self, ms: Membership, report: dict[str, Any], now: float) -> None:
         """A straggler of a job whose policy is ``evict``: its replica leaves at a step
@@ -397,10 +384,10 @@ class Coordinator:
         )
         where = self.cluster.evict(ms.spec.job_id, ms, wid, reason, now)
         if node is not None:
-            self._bump(node)  # its worker's view says leave; its agent probes
+            self.bump(node)  # its worker's view says leave; its agent probes
         for n in where or {}:
-            self._bump(n)  # start orders for the replacement
-        self._touch(ms.spec.job_id, persist=True)
+            self.bump(n)  # start orders for the replacement
+        self.touch(ms.spec.job_id, persist=True)
 
     def try_now(
         self, method: Callable[..., Any], *args: Any, block: bool = False
@@ -447,199 +434,9 @@ class Coordinator:
         with self.lock:
             if node not in self.nodes:
                 raise NotFound(f"no node {node!r}: it has not sent a heartbeat", "path.node")
-            return self._orders(node, since, self.clock())
-
-    def _orders(self, node: str, since: int, now: float) -> p.NodeOrders:
-        entry = self.nodes[node]
-        running = entry.running
-        kill = sorted(self.nodes.take_kills(node))
-        # Slots in use: processes the agent runs, and workers it was asked to start that it
-        # does not list yet (it starts them off its heartbeat thread).
-        used: set[int] = set()
-        here = self._on_node.get(node, set())
-        for wid in list(here):
-            ms = self._worker_job[wid]
-            w = ms.workers[wid]
-            listed = wid in running
-            if listed or (w.state in LIVE and w.ended_at is None and w.exit_code is None):
-                used.update(range(w.slot, w.slot + w.slots))
-            elif w.state not in LIVE:
-                here.discard(wid)  # gone: its slots are free
-            # Processes the coordinator gave up on, or leftovers of an ended run, until their
-            # exit is in (the node's list is up to a beat old: asking again after the exit made
-            # every order of a cancelled gang's nodes repeat its kills, once per exit).
-            if (
-                listed
-                and wid not in kill
-                and w.exit_code is None
-                and (w.state == WorkerState.DEAD or (ms.over and w.state not in (WorkerState.DONE, WorkerState.LEFT)))
-            ):
-                kill.append(wid)
-        for wid in running:
-            if wid not in self._worker_job and wid not in kill:
-                kill.append(wid)  # no job of this coordinator knows it
-        start = self._resent(node, running, entry.beat_at, now)
-        fresh = self._start_orders(node, entry.slots, used, now)
-        for order in fresh:  # (most beats start nothing)
-            self.nodes.sent(node, order, now)
-        start += fresh
-        self._flush()  # (may bump this node: the views below are as of the version returned)
-        version = self.nodes.version(node)
-        views: dict[str, p.WorkerView] | None = None
-        if version > since or start:
-            here = self._on_node.get(node, set())  # with the workers just started
-            views = {
-                wid: self._worker_job[wid].view(wid, now)
-                for wid in sorted(here)
-                if self._worker_job[wid].workers[wid].state in LIVE
-            }
-        return p.NodeOrders(
-            version=version,
-            boot=self.boot,
-            start=start,
-            kill=kill,
-            views=views,
-            probe=self.cluster.wants_probe(node),
-        )
-
-    def _resent(self, node: str, running: set[str], beat_at: float, now: float) -> list[p.StartOrder]:
-        """The start orders of ``node`` to send again: those whose worker is still starting and
-        that a beat which came :data:`_RESEND_AFTER_S` after them did not list."""
-        unacked = self.nodes.unacked(node)
-        if not unacked:
-            return []
-        again = []
-        for wid, (order, sent_at) in list(unacked.items()):
-            ms = self._worker_job.get(wid)
-            w = None if ms is None else ms.workers.get(wid)
-            if wid in running or w is None or w.state != WorkerState.STARTING or w.node != node:
-                del unacked[wid]  # running (acknowledged), or past starting either way
-            elif beat_at >= sent_at + _RESEND_AFTER_S:
-                log.info(
-                    "node %s: its agent does not run %s, started %.1f s ago: the start order again",
-                    node,
-                    wid,
-                    now - sent_at,
-                )
-                self.nodes.sent(node, order, now)
-                again.append(order)
-        return again
-
-    def _start_orders(self, node: str, slots: int, used: set[int], now: float) -> list[p.StartOrder]:
-        state = self.cluster.nodes.get(node)
-        if state is None or not state.takes_work:
-            return []
-        candidates = [self.jobs[j] for j in self.cluster.allocated_on(node) if j in self.jobs]
-        start: list[p.StartOrder] = []
-        for job in candidates:
-            want = job.wants_workers()
-            per = 1
-            if want:
-                staying_here = sum(
-                    1
-                    for wid in self._on_node.get(node, ())
-                    if self._worker_job[wid] is job
-                    and job.workers[wid].state in (WorkerState.STARTING, WorkerState.READY, WorkerState.ACTIVE)
-                    and not job.workers[wid].spare
-                )
-                want = min(want, self.cluster.allowed_on(job.spec.job_id, node, staying_here))
-                per = self.cluster.slots_per_worker(job.spec.job_id)
-            for started in range(want):
-                slot = free_slot(used, slots, per)
-                if slot is None:  # spares here give their slots back first (they hold no state)
-                    self._release_spares(
-                        node, f"its slot went to job {job.spec.job_id}", now, need=(want - started) * per, job=job
-                    )
-                    break
-                start.append(self._start_order(job, job.add_worker(node, slot, now, slots=per), used))
-        return start + self._start_spares(node, slots, used, now)
-
-    def _start_order(self, job: Membership, worker: Worker, used: set[int]) -> p.StartOrder:
-        slot, per = worker.slot, worker.slots
-        used.update(range(slot, slot + per))
-        if job.spec.nproc_per_replica > 1 and self.stores is not None:
-            # Its processes build their replica's own group on the run's store first.
-            self.stores.open(job.spec.run_key, job.spec.token)
-        self._index(job, worker)
-        self._touch(job.spec.job_id)
-        return self._order(job, worker)
-
-    def _order(self, job: Membership, worker: Worker) -> p.StartOrder:
-        """What the agent needs to start ``worker``."""
-        return p.StartOrder(
-            worker_id=worker.id,
-            job_id=job.spec.job_id,
-            command=job.spec.command,
-            env=dict(job.spec.env),
-            local_rank=worker.slot,
-            slots=worker.slots,
-            store=self.store_address,
-            token=job.spec.token,
-            store_key=job.spec.run_key,
-            nproc=job.spec.nproc_per_replica,
-            mesh=job.spec.mesh,
-        )
+            return self.orders.of(node, since, self.clock())
 
     # -- warm spares (see maitre.control.membership) ---------------------------------------------
-    def _spares_here(self, node: str) -> list[Worker]:
-        return [
-            w
-            for wid in sorted(self._on_node.get(node, ()))
-            if (w := self._worker_job[wid].workers[wid]).spare and w.state in LIVE
-        ]
-
-    def _start_spares(self, node: str, slots: int, used: set[int], now: float) -> list[p.StartOrder]:
-        """Spares of the jobs that want some, on this node's slots that no allocation holds (so
-        the scheduler, which counts them free, never waits for them)."""
-        wanting = [
-            ms
-            for job_id in sorted(self._spare_jobs)
-            if (ms := self.jobs.get(job_id)) is not None and ms.spares_wanted()
-        ]
-        state = self.cluster.nodes.get(node)
-        if not wanting or state is None or not state.takes_work or state.health.suspect:
-            return []  # (a suspect node's spare would be as slow as the worker it replaced)
-        if state.node.reserved_for:  # one job's node: that job's spares only
-            wanting = [ms for ms in wanting if ms.spec.job_id == state.node.reserved_for]
-        allocated = sum(
-            self.cluster.managed[j].job.placement.get(node, 0) * self.cluster.slots_per_worker(j)
-            for j in self.cluster.allocated_on(node)
-        )
-        room = slots - allocated - sum(w.slots for w in self._spares_here(node))
-        start: list[p.StartOrder] = []
-        for ms in wanting:
-            per = self.cluster.slots_per_worker(ms.spec.job_id)
-            for _ in range(ms.spares_wanted()):
-                slot = free_slot(used, slots, per) if room >= per else None
-                if slot is None:
-                    return start
-                room -= per
-                start.append(self._start_order(ms, ms.add_spare(node, slot, now, slots=per), used))
-        return start
-
-    def _release_spares(
-        self, node: str, reason: str, now: float, need: int | None = None, job: Membership | None = None
-    ) -> None:
-        """Spares here stop, enough of them for ``need`` slots (None: all): a job allocated here
-        finds no free slot, or the node goes. Their slots are free once their processes
-        exited, a beat later. A spare of ``job`` itself (the job that wants the slot) is
-        promoted in its place instead: it is the replica the job wants, and warm."""
-        spares = self._spares_here(node)
-        if job is not None:  # its own first
-            spares.sort(key=lambda w: self._worker_job[w.id] is not job)
-        for w in spares:
-            if need is not None and need <= 0:
-                return
-            need = None if need is None else need - w.slots
-            ms = self._worker_job[w.id]
-            if ms is job and ms.promote_spare(None, now, spare=w.id) is not None:
-                self._touch(ms.spec.job_id)
-                continue
-            ms.release_spare(w.id, reason, now)
-            self.nodes.kill(node, w.id)
-            self._touch(ms.spec.job_id)
-            self._bump(node)
-
     def promote_spare(self, job_id: str, replacing: str | None) -> str | None:
         """A warm spare of the job joins its next epoch in place of ``replacing`` (a worker the
         health policy evicts; a lost member's spare is promoted without asking). Returns the
@@ -650,25 +447,12 @@ class Coordinator:
             self._changed(job_id, persist=True)
             return None if spare is None else spare.id
 
-    def _moved_to_spares(self, job_id: str, ms: Membership) -> None:
-        """The job's allocation follows its promoted spares (:meth:`ClusterState.take_spares`)."""
-        m = self.cluster.managed.get(job_id)
-        if m is None or m.incarnation == 0:
-            ms.take_promotions()
-            return
-        before = set(m.job.placement)
-        if self.cluster.take_spares(m, ms, self.clock()):
-            self.cluster.index_allocations()
-            for node in before | set(m.job.placement):
-                self._bump(node)
-            self._persist({job_id})
-
     @acknowledged
     def worker_exit(self, wid: str, req: p.ExitRequest) -> dict[str, Any]:
         with self.lock:
-            ms = self._job_of(wid)
+            ms = self.workers.job_of(wid)
             ms.exited(wid, req.code, req.error, self.clock())
-            self._bump(ms.workers[wid].node)  # its slots are free: a replacement may start
+            self.bump(ms.workers[wid].node)  # its slots are free: a replacement may start
             self.cluster.check_drained(ms.workers[wid].node, self.clock())
             self._changed(ms.spec.job_id)
         return {}
@@ -679,7 +463,7 @@ class Coordinator:
         """A worker enters the rendezvous after ``from_epoch``. Returns its job and its answer,
         or None while it must wait (:meth:`assignment` asks again when the job changes)."""
         with self.lock:
-            job = self._job_of(wid)
+            job = self.workers.job_of(wid)
             job.arrive(
                 wid,
                 req.from_epoch,
@@ -690,21 +474,21 @@ class Coordinator:
                 unreachable=req.unreachable,
             )
             job_id = job.spec.job_id
-            self._touch(job_id)
+            self.touch(job_id)
             answer = self._answer(job, wid, req.from_epoch)
-            self._flush()
+            self.flush()
             return job_id, answer
 
     @acknowledged
     def assignment(self, wid: str, from_epoch: int) -> dict[str, Any] | None:
         with self.lock:
-            answer = self._answer(self._job_of(wid), wid, from_epoch)
-            self._flush()
+            answer = self._answer(self.workers.job_of(wid), wid, from_epoch)
+            self.flush()
             return answer
 
     def _answer(self, job: Membership, wid: str, from_epoch: int) -> dict[str, Any] | None:
         if job.try_open_epoch(self.clock()):
-            self._touch(job.spec.job_id)
+            self.touch(job.spec.job_id)
         answer = job.assignment(wid, from_epoch)
         if answer is not None:
             key = job.spec.run_key
@@ -723,7 +507,7 @@ class Coordinator:
             return 401
         if wid is None:
             return 403
-        owner = self._worker_job.get(wid)
+        owner = self.workers.get(wid)
         if owner is None:
             return 404
         return 200 if owner.spec.token == token else 403
@@ -741,7 +525,7 @@ class Coordinator:
     @acknowledged
     def worker_done(self, wid: str, req: p.DoneRequest) -> dict[str, Any]:
         with self.lock:
-            ms = self._job_of(wid)
+            ms = self.workers.job_of(wid)
             ms.done(wid, req.step, self.clock(), suspended=req.suspended)
             self._changed(ms.spec.job_id)
         return {}
@@ -749,7 +533,7 @@ class Coordinator:
     @acknowledged
     def worker_left(self, wid: str) -> dict[str, Any]:
         with self.lock:
-            ms = self._job_of(wid)
+            ms = self.workers.job_of(wid)
             ms.left(wid, self.clock())
             self._changed(ms.spec.job_id)
         return {}
@@ -757,7 +541,7 @@ class Coordinator:
     @acknowledged
     def worker_report(self, wid: str, body: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            ms = self._job_of(wid)
+            ms = self.workers.job_of(wid)
             job_id = ms.spec.job_id
             managed = self.cluster.managed.get(job_id)
             report = {
@@ -785,7 +569,7 @@ class Coordinator:
             self._emit(job_id, _EVENT_OF_REPORT[kind], report)
             if kind == "straggler" and report.get("policy") == "evict":
                 self._evict_straggler(ms, report, self.clock())
-                self._flush()
+                self.flush()
         return {}
 
     # -- failure detector and scheduler ----------------------------------------------------------
@@ -800,9 +584,9 @@ class Coordinator:
                 for wid in dead:
                     node = job.workers[wid].node
                     self.nodes.kill(node, wid)
-                    self._bump(node)
+                    self.bump(node)
                 if job.try_open_epoch(now) or dead:
-                    self._touch(job_id)
+                    self.touch(job_id)
             pending = None
             if now >= self._next_pass:
                 self._next_pass = now + self.pass_s
@@ -814,7 +598,7 @@ class Coordinator:
             if self.stores is not None and now >= self._next_store_check:
                 self._next_store_check = now + 1.0
                 self._close_stores(now)
-            self._flush()
+            self.flush()
         if self.db is not None:
             self.durable(*self.take_pending())
         if pending is None:
@@ -829,7 +613,7 @@ class Coordinator:
                 self._end_pass(plan, before, self.clock())
             else:
                 self._next_pass = 0.0  # the cluster changed meanwhile: plan again next tick
-            self._flush()
+            self.flush()
             self.metrics.scheduling_pass(pass_s + time.perf_counter() - began)
         if self.db is not None:
             self.durable(*self.take_pending())
@@ -861,7 +645,7 @@ class Coordinator:
                 now,
             )
         for node in cluster.cool_suspects(now):
-            self._bump(node)
+            self.bump(node)
         synced = {m.id: m.record_key() for m in cluster.managed.values()}
         cluster.sync(self.jobs, now)
         placed = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
@@ -869,9 +653,9 @@ class Coordinator:
         for m in cluster.managed.values():
             if m.job.placement != placed.get(m.id):  # repaired: its agents start workers
                 for node in m.job.placement:
-                    self._bump(node)
+                    self.bump(node)
             if m.record_key() != synced.get(m.id):  # (a suspension or an end acted on, a repair)
-                self._touch(m.id, persist=True)
+                self.touch(m.id, persist=True)
         cluster.index_allocations()
         before = {m.id: m.record_key() for m in cluster.managed.values()}
         return view, jobs, before, cluster.fingerprint()
@@ -889,35 +673,33 @@ class Coordinator:
                 m.started(self.jobs[m.id])
             if m.job.placement != placed.get(m.id):
                 for node in set(m.job.placement) | set(placed.get(m.id, {})):
-                    self._bump(node)  # start orders (or a shrink) for its agent
+                    self.bump(node)  # start orders (or a shrink) for its agent
             if m.record_key() != before.get(m.id):
-                self._touch(m.id, persist=True)
+                self.touch(m.id, persist=True)
             else:
-                self._touch(m.id)  # sync and the plan may have moved its membership
+                self.touch(m.id)  # sync and the plan may have moved its membership
         for action in plan.actions:
-            self._touch(action.job, persist=True)
+            self.touch(action.job, persist=True)
         cluster.index_allocations()
         accounting.tick_usage(cluster, self.jobs, now)
 
     def _evict_node(self, node: str, reason: str, now: float) -> None:
         """Its workers are gone for the coordinator (their jobs recover as from a crash); its
         agent is told to kill any that still run."""
-        for wid in list(self._on_node.get(node, ())):
-            ms = self._worker_job[wid]
-            if ms.workers[wid].state in LIVE:
-                ms.evict(wid, reason, now)
-                self.nodes.kill(node, wid)
-                self._touch(ms.spec.job_id)
-        self._bump(node)
+        for ms, w in list(self.workers.live_on(node)):
+            ms.evict(w.id, reason, now)
+            self.nodes.kill(node, w.id)
+            self.touch(ms.spec.job_id)
+        self.bump(node)
 
     # -- read models (maitre.control.views) ------------------------------------------------------
     def on_node(self, node: str) -> set[str]:
         """The workers that hold (or may still hold) slots of ``node``."""
-        return self._on_node.get(node, set())
+        return self.workers.on(node)
 
     def worker_job(self, wid: str) -> Membership:
         """The run a worker id belongs to (KeyError: none of this coordinator's)."""
-        return self._worker_job[wid]
+        return self.workers.run(wid)
 
     def job_status(self, job_id: str) -> dict[str, Any]:
         with self.lock:
@@ -945,20 +727,20 @@ class Coordinator:
         return {"source": "coordinator", "now": self.clock(), "prices": dict(prices) if prices else None}
 
     # -- changes ---------------------------------------------------------------------------------
-    def _bump(self, node: str) -> None:
+    def bump(self, node: str) -> None:
         """The node's orders changed: its watch answers."""
         self.nodes.bump(node)
 
-    def _touch(self, job_id: str, persist: bool = False) -> None:
+    def touch(self, job_id: str, persist: bool = False) -> None:
         self._wake_jobs.add(job_id)
         if persist:
             self._keys.pop(job_id, None)
 
     def _changed(self, job_id: str, persist: bool = False) -> None:
-        self._touch(job_id, persist)
-        self._flush()
+        self.touch(job_id, persist)
+        self.flush()
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """After a call: every job it touched whose views moved wakes its nodes, is saved, and
         its new events go out."""
         if not self._wake_jobs and not self.nodes.woken():
@@ -971,7 +753,7 @@ class Coordinator:
                 save.add(job_id)  # a managed job not admitted yet
                 continue
             if ms.promotions:
-                self._moved_to_spares(job_id, ms)
+                self.orders.spares_moved(job_id, ms)
             assigned = ms.assignment_key()
             if self._assigned.get(job_id) != assigned:  # its rendezvous waiters ask again
                 self._assigned[job_id] = assigned
@@ -982,16 +764,16 @@ class Coordinator:
                 save.add(job_id)
                 for w in ms.workers.values():
                     if w.ended_at is None and w.state in LIVE:
-                        self._bump(w.node)
+                        self.bump(w.node)
             events = ms.events
             for event in events[self._emitted[job_id] :]:
                 self._emit(job_id, event["kind"], event)
             self._emitted[job_id] = len(events)
-        self._persist(save)
+        self.persist(save)
         self.on_wake(self.nodes.take_woken(), woken)
 
     # -- persistence -----------------------------------------------------------------------------
-    def _persist(self, job_ids: set[str]) -> None:
+    def persist(self, job_ids: set[str]) -> None:
         """Mark jobs to save (under the lock); the call saves them when it let go of it
         (:meth:`durable`)."""
         if self.journal is not None:
@@ -1022,8 +804,7 @@ class Coordinator:
             managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
             for h in managed.history:
                 self._tokens[h.spec.token] = h  # its workers may still report their exits
-                for wid in h.workers:
-                    self._worker_job[wid] = h
+                self.workers.remember(h)
             cluster.managed[job.id] = managed
             if extra["membership"] is not None:
                 ms = Membership.from_json(extra["membership"], self.cfg, now, job)
@@ -1031,7 +812,7 @@ class Coordinator:
                 self._install(ms)
                 for w in ms.workers.values():  # their orders may never have reached an agent
                     if w.state == WorkerState.STARTING:
-                        self.nodes.sent(w.node, self._order(ms, w), now)
+                        self.nodes.sent(w.node, self.orders.order(ms, w), now)
         self._restore_suspects(now)
         usage = self.db.meta("usage")
         if usage:
@@ -1058,12 +839,6 @@ class Coordinator:
                 )
 
     # -- helpers ---------------------------------------------------------------------------------
-    def _job_of(self, wid: str) -> Membership:
-        try:
-            return self._worker_job[wid]
-        except KeyError:
-            raise NotFound(f"unknown worker {wid!r}", "path.worker") from None
-
     def _cluster_event(self, now: float, kind: str, job: str | None = None, **fields: Any) -> None:
         self._emit(job, kind, {"t": round(now, 4), **fields})
 
