@@ -10,6 +10,15 @@ scheduling pass every ``tick``, and persists what changed. Transport is elsewher
 (:mod:`maitre.protocol`) under its own lock, with time from ``clock``, so tests drive it
 directly on an injected clock.
 
+It is the lock, the calls and the record of what they changed (``touch``, ``bump``, ``flush``);
+what it owns lives in modules of their own: the managed jobs' records and lifecycle verbs
+(:mod:`~maitre.control.job`, through :class:`ClusterState`), the runs' rendezvous
+(:mod:`~maitre.control.membership`), the node registry (:mod:`~maitre.control.nodes`), the index of
+workers (:mod:`~maitre.control.workers`), each node's orders (:mod:`~maitre.control.orders`), what a
+node's beat brings besides progress (:mod:`~maitre.control.nodenews`), the scheduling pass
+(:mod:`~maitre.control.passes`), the journal (:mod:`~maitre.control.journal`), the restart
+(:mod:`~maitre.control.restore`) and the read models (:mod:`~maitre.control.views`).
+
 Work per call is proportional to what the call touches, not to the cluster:
 
 - workers are indexed by node and by id (:mod:`maitre.control.workers`); a node beat reads and
@@ -42,20 +51,19 @@ from maitre.control import accounting
 from maitre.control.cluster import ClusterState
 from maitre.control.detectors import DetectorConfig
 from maitre.control.eventlog import EventLog
-from maitre.control.health import Probe, Suspect
-from maitre.control.job import ManagedJob
 from maitre.control.metrics import Metrics
-from maitre.control.membership import LIVE, Membership, WorkerState
+from maitre.control.membership import LIVE, Membership
 from maitre.control.journal import Journal
 from maitre.control.nodes import NodeRegistry
 from maitre.control.orders import Orders
 from maitre.control.store import Store
-from maitre.control import views
+from maitre.control import nodenews, passes, views
+from maitre.control.restore import restore
 from maitre.control.workers import WorkerIndex
 from maitre.errors import BadRequest, NotFound
 from maitre.scheduling.model import Job, Node
 from maitre.scheduling.policy import schedule
-from maitre.scheduling.spec import ManifestError, manifest_from_record, parse_manifest
+from maitre.scheduling.spec import ManifestError, parse_manifest
 
 if TYPE_CHECKING:  # (torch: the controller itself never imports it)
     from maitre.control.storedoor import Stores
@@ -122,7 +130,7 @@ class Coordinator:
         """One c10d store per run of a job, behind that door (None: in-process tests)."""
         self.store_id = secrets.token_hex(8)
         """Names this coordinator's stores: workers reconnect when it changes (a restart)."""
-        self._tokens: dict[str, Membership] = {}
+        self.tokens: dict[str, Membership] = {}
         """Each run's token -> its membership: what a worker's credential opens."""
         self._runs_ended: dict[str, float] = {}
         self._next_store_check = 0.0
@@ -169,7 +177,7 @@ class Coordinator:
         """Every state change, numbered (:mod:`maitre.control.eventlog`)."""
         cluster.log = self._cluster_event
         if store is not None:
-            self._restore()
+            restore(self)
         prices = dict(getattr(cluster, "prices", {}) or {})
         last = self.events.newest("prices")
         if prices and (last is None or last.get("prices") != prices):  # what cost is counted at
@@ -193,10 +201,10 @@ class Coordinator:
             self._next_pass = 0.0  # schedule it in the next tick
             return {"job_id": managed.id, "queue": parsed.queue, "priority": parsed.priority}
 
-    def _install(self, membership: Membership) -> None:
+    def install(self, membership: Membership) -> None:
         job_id = membership.spec.job_id
         self.jobs[job_id] = membership
-        self._tokens[membership.spec.token] = membership
+        self.tokens[membership.spec.token] = membership
         self.reports.setdefault(job_id, deque(maxlen=_REPORTS_KEPT))
         self._emitted[job_id] = 0
         if membership.spec.spares:
@@ -292,18 +300,18 @@ class Coordinator:
             except ValueError as exc:
                 raise BadRequest(str(exc), "body.labels") from None
             if self.nodes.agent_restarted(entry, beat.agent):
-                self._agent_restarted(node, now)
+                nodenews.agent_restarted(self, node, now)
             change = self.cluster.node_beat(described, now, noticed=beat.notice is not None)
             if change and self.db is not None:
                 self.db.put_node(described, now)
             if change == "node_shrunk":
-                self._evict_node(node, f"node {node} now has {beat.slots} slots", now)
+                nodenews.evict_node(self, node, f"node {node} now has {beat.slots} slots", now)
             if change:
                 self.bump(node)
             if beat.notice is not None:
-                self._noticed(node, beat.notice, now)
+                nodenews.noticed(self, node, beat.notice, now)
             if beat.health is not None:
-                self._health(node, beat.health, now)
+                nodenews.probed(self, node, beat.health, now)
             running = set()
             for wb in beat.workers:
                 running.add(wb.id)
@@ -319,75 +327,6 @@ class Coordinator:
                 ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s, wb.gap_std_s, vouched)
             self.nodes.listed(entry, running, now)
             return self.orders.of(node, beat.since, now)
-
-    def _agent_restarted(self, node: str, now: float) -> None:
-        """A beat from another agent process than the node's last one: the agent restarted (it
-        was killed, its host rebooted), and the workers of the one before are gone with it
-        (any still running are orphans: killed if the new agent finds them). Their jobs
-        recover at once, as from a crash, instead of waiting out their heartbeats' silence."""
-        self.nodes.forget_starts(node)  # orders for the agent before: its workers go too
-        gone = [w.id for _, w in self.workers.live_on(node)]
-        if gone:
-            log.info("node %s: a new agent, without %s", node, ", ".join(sorted(gone)))
-            self._evict_node(node, f"node {node}'s agent restarted: its workers went with the agent before", now)
-
-    def _noticed(self, node: str, notice: p.SpotNotice, now: float) -> None:
-        """A spot notice in a node's beat: the first one drains the node (its jobs' workers
-        there leave, or their jobs checkpoint first: :mod:`maitre.control.drain`)."""
-        state = self.cluster.nodes.get(node)
-        if state is None:
-            return
-        if state.reclaim is not None:  # it may come sooner (an agent that stops says "now")
-            if (
-                state.reclaim.reclaimed_at is None and now + notice.notice_s < state.reclaim.deadline - 1.0
-            ):  # (not jitter)
-                state.reclaim.deadline = now + notice.notice_s
-                self._next_pass = 0.0  # (the pass counts the reclaim)
-            return
-        self.orders.release_spares(node, f"node {node} has a spot notice", now)  # (no state to save)
-        here = [(ms.spec.job_id, w) for ms, w in self.workers.live_on(node) if not ms.over]
-        changed = self.cluster.notice(node, notice.notice_s, notice.action, notice.source, here, self.jobs, now)
-        for job_id in changed:
-            self.touch(job_id, persist=True)
-        self.cluster.index_allocations()
-        self.cluster.check_drained(node, now)  # (nothing ran there)
-        self.bump(node)
-        self._next_pass = 0.0  # the jobs that gave it up may grow elsewhere
-        self.flush()
-
-    def _health(self, node: str, health: p.NodeHealth, now: float) -> None:
-        """A probe result in a node's beat: a new failing one drains the node (as a notice
-        does, :mod:`maitre.control.health`); a passing one lets work go there again."""
-        state = self.cluster.nodes.get(node)
-        if state is None or (state.health.probe is not None and state.health.probe.id == health.id):
-            return  # (every beat carries the latest: the same one again is no news)
-        here = {ms.spec.job_id for ms, _ in self.workers.live_on(node) if not ms.over}
-        before = (state.health.unhealthy, state.health.suspect)
-        if not health.ok:  # its spares hold no state: they go at once, the rest drains
-            self.orders.release_spares(node, f"node {node} failed its health probe", now)
-        probe = Probe(health.id, health.ok, health.detail, health.seconds, health.probe, now)
-        changed = self.cluster.node_health(node, probe, here, self.jobs, now)
-        for job_id in changed:
-            self.touch(job_id, persist=True)
-        if changed or (state.health.unhealthy, state.health.suspect) != before:
-            self.cluster.index_allocations()
-            self.bump(node)
-            self._next_pass = 0.0  # jobs that gave it up may grow elsewhere, or back here
-            self.flush()
-
-    def _evict_straggler(self, ms: Membership, report: dict[str, Any], now: float) -> None:
-        """A straggler of a job whose policy is ``evict``: its replica leaves at a step
-        boundary and a free slot elsewhere replaces it at once (:meth:`ClusterState.evict`)."""
-        wid, node = report["worker"], report.get("node")
-        reason = (
-            f"straggler: {wid} at {report.get('ratio', 0):.2f}x the median since step {report.get('since_step', 0)}"
-        )
-        where = self.cluster.evict(ms.spec.job_id, ms, wid, reason, now)
-        if node is not None:
-            self.bump(node)  # its worker's view says leave; its agent probes
-        for n in where or {}:
-            self.bump(n)  # start orders for the replacement
-        self.touch(ms.spec.job_id, persist=True)
 
     def try_now(
         self, method: Callable[..., Any], *args: Any, block: bool = False
@@ -502,7 +441,7 @@ class Coordinator:
         no worker's)? 200: yes (one of that run's workers), 401: it is no run's token, 403: no
         (another job's worker, or not a worker's route), 404: no such worker. Read without the
         lock (a dict lookup or two), for the API's gate."""
-        ms = self._tokens.get(token)
+        ms = self.tokens.get(token)
         if ms is None:
             return 401
         if wid is None:
@@ -568,7 +507,7 @@ class Coordinator:
                 self.reports[job_id].append(report)
             self._emit(job_id, _EVENT_OF_REPORT[kind], report)
             if kind == "straggler" and report.get("policy") == "evict":
-                self._evict_straggler(ms, report, self.clock())
+                nodenews.evict_straggler(self, ms, report, self.clock())
                 self.flush()
         return {}
 
@@ -591,7 +530,7 @@ class Coordinator:
             if now >= self._next_pass:
                 self._next_pass = now + self.pass_s
                 began = time.perf_counter()  # (self.clock may be a test's)
-                pending = self._begin_pass(now)
+                pending = passes.begin(self, now)
                 pass_s = time.perf_counter() - began
             if self.journal is not None:
                 self.journal.save_progress(now, lambda: list(self.cluster.managed), self.cluster.usage.snapshot)
@@ -610,7 +549,7 @@ class Coordinator:
         plan = schedule(view, jobs, now, self.cluster.policy)
         with self.lock:
             if self.cluster.fingerprint() == made_on:
-                self._end_pass(plan, before, self.clock())
+                passes.end(self, plan, before, self.clock())
             else:
                 self._next_pass = 0.0  # the cluster changed meanwhile: plan again next tick
             self.flush()
@@ -631,66 +570,6 @@ class Coordinator:
             elif now - self._runs_ended.setdefault(key, now) < 60.0:
                 keep.add(key)
         self.stores.retain(keep)
-
-    def _begin_pass(self, now: float) -> tuple[Any, list[Any], dict[str, tuple[Any, ...]], tuple[Any, ...]]:
-        """A pass, under the lock: dead nodes, the jobs brought up to date, what the policy
-        will see (and the fingerprint it is made on)."""
-        cluster = self.cluster
-        for node in cluster.detect_dead_nodes(now):
-            self._evict_node(
-                node,
-                f"node {node} was reclaimed (spot notice)"
-                if cluster.nodes[node].draining
-                else f"node {node} is dead (no agent heartbeat)",
-                now,
-            )
-        for node in cluster.cool_suspects(now):
-            self.bump(node)
-        synced = {m.id: m.record_key() for m in cluster.managed.values()}
-        cluster.sync(self.jobs, now)
-        placed = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
-        view, jobs = cluster.prepare(now)
-        for m in cluster.managed.values():
-            if m.job.placement != placed.get(m.id):  # repaired: its agents start workers
-                for node in m.job.placement:
-                    self.bump(node)
-            if m.record_key() != synced.get(m.id):  # (a suspension or an end acted on, a repair)
-                self.touch(m.id, persist=True)
-        cluster.index_allocations()
-        before = {m.id: m.record_key() for m in cluster.managed.values()}
-        return view, jobs, before, cluster.fingerprint()
-
-    def _end_pass(self, plan: Any, before: dict[str, tuple[Any, ...]], now: float) -> None:
-        """The plan carried out, under the lock, and the accounting (``before``: each job's
-        :meth:`ManagedJob.record_key` as the plan was made)."""
-        cluster = self.cluster
-        placed = {m.id: dict(m.job.placement) for m in cluster.managed.values()}
-        for kind, _, membership in cluster.apply(plan, self.jobs, now):
-            if kind == "start":
-                self._install(membership)
-        for m in cluster.managed.values():
-            if m.id in self.jobs and m.incarnation:
-                m.started(self.jobs[m.id])
-            if m.job.placement != placed.get(m.id):
-                for node in set(m.job.placement) | set(placed.get(m.id, {})):
-                    self.bump(node)  # start orders (or a shrink) for its agent
-            if m.record_key() != before.get(m.id):
-                self.touch(m.id, persist=True)
-            else:
-                self.touch(m.id)  # sync and the plan may have moved its membership
-        for action in plan.actions:
-            self.touch(action.job, persist=True)
-        cluster.index_allocations()
-        accounting.tick_usage(cluster, self.jobs, now)
-
-    def _evict_node(self, node: str, reason: str, now: float) -> None:
-        """Its workers are gone for the coordinator (their jobs recover as from a crash); its
-        agent is told to kill any that still run."""
-        for ms, w in list(self.workers.live_on(node)):
-            ms.evict(w.id, reason, now)
-            self.nodes.kill(node, w.id)
-            self.touch(ms.spec.job_id)
-        self.bump(node)
 
     # -- read models (maitre.control.views) ------------------------------------------------------
     def on_node(self, node: str) -> set[str]:
@@ -725,6 +604,10 @@ class Coordinator:
         """What the dashboard's page needs besides the event log."""
         prices = getattr(self.cluster, "prices", None)
         return {"source": "coordinator", "now": self.clock(), "prices": dict(prices) if prices else None}
+
+    def replan(self) -> None:
+        """Schedule again in the next tick (something the policy reads changed)."""
+        self._next_pass = 0.0
 
     # -- changes ---------------------------------------------------------------------------------
     def bump(self, node: str) -> None:
@@ -785,58 +668,6 @@ class Coordinator:
         if m is None:
             return None
         return m.job, m.record(self.jobs.get(m.id) if m.incarnation else None)
-
-    def _restore(self) -> None:
-        """Carry on from the store: nodes, queues, jobs and their memberships."""
-        assert self.db is not None
-        now = self.clock()
-        cluster = self.cluster
-        stored = self.db.cluster()
-        for q in stored.queues.values():
-            cluster.queues.setdefault(q.name, q)
-        for q in cluster.queues.values():
-            self.db.put_queue(q)
-        for node in stored.nodes.values():
-            cluster.node_beat(node, now)
-            self.nodes.restored(node.name, node.slots, now)
-        for job, extra in self.db.jobs():
-            managed = ManagedJob.from_record(manifest_from_record(extra["manifest"]), job, extra)
-            managed.history = [Membership.from_json(h, self.cfg, now) for h in extra["history"]]
-            for h in managed.history:
-                self._tokens[h.spec.token] = h  # its workers may still report their exits
-                self.workers.remember(h)
-            cluster.managed[job.id] = managed
-            if extra["membership"] is not None:
-                ms = Membership.from_json(extra["membership"], self.cfg, now, job)
-                managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
-                self._install(ms)
-                for w in ms.workers.values():  # their orders may never have reached an agent
-                    if w.state == WorkerState.STARTING:
-                        self.nodes.sent(w.node, self.orders.order(ms, w), now)
-        self._restore_suspects(now)
-        usage = self.db.meta("usage")
-        if usage:
-            cluster.usage.restore(usage)
-        if cluster.managed or cluster.nodes:
-            cluster.log(now, "coordinator_restarted", jobs=len(cluster.managed), nodes=len(cluster.nodes))
-
-    def _restore_suspects(self, now: float) -> None:
-        """Suspect nodes stay suspect across a restart: the event log's last ``node_suspect``
-        of each node that no ``node_cleared`` followed, while its cool-down lasts (a node's
-        probes ride its beats, so its health comes back with its next one)."""
-        assert self.db is not None
-        standing: dict[str, dict[str, Any]] = {}
-        for e in self.db.events(kinds=("node_suspect", "node_cleared")):
-            if e["kind"] == "node_suspect":
-                standing[e["node"]] = e
-            else:
-                standing.pop(e["node"], None)
-        for node, e in standing.items():
-            state = self.cluster.nodes.get(node)
-            if state is not None and e["until"] > now:
-                state.health.suspect = Suspect(
-                    e["reason"], e["t"], e["until"], int(e.get("probe", 0)), e.get("job", ""), e.get("worker", "")
-                )
 
     # -- helpers ---------------------------------------------------------------------------------
     def _cluster_event(self, now: float, kind: str, job: str | None = None, **fields: Any) -> None:
