@@ -187,3 +187,21 @@ def test_mkdocs_build_strict_passes(tmp_path: Path) -> None:
         assert "<!-- results" not in text and "<!-- cli-reference" not in text, page
     assert "step-time-against-ddp-and-fsdp2" in (site / "benchmarks" / "index.html").read_text()
     assert "Unreleased" in (site / "changelog" / "index.html").read_text()
+
+
+SUBJECTS_SINCE = "9512044"
+"""The last commit whose subject ran past 72 characters: the rule holds for every one after it."""
+
+
+@pytest.mark.timeout(30)
+def test_commit_subjects_fit_on_a_line() -> None:
+    """``git log --oneline`` and a mail's subject show 72 characters: the detail is the body's."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (a source tree without its history)")
+    result = subprocess.run(
+        ["git", "log", "--format=%h %s", f"{SUBJECTS_SINCE}..HEAD"], cwd=ROOT, capture_output=True, text=True
+    )
+    if result.returncode != 0:  # (a shallow clone without that commit)
+        pytest.skip(f"git log: {result.stderr.strip()}")
+    long = [line for line in result.stdout.splitlines() if len(line.split(" ", 1)[1]) > 72]
+    assert not long, "commit subjects over 72 characters:\n" + "\n".join(long)
