@@ -13,6 +13,7 @@ import pytest
 from maitre.runtime.group import EpochLost
 from maitre.runtime.heartbeat import CoordinatorView
 from maitre.runtime.loop import ElasticLoop
+from maitre.runtime.streamjoin import StreamJoin
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -109,7 +110,8 @@ class _Writer:
 
 def loop_saving(step: int, max_steps: int) -> tuple[ElasticLoop, _Writer]:
     loop = ElasticLoop.__new__(ElasticLoop)
-    loop._listening = loop._ledger = loop._recovery = loop._reporter = loop.replica = None
+    loop._ledger = loop._recovery = loop._reporter = loop.replica = None
+    loop._join = StreamJoin()  # (no listener: it trains)
     loop.rank, loop.world_size, loop._max_steps = 0, 1, max_steps  # (it writes part 0 of 1)
     loop.checkpointer = writer = _Writer()
     loop.state = SimpleNamespace(step=step, state_dict=dict)
