@@ -103,8 +103,7 @@ def acknowledged(method: F) -> F:
         try:
             return method(self, *args, **kwargs)
         finally:
-            if self.db is not None:
-                self.durable(*self.take_pending())
+            self.durable(*self.take_pending())  # (nothing to wait for without a store)
 
     return call  # type: ignore[return-value]
 
@@ -538,8 +537,7 @@ class Coordinator:
                 self._next_store_check = now + 1.0
                 self._close_stores(now)
             self.flush()
-        if self.db is not None:
-            self.durable(*self.take_pending())
+        self.durable(*self.take_pending())
         if pending is None:
             return
         # The policy runs with the lock free (tens of milliseconds at a thousand nodes: beats
@@ -554,8 +552,7 @@ class Coordinator:
                 self._next_pass = 0.0  # the cluster changed meanwhile: plan again next tick
             self.flush()
             self.metrics.scheduling_pass(pass_s + time.perf_counter() - began)
-        if self.db is not None:
-            self.durable(*self.take_pending())
+        self.durable(*self.take_pending())
 
     def _close_stores(self, now: float) -> None:
         """Close the c10d stores of runs over for a minute (their workers have long stopped

@@ -100,10 +100,14 @@ class NodeRegistry:
         dropped it)."""
         self._unacked.setdefault(node, {})[order.worker_id] = (order, now)
 
-    def unacked(self, node: str) -> dict[str, tuple[StartOrder, float]]:
+    def unacked(self, node: str) -> list[tuple[StartOrder, float]]:
         """The node's start orders no beat listed the worker of yet, with when each was last
-        sent (the caller drops the ones acknowledged)."""
-        return self._unacked.get(node, {})
+        sent (a copy: :meth:`acked` drops one)."""
+        return list(self._unacked.get(node, {}).values())
+
+    def acked(self, node: str, wid: str) -> None:
+        """``wid``'s start order needs no resending (its agent runs it, or it is past starting)."""
+        self._unacked.get(node, {}).pop(wid, None)
 
     def forget_starts(self, node: str) -> None:
         """Orders for an agent that is gone (a restarted one's workers went with it)."""

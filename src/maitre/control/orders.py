@@ -102,11 +102,12 @@ class Orders:
         if not unacked:
             return []
         again = []
-        for wid, (order, sent_at) in list(unacked.items()):
+        for order, sent_at in unacked:
+            wid = order.worker_id
             ms = co.workers.get(wid)
             w = None if ms is None else ms.workers.get(wid)
             if wid in running or w is None or w.state != WorkerState.STARTING or w.node != node:
-                del unacked[wid]  # running (acknowledged), or past starting either way
+                co.nodes.acked(node, wid)  # running (acknowledged), or past starting either way
             elif beat_at >= sent_at + RESEND_AFTER_S:
                 log.info(
                     "node %s: its agent does not run %s, started %.1f s ago: the start order again",
