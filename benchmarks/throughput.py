@@ -142,6 +142,10 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
 
 
 # -- the runs ------------------------------------------------------------------------------------
+ABORTED = "terminate called without an active exception"
+"""What a process that torch's C++ side aborted printed last (see :func:`run_loopback`)."""
+
+
 def run_loopback(mode: str, ranks: int, args: argparse.Namespace, work: Path) -> float:
     result = work / f"loopback-{mode}-{ranks}.json"
     script = [str(Path(__file__).resolve()), *worker_args(mode, args, result)]
@@ -161,6 +165,13 @@ def run_loopback(mode: str, ranks: int, args: argparse.Namespace, work: Path) ->
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), *script]
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
+    if done.returncode != 0 and ABORTED in done.stdout + done.stderr:
+        # torch's C++ side, rarely and only on a loaded machine, aborts a plain DDP process of
+        # the smoke run (seen once in CI, beside two other benchmarks; never in 200 runs here,
+        # four at a time). It is no error of the mode timed: run it once more, and say so.
+        print(f"throughput: {mode} x{ranks} was aborted by torch (SIGABRT); running it again", flush=True)
+        result.unlink(missing_ok=True)
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=args.timeout_s)
     if done.returncode != 0 or not result.exists():
         raise RuntimeError(
             f"{mode} x{ranks} on loopback failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
