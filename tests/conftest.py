@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -218,16 +219,18 @@ def play(tmp_path: Path, command: list[str], events: str, **cfg: object) -> tupl
     return code, lines, run
 
 
-def wait_for(predicate, timeout: float, what: str, log: Path | list[str] | None = None):
+def wait_for(predicate, timeout: float, what: str, log: Path | list[str] | Callable[[], str] | None = None):
     """``predicate()``'s first true value within ``timeout`` s (polled), else an AssertionError
-    naming ``what``, with the end of ``log`` (a file, or lines)."""
+    naming ``what``, with the end of ``log`` (a file, or lines), or what ``log()`` says then."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(0.2)
-    if isinstance(log, list):
+    if callable(log):
+        detail = log()
+    elif isinstance(log, list):
         detail = "\n".join(log)[-6000:]
     else:
         detail = log.read_text()[-3000:] if log is not None and log.exists() else ""

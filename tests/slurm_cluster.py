@@ -401,6 +401,16 @@ def start(root: Path, accounting: bool = False) -> SlurmCluster:
 
 
 @contextlib.contextmanager
+def told(log: Path, state: Path) -> str:
+    """What ``maitre up`` and its replica jobs (their agents and workers) printed last: the
+    detail of a story's timeout, where the coordinator's view alone cannot say why a worker
+    ended."""
+    parts = [f"--- {log.name}\n" + (log.read_text()[-3000:] if log.exists() else "")]
+    for replica in sorted((state / "slurm").glob("*.log")):
+        parts.append(f"--- {replica.name}\n" + replica.read_text(errors="replace")[-2500:])
+    return "\n".join(parts)
+
+
 def maitre_up(cluster, tmp_path: Path, *flags: str):
     """``maitre up --slurm FLAGS`` on the test Slurm, its state in ``tmp_path/state`` and its
     output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards

@@ -328,8 +328,11 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         def members(n: int):
             return lambda: (j := job())["state"] == "RUNNING" and len(j["members"]) == n and j
 
+        def said() -> str:  # (a timeout's detail: the job as the API shows it, and every log)
+            return f"the job: {job()}\n" + slurm_cluster.told(log, state)
+
         t0 = time.monotonic()
-        grown = wait_for(members(4), 150, "the job to grow into the four nodes", log)
+        grown = wait_for(members(4), 150, "the job to grow into the four nodes", said)
         t_grown = time.monotonic()
         reps = {j["name"]: j for j in cluster.jobs() if j["name"].startswith("maitre-story-")}
         assert {r["partition"] for n, r in reps.items() if n[-1] in "01"} == {"normal"}
@@ -339,29 +342,29 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
         ).strip()
         cleanup.callback(cluster.run, "scancel", intruder, check=False)  # (before maitre stops)
         t_intruder = time.monotonic()
-        shrunk = wait_for(members(2), 60, "the job to shrink in place to 2", log)
+        shrunk = wait_for(members(2), 60, "the job to shrink in place to 2", said)
         t_shrunk = time.monotonic()
         assert shrunk["failures"] == 0 and shrunk["step"] > grown["step"]
         wait_for(
             lambda: any(j["id"] == intruder and j["state"] == "RUNNING" for j in cluster.jobs()),
             60,
             "the intruder to run",
-            log,
+            said,
         )
         requeued = [
             j for j in cluster.jobs() if j["name"].startswith("maitre-story-") and j["partition"] == "scavenger"
         ]
         assert len(requeued) == 2 and all(j["state"] == "PENDING" for j in requeued), requeued
         t_running = time.monotonic()
-        back = wait_for(members(4), 150, "the job to grow back to 4", log)
+        back = wait_for(members(4), 150, "the job to grow back to 4", said)
         t_back = time.monotonic()
         assert back["step"] > shrunk["step"]
-        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240, "the job to finish", log)
+        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240, "the job to finish", said)
         wait_for(
             lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
             60,
             "the replica jobs to be cancelled",
-            log,
+            said,
         )
         events, since = [], 0
         while page := client.get(f"/events?since={since}")["events"]:
