@@ -203,6 +203,7 @@ WRITERS = {
     "control/job.py": LIFECYCLE | RUN | {"move"},
     # the run moves the job's state (epochs, its end); ``ended_at``: its workers' own
     "control/membership.py": RUN | {"move", "ended_at"},
+    "control/restarts.py": RUN | {"move", "ended_at"},  # (a run too: a restart-mode job's)
 }
 NOT_THE_COORDINATORS = ("scheduling/", "sim/")
 """The policy and the simulator change their own copies of jobs (the pass hands the policy

@@ -129,6 +129,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UsageError(f"--mesh: {exc}") from None
     if args.max_restarts < 0:
         raise UsageError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if args.elastic == "restart" and (args.events or args.mesh or args.resume):
+        flag = "--events" if args.events else "--mesh" if args.mesh else "--resume"
+        raise UsageError(
+            f"{flag} is maitre's loop's (an unmodified script reports no steps and resumes from its own "
+            "checkpoints); leave it out with --elastic restart"
+        )
+    if args.success_marker is not None and (args.elastic != "restart" or not args.success_marker):
+        raise UsageError("--success-marker needs --elastic restart and a non-empty text")
     from maitre.runtime.stragglers import Injected, Thresholds
 
     try:  # the workers inherit them: an error here, before anything starts
@@ -174,6 +182,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         checkpoint_keep=args.checkpoint_keep,
         resume=args.resume,
         grace_period_s=args.grace_period,
+        elastic=args.elastic,
+        success_marker=args.success_marker,
     )
     try:
         run = Run(cfg)
@@ -922,6 +932,18 @@ def build_parser() -> argparse.ArgumentParser:
         "dp_shard=--nproc-per-replica); the script's replica_mesh() must agree",
     )
     run.add_argument("--max-restarts", type=int, default=3, help="failure events survived before the job fails")
+    run.add_argument(
+        "--elastic",
+        choices=("inplace", "restart"),
+        default="inplace",
+        help="inplace (default): a script on maitre's loop, resized in place; restart: an unmodified "
+        "torchrun script (init_process_group('env://')), stopped and started again whole at each change",
+    )
+    run.add_argument(
+        "--success-marker",
+        metavar="TEXT",
+        help="--elastic restart: a line a finished worker prints; exiting 0 without it is a failure",
+    )
     run.add_argument(
         "--local-nodes", type=int, help="agents started on this machine (default: the minimum of --nnodes)"
     )

@@ -77,6 +77,9 @@ class RunConfig:
     mtbf_s: float | None = None
     resume: bool = False
     grace_period_s: float = 60.0
+    elastic: str = "inplace"
+    """``restart``: an unmodified script, restarted whole at each change (the job's manifest)."""
+    success_marker: str | None = None
 
 
 class Run:
@@ -99,7 +102,11 @@ class Run:
             "maxReplicas": cfg.max_nodes * per_node,
             "command": cfg.command,
             "nprocPerReplica": cfg.nproc_per_replica,
+            "elastic": cfg.elastic,
+            "gracePeriodSeconds": cfg.grace_period_s,
         }
+        if cfg.success_marker:
+            manifest["successMarker"] = cfg.success_marker
         if cfg.mesh:
             from maitre.runtime.replica import MeshSpec
 
@@ -420,11 +427,12 @@ def epoch_reports(reports: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path, checkpoint_dir: Path | None = None) -> str:
-    lines = [
-        "",
-        f"maitre: job {job['job_id']} {job['state']} at step {job['step']} "
-        f"after {job['epoch']} membership epoch(s), {job['failures']} failure(s)",
-    ]
+    where = (
+        f"after {job['epoch']} gang(s) of workers restarted whole"
+        if job.get("elastic") == "restart"
+        else f"at step {job['step']} after {job['epoch']} membership epoch(s)"
+    )
+    lines = ["", f"maitre: job {job['job_id']} {job['state']} {where}, {job['failures']} failure(s)"]
     if job.get("failure"):
         lines.append(f"maitre: job failed: {job['failure']}")
     reports = epoch_reports(job.get("reports", []))
@@ -439,7 +447,12 @@ def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path, checkpo
                 f"{r['rendezvous_s'] * 1000:>8.0f} {r['group_s'] * 1000:>8.0f} "
                 f"{r['state_s'] * 1000:>8.0f} {r['to_next_step_s'] * 1000:>10.0f}"
             )
-    if ledger_dir is not None and ledger_dir.exists():
+    if job.get("restarts"):
+        lines.append(f"  {'gang':>5}  {'world':>5}  {'cause':<60} {'restart ms':>10}")
+        for r in job["restarts"]:
+            took = "" if r.get("restart_s") is None else f"{r['restart_s'] * 1000:.0f}"
+            lines.append(f"  {r['epoch']:>5}  {r['size']:>5}  {str(r['cause'])[:60]:<60} {took:>10}")
+    if ledger_dir is not None and ledger_dir.exists() and any(ledger_dir.iterdir()):
         lines.append(f"  data: {audit(ledger_dir).describe()}")
     if checkpoint_dir is not None:
         newest = newest_complete(checkpoint_dir)

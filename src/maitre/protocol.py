@@ -310,6 +310,12 @@ class JobSummary(_Reply):
     """Its warm spares started and waiting (they are no part of ``placement``)."""
     spares_wanted: int = 0
     """How many it keeps (the manifest's ``spares``)."""
+    elastic: str = "inplace"
+    """inplace (maitre's loop) or restart (an unmodified script, restarted whole)."""
+    restarts: list[dict[str, Any]] = []
+    """A restart-mode job's gangs started after another: ``epoch``, ``cause``, ``size`` and
+    ``restart_s`` (from the decision to stop the last gang to every process of this one
+    started)."""
 
 
 class JobStatus(JobSummary):
@@ -525,6 +531,23 @@ class WatchRequest(_Request):
     wait_s: float = Field(10.0, ge=0, le=60)
 
 
+class RestartOrder(_Reply):
+    """A restart-mode worker's place in its gang (:mod:`maitre.control.restarts`): the agent
+    gives it torchrun's environment from this."""
+
+    group_rank: int
+    """Its replica's rank in the gang (torchrun's ``GROUP_RANK``, a node's rank)."""
+    group_world_size: int
+    """Replicas in the gang (``GROUP_WORLD_SIZE``)."""
+    restart_count: int
+    """Gangs of this run before this one (``TORCHELASTIC_RESTART_COUNT``)."""
+    max_restarts: int
+    grace_s: float
+    """When its gang stops: SIGTERM, then SIGKILL after this long."""
+    success_marker: str | None = None
+    """A line of its output that says it finished (the agent tells whether it came)."""
+
+
 class StartOrder(_Reply):
     worker_id: str
     job_id: str
@@ -539,6 +562,8 @@ class StartOrder(_Reply):
     nproc: int = 1
     """Processes to start for this worker (a replica that spans them); they share its slots."""
     mesh: str = ""
+    restart: RestartOrder | None = None
+    """A restart-mode worker (an unmodified script): its gang and torchrun's environment."""
 
 
 class WorkerView(_Reply):
@@ -595,6 +620,8 @@ class NodeOrders(_Reply):
     agent that sees another one sends ``since: -1`` once, for every view."""
     start: list[StartOrder] = []
     kill: list[str] = []
+    terminate: list[str] = []
+    """Restart-mode workers whose gang stops: SIGTERM, then SIGKILL after their grace period."""
     views: dict[str, WorkerView] | None = None
     """Every live worker's view, when it changed since ``since`` (else None)."""
     probe: bool = False
@@ -605,6 +632,12 @@ class ExitRequest(_Request):
     code: int = Field(ge=-255, le=255)
     """The process's exit code; negative: killed by that signal."""
     error: str | None = Field(None, max_length=4000)
+    joined: bool | None = None
+    """A restart-mode worker: whether it reached its process group's store (None: not one)."""
+    marked: bool | None = None
+    """A restart-mode worker with a success marker: whether it printed it."""
+    stderr: list[str] = Field([], max_length=20)
+    """Its last lines of stderr (a restart-mode worker's: the job's failure quotes them)."""
 
 
 # -- workers ---------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ from typing import Any, Callable, TextIO
 from pydantic import ValidationError
 
 from maitre import protocol
-from maitre.agent import netaddr, warmstart
+from maitre.agent import netaddr, torchrun, warmstart
 from maitre.agent.health import HealthMonitor
 from maitre.agent.notices import NoticeWatcher
 from maitre.wire import ApiError, Client, CoordinatorUnreachable
@@ -88,6 +88,12 @@ class _Worker:
         self.failed: tuple[int, str | None] | None = None
         """The first failing exit (code, its error line): the replica's."""
         self.lock = threading.Lock()
+        self.gang: torchrun.GangLink | None = None
+        """A restart-mode worker's way to its gang's store (None: maitre's loop's worker)."""
+        self.restart: protocol.RestartOrder | None = None
+        self.marked = False
+        """Its output had the job's success marker."""
+        self.terminating = False
 
     @property
     def proc(self) -> Any:
@@ -101,6 +107,30 @@ class _Worker:
         for p in self.procs:
             if p.poll() is None:
                 _signal(p, sig)
+
+    def terminate(self) -> None:
+        """Its gang stops: SIGTERM, and SIGKILL to its process groups (its children too) after
+        the grace period (on a thread: the caller goes on)."""
+        if self.terminating or self.restart is None:
+            return
+        self.terminating = True
+
+        def kill_groups(sig: int) -> None:
+            for p in self.procs:
+                if sig == signal.SIGKILL:
+                    try:
+                        os.killpg(p.pid, sig)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                elif p.poll() is None:
+                    _signal(p, sig)
+
+        threading.Thread(
+            target=torchrun.terminate,
+            args=(kill_groups, self.alive, self.restart.grace_s),
+            name="maitre-terminate",
+            daemon=True,
+        ).start()
 
     def wait(self, timeout: float | None = None) -> None:
         """Wait for every process (raises ``subprocess.TimeoutExpired`` past ``timeout``)."""
@@ -462,6 +492,10 @@ class Agent:
             w = self.workers.get(wid)
             if w is not None:
                 w.signal(signal.SIGKILL)
+        for wid in orders.terminate:
+            w = self.workers.get(wid)
+            if w is not None:
+                w.terminate()
         if orders.probe and self.health is not None:
             self.health.request()
 
@@ -510,6 +544,15 @@ class Agent:
         if nproc > 1:
             env.update({protocol.NPROC: str(nproc), protocol.MESH: order.mesh})
         env.setdefault("OMP_NUM_THREADS", "1")
+        gang = None
+        if order.restart is not None:  # an unmodified script: torchrun's environment, no maitre's
+            env = torchrun.scrub(env)
+            try:
+                gang = torchrun.GangLink(self._store_address(order.store), order.store_key, order.token)
+            except OSError as exc:
+                self.output(wid, f"maitre: cannot open the way to the job's store: {exc}\n")
+                threading.Thread(target=self._report_exit, args=(wid, 1, f"agent: {exc}"), daemon=True).start()
+                return
         per = max(1, order.slots // nproc)  # slots (GPUs) of each process
         procs: list[Any] = []
         for i in range(nproc):
@@ -520,10 +563,13 @@ class Agent:
                 # The slots (GPUs) it holds on this node: LOCAL_RANK and the ones after it.
                 protocol.SLOTS: ",".join(str(first + k) for k in range(per)),
             }
-            if nproc > 1:
+            if nproc > 1 and gang is None:
                 mine[protocol.PROC] = str(i)
+            if gang is not None and order.restart is not None:
+                mine.update(torchrun.environ(order, order.restart, i, gang.port))
+                mine.pop(protocol.SLOTS, None)
             try:
-                if warmstart.enabled(mine) and warmstart.warm_target(order.command):
+                if gang is None and warmstart.enabled(mine) and warmstart.warm_target(order.command):
                     procs.append(warmstart.WarmProcess(order.command, mine))
                 else:
                     procs.append(
@@ -539,10 +585,15 @@ class Agent:
             except OSError as exc:  # no such program, not executable: the job's error, not ours
                 for p in procs:
                     _signal(p, signal.SIGKILL)
+                if gang is not None:
+                    gang.close()
                 self.output(wid, f"maitre: cannot start {order.command[0]!r}: {exc}\n")
                 threading.Thread(target=self._report_exit, args=(wid, 127, f"cannot start: {exc}"), daemon=True).start()
                 return
         worker = _Worker(wid, *procs)
+        if gang is not None:
+            gang.pids.update(p.pid for p in procs)
+            worker.gang, worker.restart = gang, order.restart
         with self._lock:
             self.views.setdefault(wid, protocol.WorkerView())
         for proc in procs:
@@ -566,9 +617,12 @@ class Agent:
 
     def _pump(self, worker: _Worker, stream: TextIO | None, is_err: bool) -> None:
         assert stream is not None
+        marker = worker.restart.success_marker if worker.restart is not None else None
         for line in stream:
             if is_err and line.strip():
-                worker.stderr_tail.append(line.rstrip())
+                worker.stderr_tail.append(line.rstrip()[:500])
+            if marker and marker in line:
+                worker.marked = True
             self.output(worker.worker_id, line)
 
     def _wait(self, worker: _Worker, index: int = 0) -> None:
@@ -588,16 +642,22 @@ class Agent:
             worker.signal(signal.SIGKILL)
         if last:
             code, error = worker.failed or (0, None)
-            self._report_exit(worker.worker_id, code, error)
+            told: dict[str, Any] = {}
+            if worker.gang is not None and worker.restart is not None:  # what the script cannot say
+                worker.gang.close()
+                told = {"joined": worker.gang.joined.is_set(), "stderr": list(worker.stderr_tail)}
+                if worker.restart.success_marker:
+                    told["marked"] = worker.marked
+            self._report_exit(worker.worker_id, code, error, told)
 
-    def _report_exit(self, worker_id: str, code: int, error: str | None) -> None:
+    def _report_exit(self, worker_id: str, code: int, error: str | None, told: dict[str, Any] | None = None) -> None:
         """Tell the coordinator, retrying while it is away (it may be restarting)."""
         self._poke.set()  # the node beat stops listing it now
         for _ in range(1200):
             try:
                 self.client.post(
                     protocol.WORKER_EXIT.format(worker=worker_id),
-                    {"code": code, "error": (error or "")[-4000:] or None},
+                    {"code": code, "error": (error or "")[-4000:] or None, **(told or {})},
                 )
                 return
             except CoordinatorUnreachable:

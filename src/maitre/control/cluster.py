@@ -61,6 +61,7 @@ from maitre.control.drain import Reclaim, decide
 from maitre.control.health import NodeHealth, Probe
 from maitre.control.job import ManagedJob
 from maitre.control.membership import JobSpec, Membership, Worker, WorkerState
+from maitre.control.restarts import run_class
 from maitre.scheduling.lifecycle import JobState
 from maitre.scheduling.model import Cluster, Job, Node, Queue
 from maitre.scheduling.assign import Replica, leavers, repair
@@ -481,7 +482,15 @@ class ClusterState:
             nproc_per_replica=man.nproc_per_replica,
             mesh=man.mesh_text if man.nproc_per_replica > 1 else "",
             store_scope=scope,
+            elastic=man.elastic,
+            grace_s=man.grace_period_s,
+            success_marker=man.success_marker,
         )
+
+    def _run(self, m: ManagedJob, now: float) -> Membership:
+        """A new run of ``m``, of the kind its manifest asks for (in place, or restarted whole)."""
+        spec = self.incarnation_spec(m)
+        return run_class(spec)(spec, self.detector, now, m.workers_started, m.job)
 
     def ledger_dir(self, m: ManagedJob) -> Path:
         """Where the job's workers record the samples they commit (``<name>``, then
@@ -619,7 +628,7 @@ class ClusterState:
                 ms = m.admit(
                     new,
                     now,
-                    lambda m=m: Membership(self.incarnation_spec(m), self.detector, now, m.workers_started, m.job),
+                    lambda m=m: self._run(m, now),
                     memberships.get(m.id),
                 )
                 out.append(("start", m.id, ms))

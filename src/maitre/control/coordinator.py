@@ -389,7 +389,7 @@ class Coordinator:
     def worker_exit(self, wid: str, req: p.ExitRequest) -> dict[str, Any]:
         with self.lock:
             ms = self.workers.job_of(wid)
-            ms.exited(wid, req.code, req.error, self.clock())
+            ms.exited(wid, req.code, req.error, self.clock(), joined=req.joined, marked=req.marked, stderr=req.stderr)
             self.bump(ms.workers[wid].node)  # its slots are free: a replacement may start
             self.cluster.check_drained(ms.workers[wid].node, self.clock())
             self._changed(ms.spec.job_id)
@@ -563,9 +563,9 @@ class Coordinator:
             key = ms.spec.run_key
             if not ms.over:
                 self._runs_ended.pop(key, None)
-                keep.add(key)
+                keep |= ms.store_keys()
             elif now - self._runs_ended.setdefault(key, now) < 60.0:
-                keep.add(key)
+                keep |= ms.store_keys()
         self.stores.retain(keep)
 
     # -- read models (maitre.control.views) ------------------------------------------------------

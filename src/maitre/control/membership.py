@@ -99,6 +99,15 @@ class JobSpec:
     """Names this run of the job in the c10d store's keys: a job that runs again (resumed after
     a suspension, or submitted again under its name) counts epochs from 1 again, and must not
     meet its earlier run's keys (gloo would connect to dead peers' addresses)."""
+    elastic: str = "inplace"
+    """``inplace`` (the loop's: workers join and leave at step boundaries) or ``restart``
+    (unmodified scripts, their gang stopped and started again at each change:
+    :mod:`maitre.control.restarts`)."""
+    grace_s: float = 30.0
+    """A restart-mode worker's time between SIGTERM and SIGKILL when its gang stops."""
+    success_marker: str | None = None
+    """A restart-mode job's line of output that a successful worker prints (else exit 0 is
+    success)."""
     token: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
     """This run's credential: its workers present it to the API (for their own worker routes
     only) and, by challenge and response, at the door of its c10d store. It reaches them in
@@ -116,6 +125,8 @@ class JobSpec:
             raise ValueError(f"min workers must be at least 1, got {self.min_workers}")
         if self.max_workers < self.min_workers:
             raise ValueError(f"max workers {self.max_workers} < min workers {self.min_workers}")
+        if self.elastic not in ("inplace", "restart"):
+            raise ValueError(f"elastic must be inplace or restart, got {self.elastic!r}")
         if self.max_restarts < 0:
             raise ValueError(f"max restarts must be >= 0, got {self.max_restarts}")
         if not 0 <= self.spares <= self.max_workers:
@@ -507,8 +518,20 @@ class Membership:
             return True
         return self._count[WorkerState.READY] > 0 and len(self.members) < self.target
 
-    def exited(self, wid: str, code: int, error: str | None, now: float) -> None:
-        """The agent saw the worker process exit."""
+    def exited(
+        self,
+        wid: str,
+        code: int,
+        error: str | None,
+        now: float,
+        *,
+        joined: bool | None = None,
+        marked: bool | None = None,
+        stderr: list[str] | None = None,
+    ) -> None:
+        """The agent saw the worker process exit (what else it saw of an unmodified script,
+        ``joined``, ``marked`` and ``stderr``, matters to :mod:`maitre.control.restarts` only:
+        this loop's workers say how they ended)."""
         w = self._worker(wid)
         w.exit_code = code
         if w.ended_at is None:
@@ -769,6 +792,14 @@ class Membership:
                 self._state_lost_epoch == self.epoch,
             ).to_json()
         return None
+
+    def store_key(self, w: Worker) -> str:
+        """The key of the c10d store ``w``'s processes meet on (the door's run key)."""
+        return self.spec.run_key
+
+    def store_keys(self) -> set[str]:
+        """The keys of the stores this run still uses."""
+        return {self.spec.run_key}
 
     def store_prefix(self, epoch: int | None = None) -> str:
         scope = f"{self.spec.store_scope}/" if self.spec.store_scope else ""

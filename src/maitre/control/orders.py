@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from maitre import protocol as p
 from maitre.control.membership import LIVE, Membership, Worker, WorkerState
+from maitre.control.restarts import RestartRun
 from maitre.scheduling.assign import free_slot
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Orders:
         entry = co.nodes[node]
         running = entry.running
         kill = sorted(co.nodes.take_kills(node))
+        terminate: list[str] = []
         # Slots in use: processes the agent runs, and workers it was asked to start that it
         # does not list yet (it starts them off its heartbeat thread).
         used: set[int] = set()
@@ -66,7 +68,9 @@ class Orders:
                 and w.exit_code is None
                 and (w.state == WorkerState.DEAD or (ms.over and w.state not in (WorkerState.DONE, WorkerState.LEFT)))
             ):
-                kill.append(wid)
+                (terminate if isinstance(ms, RestartRun) else kill).append(wid)
+            elif listed and isinstance(ms, RestartRun) and w.state == WorkerState.LEAVING and w.exit_code is None:
+                terminate.append(wid)  # its gang stops (the agent signals once, however often told)
         for wid in running:
             if wid not in co.workers and wid not in kill:
                 kill.append(wid)  # no job of this coordinator knows it
@@ -90,6 +94,7 @@ class Orders:
             boot=co.boot,
             start=start,
             kill=kill,
+            terminate=terminate,
             views=views,
             probe=co.cluster.wants_probe(node),
         )
@@ -153,9 +158,10 @@ class Orders:
         co = self.co
         slot, per = worker.slot, worker.slots
         used.update(range(slot, slot + per))
-        if job.spec.nproc_per_replica > 1 and co.stores is not None:
-            # Its processes build their replica's own group on the run's store first.
-            co.stores.open(job.spec.run_key, job.spec.token)
+        if (job.spec.nproc_per_replica > 1 or isinstance(job, RestartRun)) and co.stores is not None:
+            # Its processes build their replica's own group on the run's store first (an
+            # unmodified script's whole group, under torchrun's agent-store prefix).
+            co.stores.open(job.store_key(worker), job.spec.token)
         co.workers.add(job, worker)
         co.touch(job.spec.job_id)
         return self.order(job, worker)
@@ -172,9 +178,10 @@ class Orders:
             slots=worker.slots,
             store=co.store_address,
             token=job.spec.token,
-            store_key=job.spec.run_key,
+            store_key=job.store_key(worker),
             nproc=job.spec.nproc_per_replica,
             mesh=job.spec.mesh,
+            restart=p.RestartOrder(**job.restart_order(worker)) if isinstance(job, RestartRun) else None,
         )
 
     # -- warm spares (see maitre.control.membership) -------------------------------------------

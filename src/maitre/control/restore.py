@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 from maitre.control.health import Suspect
 from maitre.control.job import ManagedJob
-from maitre.control.membership import Membership, WorkerState
+from maitre.control.membership import WorkerState
+from maitre.control.restarts import run_from_json
 from maitre.scheduling.spec import manifest_from_record
 
 if TYPE_CHECKING:
@@ -30,13 +31,13 @@ def restore(co: "Coordinator") -> None:
         co.nodes.restored(node.name, node.slots, now)
     for job, extra in co.db.jobs():
         managed = ManagedJob.from_record(manifest_from_record(extra["manifest"]), job, extra)
-        managed.history = [Membership.from_json(h, co.cfg, now) for h in extra["history"]]
+        managed.history = [run_from_json(h, co.cfg, now) for h in extra["history"]]
         for h in managed.history:
             co.tokens[h.spec.token] = h  # its workers may still report their exits
             co.workers.remember(h)
         cluster.managed[job.id] = managed
         if extra["membership"] is not None:
-            ms = Membership.from_json(extra["membership"], co.cfg, now, job)
+            ms = run_from_json(extra["membership"], co.cfg, now, job)
             managed.seen_trained = {w.id: w.trained_s for w in ms.workers.values()}
             co.install(ms)
             for w in ms.workers.values():  # their orders may never have reached an agent

@@ -8,7 +8,11 @@ connects to a port on 127.0.0.1, and each connection accepted there is answered 
 
 Only this process may use the link: a connection is accepted only if the socket at its other end
 is one of this process's own (found through ``/proc``), so another user of the node cannot borrow
-the worker's way in. The link carries rendezvous traffic only (addresses, small keys); gradients
+the worker's way in. An agent runs one for an unmodified script (``elastic: restart``), whose
+``TCPStore`` cannot be told of a door: its owners are then that worker's processes and their
+children, and the agent learns from it that the script reached its store (``on_connect``).
+
+The link carries rendezvous traffic only (addresses, small keys); gradients
 never pass through it.
 """
 
@@ -20,6 +24,7 @@ import os
 import socket
 import struct
 import threading
+from collections.abc import Callable
 
 GREETING = b"MAITRE-STORE/1 "
 _TIMEOUT_S = 10.0
@@ -39,10 +44,22 @@ class StoreLink:
     """Listens on 127.0.0.1; every connection this process makes there reaches the store of run
     ``run_key`` through the door at ``door`` (host, port)."""
 
-    def __init__(self, door: tuple[str, int], run_key: str, token: str) -> None:
+    def __init__(
+        self,
+        door: tuple[str, int],
+        run_key: str,
+        token: str,
+        *,
+        owners: Callable[[], set[int]] | None = None,
+        on_connect: Callable[[], None] | None = None,
+    ) -> None:
+        """``owners``: the processes that may connect (default: this one); ``on_connect``:
+        called at each connection let through."""
         self.door = door
         self.run_key = run_key
         self._token = token.encode()
+        self._owners = owners
+        self._on_connect = on_connect
         self._sock = socket.socket()
         self._sock.bind((_LOOPBACK, 0))
         self._sock.listen(64)
@@ -70,9 +87,12 @@ class StoreLink:
                 conn, peer = self._sock.accept()
             except OSError:
                 return
-            if not _ours(peer[1], self.port):
+            pids = {os.getpid()} if self._owners is None else self._owners()
+            if not _ours(peer[1], self.port, pids):
                 conn.close()
                 continue
+            if self._on_connect is not None:
+                self._on_connect()
             # The store's requests are a few small writes each: relayed one by one, Nagle's
             # algorithm would hold each behind the last one's (delayed) acknowledgement.
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -151,10 +171,10 @@ def _hex_address(ip: str, port: int) -> str:
     return "".join(f"{w:08X}" for w in words) + f":{port:04X}"
 
 
-def _ours(peer_port: int, our_port: int) -> bool:
-    """Is the socket connected to us from 127.0.0.1:``peer_port`` one of this process's? It may
-    be an IPv4 socket, or an IPv6 one speaking to the IPv4-mapped address (as torch's
-    ``TCPStore`` client does)."""
+def _ours(peer_port: int, our_port: int, pids: set[int]) -> bool:
+    """Is the socket connected to us from 127.0.0.1:``peer_port`` one of the processes
+    ``pids``'? It may be an IPv4 socket, or an IPv6 one speaking to the IPv4-mapped address (as
+    torch's ``TCPStore`` client does)."""
     tables = (("/proc/net/tcp", _LOOPBACK), ("/proc/net/tcp6", "::ffff:" + _LOOPBACK))
     inode = None
     for path, ip in tables:
@@ -173,14 +193,38 @@ def _ours(peer_port: int, our_port: int) -> bool:
     if inode is None:
         return False
     target = f"socket:[{inode}]"
-    try:
-        fds = os.listdir("/proc/self/fd")
-    except OSError:
-        return False
-    for fd in fds:
+    for pid in pids:
+        where = "/proc/self/fd" if pid == os.getpid() else f"/proc/{pid}/fd"
         try:
-            if os.readlink(f"/proc/self/fd/{fd}") == target:
-                return True
+            fds = os.listdir(where)
         except OSError:
             continue
+        for fd in fds:
+            try:
+                if os.readlink(f"{where}/{fd}") == target:
+                    return True
+            except OSError:
+                continue
     return False
+
+
+def descendants(pids: set[int]) -> set[int]:
+    """``pids`` and every live process below them (from ``/proc``: a launcher's children)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # (the name, in brackets, may hold spaces)
+        parent[int(entry)] = int(fields[1])
+    found = set(pids)
+    grew = True
+    while grew:
+        below = {pid for pid, ppid in parent.items() if ppid in found and pid not in found}
+        grew = bool(below)
+        found |= below
+    return found

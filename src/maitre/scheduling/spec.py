@@ -16,6 +16,13 @@ The field names are the ones users know from Kubeflow's training operators, Volc
     stragglers: {policy: evict, ratio: 1.3, cooldownSeconds: 600}   # slow ranks: see below
     spares: 1                     # warm spare replicas, started and waiting (at most maxReplicas)
 
+A script that is not written around maitre's loop (a torchrun script, a Hugging Face ``Trainer``,
+Lightning) runs with ``elastic: restart``: it gets torchrun's environment and is restarted whole,
+at the new size, on every change (:mod:`maitre.control.restarts`)::
+
+    elastic: restart              # inplace (the default: maitre's loop) | restart
+    successMarker: "training done"   # restart: the line a finished worker prints (optional)
+
 :class:`JobManifest` is the pydantic model of it (``extra="forbid"``, strict: ``"2"`` or
 ``true`` is no integer; the API's schema documents it). :func:`parse_manifest` reports every
 problem at once, each naming its field (``topology.level``), a misspelt key with the closest
@@ -153,6 +160,10 @@ class JobManifest(_Fields):
     """low (0), normal (100) or high (1000); or give priority."""
     priority: int = Field(default_factory=lambda: _DERIVED, validate_default=True)
     """Higher runs first (default: priorityClassName's, else 0)."""
+    elastic: Literal["inplace", "restart"] = "inplace"
+    """inplace: maitre's loop, which workers join and leave at step boundaries; restart: an
+    unmodified script (``init_process_group("env://")``) in torchrun's environment, stopped and
+    started again whole, at the new size, on every resize, notice or failure."""
     min_replicas: int = Field(1, ge=1)
     """The gang that must start together."""
     max_replicas: int = Field(default_factory=lambda: _DERIVED, validate_default=True, ge=1)
@@ -178,6 +189,9 @@ class JobManifest(_Fields):
     """Warm spare replicas kept started and waiting (imports done, model built, no state), not
     counted as training capacity; one joins at the next step boundary when a replica fails or is
     evicted. At most maxReplicas."""
+    success_marker: str | None = Field(None, min_length=1, max_length=200)
+    """elastic: restart: a line a worker prints when its training is done; exiting 0 without it
+    is a failure (a script that ended early). Without it, exiting 0 is success, as for torchrun."""
 
     @field_validator("name")
     @classmethod
@@ -252,6 +266,27 @@ class JobManifest(_Fields):
                 f"gpusPerReplica {value} is not a multiple of nprocPerReplica {nproc}"
                 " (each process of a replica holds the same number of slots)"
             )
+        return value
+
+    @field_validator("mesh", "stragglers", "spares")
+    @classmethod
+    def _in_place_only(cls, value: Any, info: ValidationInfo) -> Any:
+        """Features of maitre's loop: a restart-mode script has none of them."""
+        if info.data.get("elastic") == "restart" and value:
+            name = str(info.field_name)
+            why = {
+                "mesh": "a replica's mesh is built by maitre's loop",
+                "stragglers": "stragglers are timed by maitre's loop",
+                "spares": "a warm spare joins a running job in place (live join)",
+            }[name]
+            raise _problem(f"{name}: {why}; an elastic: restart job cannot have it (use elastic: inplace)")
+        return value
+
+    @field_validator("success_marker")
+    @classmethod
+    def _restart_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("elastic") != "restart":
+            raise _problem("successMarker: only an elastic: restart job has one (maitre's loop says when it is done)")
         return value
 
     @field_validator("spares")

@@ -1,0 +1,294 @@
+"""Restart mode (``elastic: restart``): unmodified torchrun scripts, their gang restarted whole.
+
+The gang's logic as pure bookkeeping (:class:`maitre.control.restarts.RestartRun`, no processes),
+the manifest's refusals, and real runs of ``examples/torchrun_ddp.py`` (plain DDP, checkpoints of
+its own, nothing of maitre's) under ``maitre run --elastic restart``: a SIGKILL and a node that
+joins each restart the gang at its new size, and the script ends with the parameters of a
+fixed-size run; a script that crashes at every start, or never builds its process group, ends
+FAILED with what it printed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, relative_error, wait_for
+from maitre.control.membership import JobSpec, WorkerState
+from maitre.control.restarts import RestartRun, run_from_json
+from maitre.scheduling.lifecycle import JobState
+from maitre.scheduling.spec import ManifestError, parse_manifest
+
+DDP = ROOT / "examples" / "torchrun_ddp.py"
+
+
+def _run(min_workers: int = 1, max_workers: int = 4, target: int = 2, **spec: object) -> RestartRun:
+    run = RestartRun(
+        JobSpec(
+            job_id="j",
+            command=["python", "x.py"],
+            min_workers=min_workers,
+            max_workers=max_workers,
+            elastic="restart",
+            **spec,  # type: ignore[arg-type]
+        ),
+        now=0.0,
+    )
+    run.target = target
+    return run
+
+
+def _start(run: RestartRun, now: float = 1.0) -> list[str]:
+    """Start the workers the run wants, one per node."""
+    return [run.add_worker(f"n{i}", 0, now).id for i in range(run.wants_workers())]
+
+
+# -- the gang's bookkeeping ------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_a_gang_opens_once_every_replica_started_and_completes_when_all_exit_zero() -> None:
+    run = _run()
+    first = run.add_worker("n0", 0, 1.0)
+    assert run.state == JobState.ADMITTED and not run.open and run.wants_workers() == 1
+    assert run.restart_order(first) == {
+        "group_rank": 0,
+        "group_world_size": 2,
+        "restart_count": 0,
+        "max_restarts": 3,
+        "grace_s": 30.0,
+        "success_marker": None,
+    }
+    second = run.add_worker("n1", 0, 1.0)
+    assert run.state == JobState.RUNNING and run.open and run.members == [first.id, second.id]
+    assert second.rank == 1 and run.wants_workers() == 0
+    run.exited(first.id, 0, None, 5.0, joined=True)
+    assert run.state == JobState.RUNNING  # the other still runs
+    run.exited(second.id, 0, None, 5.1, joined=True)
+    assert run.state == JobState.COMPLETED and run.failures == 0
+
+
+@pytest.mark.timeout(10)
+def test_a_failure_stops_the_gang_and_the_next_one_counts_a_restart() -> None:
+    run = _run()
+    a, b = _start(run)
+    run.exited(a, -9, None, 3.0, joined=True)
+    assert run.failures == 1 and run.state == JobState.RENDEZVOUS
+    assert run.workers[b].state == WorkerState.LEAVING  # its SIGTERM goes out with the orders
+    assert run.wants_workers() == 0  # no new gang while one of the old one's processes lives
+    run.exited(b, -15, None, 3.5, joined=True)  # stopped by us: no second failure
+    assert run.failures == 1 and run.workers[b].state == WorkerState.LEFT
+    c, d = _start(run, 4.0)
+    assert run.state == JobState.RUNNING and run.epoch == 2
+    assert [run.restart_order(run.workers[w])["restart_count"] for w in (c, d)] == [1, 1]
+    [record] = run.restarts
+    assert record["epoch"] == 2 and record["size"] == 2 and record["restart_s"] == pytest.approx(1.0)
+    assert "killed by signal 9" in record["cause"]
+
+
+@pytest.mark.timeout(10)
+def test_a_resize_restarts_the_gang_at_the_new_size_without_a_failure() -> None:
+    run = _run()
+    a, b = _start(run)
+    assert run.scale(3, 2.0) == [a, b]
+    for w in (a, b):
+        run.exited(w, -15, None, 2.5)
+    assert len(_start(run, 3.0)) == 3 and run.gang_size == 3 and run.failures == 0
+    assert run.scale(3, 4.0) == []  # the same size: nothing to restart
+    assert run.epoch == 2
+
+
+@pytest.mark.timeout(10)
+def test_a_crash_at_every_start_fails_the_job_with_its_last_lines_of_stderr() -> None:
+    run = _run(target=1, max_restarts=2)
+    for attempt in range(3):
+        [w] = _start(run, float(attempt))
+        run.exited(
+            w, 1, "ValueError: no data", attempt + 0.5, joined=False, stderr=["Traceback", "ValueError: no data"]
+        )
+    assert run.state == JobState.FAILED and run.failures == 3
+    assert "exceeded the restart budget" in (run.failure or "") and "ValueError: no data" in (run.failure or "")
+    assert run.wants_workers() == 0
+
+
+@pytest.mark.timeout(10)
+def test_exiting_zero_without_a_process_group_or_the_success_marker_is_a_failure() -> None:
+    run = _run(target=1, max_restarts=0)
+    [w] = _start(run)
+    run.exited(w, 0, None, 2.0, joined=False)
+    assert run.state == JobState.FAILED and "never called init_process_group" in (run.failure or "")
+
+    run = _run(target=2, max_restarts=0, success_marker="done")
+    a, b = _start(run)
+    run.exited(a, 0, None, 2.0, joined=True, marked=False)
+    run.exited(b, 0, None, 2.0, joined=True, marked=False)
+    assert run.state == JobState.FAILED and "success marker 'done'" in (run.failure or "")
+
+    run = _run(target=2, success_marker="done")
+    a, b = _start(run)
+    run.exited(a, 0, None, 2.0, joined=True, marked=True)  # rank 0 says it, the others need not
+    run.exited(b, 0, None, 2.0, joined=True, marked=False)
+    assert run.state == JobState.COMPLETED
+
+
+@pytest.mark.timeout(10)
+def test_a_suspension_stops_the_gang_and_a_lost_node_restarts_it() -> None:
+    run = _run()
+    a, b = _start(run)
+    run.evict(a, "node n0 is dead", 2.0)
+    assert run.failures == 1 and run.workers[b].state == WorkerState.LEAVING
+    run.exited(b, -15, None, 2.2)
+    _start(run, 3.0)
+    run.suspend("preempted", 4.0)
+    assert run.state == JobState.SUSPENDING and run.wants_workers() == 0
+    for w in run.members:
+        run.exited(w, -15, None, 4.5)
+    assert run.state == JobState.SUSPENDED and run.failures == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_run_is_saved_and_restored_as_a_restart_run() -> None:
+    run = _run(success_marker="done")
+    a, _ = _start(run)
+    run.exited(a, 0, None, 2.0, joined=True, marked=True)
+    again = run_from_json(run.to_json(), None, 10.0)
+    assert isinstance(again, RestartRun)
+    assert (again.gang_size, again.epoch, again.members, again.marked) == (2, 1, run.members, {a})
+    assert again.summary()["elastic"] == "restart"
+
+
+# -- the manifest ----------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        ({"spares": 1}, "spares: a warm spare joins a running job in place"),
+        ({"stragglers": {"policy": "evict"}}, "stragglers:"),
+        ({"nprocPerReplica": 2, "mesh": {"dp_shard": 1, "tp": 2}}, "mesh:"),
+    ],
+)
+def test_a_restart_job_that_asks_for_in_place_features_is_refused_naming_the_field(extra: dict, said: str) -> None:
+    with pytest.raises(ManifestError) as err:
+        parse_manifest({"name": "a", "queue": "q", "command": "python x.py", "elastic": "restart", **extra})
+    assert said in str(err.value) and "elastic: restart" in str(err.value)
+
+
+@pytest.mark.timeout(10)
+def test_a_success_marker_needs_restart_mode() -> None:
+    with pytest.raises(ManifestError, match="successMarker: only an elastic: restart job"):
+        parse_manifest({"name": "a", "queue": "q", "command": "python x.py", "successMarker": "done"})
+
+
+# -- real processes --------------------------------------------------------------------------------
+def _reference(steps: int, global_batch: int = 64) -> dict[str, torch.Tensor]:
+    """What the example learns in one process, without DDP (the same seed, data and update)."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1)).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(global_batch, 32, generator=g, dtype=torch.float64)
+        y = torch.sin(x.sum(dim=1, keepdim=True))
+        loss = ((model(x) - y) ** 2).sum() / global_batch
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+def _restart_run(tmp_path: Path, command: list[str], nodes: str, **cfg: object):
+    from maitre.launch import Run, RunConfig
+
+    lo, _, hi = nodes.partition(":")
+    lines: list[str] = []
+    run = Run(
+        RunConfig(
+            command=command,
+            min_nodes=int(lo),
+            max_nodes=int(hi or lo),
+            elastic="restart",
+            run_dir=tmp_path / "run",
+            ledger=False,
+            grace_period_s=5.0,
+            **cfg,  # type: ignore[arg-type]
+        ),
+        out=lines.append,
+    )
+    return run, lines
+
+
+def _wait(run, lines: list[str]) -> int:
+    code: list[int] = []
+    thread = threading.Thread(target=lambda: code.append(run.wait()), daemon=True)
+    thread.start()
+    thread.join(timeout=150)
+    if thread.is_alive():
+        run.shutdown()
+        pytest.fail("the run did not end:\n" + "\n".join(lines[-60:]))
+    for agent in run.agents:  # every process of every worker is gone
+        for worker in agent.workers.values():
+            assert not worker.alive(), f"{worker.worker_id} still running"
+    return code[0]
+
+
+@pytest.mark.timeout(200)
+def test_an_unmodified_ddp_script_survives_a_sigkill_and_a_join_restarted_at_each_new_size(tmp_path: Path) -> None:
+    steps, out, ckpt = 120, tmp_path / "final.pt", tmp_path / "ckpt"
+    command = [sys.executable, str(DDP), "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--out", str(out)]
+    run, lines = _restart_run(tmp_path, command + ["--step-ms", "40"], "2:3", success_marker="training done")
+    run.start()
+
+    def job() -> dict:
+        return run.job()
+
+    def said() -> str:
+        return "\n".join(lines[-80:]) + f"\njob: {job()}"
+
+    wait_for(lambda: (ckpt / "latest.pt").exists() and job()["state"] == "RUNNING", 60, "a first checkpoint", said)
+    victim = job()["members"][1]
+    os.kill(run.pid_of(victim), signal.SIGKILL)
+    wait_for(lambda: job()["epoch"] == 2 and job()["state"] == "RUNNING", 60, "the gang to restart", said)
+    assert job()["failures"] == 1
+    wait_for(lambda: any("restart 1, resuming at step 1" in line for line in lines), 60, "its checkpoint read", said)
+    run.add_node()  # a third node: the job grows, restarted at 3
+    grown = wait_for(lambda: (j := job())["epoch"] == 3 and j["state"] == "RUNNING" and j, 60, "the gang at 3", said)
+    assert len(grown["members"]) == 3 and grown["failures"] == 1
+    assert _wait(run, lines) == 0, "\n".join(lines[-60:])
+    final = job()
+    assert final["state"] == "COMPLETED" and final["failures"] == 1, final
+    causes = [r["cause"] for r in final["restarts"]]
+    assert "killed by signal 9" in causes[0] and causes[1].startswith("resize to 3"), causes
+    assert all(r["restart_s"] is not None for r in final["restarts"])
+    resumed = [line for line in lines if "resuming at step" in line]
+    assert any("rank 2 of 3: restart 2" in line for line in resumed), resumed
+    assert relative_error(torch.load(out, weights_only=True), _reference(steps)) <= 1e-9
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_crashes_at_every_start_fails_with_its_stderr(tmp_path: Path) -> None:
+    script = tmp_path / "crash.py"
+    script.write_text("import sys\nprint('loading shards', file=sys.stderr)\nraise SystemExit('no shard in /data/x')\n")
+    run, lines = _restart_run(tmp_path, [sys.executable, str(script)], "1", max_restarts=1)
+    run.start()
+    assert _wait(run, lines) == 1
+    final = run.job()
+    assert final["state"] == "FAILED" and final["failures"] == 2, final
+    assert "restart budget" in final["failure"] and "no shard in /data/x" in final["failure"], final["failure"]
+    assert "loading shards" in final["failure"]
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_builds_its_process_group_fails(tmp_path: Path) -> None:
+    script = tmp_path / "alone.py"
+    script.write_text("print('training alone, as if no one else were here')\n")
+    run, lines = _restart_run(tmp_path, [sys.executable, str(script)], "2", max_restarts=0)
+    run.start()
+    assert _wait(run, lines) == 1
+    final = run.job()
+    assert final["state"] == "FAILED" and "never called init_process_group" in final["failure"], final
