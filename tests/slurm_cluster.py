@@ -400,7 +400,6 @@ def start(root: Path, accounting: bool = False) -> SlurmCluster:
     return cluster
 
 
-@contextlib.contextmanager
 def told(log: Path, state: Path) -> str:
     """What ``maitre up`` and its replica jobs (their agents and workers) printed last: the
     detail of a story's timeout, where the coordinator's view alone cannot say why a worker
@@ -411,6 +410,7 @@ def told(log: Path, state: Path) -> str:
     return "\n".join(parts)
 
 
+@contextlib.contextmanager
 def maitre_up(cluster, tmp_path: Path, *flags: str):
     """``maitre up --slurm FLAGS`` on the test Slurm, its state in ``tmp_path/state`` and its
     output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards

@@ -91,6 +91,40 @@ def test_a_failure_stops_the_gang_and_the_next_one_counts_a_restart() -> None:
 
 
 @pytest.mark.timeout(10)
+def test_a_restart_is_timed_to_the_new_gangs_process_group_and_charged_to_the_job() -> None:
+    run = _run()
+    assert run.restart_cost_s() == 60.0  # (a guess until one was measured)
+    a, b = _start(run)
+    run.scale(3, 10.0)
+    for w in (a, b):
+        run.exited(w, -15, None, 11.0)
+    new = _start(run, 12.0)
+    for i, w in enumerate(new):
+        run.joined(w, 20.0 + i, 30.0)
+    [record] = run.restarts
+    assert record["restart_s"] == pytest.approx(2.0) and record["joined_s"] == pytest.approx(12.0)
+    assert run.restart_cost_s() == pytest.approx(12.0)
+
+
+@pytest.mark.timeout(10)
+def test_the_policy_grows_a_restarting_job_only_when_the_growth_pays_for_its_restart() -> None:
+    from maitre.scheduling import PolicyConfig, Queue
+    from maitre.scheduling.model import Cluster, Job, Node
+    from maitre.scheduling.policy import schedule
+
+    def grown(restart_s: float) -> bool:
+        nodes = {f"n{i}": Node(f"n{i}", 1) for i in range(4)}
+        job = Job(id="j", queue="q", min_replicas=1, max_replicas=4, state=JobState.RUNNING, restart_s=restart_s)
+        job.placement = {"n0": 1}
+        cluster = Cluster(nodes=nodes, queues={"q": Queue("q")})
+        plan = schedule(cluster, [job], 1000.0, PolicyConfig(resize_cooldown_s=0, restart_horizon_s=600))
+        return any(a.kind == "grow" for a in plan.actions)
+
+    assert grown(0.0) and grown(30.0)  # in place, or a restart that a 4x speedup repays at once
+    assert not grown(500.0)  # 4x for the 100 s left of the horizon does not repay 500 s lost
+
+
+@pytest.mark.timeout(10)
 def test_a_resize_restarts_the_gang_at_the_new_size_without_a_failure() -> None:
     run = _run()
     a, b = _start(run)
@@ -264,7 +298,7 @@ def test_an_unmodified_ddp_script_survives_a_sigkill_and_a_join_restarted_at_eac
     assert final["state"] == "COMPLETED" and final["failures"] == 1, final
     causes = [r["cause"] for r in final["restarts"]]
     assert "killed by signal 9" in causes[0] and causes[1].startswith("resize to 3"), causes
-    assert all(r["restart_s"] is not None for r in final["restarts"])
+    assert all(r["restart_s"] is not None and r["joined_s"] >= r["restart_s"] for r in final["restarts"])
     resumed = [line for line in lines if "resuming at step" in line]
     assert any("rank 2 of 3: restart 2" in line for line in resumed), resumed
     assert relative_error(torch.load(out, weights_only=True), _reference(steps)) <= 1e-9

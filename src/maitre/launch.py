@@ -448,10 +448,12 @@ def summary(job: dict[str, Any], ledger_dir: Path | None, run_dir: Path, checkpo
                 f"{r['state_s'] * 1000:>8.0f} {r['to_next_step_s'] * 1000:>10.0f}"
             )
     if job.get("restarts"):
-        lines.append(f"  {'gang':>5}  {'world':>5}  {'cause':<60} {'restart ms':>10}")
+        # restart: from the decision to stop the last gang to every process of this one started;
+        # to group: to every process of it in its process group (its init_process_group)
+        lines.append(f"  {'gang':>5}  {'world':>5}  {'cause':<56} {'restart ms':>10} {'to group ms':>11}")
         for r in job["restarts"]:
-            took = "" if r.get("restart_s") is None else f"{r['restart_s'] * 1000:.0f}"
-            lines.append(f"  {r['epoch']:>5}  {r['size']:>5}  {str(r['cause'])[:60]:<60} {took:>10}")
+            took, joined = (("" if r.get(k) is None else f"{r[k] * 1000:.0f}") for k in ("restart_s", "joined_s"))
+            lines.append(f"  {r['epoch']:>5}  {r['size']:>5}  {str(r['cause'])[:56]:<56} {took:>10} {joined:>11}")
     if ledger_dir is not None and ledger_dir.exists() and any(ledger_dir.iterdir()):
         lines.append(f"  data: {audit(ledger_dir).describe()}")
     if checkpoint_dir is not None:

@@ -475,6 +475,9 @@ class WorkerBeat(_Request):
     gap_std_s: float = Field(0.0, ge=0, le=3600)
     """The rhythm of the worker's heartbeats to the agent: mean and deviation of their gaps
     (the coordinator's hang detector adapts to it)."""
+    joined_s: float | None = Field(None, ge=0)
+    """A restart-mode worker: seconds since its processes reached their gang's store (called
+    ``init_process_group``); None: not yet, or not such a worker."""
 
 
 class SpotNotice(_Request):

@@ -431,7 +431,7 @@ class Agent:
         now = time.monotonic()
         running = self.running()
         with self._lock:
-            workers = [_report(wid, self.beats.get(wid, {}), now) for wid in running]
+            workers = [self._gang_report(wid, _report(wid, self.beats.get(wid, {}), now), now) for wid in running]
         notice = self.notices.current if self.notices is not None else None
         beat = protocol.NodeBeat(
             slots=self.slots,
@@ -462,6 +462,13 @@ class Agent:
         except ValidationError as exc:
             raise RuntimeError(f"node {self.node_id}: the coordinator's orders cannot be read: {exc}") from None
         self._apply(orders, sent)
+
+    def _gang_report(self, wid: str, report: protocol.WorkerBeat, now: float) -> protocol.WorkerBeat:
+        """A restart-mode worker's report says when it reached its gang's store."""
+        w = self.workers.get(wid)
+        if w is None or w.gang is None or w.gang.joined_at is None:
+            return report
+        return report.model_copy(update={"joined_s": round(max(0.0, now - w.gang.joined_at), 4)})
 
     def _apply(self, orders: protocol.NodeOrders, sent: float) -> None:
         """Carry out the node's orders (from a beat or a watch, in whichever order they come:
@@ -548,7 +555,9 @@ class Agent:
         if order.restart is not None:  # an unmodified script: torchrun's environment, no maitre's
             env = torchrun.scrub(env)
             try:
-                gang = torchrun.GangLink(self._store_address(order.store), order.store_key, order.token)
+                gang = torchrun.GangLink(
+                    self._store_address(order.store), order.store_key, order.token, on_join=self._poke.set
+                )
             except OSError as exc:
                 self.output(wid, f"maitre: cannot open the way to the job's store: {exc}\n")
                 threading.Thread(target=self._report_exit, args=(wid, 1, f"agent: {exc}"), daemon=True).start()

@@ -33,20 +33,30 @@ from maitre.runtime.storelink import StoreLink, descendants
 class GangLink:
     """A worker's way to its gang's store (see the module docstring), and whether it came."""
 
-    def __init__(self, door: str, run_key: str, token: str) -> None:
+    def __init__(self, door: str, run_key: str, token: str, on_join: Callable[[], None] = lambda: None) -> None:
+        """``on_join``: called when the first connection comes (the agent's news)."""
         host, _, port = door.rpartition(":")
         self.pids: set[int] = set()
         """The worker's own processes (their children may connect too)."""
         self.joined = threading.Event()
         """Set once one of them connected: the script called ``init_process_group``."""
+        self.joined_at: float | None = None
+        """When (``time.monotonic``)."""
+        self._on_join = on_join
         self._link = StoreLink(
             (host.strip("[]"), int(port)),
             run_key,
             token,
             owners=lambda: descendants(self.pids),
-            on_connect=self.joined.set,
+            on_connect=self._connected,
         )
         self.port = self._link.port
+
+    def _connected(self) -> None:
+        if self.joined_at is None:
+            self.joined_at = time.monotonic()
+            self.joined.set()
+            self._on_join()
 
     def close(self) -> None:
         self._link.close()

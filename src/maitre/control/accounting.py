@@ -43,7 +43,10 @@ def measure(m: "ManagedJob", ms: Membership, now: float) -> None:
     beats every 2 s, so the step a pass sees may be that old: a job on three hosts measured
     itself slower at 3 replicas (15.6 steps/s) than at 2 (16.0) while its ledger said 21.2 and
     16.1, and the policy never grew it back onto the node that had hung and returned. A stretch
-    starts at the first step reached in its epoch (the steps before are older than the epoch)."""
+    starts at the first step reached in its epoch (the steps before are older than the epoch).
+
+    And what a resize costs it (:attr:`Job.restart_s`: 0 in place, a restart-mode job's restart)."""
+    m.job.restart_s = ms.restart_cost_s()
     if not ms.open or ms.over or not ms.members:
         m.window = None
         return

@@ -324,6 +324,8 @@ class Coordinator:
                     else 0.0
                 )
                 ms.progress(wb.id, seen, wb.step, wb.stalled, wb.trained_s, wb.gap_mean_s, wb.gap_std_s, vouched)
+                if wb.joined_s is not None:
+                    ms.joined(wb.id, now - wb.joined_s, now)
             self.nodes.listed(entry, running, now)
             return self.orders.of(node, beat.since, now)
 

@@ -493,6 +493,10 @@ class Membership:
                 self._stalled = max(0, self._stalled + (1 if stalled else -1))
             w.stalled = stalled
 
+    def joined(self, wid: str, at: float, now: float) -> None:
+        """A restart-mode worker's processes reached their store at ``at`` (this loop's workers
+        say more: :meth:`arrive`)."""
+
     def view(self, wid: str, now: float) -> p.WorkerView:
         """What the worker must know between two steps."""
         w = self._worker(wid)
@@ -792,6 +796,11 @@ class Membership:
                 self._state_lost_epoch == self.epoch,
             ).to_json()
         return None
+
+    def restart_cost_s(self) -> float:
+        """Seconds of no training that a resize costs this job (none: members join and leave
+        at a step boundary while the others train)."""
+        return 0.0
 
     def store_key(self, w: Worker) -> str:
         """The key of the c10d store ``w``'s processes meet on (the door's run key)."""

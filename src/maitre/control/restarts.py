@@ -39,6 +39,9 @@ from maitre.scheduling.model import Job
 
 RESTART = "restart"
 INPLACE = "inplace"
+UNMEASURED_RESTART_S = 60.0
+"""A restart's cost until one was measured: a torchrun script's imports, process group and
+checkpoint read take tens of seconds (the scheduler's guess, replaced by the job's own)."""
 
 _RUNNING = (WorkerState.STARTING, WorkerState.READY, WorkerState.ACTIVE)
 
@@ -69,6 +72,10 @@ class RestartRun(Membership):
         """The last lines of stderr of the worker whose failure counted last."""
         self.marked: set[str] = set()
         """Workers that printed the job's success marker."""
+        self.joined_at: dict[str, float] = {}
+        """When each member of the gang reached its store (its ``init_process_group``)."""
+        self.started_at: float | None = None
+        """When the gang's first worker was started."""
 
     # -- gangs form ------------------------------------------------------------------------------
     def wants_workers(self) -> int:
@@ -87,6 +94,7 @@ class RestartRun(Membership):
         if self.gang_size == 0:
             self.epoch += 1
             self.gang_size, self.members, self.open = self.target, [], False
+            self.joined_at, self.started_at = {}, now
         w = super().add_worker(node, slot, now, slots)
         w.epoch, w.rank = self.epoch, len(self.members)
         self.members.append(w.id)
@@ -122,6 +130,28 @@ class RestartRun(Membership):
         )
         self.closed_at, self.close_reason = None, ""
 
+    def joined(self, wid: str, at: float, now: float) -> None:
+        """Once every member reached its store, the gang trains: the restart (from the decision
+        to stop the last gang) or the start is timed to there."""
+        if wid not in self.members or wid in self.joined_at or not self.open:
+            return
+        self.joined_at[wid] = at
+        if len(self.joined_at) < self.gang_size:
+            return
+        last = max(self.joined_at.values())
+        record = self.restarts[-1] if self.restarts and self.restarts[-1]["epoch"] == self.epoch else None
+        since = None
+        if record is not None:  # (opened at ``t``, ``restart_s`` after the last gang's stop began)
+            since = last - (record["t"] - (record["restart_s"] or 0.0))
+            record["joined_s"] = round(since, 4)
+        self._log(
+            now,
+            "gang_joined",
+            epoch=self.epoch,
+            seconds=round(last - (self.started_at or last), 4),
+            since_stop_s=None if since is None else round(since, 4),
+        )
+
     def restart_order(self, w: Worker) -> dict[str, Any]:
         """What the agent needs to give ``w`` torchrun's environment."""
         return {
@@ -141,6 +171,13 @@ class RestartRun(Membership):
 
     def store_keys(self) -> set[str]:
         return {f"{self.spec.run_key}/g{self.epoch}"}
+
+    def restart_cost_s(self) -> float:
+        """The mean of this run's measured restarts (from the decision to stop one gang to
+        every process of the next in its process group: the script's checkpoint read comes
+        on top), else :data:`UNMEASURED_RESTART_S`."""
+        took = [r["joined_s"] for r in self.restarts[-10:] if r.get("joined_s") is not None]
+        return sum(took) / len(took) if took else UNMEASURED_RESTART_S
 
     def _gang(self) -> list[Worker]:
         return [self.workers[m] for m in self.members]
@@ -331,6 +368,8 @@ class RestartRun(Membership):
             "restarts": self.restarts,
             "last_stderr": self.last_stderr,
             "marked": sorted(self.marked),
+            "joined_at": self.joined_at,
+            "started_at": self.started_at,
         }
         return out
 
@@ -346,6 +385,8 @@ class RestartRun(Membership):
         run.restarts = list(saved.get("restarts", []))
         run.last_stderr = list(saved.get("last_stderr", []))
         run.marked = set(saved.get("marked", []))
+        run.joined_at = dict(saved.get("joined_at", {}))
+        run.started_at = saved.get("started_at")
         return run
 
 

@@ -90,6 +90,10 @@ class Job:
     """Measured samples per second by number of replicas (fits the speedup model)."""
     attained_slot_s: float = 0.0
     """Slot-seconds of service the job has had so far (orders peers' growth, least first)."""
+    restart_s: float = 0.0
+    """What one resize costs the job, in seconds during which none of its replicas trains: 0
+    for a job resized in place at a step boundary; a restart-mode job's measured restart (its
+    gang stopped, the next one started), which the policy weighs before it grows the job."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_replicas <= self.max_replicas:

@@ -75,6 +75,11 @@ class PolicyConfig:
     least-attained-service ordering (Tiresias), which shortens mean completion time when job
     lengths are unknown and heavy-tailed. 0 turns it off."""
     las_scale_s: float = 4 * 3600.0
+    restart_horizon_s: float = 1800.0
+    """A job that restarts to resize (``restart_s`` > 0) grows only if the growth pays for the
+    restart within this many seconds: ``(s(n+k) - s(n)) * (H - r) > s(n) * r`` (s: its speedup,
+    r: its restart). Such jobs are never moved by the rebalance (each move would cost two
+    restarts for a small gain)."""
 
 
 @dataclass(slots=True)
@@ -294,9 +299,16 @@ def schedule(cluster: Cluster, jobs: list[Job], now: float, cfg: PolicyConfig | 
 
     heap: list[tuple[int, float, float, str, int]] = []
 
+    def pays(j: Job, size: int, k: int) -> bool:
+        """A restart-mode job's growth by ``k`` earns back its restart within the horizon."""
+        r, horizon = j.restart_s, cfg.restart_horizon_s
+        if r <= 0 or not k:
+            return True
+        return r < horizon and (speedup(j, size + k) - speedup(j, size)) * (horizon - r) > speedup(j, size) * r
+
     def push(j: Job, size: int, most: int) -> None:
         g, k = step(j, size, most)
-        if k and g >= cfg.min_gain:
+        if k and g >= cfg.min_gain and pays(j, size, k):
             heapq.heappush(heap, (-j.priority, -g * _las_weight(j, cfg), j.submitted_at, j.id, k))
 
     for j in jobs:
@@ -456,7 +468,13 @@ def _rebalance(
     """Shrink the peers that lose least so that the peers that gain most can grow (step 4)."""
 
     def settled(j: Job) -> bool:
-        return j.state.placed and j.elastic and j.id not in touched and now - j.last_resize_at >= cfg.resize_cooldown_s
+        return (
+            j.state.placed
+            and j.elastic
+            and j.restart_s <= 0
+            and j.id not in touched
+            and now - j.last_resize_at >= cfg.resize_cooldown_s
+        )
 
     groups: dict[tuple[str, int], list[Job]] = {}
     for j in jobs:
