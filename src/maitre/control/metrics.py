@@ -168,6 +168,19 @@ class Metrics:
             buckets=_RECOVERY_BUCKETS,
             registry=r,
         )
+        self.restarts = Counter(
+            "maitre_gang_restarts",
+            "Restart-mode jobs' gangs stopped and started again whole (a resize, a notice or a failure), by job.",
+            ["job"],
+            registry=r,
+        )
+        self.restart = Histogram(
+            "maitre_gang_restart_duration_seconds",
+            "A restart-mode job's restart: from the decision to stop its gang to every process of the next "
+            "one in its process group.",
+            buckets=_RECOVERY_BUCKETS,
+            registry=r,
+        )
         self.passes = Histogram(
             "maitre_scheduling_pass_duration_seconds",
             "A scheduling pass: the cluster brought up to date, the policy, its plan carried out.",
@@ -200,6 +213,7 @@ class Metrics:
             "node_health": self._node_health,
             "evict": self._eviction,
             "spare_promoted": self._spare_promoted,
+            "gang_joined": self._gang_joined,
         }
         r.register(_StateCollector(coordinator, self))
 
@@ -227,6 +241,12 @@ class Metrics:
     def _spare_promoted(self, job: str, kind: str, event: dict[str, Any]) -> None:
         self.spare_promotions.labels(job).inc()
         self.spare_join.observe(max(0.0, float(event.get("seconds", 0.0))))
+
+    def _gang_joined(self, job: str, kind: str, event: dict[str, Any]) -> None:
+        since = event.get("since_stop_s")
+        if since is not None:  # (None: the run's first gang, no restart)
+            self.restarts.labels(job).inc()
+            self.restart.observe(max(0.0, float(since)))
 
     def _epoch(self, job: str, kind: str, event: dict[str, Any]) -> None:
         cause = cause_of(str(event.get("reason", "")))
