@@ -47,6 +47,7 @@ SMOKE = {  # script: seconds it may take (a few times what it takes on 2 shared 
     "eviction.py": 180,
     "recovery.py": 360,
     "replicas.py": 240,
+    "restart.py": 240,
     "scheduler.py": 60,
     "simulator.py": 120,
     "spares.py": 180,

@@ -170,6 +170,17 @@ def test_exiting_zero_without_a_process_group_or_the_success_marker_is_a_failure
 
 
 @pytest.mark.timeout(10)
+def test_a_worker_that_ends_under_its_nodes_notice_is_no_failure() -> None:
+    """Slurm's preemption signals the script as well as its agent: its SIGTERM death, on a node
+    with a notice, stops the gang without a failure (the drain then resizes the job)."""
+    run = _run()
+    a, b = _start(run)
+    run.exited(a, -15, None, 2.0, joined=True, noticed=True)
+    assert run.failures == 0 and run.workers[b].state == WorkerState.LEAVING
+    assert "notice" in (run.close_reason or "")
+
+
+@pytest.mark.timeout(10)
 def test_a_suspension_stops_the_gang_and_a_lost_node_restarts_it() -> None:
     run = _run()
     a, b = _start(run)
@@ -193,6 +204,39 @@ def test_a_run_is_saved_and_restored_as_a_restart_run() -> None:
     assert isinstance(again, RestartRun)
     assert (again.gang_size, again.epoch, again.members, again.marked) == (2, 1, run.members, {a})
     assert again.summary()["elastic"] == "restart"
+
+
+@pytest.mark.timeout(60)
+def test_a_spot_notice_restarts_the_gang_off_the_noticed_node_with_no_failure(tmp_path: Path) -> None:
+    """Under the coordinator and its (simulated) agents: a restart-mode job on three nodes, one
+    of them spot; its notice stops the gang (SIGTERM by terminate orders), and the next gang
+    runs on the two others, no failure counted, the restart on record."""
+    from maitre import protocol as p
+    from maitre.scheduling.model import Queue
+    from test_control_plane import Sim
+
+    sim = Sim(tmp_path, {"n0": 1, "n1": 1, "s0": 1}, [Queue("team-a")], cooldown_s=1.0)
+    sim.labels = {"s0": {"capacity_type": "spot"}}
+    sim.co.submit(
+        {
+            "name": "r",
+            "queue": "team-a",
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "elastic": "restart",
+            "command": "python x.py",
+        }
+    )
+    sim.advance(3)
+    job = sim.job("r")
+    assert job["state"] == "RUNNING" and len(job["members"]) == 3 and job["elastic"] == "restart"
+    sim.notices["s0"] = p.SpotNotice(notice_s=30.0, source="file:/notices/s0.json")
+    sim.advance(3)
+    job = sim.job("r")
+    assert job["state"] == "RUNNING" and job["epoch"] == 2 and len(job["members"]) == 2, job
+    assert job["failures"] == 0 and not sim.running["s0"]
+    [restart] = job["restarts"]
+    assert restart["size"] == 2 and restart["cause"].startswith("resize to 2"), restart
 
 
 # -- the manifest ----------------------------------------------------------------------------------

@@ -639,6 +639,9 @@ class ExitRequest(_Request):
     """A restart-mode worker: whether it reached its process group's store (None: not one)."""
     marked: bool | None = None
     """A restart-mode worker with a success marker: whether it printed it."""
+    noticed: bool | None = None
+    """A restart-mode worker whose node had a notice when it exited (Slurm's preemption signals
+    every process of the job): its end is the notice's, not a failure of the script."""
     stderr: list[str] = Field([], max_length=20)
     """Its last lines of stderr (a restart-mode worker's: the job's failure quotes them)."""
 

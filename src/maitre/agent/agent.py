@@ -288,6 +288,8 @@ class Agent:
         until a beat lists the worker (an answer can be lost), the agent carries out one."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._lost = False
+        """The node was lost (:meth:`lose`): nothing more is reported."""
         self._thread: threading.Thread | None = None
         self._threads: list[threading.Thread] = []
 
@@ -412,6 +414,23 @@ class Agent:
             except (CoordinatorUnreachable, RuntimeError, OSError):
                 pass
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    def lose(self) -> None:
+        """The node is lost at once, as when its machine dies: it beats no more, its workers are
+        SIGKILLed (their process groups) and their exits go unreported. A story's or a
+        benchmark's way to take a node out: the coordinator learns of it from the silence, and
+        the job from its workers' peers."""
+        self._lost = True
+        self._stop.set()
+        self._poke.set()
+        with self._lock:
+            workers = list(self.workers.values())
+        for w in workers:
+            for proc in w.procs:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def leave(self) -> None:
         """Make :meth:`serve` return (its caller then calls :meth:`stop`): the node is done,
@@ -655,12 +674,16 @@ class Agent:
             if worker.gang is not None and worker.restart is not None:  # what the script cannot say
                 worker.gang.close()
                 told = {"joined": worker.gang.joined.is_set(), "stderr": list(worker.stderr_tail)}
+                if self.notices is not None and self.notices.current is not None:
+                    told["noticed"] = True
                 if worker.restart.success_marker:
                     told["marked"] = worker.marked
             self._report_exit(worker.worker_id, code, error, told)
 
     def _report_exit(self, worker_id: str, code: int, error: str | None, told: dict[str, Any] | None = None) -> None:
         """Tell the coordinator, retrying while it is away (it may be restarting)."""
+        if self._lost:
+            return
         self._poke.set()  # the node beat stops listing it now
         for _ in range(1200):
             try:

@@ -391,7 +391,16 @@ class Coordinator:
     def worker_exit(self, wid: str, req: p.ExitRequest) -> dict[str, Any]:
         with self.lock:
             ms = self.workers.job_of(wid)
-            ms.exited(wid, req.code, req.error, self.clock(), joined=req.joined, marked=req.marked, stderr=req.stderr)
+            ms.exited(
+                wid,
+                req.code,
+                req.error,
+                self.clock(),
+                joined=req.joined,
+                marked=req.marked,
+                stderr=req.stderr,
+                noticed=bool(req.noticed),
+            )
             self.bump(ms.workers[wid].node)  # its slots are free: a replacement may start
             self.cluster.check_drained(ms.workers[wid].node, self.clock())
             self._changed(ms.spec.job_id)

@@ -532,10 +532,11 @@ class Membership:
         joined: bool | None = None,
         marked: bool | None = None,
         stderr: list[str] | None = None,
+        noticed: bool = False,
     ) -> None:
         """The agent saw the worker process exit (what else it saw of an unmodified script,
-        ``joined``, ``marked`` and ``stderr``, matters to :mod:`maitre.control.restarts` only:
-        this loop's workers say how they ended)."""
+        ``joined``, ``marked``, ``stderr`` and ``noticed``, matters to
+        :mod:`maitre.control.restarts` only: this loop's workers say how they ended)."""
         w = self._worker(wid)
         w.exit_code = code
         if w.ended_at is None:

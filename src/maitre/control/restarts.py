@@ -262,16 +262,21 @@ class RestartRun(Membership):
         joined: bool | None = None,
         marked: bool | None = None,
         stderr: list[str] | None = None,
+        noticed: bool = False,
     ) -> None:
         """The agent saw the worker's processes exit: ``joined`` whether they reached their
-        process group's store, ``marked`` whether they printed the job's success marker, and
-        ``stderr`` their last lines."""
+        process group's store, ``marked`` whether they printed the job's success marker,
+        ``stderr`` their last lines, and ``noticed`` whether its node had a notice then (Slurm
+        signals every process of a preempted job: the script's end is the notice's, and the
+        drain that follows resizes the job; no failure)."""
         w = self._worker(wid)
         w.exit_code = code
         if w.ended_at is None:
             w.ended_at = now
         if w.state in (WorkerState.DONE, WorkerState.LEFT, WorkerState.DEAD):
             return
+        if noticed and w.state in _RUNNING and not self.over:
+            self._stop_gang(f"{wid} ended under its node's notice (restart)", now)
         if w.state == WorkerState.LEAVING or self.over:  # stopped by us: no failure
             self._set_state(w, WorkerState.LEFT if w.state == WorkerState.LEAVING or code == 0 else WorkerState.DEAD)
             self._check_stopped(now)
