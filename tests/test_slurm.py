@@ -388,6 +388,65 @@ def test_a_job_grows_into_idle_nodes_is_preempted_by_slurm_in_place_and_grows_ba
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(420)
+def test_an_unmodified_ddp_script_is_restarted_whole_when_slurm_preempts_a_replica(cluster, tmp_path) -> None:
+    """``elastic: restart`` under ``maitre up --slurm``: plain DDP (examples/torchrun_ddp.py,
+    nothing of maitre's) on 2 replica jobs, one in the scavenger partition; a Slurm job that is
+    not maitre's takes 3 nodes, Slurm preempts the scavenger replica (its SIGTERM reaches the
+    script too): the gang is restarted at 1 with no failure counted, grows back to 2 when the
+    intruder is done, and the script ends with a fixed-size run's parameters."""
+    import torch
+
+    from conftest import relative_error
+    from test_restart_mode import DDP, _reference
+
+    steps, out, ckpt = 1500, tmp_path / "final.pt", tmp_path / "ckpt"
+    with (
+        slurm_cluster.maitre_up(
+            cluster, tmp_path, "--resize-cooldown", "0", "--slurm-partition", "normal", "--slurm-scavenger", "scavenger"
+        ) as (client, state, log),
+        contextlib.ExitStack() as cleanup,
+    ):
+        command = [sys.executable, str(DDP), "--steps", str(steps), "--checkpoint-dir", str(ckpt), "--out", str(out)]
+        client.post(
+            "/jobs",
+            {
+                "manifest": {
+                    "name": "plain",
+                    "queue": "q",
+                    "elastic": "restart",
+                    "minReplicas": 1,
+                    "maxReplicas": 2,
+                    "gracePeriodSeconds": 10,
+                    "successMarker": "training done",
+                    "command": command + ["--step-ms", "50"],
+                }
+            },
+        )
+
+        def job() -> dict:
+            return client.get("/jobs/plain")
+
+        def said() -> str:
+            return f"the job: {job()}\n" + slurm_cluster.told(log, state)
+
+        def gang(n: int, after: int = 0):
+            return lambda: (j := job())["state"] == "RUNNING" and len(j["members"]) == n and j["epoch"] > after and j
+
+        two = wait_for(gang(2), 150, "a gang of 2", said)
+        wait_for(lambda: (ckpt / "latest.pt").exists(), 90, "the script's first checkpoint", said)
+        intruder = cluster.run("sbatch", "--parsable", "-p", "normal", "-N", "3", "-J", "other", "--wrap", "sleep 20")
+        cleanup.callback(cluster.run, "scancel", intruder.strip(), check=False)
+        one = wait_for(gang(1, two["epoch"]), 90, "the gang restarted at 1", said)
+        assert one["failures"] == 0, one
+        back = wait_for(gang(2, one["epoch"]), 180, "the gang back at 2", said)
+        final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240, "the job to end", said)
+    assert final["state"] == "COMPLETED" and final["failures"] == 0, final
+    assert back["epoch"] >= 3 and len(final["restarts"]) >= 2, final["restarts"]
+    assert relative_error(torch.load(out, weights_only=True), _reference(steps)) <= 1e-9
+
+
+@pytest.mark.slurm
 @pytest.mark.timeout(300)
 def test_a_job_whose_last_replica_job_is_cancelled_resumes_from_its_checkpoint(cluster, tmp_path, reference) -> None:
     """Its only replica job ``scancel``led (by the site): SIGTERM is a notice of ``KillWait``;
