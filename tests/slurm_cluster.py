@@ -416,7 +416,7 @@ def maitre_up(cluster, tmp_path: Path, *flags: str):
     output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards
     it is stopped (SIGINT) and every process it or its replica jobs started is killed; one left
     is a failure."""
-    from conftest import ROOT, TAG_VAR, kill_tagged, wait_for
+    from conftest import ROOT, TAG_VAR, _tagged_pids, kill_tagged, wait_for
     from maitre.wire import Client
 
     tag = os.urandom(8).hex()
@@ -474,8 +474,16 @@ def maitre_up(cluster, tmp_path: Path, *flags: str):
         except subprocess.TimeoutExpired:
             up.kill()
         time.sleep(1.0)  # the last agents' exits after their replica jobs were cancelled
+        named = {pid: _command_line(pid) for pid in _tagged_pids(tag)}
         left = kill_tagged(tag)  # never leak one; the assertion below says if any was
-    assert not left, f"processes left behind: {left}"
+    assert not left, "processes left behind:\n" + "\n".join(f"{pid}: {named.get(pid, '?')}" for pid in left)
+
+
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:300]
+    except OSError:
+        return "?"
 
 
 @contextlib.contextmanager

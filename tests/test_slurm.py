@@ -441,6 +441,12 @@ def test_an_unmodified_ddp_script_is_restarted_whole_when_slurm_preempts_a_repli
         assert one["failures"] == 0, one
         back = wait_for(gang(2, one["epoch"]), 180, "the gang back at 2", said)
         final = wait_for(lambda: (j := job())["state"] in ("COMPLETED", "FAILED") and j, 240, "the job to end", said)
+        wait_for(
+            lambda: not [j for j in cluster.jobs() if j["name"].startswith("maitre-")],
+            60,
+            "the replica jobs to be cancelled",
+            said,
+        )
     assert final["state"] == "COMPLETED" and final["failures"] == 0, final
     assert back["epoch"] >= 3 and len(final["restarts"]) >= 2, final["restarts"]
     assert relative_error(torch.load(out, weights_only=True), _reference(steps)) <= 1e-9
