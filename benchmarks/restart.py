@@ -97,7 +97,11 @@ def torchrun_losses(reps: int, work: Path, settle: int, workers: int, last_call_
         tr = Torchrun(d, f"{workers - 1}:{workers}", 100_000, last_call_s=last_call_s)
         ledger = d / "ledger"
         try:
-            for _ in range(workers):
+            # The first agent hosts the rendezvous store (the first to bind its port): it starts
+            # alone, and the node lost is another one (torchrun cannot survive its store's host).
+            tr.add_agent()
+            time.sleep(3.0)
+            for _ in range(workers - 1):
                 tr.add_agent()
             wait_whole(ledger, workers)
             wait_steps(ledger, settle)

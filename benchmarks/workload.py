@@ -8,7 +8,7 @@
 
 Each process writes ``<run-dir>/pid-<worker>`` at start, and appends one line per completed step to
 ``<run-dir>/steps-<worker>.jsonl``: ``{"step", "t" (wall), "dt" (seconds since the last step),
-"epoch", "world", "pid"}``. The driver (``recovery.py``) reads only these files.
+"epoch", "world", "pid"}``. The drivers (``recovery.py``, ``restart.py``) read only these files.
 """
 
 from __future__ import annotations

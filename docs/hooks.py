@@ -114,6 +114,7 @@ def summary() -> str:
     each from the committed results (README.md carries this table, docs/benchmarks.md too)."""
     tp, gpu, data = load_result("throughput"), load_result("gpu"), load_result("data")
     rec, ckpt, sim = load_result("recovery"), load_result("checkpoint"), load_result("simulator")
+    restart = load_result("restart")
     link = tp["link"]["4"]
     gpu4 = gpu["overhead"]["micro_batches_4"]
     jpeg = data["jpeg"]["throughput"]
@@ -158,6 +159,12 @@ def summary() -> str:
             f"{m['join_pause_s']:.3f} s",
             f"torchrun: {t['join_pause_s']:.2f} s",
             m["join_pause_s"] / t["join_pause_s"],
+        ),
+        (
+            f"a node of {restart['workers']} lost, an unmodified DDP script: to the next step (restart mode)",
+            f"{restart['restart']['to_step_s']:.1f} s",
+            f"torchrun elastic: {restart['torchrun']['to_step_s']:.1f} s",
+            restart["restart"]["to_step_s"] / restart["torchrun"]["to_step_s"],
         ),
         (
             f"a checkpoint of {big['state_mb']:,.0f} MB: training blocked",

@@ -36,7 +36,7 @@ BENCHMARKS = ROOT / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 HELPERS = {
     "_results.py": "--smoke, --out and the results' stamp, shared by the scripts",
-    "workload.py": "recovery.py's training process (its smoke runs it every way)",
+    "workload.py": "recovery.py's and restart.py's training process (their smokes run it every way)",
 }
 AT_ONCE = 3
 SMOKE = {  # script: seconds it may take (a few times what it takes on 2 shared cores, side by side)
