@@ -239,6 +239,31 @@ def test_a_spot_notice_restarts_the_gang_off_the_noticed_node_with_no_failure(tm
     assert restart["size"] == 2 and restart["cause"].startswith("resize to 2"), restart
 
 
+@pytest.mark.timeout(10)
+def test_each_process_gets_torchruns_variables_for_its_replica() -> None:
+    """A replica is torchrun's node: LOCAL_RANK counts its processes, and the GPUs it sees are
+    its own slots (through the node's CUDA_VISIBLE_DEVICES), whatever else runs on the node."""
+    from maitre import protocol as p
+    from maitre.agent.torchrun import environ, scrub
+
+    order = p.StartOrder(
+        worker_id="j-w5", job_id="j", command=["x"], env={}, local_rank=2, slots=2, store="h:1", token="t", nproc=2
+    )
+    restart = p.RestartOrder(group_rank=1, group_world_size=3, restart_count=2, max_restarts=3, grace_s=30.0)
+    first, second = (environ(order, restart, i, 4242) for i in range(2))
+    assert (first["RANK"], second["RANK"], first["WORLD_SIZE"]) == ("2", "3", "6")
+    assert (first["LOCAL_RANK"], second["LOCAL_RANK"], first["LOCAL_WORLD_SIZE"]) == ("0", "1", "2")
+    assert (first["GROUP_RANK"], first["GROUP_WORLD_SIZE"], first["TORCHELASTIC_RESTART_COUNT"]) == ("1", "3", "2")
+    assert (first["MASTER_ADDR"], first["MASTER_PORT"], first["CUDA_VISIBLE_DEVICES"]) == ("127.0.0.1", "4242", "2,3")
+    assert environ(order, restart, 0, 4242, visible="4,5,6,7")["CUDA_VISIBLE_DEVICES"] == "6,7"
+    assert scrub(
+        {"MAITRE_TOKEN": "secret", "MAITRE_COORDINATOR": "h:1", "MAITRE_LEDGER_DIR": "/l", "PATH": "/bin"}
+    ) == {
+        "MAITRE_LEDGER_DIR": "/l",
+        "PATH": "/bin",
+    }
+
+
 # -- the manifest ----------------------------------------------------------------------------------
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize(

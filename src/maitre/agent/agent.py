@@ -594,7 +594,7 @@ class Agent:
             if nproc > 1 and gang is None:
                 mine[protocol.PROC] = str(i)
             if gang is not None and order.restart is not None:
-                mine.update(torchrun.environ(order, order.restart, i, gang.port))
+                mine.update(torchrun.environ(order, order.restart, i, gang.port, env.get("CUDA_VISIBLE_DEVICES")))
                 mine.pop(protocol.SLOTS, None)
             try:
                 if gang is None and warmstart.enabled(mine) and warmstart.warm_target(order.command):

@@ -5,18 +5,20 @@
 ``ROLE_WORLD_SIZE``, ``ROLE_NAME``, ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_USE_AGENT_STORE``; so
 does maitre's agent, for a replica of ``nproc`` processes at ``group_rank`` in a gang of
-``group_world_size`` replicas (:class:`maitre.protocol.RestartOrder`). ``LOCAL_RANK`` is the
-process's slot on its node (its GPU) and ``LOCAL_WORLD_SIZE`` the node's slots, as for maitre's
-own workers: torchrun's, when a node runs one replica; several replicas on one node then never
-pick the same GPU.
+``group_world_size`` replicas (:class:`maitre.protocol.RestartOrder`): a replica is what torchrun
+calls a node. So ``LOCAL_RANK`` counts the replica's processes from 0 and ``LOCAL_WORLD_SIZE`` is
+``nproc``, as a script (or Lightning's ``devices * num_nodes == WORLD_SIZE`` check) expects; and
+since a maitre node may run several replicas, ``CUDA_VISIBLE_DEVICES`` is narrowed to the
+replica's slots (through the node's own ``CUDA_VISIBLE_DEVICES``, if it sets one), so that
+``cuda:LOCAL_RANK`` is the process's own GPU.
 
-The store: torchrun's agent keeps one ``TCPStore`` that the workers join as clients
+The store: torchrun's agent keeps a ``TCPStore`` that the workers join as clients
 (``TORCHELASTIC_USE_AGENT_STORE=True``: torch's ``env://`` and ``tcp://`` rendezvous then connect
-to ``MASTER_ADDR:MASTER_PORT`` and prefix every key with ``/worker/attempt_<restart count>``, so a
-gang never meets its predecessor's keys). maitre's is the run's store on the coordinator, behind
-its door (:mod:`maitre.control.storedoor`); the script's ``MASTER_ADDR:MASTER_PORT`` is a
-loopback port of its agent that leads there (:class:`GangLink`), for that worker's processes
-only. Gradients never pass through it: gloo and NCCL connect the ranks directly.
+to ``MASTER_ADDR:MASTER_PORT`` as clients; torch 2.13 prefixes no key by the attempt, so each
+restart needs a new store). maitre's is a store per gang on the coordinator, behind its door
+(:mod:`maitre.control.storedoor`); the script's ``MASTER_ADDR:MASTER_PORT`` is a loopback port of
+its agent that leads there (:class:`GangLink`), for that worker's processes only. Gradients never
+pass through it: gloo and NCCL connect the ranks directly.
 """
 
 from __future__ import annotations
@@ -62,15 +64,22 @@ class GangLink:
         self._link.close()
 
 
-def environ(order: protocol.StartOrder, restart: protocol.RestartOrder, index: int, port: int) -> dict[str, str]:
-    """The torchrun variables of process ``index`` of the replica ``order`` starts (but
-    ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``: the agent's, see the module docstring)."""
+def environ(
+    order: protocol.StartOrder, restart: protocol.RestartOrder, index: int, port: int, visible: str | None = None
+) -> dict[str, str]:
+    """The torchrun variables of process ``index`` of the replica ``order`` starts; ``visible``:
+    the node's ``CUDA_VISIBLE_DEVICES``, if it sets one (see the module docstring)."""
     nproc = order.nproc
     world = restart.group_world_size * nproc
     rank = restart.group_rank * nproc + index
+    devices = visible.split(",") if visible else [str(k) for k in range(order.local_rank + order.slots)]
+    mine = devices[order.local_rank : order.local_rank + order.slots]
     return {
         "RANK": str(rank),
+        "LOCAL_RANK": str(index),
         "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "CUDA_VISIBLE_DEVICES": ",".join(mine),
         "GROUP_RANK": str(restart.group_rank),
         "GROUP_WORLD_SIZE": str(restart.group_world_size),
         "ROLE_NAME": "default",
