@@ -372,6 +372,14 @@ def describe(event: dict[str, Any]) -> str:
             f"replayed in {event['listened_s'] * 1000:.0f} ms while the job trained; "
             f"{event['world_size']} workers train"
         )
+    if kind == "gang_stopped":
+        return f"gang {event['epoch']} stopped in {event['seconds'] * 1000:.0f} ms ({event['reason']})"
+    if kind == "gang_joined":
+        since = event.get("since_stop_s")
+        after = "" if since is None else f"; {since:.1f} s after the last gang began to stop"
+        return f"gang {event['epoch']} in its process group {event['seconds']:.1f} s after its start{after}"
+    if kind == "worker_done":
+        return f"{event['worker']} exited 0"
     if kind == "checkpoint":
         every = (
             f"every {event['interval_steps']} steps"

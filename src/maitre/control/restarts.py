@@ -220,7 +220,7 @@ class RestartRun(Membership):
         self._log(now, "scale", target=target, leaving=list(leave or []))
         moved = any(wid in self.members for wid in leave or [])
         if self.gang_size and (target != self.gang_size or moved) and not self.over:
-            self._stop_gang(f"resize to {target} (restart)", now)
+            self._stop_gang(f"resize to {target}", now)
             return [w.id for w in self._gang() if w.state == WorkerState.LEAVING]
         return []
 
@@ -228,7 +228,7 @@ class RestartRun(Membership):
         w = self.workers.get(wid)
         if self.over or w is None or wid not in self.members or w.state not in _RUNNING:
             return False
-        self._stop_gang(f"{wid} leaves its node (restart)", now)
+        self._stop_gang(f"{wid} leaves its node", now)
         return True
 
     def suspend(self, reason: str, now: float) -> None:
@@ -276,7 +276,7 @@ class RestartRun(Membership):
         if w.state in (WorkerState.DONE, WorkerState.LEFT, WorkerState.DEAD):
             return
         if noticed and w.state in _RUNNING and not self.over:
-            self._stop_gang(f"{wid} ended under its node's notice (restart)", now)
+            self._stop_gang(f"{wid} ended under its node's notice", now)
         if w.state == WorkerState.LEAVING or self.over:  # stopped by us: no failure
             self._set_state(w, WorkerState.LEFT if w.state == WorkerState.LEAVING or code == 0 else WorkerState.DEAD)
             self._check_stopped(now)
@@ -321,7 +321,7 @@ class RestartRun(Membership):
                     now,
                 )
                 return
-            self._stop_gang(f"{reason} (restart)", now)
+            self._stop_gang(reason, now)
         else:
             self._log(now, "worker_dead", worker=w.id, reason=reason)
             self._check_stopped(now)
