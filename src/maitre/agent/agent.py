@@ -108,6 +108,14 @@ class _Worker:
             if p.poll() is None:
                 _signal(p, sig)
 
+    def signal_groups(self, sig: int) -> None:
+        """``sig`` to each process's group: its children too (each leads a session of its own)."""
+        for p in self.procs:
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def terminate(self) -> None:
         """Its gang stops: SIGTERM, and SIGKILL to its process groups (its children too) after
         the grace period (on a thread: the caller goes on)."""
@@ -115,19 +123,12 @@ class _Worker:
             return
         self.terminating = True
 
-        def kill_groups(sig: int) -> None:
-            for p in self.procs:
-                if sig == signal.SIGKILL:
-                    try:
-                        os.killpg(p.pid, sig)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                elif p.poll() is None:
-                    _signal(p, sig)
+        def escalate(sig: int) -> None:  # (SIGTERM to the script, SIGKILL to all it started)
+            (self.signal_groups if sig == signal.SIGKILL else self.signal)(sig)
 
         threading.Thread(
             target=torchrun.terminate,
-            args=(kill_groups, self.alive, self.restart.grace_s),
+            args=(escalate, self.alive, self.restart.grace_s),
             name="maitre-terminate",
             daemon=True,
         ).start()
@@ -426,11 +427,7 @@ class Agent:
         with self._lock:
             workers = list(self.workers.values())
         for w in workers:
-            for proc in w.procs:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            w.signal_groups(signal.SIGKILL)
 
     def leave(self) -> None:
         """Make :meth:`serve` return (its caller then calls :meth:`stop`): the node is done,

@@ -160,7 +160,7 @@ class Orders:
         used.update(range(slot, slot + per))
         if (job.spec.nproc_per_replica > 1 or isinstance(job, RestartRun)) and co.stores is not None:
             # Its processes build their replica's own group on the run's store first (an
-            # unmodified script's whole group, under torchrun's agent-store prefix).
+            # unmodified script's whole group, on its gang's own store).
             co.stores.open(job.store_key(worker), job.spec.token)
         co.workers.add(job, worker)
         co.touch(job.spec.job_id)

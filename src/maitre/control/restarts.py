@@ -199,16 +199,14 @@ class RestartRun(Membership):
         self._check_stopped(now)
 
     def _check_stopped(self, now: float) -> None:
-        """The gang being stopped is gone once none of its processes runs."""
-        if self.stopping is None or any(w.state in LIVE for w in self._gang()):
-            return
-        stopped_s = round(now - (self.stop_at or now), 4)
-        self._log(now, "gang_stopped", epoch=self.epoch, reason=self.stopping, seconds=stopped_s)
-        self.stopping, self.stop_at = None, None
-        self.gang_size, self.members = 0, []
-        if self.suspending and not self.over:
-            self._finish(JobState.SUSPENDED)
-            self._log(now, "suspended", step=0, reason=self.suspending)
+        """The gang being stopped is gone once none of its processes runs; a suspending job is
+        then SUSPENDED."""
+        if self.stopping is not None and not any(w.state in LIVE for w in self._gang()):
+            stopped_s = round(now - (self.stop_at or now), 4)
+            self._log(now, "gang_stopped", epoch=self.epoch, reason=self.stopping, seconds=stopped_s)
+            self.stopping, self.stop_at = None, None
+            self.gang_size, self.members = 0, []
+        self._check_suspended(now)
 
     def scale(self, target: int, now: float, leave: list[str] | None = None) -> list[str]:
         if not self.spec.min_workers <= target <= self.spec.max_workers:
@@ -240,16 +238,15 @@ class RestartRun(Membership):
             self._log(now, "suspending", reason=reason)
         if self.gang_size and self.stopping is None:
             self._stop_gang(f"suspended: {reason}", now)
-        self._check_suspended(now)
+        self._check_stopped(now)
 
     def _check_suspended(self, now: float) -> None:
-        if self.suspending is None or self.over:
+        """A suspending job is SUSPENDED once no gang is being stopped and no process runs."""
+        if self.suspending is None or self.over or self.stopping is not None:
             return
-        if self.stopping is None and not any(w.state in LIVE for w in self.workers.values()):
+        if not any(w.state in LIVE for w in self.workers.values()):
             self._finish(JobState.SUSPENDED)
             self._log(now, "suspended", step=0, reason=self.suspending)
-        else:
-            self._check_stopped(now)
 
     # -- exits -----------------------------------------------------------------------------------
     def exited(
@@ -280,7 +277,6 @@ class RestartRun(Membership):
         if w.state == WorkerState.LEAVING or self.over:  # stopped by us: no failure
             self._set_state(w, WorkerState.LEFT if w.state == WorkerState.LEAVING or code == 0 else WorkerState.DEAD)
             self._check_stopped(now)
-            self._check_suspended(now)
             return
         if code == 0 and joined is False:
             w.error = "exited 0 without joining its process group: it never called init_process_group"
@@ -325,7 +321,6 @@ class RestartRun(Membership):
         else:
             self._log(now, "worker_dead", worker=w.id, reason=reason)
             self._check_stopped(now)
-            self._check_suspended(now)
 
     def _check_completed(self, now: float) -> bool:
         """Every member of the gang exited 0: the job is done, unless it names a success
