@@ -78,6 +78,34 @@ def step_interval(cs: list[dict[str, Any]]) -> float:
     return statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
+def ledger_step(ledger: Path) -> int:
+    """The newest step committed in ``ledger`` (0 before the first)."""
+    cs = commits(ledger) if ledger.exists() else []
+    return max((c["step"] for c in cs), default=0)
+
+
+def wait_ledger_steps(ledger: Path, n: int, timeout_s: float, what: str) -> None:
+    """Until ``n`` more steps are committed in ``ledger`` (else TimeoutError(``what``))."""
+    start = ledger_step(ledger)
+    deadline = time.monotonic() + timeout_s
+    while ledger_step(ledger) < start + n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def wait_ledger_restart(ledger: Path, t: float, world: int, timeout_s: float, what: str) -> None:
+    """Until every one of ``world`` processes started after ``t`` committed a step in
+    ``ledger`` (else TimeoutError(``what``))."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cs = commits(ledger) if ledger.exists() else []
+        if len({c["started"] for c in cs if c["started"] > t}) >= world:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(what)
+
+
 def after_failure(cs: list[dict[str, Any]], t_fault: float, new_round: Callable[[dict], bool]) -> tuple[float, int]:
     """(seconds to the next completed step, committed steps rolled back) after a fault."""
     before = max(c["step"] for c in cs if c["t"] <= t_fault)
@@ -254,26 +282,13 @@ class Torchrun:
         return int((self.work / f"pid-rank{rank}").read_text())
 
     def progress(self) -> int:
-        cs = commits(self.work / "ledger") if (self.work / "ledger").exists() else []
-        return max((c["step"] for c in cs), default=0)
+        return ledger_step(self.work / "ledger")
 
     def wait_steps(self, n: int, timeout_s: float = 180.0) -> None:
-        start = self.progress()
-        deadline = time.monotonic() + timeout_s
-        while self.progress() < start + n:
-            if time.monotonic() > deadline:
-                raise TimeoutError("torchrun made no progress")
-            time.sleep(0.1)
+        wait_ledger_steps(self.work / "ledger", n, timeout_s, "torchrun made no progress")
 
     def wait_restart(self, t: float, world: int, timeout_s: float = 180.0) -> None:
-        """Until every one of ``world`` processes started after ``t`` committed a step."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            cs = commits(self.work / "ledger") if (self.work / "ledger").exists() else []
-            if len({c["started"] for c in cs if c["started"] > t}) >= world:
-                return
-            time.sleep(0.1)
-        raise TimeoutError("torchrun did not restart")
+        wait_ledger_restart(self.work / "ledger", t, world, timeout_s, "torchrun did not restart")
 
     def close(self) -> None:
         for a in self.agents:

@@ -37,33 +37,27 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
 from _results import parse, write_results  # noqa: E402
-from recovery import WORKLOAD, Torchrun, after_failure, commits, stager  # noqa: E402
+from recovery import (  # noqa: E402
+    WORKLOAD,
+    Torchrun,
+    after_failure,
+    commits,
+    stager,
+    wait_for,
+    wait_ledger_restart,
+    wait_ledger_steps,
+)
 
 from maitre.launch import Run, RunConfig, _children  # noqa: E402
 
 CKPT_EVERY = 10
 """Steps between the script's own checkpoints (torchrun and restart mode)."""
-
-
-def progress(ledger: Path) -> int:
-    cs = commits(ledger) if ledger.exists() else []
-    return max((c["step"] for c in cs), default=0)
-
-
-def wait_steps(ledger: Path, n: int, timeout_s: float = 180.0) -> None:
-    """Until the job committed ``n`` more steps."""
-    start = progress(ledger)
-    deadline = time.monotonic() + timeout_s
-    while progress(ledger) < start + n:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no progress past step {progress(ledger)} in {timeout_s:.0f} s")
-        time.sleep(0.1)
 
 
 def wait_whole(ledger: Path, world: int, timeout_s: float = 180.0) -> None:
@@ -76,15 +70,6 @@ def wait_whole(ledger: Path, world: int, timeout_s: float = 180.0) -> None:
             return
         if time.monotonic() > deadline:
             raise TimeoutError(f"the job never trained with {world} processes")
-        time.sleep(0.1)
-
-
-def wait_started(ledger: Path, t: float, world: int, timeout_s: float = 180.0) -> None:
-    """Until ``world`` processes started after ``t`` committed a step."""
-    deadline = time.monotonic() + timeout_s
-    while len({c["started"] for c in (commits(ledger) if ledger.exists() else []) if c["started"] > t}) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError("the job did not come back")
         time.sleep(0.1)
 
 
@@ -104,7 +89,7 @@ def torchrun_losses(reps: int, work: Path, settle: int, workers: int, last_call_
             for _ in range(workers - 1):
                 tr.add_agent()
             wait_whole(ledger, workers)
-            wait_steps(ledger, settle)
+            wait_ledger_steps(ledger, settle, 180.0, "no progress")
             lost = tr.agents[-1]
             kids = _children(lost.pid)
             t = time.time()
@@ -113,8 +98,8 @@ def torchrun_losses(reps: int, work: Path, settle: int, workers: int, last_call_
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            wait_started(ledger, t, workers - 1)
-            wait_steps(ledger, 2)
+            wait_ledger_restart(ledger, t, workers - 1, 180.0, "the job did not come back")
+            wait_ledger_steps(ledger, 2, 180.0, "no progress after the loss")
         finally:
             tr.close()
         out.append(after_failure(commits(ledger), t, lambda c, t=t: c["started"] > t))
@@ -147,16 +132,16 @@ def maitre_losses(reps: int, work: Path, settle: int, workers: int, elastic: str
         ledger = d / "ledger"
         run.start()
         try:
-            wait_job(run, lambda j: len(j["members"]) == workers)
-            wait_steps(ledger, settle)
+            wait_for(run, lambda j: len(j["members"]) == workers)
+            wait_ledger_steps(ledger, settle, 180.0, "no progress")
             epoch = run.job()["epoch"]
             t = time.time()
             run.agents[-1].lose()
             if elastic == "restart":
-                wait_started(ledger, t, workers - 1)
+                wait_ledger_restart(ledger, t, workers - 1, 180.0, "the job did not come back")
             else:
-                wait_job(run, lambda j, e=epoch: j["epoch"] > e)
-            wait_steps(ledger, 2)
+                wait_for(run, lambda j, e=epoch: j["epoch"] > e)
+            wait_ledger_steps(ledger, 2, 180.0, "no progress after the loss")
         finally:
             run.shutdown()
         cs = commits(ledger)
@@ -165,18 +150,6 @@ def maitre_losses(reps: int, work: Path, settle: int, workers: int, elastic: str
         else:
             out.append(after_failure(cs, t, lambda c, e=epoch: c["epoch"] > e))
     return out
-
-
-def wait_job(run: Run, pred: Callable[[dict[str, Any]], bool], timeout_s: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        job = run.job()
-        if job["state"] == "RUNNING" and pred(job):
-            return job
-        if job["state"] in ("FAILED", "COMPLETED"):
-            raise RuntimeError(f"the job ended: {job['state']} {job.get('failure')}")
-        time.sleep(0.05)
-    raise TimeoutError("the job did not get there")
 
 
 # -- the report ---------------------------------------------------------------------------------
