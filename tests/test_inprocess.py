@@ -50,7 +50,10 @@ each trained again at half the scale."""
 
 
 def train_with(out: dict[str, Any], fault: Fault | None = None, step_s: float = 0.01, **recipe: Any):
-    """A job's function: trains the model, writes the final state where the job completed."""
+    """A job's function: trains the model, writes the final state where the job completed.
+    ``style="prepare"``: the same training as a plain loop on :func:`maitre.prepare`."""
+    if recipe.get("style") == "prepare":
+        return _prepared(out, fault, step_s, **recipe)
 
     def train(env: WorkerEnv, link: CoordinatorLink | None) -> None:
         model = _model()
@@ -78,6 +81,41 @@ def train_with(out: dict[str, Any], fault: Fault | None = None, step_s: float = 
             threading.Event().wait(step_s)  # a step long enough for an event to land mid-run
         out.setdefault("ended", {})[env.worker_id] = loop.ended
         if loop.completed and loop.rank == 0:
+            out["final"] = {k: v.clone() for k, v in model.state_dict().items()}
+
+    return train
+
+
+def _prepared(out: dict[str, Any], fault: Fault | None, step_s: float, **recipe: Any):
+    """The job's function as users who keep their own loop write it: a DataLoader, a mean loss,
+    ``loss.backward(); optimizer.step(); optimizer.zero_grad()``."""
+
+    def train(env: WorkerEnv, link: CoordinatorLink | None) -> None:
+        model = _model()
+        model.load_state_dict(INIT)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=8)
+        model, opt, loader = maitre.prepare(
+            model,
+            opt,
+            data,
+            global_batch_size=GLOBAL_BATCH,
+            max_steps=STEPS,
+            seed=3,
+            env=env,
+            link=link,
+            clip_grad_norm=recipe.get("clip_grad_norm"),
+        )
+        for x, y in loader:
+            if fault is not None and loader.batch is not None:
+                fault(env, loader.loop, loader.batch)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            threading.Event().wait(step_s / 3)  # (three micro-batches a step)
+        out.setdefault("ended", {})[env.worker_id] = loader.ended
+        if loader.completed and loader.loop.rank == 0:
             out["final"] = {k: v.clone() for k, v in model.state_dict().items()}
 
     return train
@@ -132,14 +170,20 @@ def run_job(
     return job
 
 
-def test_a_crashed_rank_is_replaced_and_the_run_equals_a_fixed_size_one(tmp_path: Path, reference) -> None:
+STYLES = pytest.mark.parametrize("style", ["loop", "prepare"])
+"""The loop's own body, and the same training as a plain loop on :func:`maitre.prepare`: one
+engine underneath, so both end where the fixed-size ``loop`` run does."""
+
+
+@STYLES
+def test_a_crashed_rank_is_replaced_and_the_run_equals_a_fixed_size_one(tmp_path: Path, reference, style) -> None:
     out: dict[str, Any] = {}
 
     def crash(env: WorkerEnv) -> None:
         raise RuntimeError("injected crash")
 
     with InProcessCluster(tmp_path, nodes=3) as cluster:
-        job = run_job(tmp_path, cluster, out, once_at(20, 1, crash))
+        job = run_job(tmp_path, cluster, out, once_at(20, 1, crash), style=style)
         assert "RuntimeError: injected crash" in cluster.errors.values(), cluster.errors
     assert job["epoch"] >= 2  # the crash closed the first epoch
     assert relative_error(out["final"], reference) <= 1e-9
@@ -154,7 +198,8 @@ def test_a_hung_rank_is_found_by_its_silence_and_removed(tmp_path: Path, referen
     assert relative_error(out["final"], reference) <= 1e-9
 
 
-def test_a_joiner_gets_the_live_state_and_a_leaver_goes_without_a_word(tmp_path: Path, reference) -> None:
+@STYLES
+def test_a_joiner_gets_the_live_state_and_a_leaver_goes_without_a_word(tmp_path: Path, reference, style) -> None:
     out: dict[str, Any] = {}
     with InProcessCluster(tmp_path, nodes=2) as cluster:
 
@@ -165,7 +210,7 @@ def test_a_joiner_gets_the_live_state_and_a_leaver_goes_without_a_word(tmp_path:
             assert cluster.job("j")["step"] < STEPS, "the job finished before the joiner came"
             cluster.co.scale("j", 1)
 
-        job = run_job(tmp_path, cluster, out, lo=1, hi=3, during=grow_then_shrink)
+        job = run_job(tmp_path, cluster, out, lo=1, hi=3, during=grow_then_shrink, style=style)
     ended = out["ended"]
     assert sorted(ended.values()) == ["completed", "left", "left"], ended
     assert len(job["members"]) == 1

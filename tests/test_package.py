@@ -43,6 +43,7 @@ PUBLIC = [
     "SqrtScaling",
     "TrainState",
     "WorkerStopped",
+    "prepare",
     "replica_mesh",
 ]
 

@@ -1,8 +1,10 @@
 """maitre: elastic training for PyTorch on shared clusters.
 
 The public surface of a training script is small: an :class:`ElasticSampler` for the data, an
-:class:`ElasticLoop` that owns the step boundary, and optionally a scaling rule. Everything else
-(coordinator, agents, CLI) runs around the script.
+:class:`ElasticLoop` that owns the step boundary, and optionally a scaling rule; or, for a script
+that keeps its own ``loss.backward(); optimizer.step()`` loop, :func:`prepare`, which hands back
+its model, optimizer and data ready for the same loop underneath. Everything else (coordinator,
+agents, CLI) runs around the script.
 
 The names are imported on first use (PEP 562), so that ``import maitre`` and the parts that never
 touch a tensor (the CLI's client commands, the scheduling policy, the simulator) do not pay for
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
     from maitre.errors import WorkerStopped
     from maitre.runtime.hooks import LossScaler
     from maitre.runtime.loop import Batch, ElasticLoop
+    from maitre.runtime.prepare import prepare
     from maitre.runtime.reduction import Buckets
     from maitre.runtime.replica import replica_mesh
     from maitre.runtime.sampler import ElasticSampler
@@ -37,6 +40,7 @@ _HOMES = {
     "LossScaler": "maitre.runtime.hooks",
     "SqrtScaling": "maitre.runtime.scaling",
     "TrainState": "maitre.runtime.state",
+    "prepare": "maitre.runtime.prepare",
     "WorkerStopped": "maitre.errors",
     "replica_mesh": "maitre.runtime.replica",
 }
@@ -55,6 +59,7 @@ __all__ = [
     "SqrtScaling",
     "TrainState",
     "WorkerStopped",
+    "prepare",
     "replica_mesh",
 ]
 try:  # the version is written once, in pyproject.toml; an installed package's metadata has it
