@@ -17,6 +17,9 @@ start to the next's, on rank 0. The modes, each a fresh group of processes under
 - ``maitre``: ``ElasticLoop`` with its default buckets (DDP's sizes, launched from hooks);
 - ``maitre-flat``: the same loop with one flat buffer per dtype reduced after backward, as it was
   before the bucketed reduction (``Buckets(cap_mb=inf, overlap=False)``): what overlap bought;
+- ``maitre-prepare``: the plain loop of a DDP script (a mean loss, ``loss.backward();
+  optimizer.step(); optimizer.zero_grad()``) on :func:`maitre.prepare`: the same engine, with
+  each gradient scaled by the batch's sample count as it reaches its parameter;
 - ``maitre-fsdp2``: ``ElasticLoop`` on FSDP2 replicas (``replica_mesh``: one replica of all
   ranks, sharded per layer), against ``fsdp2``;
 - ``maitre-run`` (loopback only): ``maitre run --nnodes N``, the loop under its own coordinator
@@ -47,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _results import ROOT, parse, write_results  # noqa: E402
 
-MODES = ("local", "ddp", "fsdp2", "maitre", "maitre-flat", "maitre-fsdp2", "maitre-run")
+MODES = ("local", "ddp", "fsdp2", "maitre", "maitre-flat", "maitre-prepare", "maitre-fsdp2", "maitre-run")
 LINK_MODES = MODES[:-1]  # maitre run's own coordinator and agents stay on one host here
 IN_DIM = OUT_DIM = 64
 SAMPLES = 4096
@@ -96,13 +99,26 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
             else maitre.Buckets()
         )
         opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-        loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(SAMPLES, global_batch), buckets=buckets)
-        for batch in loop.run(max_steps=total):
-            tick()
-            for idx in batch.micro_batches:
-                if idx:
-                    i = torch.tensor(idx)
-                    batch.backward(nn.functional.mse_loss(model(x[i]), y[i], reduction="sum"))
+        if mode == "maitre-prepare":  # a DDP script's loop: a mean loss, backward, step
+            model, opt, loader = maitre.prepare(
+                model, opt, _Rows(x, y), global_batch_size=global_batch, max_steps=total, collate_fn=_whole
+            )
+            for xb, yb in loader:
+                tick()  # (one micro-batch a step: each item is a step)
+                loss = nn.functional.mse_loss(model(xb), yb)
+                loss.backward()
+                float(loss)
+                opt.step()
+                opt.zero_grad()
+            loop = loader.loop
+        else:
+            loop = maitre.ElasticLoop(model, opt, maitre.ElasticSampler(SAMPLES, global_batch), buckets=buckets)
+            for batch in loop.run(max_steps=total):
+                tick()
+                for idx in batch.micro_batches:
+                    if idx:
+                        i = torch.tensor(idx)
+                        batch.backward(nn.functional.mse_loss(model(x[i]), y[i], reduction="sum"))
         tick()
         # (on FSDP2 replicas every process of the one replica is its rank 0: the global rank)
         rank = dist.get_rank() if mode == "maitre-fsdp2" else loop.rank
@@ -139,6 +155,32 @@ def worker(mode: str, width: int, layers: int, global_batch: int, warmup: int, s
     if rank == 0:
         step_times = times[1:][warmup:]  # from the first step's start on
         result.write_text(json.dumps({"step_s": statistics.median(step_times), "steps_s": step_times}))
+
+
+class _Rows:
+    """The samples as a map-style dataset that fetches a batch's rows at once (``__getitems__``,
+    what torch's DataLoader calls when it is there): the same indexing as the other modes, so
+    the row times the engine, not per-sample collation."""
+
+    def __init__(self, x: Any, y: Any) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.x[i], self.y[i]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        import torch
+
+        i = torch.tensor(indices)
+        return self.x[i], self.y[i]
+
+
+def _whole(batch: Any) -> Any:
+    """The collate of :class:`_Rows`: its batch is collated already."""
+    return batch
 
 
 # -- the runs ------------------------------------------------------------------------------------
@@ -302,23 +344,23 @@ def table(result: dict[str, Any]) -> str:
         value = row.get(mode, {}).get(f"ratio_to_{base}")
         return "-" if value is None else f"**{value:.3f}**"
 
+    def against_ddp(row: dict[str, Any], mode: str) -> str:
+        m = row.get(mode)
+        return "-" if m is None else f"{1000 * m['step_s']:.0f} ({m.get('ratio_to_ddp', float('nan')):.3f})"
+
     lines = [
-        "| setting | ranks | local | DDP | maitre before | maitre | maitre / DDP | FSDP2 | "
+        "| setting | ranks | local | DDP | maitre before | maitre | maitre / DDP | prepare (/ DDP) | FSDP2 | "
         "maitre on FSDP2 | / FSDP2 | maitre run (/ DDP) |",
-        "|---" * 11 + "|",
+        "|---" * 12 + "|",
     ]
     for setting, label in (("loopback", "loopback"), ("link", f"{link} link")):
         for ranks, row in sorted(result.get(setting, {}).items(), key=lambda kv: int(kv[0])):
-            run = row.get("maitre-run")
-            run_cell = (
-                "-" if run is None else (f"{1000 * run['step_s']:.0f} ({run.get('ratio_to_ddp', float('nan')):.3f})")
-            )
             lines.append(
                 f"| {label} | {ranks} | {step(row, 'local')} | {step(row, 'ddp')} | "
                 f"{step(row, 'maitre-flat')} | {step(row, 'maitre')} | "
-                f"{ratio(row, 'maitre', 'ddp')} | {step(row, 'fsdp2')} | "
+                f"{ratio(row, 'maitre', 'ddp')} | {against_ddp(row, 'maitre-prepare')} | {step(row, 'fsdp2')} | "
                 f"{step(row, 'maitre-fsdp2')} | {ratio(row, 'maitre-fsdp2', 'fsdp2')} | "
-                f"{run_cell} |"
+                f"{against_ddp(row, 'maitre-run')} |"
             )
     return "\n".join(lines)
 

@@ -322,6 +322,13 @@ class ElasticLoop:
         that is not the last)."""
         return self.ended == "completed"
 
+    def multiply_gradients(self, factor: float) -> None:
+        """Multiply every gradient of the step being trained by ``factor`` on its way into the
+        reduction, at no cost beyond the copy it is already (call it before the step's last
+        backward pass). What turns a plain loop's mean loss over ``factor`` samples into the sum
+        the reduction divides by the global count (:mod:`maitre.runtime.prepare`)."""
+        self._reducer.multiply(factor)
+
     def run(self, max_steps: int) -> Iterator[Batch]:
         """Yield one :class:`Batch` per step until ``max_steps`` steps are committed, or until
         this worker's part in the job ends before (:attr:`ended` says why; :attr:`completed`).

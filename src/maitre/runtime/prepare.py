@@ -21,13 +21,15 @@ generator, where a plain loop's calls fall:
   prefetch, exactly once), ``micro_batch_size`` samples at most each, from the samples the loop
   gave this rank: its share of the global batch, whatever the world size.
 - **The model** is the caller's own module, unwrapped (its ``state_dict`` keys do not change).
-  During a step each backward pass's gradients are scaled, as they reach the parameters, by the
-  micro-batch's sample count: a loss that is a *mean* over the micro-batch's samples
-  (``loss="mean"``, as ``F.cross_entropy`` and ``F.mse_loss`` are by default) then contributes
-  their *sum*, which is what the loop's reduction divides by the global sample count. The update
-  is the mean over the global batch at any world size, as a fixed-size run's; a term of the loss
-  that does not depend on the samples (a penalty on the parameters) counts once per step, as in
-  the fixed-size run. ``loss="sum"``: the loss is a sum already; nothing is scaled.
+  A loss that is a *mean* over the micro-batch's ``m`` samples (``loss="mean"``, as
+  ``F.cross_entropy`` and ``F.mse_loss`` are by default) must count as their *sum*, which is
+  what the loop's reduction divides by the global sample count: the step's gradients are
+  multiplied by ``m`` as they are copied into the reduction's buckets (no pass of its own), and
+  a micro-batch of another size than the step's first (the short last one of a share) has its
+  backward pass's gradients scaled by the ratio, by a hook on each parameter, before they
+  accumulate. The update is the mean over the global batch at any world size, as a fixed-size
+  run's; a term of the loss that does not depend on the samples (a penalty on the parameters)
+  counts once per step, as in the fixed-size run. ``loss="sum"``: nothing is scaled.
 - **The optimizer** (:class:`PreparedOptimizer`) is a proxy: ``step()`` after a step's last
   micro-batch finishes the step in the loop (the reduction the backward passes started, the
   update, the commit, a checkpoint when one is due, a resize when one is asked for) and loads
@@ -173,8 +175,11 @@ class PreparedLoader:
         """Micro-batches of the current step handed out."""
         self._open = False
         """The step's last micro-batch was handed out: ``optimizer.step()`` must come next."""
+        self._first = 0
+        """Samples in the step's first micro-batch: what its gradients are multiplied by."""
         self._factor = 1.0
-        """What each gradient of the current backward pass is multiplied by (1: nothing)."""
+        """What each gradient of the current backward pass is scaled by before it accumulates
+        (1: nothing; a micro-batch of another size than the first: the ratio)."""
         self._hooks = [p.register_hook(self._scale) for p in loop.params]
 
     # -- what a script reads ---------------------------------------------------------------------
@@ -236,7 +241,7 @@ class PreparedLoader:
                 self._advance()
                 continue
             (self._samples, data), self._ahead = self._ahead, next(self._pieces, None)
-            self._factor = float(self._samples) if self._mean else 1.0
+            self._factor = self._samples / self._first if self._mean else 1.0
             self._given += 1
             self._open = self._ahead is None
             return data
@@ -268,6 +273,9 @@ class PreparedLoader:
             return
         self._pieces = self._micro_batches(self._batch)
         self._ahead = next(self._pieces, None)
+        if self._ahead is not None and self._mean:
+            self._first = self._ahead[0]
+            self.loop.multiply_gradients(float(self._first))
 
     def _micro_batches(self, batch: Batch) -> Iterator[tuple[int, Any]]:
         """(samples, data) of each micro-batch of ``batch`` that has any (records the data set
@@ -287,7 +295,8 @@ class PreparedLoader:
 
     def _scale(self, grad: torch.Tensor) -> torch.Tensor | None:
         """A parameter's gradient from the current backward pass, before it is accumulated:
-        times the micro-batch's sample count, so a mean loss contributes the samples' sum."""
+        scaled where its micro-batch's size differs from the step's first (whose size the
+        reduction multiplies every gradient by)."""
         return None if self._factor == 1.0 else grad * self._factor
 
     def _unhook(self) -> None:

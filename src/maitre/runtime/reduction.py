@@ -189,6 +189,7 @@ class Reducer:
         # per step
         self._passes = 0
         self._factor = 1.0
+        self._multiplier = 1.0
         self._armed = False
         self._counts = [0] * len(params)
         self._taken = [True] * len(params)
@@ -274,6 +275,7 @@ class Reducer:
         self.clear()
         self._passes = passes
         self._factor = 1.0 / count
+        self._multiplier = 1.0
         self._counts = [0] * len(self.params)
         self._taken = [False] * len(self.params)
         self._missing = [len(m) for m in self.layout]
@@ -282,6 +284,13 @@ class Reducer:
         self._failed = None
         self._armed = early and passes > 0
         self._group = group if early and self.cfg.overlap else None
+
+    def multiply(self, factor: float) -> None:
+        """Multiply every gradient of this step by ``factor`` as it is copied into its bucket
+        (before any is: it costs nothing more than the copy); reset when the next step begins."""
+        if any(self._taken):
+            raise RuntimeError("a gradient of this step is final already: multiply it before its backward pass")
+        self._multiplier = factor
 
     def finish(self, group: EpochGroup | None) -> None:
         """Copy in every gradient not taken yet, launch every bucket not launched yet (the
@@ -380,7 +389,7 @@ class Reducer:
         p, view = self._view_of[i]
         mine = replicas.local_tensor(view)
         grad = p.grad
-        factor = self._factor if self._divided[self._bucket_of[i]] else 1.0
+        factor = (self._factor if self._divided[self._bucket_of[i]] else 1.0) * self._multiplier
         if grad is None:  # no gradient reached it (unused this step, or no samples)
             mine.zero_()
         elif replicas.local_tensor(grad).data_ptr() != mine.data_ptr():
