@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import yaml
 
-from maitre.engines import kubernetes as k8s
+from maitre.engines.kubernetes import crd as k8s
 from maitre.scheduling.spec import PRIORITY_CLASSES, ManifestError, parse_manifest
 
 pytestmark = pytest.mark.timeout(60)
@@ -162,12 +162,13 @@ def test_the_committed_crd_is_the_one_generated_from_the_manifest_model() -> Non
     assert done.returncode == 0 and done.stdout == CRD.read_text(), done.stderr
 
 
-def test_the_crd_spec_has_every_manifest_field_but_the_name() -> None:
+def test_the_crd_spec_has_every_manifest_field_but_the_name_and_origin() -> None:
+    """(the name is metadata.name; the origin is what the operator writes: the object's UID)"""
     from maitre.scheduling.spec import JobManifest
 
     fields = {f.alias or n for n, f in JobManifest.model_fields.items()}
     spec = k8s.spec_schema()
-    assert set(spec["properties"]) == fields - {"name"}
+    assert set(spec["properties"]) == fields - {"name", "origin"}
     assert spec["required"] == ["queue", "command"]
     assert spec["properties"]["command"] == {
         "type": "array",

@@ -45,7 +45,11 @@ class _Parser(argparse.ArgumentParser):
 
 # What each extra of the package installs (pyproject.toml), by the modules a command imports:
 # `pip install maitre` is the training runtime alone (a worker, its agent, the client commands).
-EXTRAS = {"server": ("fastapi", "uvicorn", "prometheus_client"), "sim": ("scipy", "matplotlib")}
+EXTRAS = {
+    "server": ("fastapi", "uvicorn", "prometheus_client"),
+    "sim": ("scipy", "matplotlib"),
+    "kubernetes": ("kubernetes",),
+}
 
 
 def require(extra: str, command: str, modules: Sequence[str] | None = None) -> None:
@@ -785,6 +789,59 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    require("kubernetes", "operator")
+    import signal
+    import threading
+
+    from kubernetes import client, config
+
+    from maitre.engines.kubernetes.operator import Operator, OperatorConfig, missing_permissions
+
+    try:
+        cfg = OperatorConfig(
+            namespace=args.namespace,
+            resync_s=args.resync,
+            lease_name=args.lease_name,
+            lease_s=args.lease_seconds,
+            renew_s=max(2, args.lease_seconds * 2 // 3),
+            retry_s=max(1, args.lease_seconds // 6),
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    try:
+        if args.kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config()  # the pod's ServiceAccount
+        else:
+            config.load_kube_config(config_file=args.kubeconfig)
+    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+        raise UsageError(f"no Kubernetes API server to talk to: {exc}") from None
+    api = client.ApiClient()
+    try:
+        missing = missing_permissions(api, cfg.namespace)
+    except (OSError, client.exceptions.ApiException) as exc:
+        raise UsageError(f"cannot ask the Kubernetes API server what the operator may do: {exc}") from None
+    if missing:
+        raise UsageError(
+            f"the operator may not {'; '.join(missing)} in namespace {cfg.namespace}: grant it what "
+            "deploy/kubernetes/base/operator-rbac.yaml's Role grants"
+        )
+    coordinator = _coordinator(args)
+    coordinator.get(protocol.JOBS)  # reachable, and the token is right, before anything else
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(
+        f"maitre: operator {cfg.identity}: MaitreJobs of namespace {cfg.namespace} -> coordinator "
+        f"{coordinator.address} (acts once it holds Lease {cfg.lease_name})",
+        flush=True,
+    )
+    if not Operator(cfg, api, coordinator).run(stop):
+        print(f"maitre: operator {cfg.identity} lost its Lease and stopped", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     require("server", "demo")
     from maitre.demo import Demo, DemoConfig
@@ -1187,6 +1244,23 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("job")
         _coordinator_args(cmd)
         cmd.set_defaults(fn=fn)
+
+    op = sub.add_parser(
+        "operator",
+        help="act on the MaitreJobs of a Kubernetes namespace: submit, scale, report and delete "
+        "their jobs (needs maitre[kubernetes])",
+    )
+    op.add_argument("--namespace", required=True, help="the namespace whose MaitreJobs it acts on")
+    op.add_argument(
+        "--kubeconfig", help="the API server and credentials (default: the pod's ServiceAccount, else ~/.kube/config)"
+    )
+    op.add_argument("--resync", type=float, default=2.0, help="seconds between two passes over every MaitreJob")
+    op.add_argument("--lease-name", default="maitre-operator", help="the Lease its replicas elect a leader with")
+    op.add_argument(
+        "--lease-seconds", type=int, default=15, help="how long a leader's Lease holds unrenewed (at least 3)"
+    )
+    _coordinator_args(op)
+    op.set_defaults(fn=cmd_operator)
 
     demo = sub.add_parser(
         "demo",

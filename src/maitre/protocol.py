@@ -316,6 +316,9 @@ class JobSummary(_Reply):
     """A restart-mode job's gangs started after another: ``epoch``, ``cause``, ``size`` and
     ``restart_s`` (from the decision to stop the last gang to every process of this one
     started)."""
+    origin: str | None = None
+    """What submitted it, as the manifest's ``origin`` says (the Kubernetes operator: its
+    MaitreJob's ``namespace/name/uid``)."""
 
 
 class JobStatus(JobSummary):

@@ -72,6 +72,7 @@ def _managed(cluster: ClusterState, job_id: str) -> dict[str, Any]:
         "held": m.held,
         "waiting_for": m.last_waiting if m.job.state == JobState.PENDING else "",
         "throughput": {str(k): round(v, 3) for k, v in sorted(m.job.throughput.items())},
+        "origin": m.manifest.origin,
     }
 
 

@@ -192,6 +192,10 @@ class JobManifest(_Fields):
     success_marker: str | None = Field(None, min_length=1, max_length=200)
     """elastic: restart: a line a worker prints when its training is done; exiting 0 without it
     is a failure (a script that ended early). Without it, exiting 0 is success, as for torchrun."""
+    origin: str | None = Field(None, min_length=1, max_length=300)
+    """What submitted the job, as it names its own object: the Kubernetes operator writes the
+    MaitreJob's ``namespace/name/uid``, and adopts (after a restart) only the jobs whose origin
+    is one of its objects. Shown in the job's view; not a field of a MaitreJob's spec."""
 
     @field_validator("name")
     @classmethod

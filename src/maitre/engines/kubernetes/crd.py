@@ -19,9 +19,9 @@ prunes unknown fields and ``kubectl`` refuses them under its default strict fiel
 (``maxReplicas >= minReplicas``, ``priority`` or ``priorityClassName``, ...) stay maitre's:
 ``manifest`` runs :func:`~maitre.scheduling.spec.parse_manifest`, which names every problem.
 
-No controller ships yet: nothing in a cluster watches MaitreJobs (see
-docs/operations/kubernetes.md). The ``scale`` subresource maps ``kubectl scale maitrejob J
---replicas N`` onto ``spec.maxReplicas``, as ``maitre scale`` does.
+``maitre operator`` (:mod:`maitre.engines.kubernetes.operator`) acts on MaitreJobs and writes
+their ``status``, whose every field is declared here. The ``scale`` subresource maps ``kubectl
+scale maitrejob J --replicas N`` onto ``spec.maxReplicas``, as ``maitre scale`` does.
 """
 
 from __future__ import annotations
@@ -111,26 +111,47 @@ def spec_schema() -> dict[str, Any]:
     schema = JobManifest.model_json_schema(by_alias=True, mode="validation")
     defs = schema.pop("$defs", {})
     spec = _structural(schema, defs, "spec")
-    spec["properties"].pop("name")
+    for own in ("name", "origin"):  # metadata.name; the operator writes the object's uid
+        spec["properties"].pop(own)
     spec["required"] = [f for f in spec.get("required", []) if f != "name"]
     spec["description"] = "The job manifest's fields (maitre submit's), its name being the resource's metadata.name."
     return spec
 
 
 def _status_schema() -> dict[str, Any]:
+    """``status``: what the operator writes (:mod:`maitre.engines.kubernetes.operator`). Every
+    field it writes is declared here: a real API server prunes the rest."""
+
     def field(kind: str, text: str) -> dict[str, Any]:
         return {"type": kind, "description": text}
 
+    condition = {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": field("string", "Admitted, Running, Suspended, Completed, Failed or Invalid."),
+            "status": field("string", "True, False or Unknown."),
+            "reason": field("string", "One word, CamelCase."),
+            "message": field("string", "What happened, in words."),
+            "lastTransitionTime": field("string", "When status last changed (RFC 3339)."),
+        },
+    }
     return {
         "type": "object",
-        "description": "The job as the coordinator last reported it.",
+        "description": "The job as the coordinator last reported it, written by maitre's operator.",
         "properties": {
-            "state": field("string", "PENDING, RUNNING, SUSPENDED, COMPLETED, FAILED, ..."),
+            "phase": field("string", "PENDING, RUNNING, SUSPENDED, COMPLETED, FAILED, CANCELLED, ..."),
             "replicas": field("integer", "Replicas training now."),
+            "targetReplicas": field("integer", "Replicas the scheduler gives the job now."),
             "epoch": field("integer", "The membership epoch."),
             "step": field("integer", "The last committed step."),
             "failures": field("integer", "Failure events survived so far."),
+            "lastCheckpointStep": field("integer", "The step of the last checkpoint written."),
             "message": field("string", "Why it waits or failed."),
+            "jobId": field("string", "The coordinator's job (its name)."),
+            "observedGeneration": field("integer", "The spec's generation the coordinator has."),
+            "eventsSeen": field("integer", "The job's coordinator events turned into Kubernetes Events so far."),
+            "conditions": {"type": "array", "description": "The job's conditions.", "items": condition},
         },
     }
 
@@ -184,7 +205,8 @@ def crd() -> dict[str, Any]:
                         column("Min", "integer", ".spec.minReplicas"),
                         column("Max", "integer", ".spec.maxReplicas"),
                         column("Replicas", "integer", ".status.replicas"),
-                        column("State", "string", ".status.state"),
+                        column("Phase", "string", ".status.phase"),
+                        column("Step", "integer", ".status.step"),
                         column("Age", "date", ".metadata.creationTimestamp"),
                     ],
                 }

@@ -1,0 +1,286 @@
+"""A real Kubernetes control plane on this machine for the tests: etcd, kube-apiserver (RBAC on),
+kube-controller-manager, kube-scheduler, and kubemark's hollow nodes (the real kubelet code with
+a fake container runtime: pods are scheduled, bound and reported Running, but no process runs).
+
+The binaries are built once from Debian's source package and cached outside the checkout
+(``deploy/kubernetes/testbed/build-control-plane``, about 6 minutes cold, instant warm); etcd is
+Debian's ``etcd-server``. Everything else lives in a temporary directory: etcd's data, the
+service-account key pair, the API server's self-signed certificate, a static token file (an
+``admin`` in ``system:masters``), an admin kubeconfig, every daemon's log. Every port is a free
+one; every daemon is stopped by its pid afterwards, the API server before etcd.
+
+What is real: the API server (schemas, structural pruning, subresources, RBAC, finalizers,
+garbage collection), etcd, the controllers (service-account tokens, garbage collector, node
+lifecycle), the scheduler. What stands in: the container runtime (hollow nodes run nothing), so
+the processes of a maitre job are local processes of the test (agents standing for the nodes).
+
+Where the control plane cannot be had (not root, no apt, a build that fails), the tests skip and
+say why; under CI (``CI=true``) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import ssl
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import ROOT
+
+BUILD = ROOT / "deploy" / "kubernetes" / "testbed" / "build-control-plane"
+NODE_GPUS = 8
+"""What each hollow node reports as ``nvidia.com/gpu`` capacity (patched in: a fake runtime
+has no device plugin)."""
+
+
+def binaries() -> tuple[Path | None, str]:
+    """(the directory of the control plane's binaries, why not: empty when found), building them
+    on first use."""
+    if os.geteuid() != 0:
+        return None, "the control plane's build installs Debian packages: this is not root"
+    if shutil.which("apt-get") is None:
+        return None, "the control plane is built from Debian's packages: no apt-get here"
+    result = subprocess.run([str(BUILD)], capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        return None, f"{BUILD.name} failed: {result.stderr.strip()[-2000:]}"
+    if shutil.which("etcd") is None:
+        return None, "etcd is not installed (apt-get install etcd-server)"
+    return Path(result.stdout.strip().splitlines()[-1]), ""
+
+
+def require() -> Path:
+    """The binaries' directory; skips (fails, under CI) when there is none."""
+    found, why = binaries()
+    if found is not None:
+        return found
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI must run the Kubernetes tests: {why}")
+    pytest.skip(why)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class KubeCluster:
+    """A control plane in ``root`` with ``nodes`` hollow nodes (``node-1`` ...); use as a context
+    manager, or :meth:`start` and :meth:`stop`."""
+
+    root: Path
+    bin: Path
+    nodes: int = 2
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.api_port}"
+
+    @property
+    def kubeconfig(self) -> Path:
+        """The admin's kubeconfig (``system:masters``: what a cluster's owner applies with)."""
+        return self.root / "admin.kubeconfig"
+
+    def write_kubeconfig(self, path: Path, user: str, token: str) -> Path:
+        """A kubeconfig for ``token`` (a ServiceAccount's, say) at ``path``."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "test", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
+            "users": [{"name": user, "user": {"token": token}}],
+            "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
+            "current-context": "test",
+        }
+        path.write_text(json.dumps(config))
+        return path
+
+    # -- life --------------------------------------------------------------------------------------
+    def start(self, timeout_s: float = 120.0) -> "KubeCluster":
+        d = self.root
+        d.mkdir(parents=True, exist_ok=True)
+        (self.etcd_port, self.etcd_peer, self.api_port, cm_port, sched_port) = _free_ports(5)
+        kubelet_ports = _free_ports(2 * self.nodes)
+        subprocess.run(["openssl", "genrsa", "-out", str(d / "sa.key"), "2048"], check=True, capture_output=True)
+        subprocess.run(
+            ["openssl", "rsa", "-in", str(d / "sa.key"), "-pubout", "-out", str(d / "sa.pub")],
+            check=True,
+            capture_output=True,
+        )
+        (d / "tokens.csv").write_text(f"{self.token},admin,admin,system:masters\n")
+        self.write_kubeconfig(self.kubeconfig, "admin", self.token)
+        kc = str(self.kubeconfig)
+        etcd_url = f"http://127.0.0.1:{self.etcd_port}"
+        self._spawn(
+            "etcd",
+            ["etcd", "--data-dir", str(d / "etcd"), "--listen-client-urls", etcd_url,
+             "--advertise-client-urls", etcd_url, "--listen-peer-urls", f"http://127.0.0.1:{self.etcd_peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.etcd_peer}",
+             "--initial-cluster", f"default=http://127.0.0.1:{self.etcd_peer}"],
+        )  # fmt: skip
+        self._spawn(
+            "kube-apiserver",
+            [str(self.bin / "kube-apiserver"), f"--etcd-servers={etcd_url}", "--bind-address=127.0.0.1",
+             "--advertise-address=127.0.0.1", f"--secure-port={self.api_port}", f"--cert-dir={d / 'certs'}",
+             f"--token-auth-file={d / 'tokens.csv'}", "--authorization-mode=RBAC",
+             "--service-account-issuer=https://kubernetes.default.svc", f"--service-account-key-file={d / 'sa.pub'}",
+             f"--service-account-signing-key-file={d / 'sa.key'}", "--service-cluster-ip-range=10.0.0.0/24",
+             "--insecure-port=0"],
+        )  # fmt: skip
+        self._wait(lambda: self._ready("/readyz"), timeout_s, "the API server to be ready")
+        self._spawn(
+            "kube-controller-manager",
+            [str(self.bin / "kube-controller-manager"), f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+             f"--authorization-kubeconfig={kc}", "--bind-address=127.0.0.1", f"--secure-port={cm_port}", "--port=0",
+             "--leader-elect=false", f"--service-account-private-key-file={d / 'sa.key'}",
+             f"--root-ca-file={d / 'certs' / 'apiserver.crt'}", "--use-service-account-credentials=true",
+             "--controllers=*,-csrsigning,-csrapproving,-nodeipam", "--node-monitor-grace-period=20s"],
+        )  # fmt: skip
+        self._spawn(
+            "kube-scheduler",
+            [str(self.bin / "kube-scheduler"), f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+             f"--authorization-kubeconfig={kc}", "--bind-address=127.0.0.1", f"--secure-port={sched_port}",
+             "--port=0", "--leader-elect=false"],
+        )  # fmt: skip
+        for n in range(1, self.nodes + 1):
+            port, ro = kubelet_ports[2 * (n - 1) : 2 * n]
+            self._spawn(
+                f"node-{n}",
+                [str(self.bin / "kubemark"), "--morph=kubelet", f"--name=node-{n}", f"--kubeconfig={kc}",
+                 f"--kubelet-port={port}", f"--kubelet-read-only-port={ro}"],
+            )  # fmt: skip
+        self._wait(lambda: len(self.ready_nodes()) == self.nodes, timeout_s, f"{self.nodes} Ready nodes")
+        for n in range(1, self.nodes + 1):
+            self.request(
+                "PATCH",
+                f"/api/v1/nodes/node-{n}/status",
+                [{"op": "add", "path": "/status/capacity/nvidia.com~1gpu", "value": str(NODE_GPUS)}],
+                content_type="application/json-patch+json",
+            )
+        self._wait(
+            lambda: self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default", allow=(404,)) is not None,
+            timeout_s,
+            "the default ServiceAccount",
+        )
+        return self
+
+    def stop(self) -> None:
+        """The API server first (it holds etcd's connections; its graceful shutdown drains
+        watches for 20 s, and it keeps no state of its own: 2 s, then SIGKILL), then the rest
+        together, etcd last."""
+        rest = [k for k in self.procs if k not in ("kube-apiserver", "etcd")]
+        for names, grace in ((["kube-apiserver"], 2), (rest, 15), (["etcd"], 15)):
+            procs = [self.procs.pop(n) for n in names if n in self.procs]
+            for proc in procs:
+                proc.terminate()
+            deadline = time.monotonic() + grace
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def __enter__(self) -> "KubeCluster":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- asking it ---------------------------------------------------------------------------------
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        token: str | None = None,
+        content_type: str = "application/json",
+        allow: tuple[int, ...] = (),
+    ) -> Any:
+        """The API server's JSON answer; None for a status in ``allow``; raises otherwise."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.server + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {token or self.token}")
+        if data is not None:
+            req.add_header("Content-Type", content_type)
+        context = ssl._create_unverified_context()  # (its own self-signed certificate)
+        try:
+            with urllib.request.urlopen(req, timeout=10, context=context) as resp:
+                text = resp.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code in allow:
+                return None
+            raise AssertionError(f"{method} {path}: {exc.code} {exc.read().decode(errors='replace')[:2000]}") from None
+        return json.loads(text) if text.strip().startswith(b"{") else text.decode()
+
+    def kubectl(self, *args: str, stdin: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Debian's kubectl against this cluster as its admin."""
+        result = subprocess.run(
+            ["kubectl", f"--kubeconfig={self.kubeconfig}", *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {result.returncode}\n{result.stdout}\n{result.stderr}")
+        return result
+
+    def ready_nodes(self) -> list[str]:
+        nodes = self.request("GET", "/api/v1/nodes", allow=(403, 404)) or {"items": []}
+        return [
+            n["metadata"]["name"]
+            for n in nodes["items"]
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in n.get("status", {}).get("conditions", []))
+        ]
+
+    def log(self, name: str) -> str:
+        path = self.root / f"{name}.log"
+        return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        with open(self.root / f"{name}.log", "wb") as log:
+            self.procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def _ready(self, path: str) -> bool:
+        try:
+            return self.request("GET", path, allow=(500, 503)) is not None
+        except (OSError, AssertionError):
+            return False
+
+    def _wait(self, predicate: Any, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise AssertionError(f"{name} exited ({proc.returncode}) waiting for {what}:\n{self.log(name)}")
+            try:
+                if predicate():
+                    return
+            except (OSError, AssertionError):
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"waited {timeout_s:.0f} s for {what}:\n{self.log('kube-apiserver')}")

@@ -1,0 +1,253 @@
+"""``maitre operator`` against a real Kubernetes control plane (tests/kube_cluster.py): the API
+server with RBAC, etcd, the controllers, the scheduler, hollow nodes.
+
+The operator runs as a local process with the token of its ServiceAccount from the kustomize
+base, so the API server enforces the base's Role on every request it makes. The coordinator is a
+local ``maitre up`` whose local nodes' agents stand for the cluster's nodes (the hollow nodes run
+no processes). One story, because a control plane takes seconds to start: a MaitreJob applied
+trains and grows to its maximum; ``kubectl scale`` grows it in place; the operator SIGKILLed
+mid-job and started again re-adopts the job (nothing submitted twice, no Event repeated); a
+MaitreJob the API server's schema refuses, and one the coordinator refuses (a condition and a
+Warning Event); ``kubectl delete`` leaves a final checkpoint before the object goes. And an
+operator whose ServiceAccount lacks a permission says which, and starts nothing.
+
+Marked ``kubernetes``: ``.ci/run`` runs it on its own line (the control plane is built once per
+machine, about 6 minutes cold, by ``deploy/kubernetes/testbed/build-control-plane``).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+import kube_cluster
+from conftest import ROOT, TAG_VAR, kill_tagged, wait_for
+from maitre.wire import Client
+
+pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(600)]
+NS = "maitre"
+
+
+def _env(tag: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
+    env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+@contextlib.contextmanager
+def maitre_up(tmp_path: Path, tag: str) -> Iterator[tuple[Client, Path]]:
+    """``maitre up`` with two local nodes of two slots: the agents that stand for the cluster's
+    nodes. Yields a client and the token file."""
+    state, log = tmp_path / "state", tmp_path / "up.log"
+    up = subprocess.Popen(
+        [sys.executable, "-m", "maitre.cli", "up", "--nodes", "2", "--slots-per-node", "2",
+         "--state-dir", str(state), "--queue", "default"],
+        cwd=ROOT, env=_env(tag), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+
+        def address() -> str | None:
+            lines = [ln for ln in log.read_text().splitlines() if "coordinator at " in ln]
+            return lines[0].split("coordinator at ")[1].split()[0] if lines else None
+
+        found = wait_for(address, 60, "the coordinator", log)
+        yield Client(found, timeout_s=5.0, token=(state / "token").read_text().strip()), state / "token"
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+class OperatorProcess:
+    """``maitre operator`` as a local process with a ServiceAccount's kubeconfig."""
+
+    def __init__(self, tmp_path: Path, kubeconfig: Path, coordinator: Client, token_file: Path, tag: str) -> None:
+        self.cmd = [
+            sys.executable, "-m", "maitre.cli", "operator", "--namespace", NS, "--kubeconfig", str(kubeconfig),
+            "--coordinator", coordinator.address, "--token-file", str(token_file), "--resync", "0.5",
+            "--lease-seconds", "3",
+        ]  # fmt: skip
+        self.tmp_path, self.tag, self.n = tmp_path, tag, 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> "OperatorProcess":
+        self.n += 1
+        self.log = self.tmp_path / f"operator-{self.n}.log"
+        env = {**_env(self.tag), "MAITRE_LOG": "info"}
+        self.proc = subprocess.Popen(
+            self.cmd, cwd=ROOT, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True
+        )
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+
+def _apply_base(kube: kube_cluster.KubeCluster, tmp_path: Path, token: str) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(ROOT / "deploy" / "kubernetes" / "base", base)
+    (base / "token").write_text(token)
+    kube.kubectl("apply", "-k", str(base))
+    kube.kubectl("wait", "--for=condition=Established", "crd/maitrejobs.maitre.dev", "--timeout=60s")
+
+
+def _sa_kubeconfig(kube: kube_cluster.KubeCluster, tmp_path: Path, name: str) -> Path:
+    """A kubeconfig with ServiceAccount ``name``'s token (the token controller's Secret)."""
+
+    def token() -> str | None:
+        sa = kube.request("GET", f"/api/v1/namespaces/{NS}/serviceaccounts/{name}", allow=(404,))
+        for ref in (sa or {}).get("secrets", []):
+            secret = kube.request("GET", f"/api/v1/namespaces/{NS}/secrets/{ref['name']}", allow=(404,))
+            if secret and "token" in secret.get("data", {}):
+                return base64.b64decode(secret["data"]["token"]).decode()
+        return None
+
+    return kube.write_kubeconfig(tmp_path / f"{name}.kubeconfig", name, wait_for(token, 60, f"{name}'s token"))
+
+
+def _job(name: str, **spec: Any) -> str:
+    body = {
+        "apiVersion": "maitre.dev/v1alpha1",
+        "kind": "MaitreJob",
+        "metadata": {"name": name, "namespace": NS},
+        "spec": {"queue": "default", **spec},
+    }
+    return json.dumps(body)
+
+
+def _mj(kube: kube_cluster.KubeCluster, name: str) -> dict[str, Any] | None:
+    return kube.request("GET", f"/apis/maitre.dev/v1alpha1/namespaces/{NS}/maitrejobs/{name}", allow=(404,))
+
+
+def _events(kube: kube_cluster.KubeCluster, name: str) -> list[dict[str, Any]]:
+    events = kube.request("GET", f"/api/v1/namespaces/{NS}/events")["items"]
+    return [e for e in events if e["involvedObject"].get("name") == name and e["involvedObject"]["kind"] == "MaitreJob"]
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_cluster.KubeCluster]:
+    binaries = kube_cluster.require()
+    with kube_cluster.KubeCluster(tmp_path_factory.mktemp("kube"), binaries, nodes=2) as cluster:
+        yield cluster
+
+
+def test_a_maitrejob_is_run_scaled_adopted_refused_and_deleted(kube: kube_cluster.KubeCluster, tmp_path: Path) -> None:
+    tag = os.urandom(8).hex()
+    ckpt = tmp_path / "ckpt"
+    train = [sys.executable, str(ROOT / "examples" / "train.py"), "--steps", "100000", "--dtype", "float64",
+             "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16", "--global-batch", "8",
+             "--micro-batch", "8", "--log-every", "1000", "--checkpoint-dir", str(ckpt),
+             "--checkpoint-every", "50"]  # fmt: skip
+    operator: OperatorProcess | None = None
+    try:
+        with maitre_up(tmp_path, tag) as (coordinator, token_file):
+            _apply_base(kube, tmp_path, token_file.read_text().strip())
+            kubeconfig = _sa_kubeconfig(kube, tmp_path, "maitre-operator")
+            operator = OperatorProcess(tmp_path, kubeconfig, coordinator, token_file, tag).start()
+
+            def status(name: str, what: str, check: Any, timeout: float = 90) -> dict[str, Any]:
+                def seen() -> dict[str, Any] | None:
+                    obj = _mj(kube, name)
+                    st = (obj or {}).get("status") or {}
+                    return st if check(st) else None
+
+                return wait_for(seen, timeout, what, lambda: f"{_mj(kube, name)}\n{operator.text()}")
+
+            # Applied: submitted with its UID, trains, grows to its maximum.
+            kube.kubectl("apply", "-f", "-", stdin=_job("train", minReplicas=1, maxReplicas=2, command=train,
+                                                         checkpointDir=str(ckpt)))  # fmt: skip
+            st = status("train", "train at 2", lambda s: s.get("phase") == "RUNNING" and s.get("replicas") == 2)
+            obj = _mj(kube, "train")
+            assert obj is not None and "maitre.dev/job" in obj["metadata"]["finalizers"]
+            job = coordinator.get("/jobs/train")
+            assert job["origin"] == f"{NS}/train/{obj['metadata']['uid']}"
+            conditions = {c["type"]: c["status"] for c in st["conditions"]}
+            assert conditions["Running"] == "True" and conditions["Admitted"] == "True"
+            reasons = [e["reason"] for e in _events(kube, "train")]
+            assert "Submitted" in reasons and "Admitted" in reasons, reasons
+
+            # kubectl scale: grown in place (the same job, a later epoch, no failure).
+            epoch = st["epoch"]
+            kube.kubectl("-n", NS, "scale", "mj", "train", "--replicas", "3")
+            st = status("train", "train at 3 replicas", lambda s: s.get("replicas") == 3)
+            assert st["epoch"] > epoch and st["failures"] == 0
+            assert coordinator.get("/jobs/train")["max_workers"] == 3
+
+            # The operator SIGKILLed mid-job: the next one re-adopts (nothing submitted twice).
+            submitted = reasons.count("Submitted")
+            operator.kill()
+            step = st["step"]
+            operator.start()
+            status("train", "train's status updated by the new operator", lambda s: s.get("step", 0) > step + 20)
+            reasons = [e["reason"] for e in _events(kube, "train")]
+            assert reasons.count("Submitted") == submitted, reasons
+            assert len(reasons) == len(set((e["reason"], e["message"]) for e in _events(kube, "train"))), reasons
+            assert [j["job_id"] for j in coordinator.get("/jobs")["jobs"]] == ["train"]
+
+            # Refused by the API server's schema (minReplicas >= 1), and by the coordinator.
+            bad = kube.kubectl("apply", "-f", "-", stdin=_job("bad", minReplicas=0, command=["true"]), check=False)
+            assert bad.returncode != 0 and "minReplicas" in bad.stderr, bad.stderr
+            kube.kubectl("apply", "-f", "-", stdin=_job("worse", minReplicas=3, maxReplicas=2, command=["true"]))
+            st = status("worse", "worse refused", lambda s: s.get("phase") == "INVALID")
+            assert "maxReplicas" in st["message"], st
+            assert any(e["reason"] == "Invalid" and e["type"] == "Warning" for e in _events(kube, "worse"))
+            kube.kubectl("-n", NS, "delete", "mj", "worse", "--timeout=60s")
+
+            # Checkpoints, as the job reports them.
+            status("train", "a checkpoint in train's status", lambda s: s.get("lastCheckpointStep", 0) >= 50)
+
+            # kubectl delete: checkpointed at a step boundary, then gone.
+            kube.kubectl("-n", NS, "delete", "mj", "train", "--timeout=120s")
+            assert _mj(kube, "train") is None
+            job = coordinator.get("/jobs/train")
+            assert job["state"] == "CANCELLED", job
+            assert any(e["kind"] == "suspended" for e in job["events"]), job["events"]
+            assert list(ckpt.glob("step-*")), f"no checkpoint in {ckpt}: {os.listdir(ckpt) if ckpt.exists() else '-'}"
+    finally:
+        if operator is not None:
+            operator.stop()
+        time.sleep(1.0)
+        left = kill_tagged(tag)
+        assert not left, f"processes left behind: {left}"
+
+
+def test_an_operator_without_a_permission_says_which(kube: kube_cluster.KubeCluster, tmp_path: Path) -> None:
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}
+    kube.kubectl("apply", "-f", "-", stdin=json.dumps(namespace))
+    kube.kubectl("-n", NS, "create", "serviceaccount", "nobody", check=False)
+    kubeconfig = _sa_kubeconfig(kube, tmp_path, "nobody")
+    result = subprocess.run(
+        [sys.executable, "-m", "maitre.cli", "operator", "--namespace", NS, "--kubeconfig", str(kubeconfig),
+         "--coordinator", "127.0.0.1:9"],
+        cwd=ROOT, env=_env(os.urandom(8).hex()), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "may not get maitrejobs (maitre.dev)" in result.stderr and "create events" in result.stderr, result.stderr
+    assert "operator-rbac.yaml" in result.stderr
