@@ -100,12 +100,17 @@ class KubeCluster:
         """The admin's kubeconfig (``system:masters``: what a cluster's owner applies with)."""
         return self.root / "admin.kubeconfig"
 
+    @property
+    def ca(self) -> Path:
+        """The API server's self-signed certificate (for 127.0.0.1), which clients check."""
+        return self.root / "certs" / "apiserver.crt"
+
     def write_kubeconfig(self, path: Path, user: str, token: str) -> Path:
         """A kubeconfig for ``token`` (a ServiceAccount's, say) at ``path``."""
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": "test", "cluster": {"server": self.server, "insecure-skip-tls-verify": True}}],
+            "clusters": [{"name": "test", "cluster": {"server": self.server, "certificate-authority": str(self.ca)}}],
             "users": [{"name": user, "user": {"token": token}}],
             "contexts": [{"name": "test", "context": {"cluster": "test", "user": user}}],
             "current-context": "test",
@@ -126,7 +131,6 @@ class KubeCluster:
             capture_output=True,
         )
         (d / "tokens.csv").write_text(f"{self.token},admin,admin,system:masters\n")
-        self.write_kubeconfig(self.kubeconfig, "admin", self.token)
         kc = str(self.kubeconfig)
         etcd_url = f"http://127.0.0.1:{self.etcd_port}"
         self._spawn(
@@ -146,6 +150,7 @@ class KubeCluster:
              "--insecure-port=0"],
         )  # fmt: skip
         self._wait(lambda: self._ready("/readyz"), timeout_s, "the API server to be ready")
+        self.write_kubeconfig(self.kubeconfig, "admin", self.token)  # (its certificate exists now)
         self._spawn(
             "kube-controller-manager",
             [str(self.bin / "kube-controller-manager"), f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
@@ -226,8 +231,11 @@ class KubeCluster:
         req.add_header("Authorization", f"Bearer {token or self.token}")
         if data is not None:
             req.add_header("Content-Type", content_type)
-        context = ssl._create_unverified_context()  # (its own self-signed certificate)
+        # (before the API server is up, its certificate may not exist yet: nothing to check)
+        context = ssl.create_default_context(cafile=str(self.ca)) if self.ca.exists() else None
         try:
+            if context is None:
+                raise OSError("the API server has no certificate yet")
             with urllib.request.urlopen(req, timeout=10, context=context) as resp:
                 text = resp.read()
         except urllib.error.HTTPError as exc:

@@ -48,11 +48,12 @@ def _env(tag: str) -> dict[str, str]:
 @contextlib.contextmanager
 def maitre_up(tmp_path: Path, tag: str) -> Iterator[tuple[Client, Path]]:
     """``maitre up`` with two local nodes of two slots: the agents that stand for the cluster's
-    nodes. Yields a client and the token file."""
+    nodes (a job may be resized again 3 s after the last resize, not 180). Yields a client and
+    the token file."""
     state, log = tmp_path / "state", tmp_path / "up.log"
     up = subprocess.Popen(
         [sys.executable, "-m", "maitre.cli", "up", "--nodes", "2", "--slots-per-node", "2",
-         "--state-dir", str(state), "--queue", "default"],
+         "--state-dir", str(state), "--queue", "default", "--resize-cooldown", "3"],
         cwd=ROOT, env=_env(tag), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
@@ -151,6 +152,43 @@ def _events(kube: kube_cluster.KubeCluster, name: str) -> list[dict[str, Any]]:
     return [e for e in events if e["involvedObject"].get("name") == name and e["involvedObject"]["kind"] == "MaitreJob"]
 
 
+def _train(steps: int, *extra: str) -> list[str]:
+    """The example, tiny, for ``steps`` steps (100,000: until it is deleted)."""
+    return [sys.executable, str(ROOT / "examples" / "train.py"), "--steps", str(steps), "--dtype", "float64",
+            "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16", "--global-batch", "8",
+            "--micro-batch", "8", "--log-every", "1000", *extra]  # fmt: skip
+
+
+def _status(kube: kube_cluster.KubeCluster, name: str, what: str, check: Any, log: Any, timeout: float = 90) -> Any:
+    """``name``'s status once ``check(status)`` holds."""
+
+    def seen() -> dict[str, Any] | None:
+        st = (_mj(kube, name) or {}).get("status") or {}
+        return st if check(st) else None
+
+    return wait_for(seen, timeout, what, lambda: f"{_mj(kube, name)}\n{log()}")
+
+
+@contextlib.contextmanager
+def _operated(kube: kube_cluster.KubeCluster, tmp_path: Path) -> Iterator[tuple[Client, "OperatorProcess"]]:
+    """A coordinator (``maitre up``), the base applied with its token, and the operator running
+    with its ServiceAccount's token; every process they started is gone afterwards."""
+    tag = os.urandom(8).hex()
+    operator: OperatorProcess | None = None
+    try:
+        with maitre_up(tmp_path, tag) as (coordinator, token_file):
+            _apply_base(kube, tmp_path, token_file.read_text().strip())
+            kubeconfig = _sa_kubeconfig(kube, tmp_path, "maitre-operator")
+            operator = OperatorProcess(tmp_path, kubeconfig, coordinator, token_file, tag).start()
+            yield coordinator, operator
+    finally:
+        if operator is not None:
+            operator.stop()
+        time.sleep(1.0)
+        left = kill_tagged(tag)
+        assert not left, f"processes left behind: {left}"
+
+
 @pytest.fixture(scope="module")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_cluster.KubeCluster]:
     binaries = kube_cluster.require()
@@ -161,10 +199,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_cluster.Kube
 def test_a_maitrejob_is_run_scaled_adopted_refused_and_deleted(kube: kube_cluster.KubeCluster, tmp_path: Path) -> None:
     tag = os.urandom(8).hex()
     ckpt = tmp_path / "ckpt"
-    train = [sys.executable, str(ROOT / "examples" / "train.py"), "--steps", "100000", "--dtype", "float64",
-             "--d-model", "16", "--layers", "1", "--heads", "2", "--block", "16", "--global-batch", "8",
-             "--micro-batch", "8", "--log-every", "1000", "--checkpoint-dir", str(ckpt),
-             "--checkpoint-every", "50"]  # fmt: skip
+    train = _train(100_000, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50")
     operator: OperatorProcess | None = None
     try:
         with maitre_up(tmp_path, tag) as (coordinator, token_file):
@@ -251,3 +286,33 @@ def test_an_operator_without_a_permission_says_which(kube: kube_cluster.KubeClus
     assert result.returncode == 2, result.stderr
     assert "may not get maitrejobs (maitre.dev)" in result.stderr and "create events" in result.stderr, result.stderr
     assert "operator-rbac.yaml" in result.stderr
+
+
+def test_a_higher_priority_maitrejob_shrinks_another_in_place_and_it_grows_back(
+    kube: kube_cluster.KubeCluster, tmp_path: Path
+) -> None:
+    """No eviction: the low-priority job gives up replicas at a step boundary and trains on;
+    once the urgent one completes, it grows back."""
+    with _operated(kube, tmp_path) as (coordinator, operator):
+
+        def status(name: str, what: str, check: Any, timeout: float = 90) -> Any:
+            return _status(kube, name, what, check, operator.text, timeout)
+
+        # (each sample also waits 2 ms, as on an accelerator: 4 replicas train faster than 2, as
+        # the scheduler measures, so it grows the job back; CPU time alone would not)
+        gpu_like = ("--device-ms-per-sample", "2")
+        kube.kubectl("apply", "-f", "-", stdin=_job("batch", priorityClassName="low", minReplicas=1, maxReplicas=4,
+                                                     command=_train(100_000, *gpu_like)))  # fmt: skip
+        status("batch", "batch at 4 replicas", lambda s: s.get("replicas") == 4)
+        kube.kubectl("apply", "-f", "-", stdin=_job("urgent", priorityClassName="high", minReplicas=2,
+                                                     maxReplicas=2, command=_train(400, *gpu_like)))  # fmt: skip
+        status("urgent", "urgent running at 2", lambda s: s.get("phase") == "RUNNING" and s.get("replicas") == 2)
+        st = status("batch", "batch shrunk to 2", lambda s: s.get("replicas") == 2)
+        assert st["phase"] == "RUNNING" and st["failures"] == 0, st  # shrunk in place, never stopped
+        status("urgent", "urgent completed", lambda s: s.get("phase") == "COMPLETED", timeout=180)
+        st = status("batch", "batch grown back to 4", lambda s: s.get("replicas") == 4)
+        assert st["failures"] == 0, st
+        assert [e for e in _events(kube, "batch") if e["type"] == "Warning"] == [], _events(kube, "batch")
+        for name in ("batch", "urgent"):
+            kube.kubectl("-n", NS, "delete", "mj", name, "--timeout=120s")
+        assert coordinator.get("/jobs/batch")["state"] == "CANCELLED"
