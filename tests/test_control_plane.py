@@ -579,6 +579,7 @@ EVERY_FIELD = {
         "cooldownSeconds": 120.0,
     },
     "spares": 1,
+    "origin": "maitre/every/5f0c6a4e-0000-4000-8000-000000000000",  # (the operator's object)
 }
 EVERY_RESTART_FIELD = {
     # What a restart-mode job has and EVERY_FIELD cannot (its in-place features are refused).

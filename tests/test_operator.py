@@ -4,12 +4,15 @@ server with RBAC, etcd, the controllers, the scheduler, hollow nodes.
 The operator runs as a local process with the token of its ServiceAccount from the kustomize
 base, so the API server enforces the base's Role on every request it makes. The coordinator is a
 local ``maitre up`` whose local nodes' agents stand for the cluster's nodes (the hollow nodes run
-no processes). One story, because a control plane takes seconds to start: a MaitreJob applied
-trains and grows to its maximum; ``kubectl scale`` grows it in place; the operator SIGKILLed
-mid-job and started again re-adopts the job (nothing submitted twice, no Event repeated); a
-MaitreJob the API server's schema refuses, and one the coordinator refuses (a condition and a
-Warning Event); ``kubectl delete`` leaves a final checkpoint before the object goes. And an
-operator whose ServiceAccount lacks a permission says which, and starts nothing.
+no processes). Stories, on one control plane (it takes 15 s to start): a MaitreJob applied
+trains and grows to its maximum; ``kubectl scale`` grows it in place; a second replica of the
+operator waits on the Lease while the first leads, and takes over and re-adopts the job when the
+first is SIGKILLed mid-job (nothing submitted twice, no Event repeated); a MaitreJob the API
+server's schema refuses, and one the coordinator refuses (a condition and a Warning Event);
+``kubectl delete`` leaves a final checkpoint before the object goes. Then: a higher-priority
+MaitreJob shrinks another in place, which grows back; an unmodified torchrun script as a
+MaitreJob of ``elastic: restart``, restarted whole by ``kubectl scale``. And an operator whose
+ServiceAccount lacks a permission says which, and starts nothing.
 
 Marked ``kubernetes``: ``.ci/run`` runs it on its own line (the control plane is built once per
 machine, about 6 minutes cold, by ``deploy/kubernetes/testbed/build-control-plane``).
@@ -75,7 +78,12 @@ def maitre_up(tmp_path: Path, tag: str) -> Iterator[tuple[Client, Path]]:
 class OperatorProcess:
     """``maitre operator`` as a local process with a ServiceAccount's kubeconfig."""
 
-    def __init__(self, tmp_path: Path, kubeconfig: Path, coordinator: Client, token_file: Path, tag: str) -> None:
+    def __init__(
+        self, tmp_path: Path, kubeconfig: Path, coordinator: Client, token_file: Path, tag: str, name: str = "a"
+    ) -> None:
+        self.args = (tmp_path, kubeconfig, coordinator, token_file, tag)
+        self.name = name
+        self.others: list[OperatorProcess] = []
         self.cmd = [
             sys.executable, "-m", "maitre.cli", "operator", "--namespace", NS, "--kubeconfig", str(kubeconfig),
             "--coordinator", coordinator.address, "--token-file", str(token_file), "--resync", "0.5",
@@ -86,12 +94,18 @@ class OperatorProcess:
 
     def start(self) -> "OperatorProcess":
         self.n += 1
-        self.log = self.tmp_path / f"operator-{self.n}.log"
+        self.log = self.tmp_path / f"operator-{self.name}{self.n}.log"
         env = {**_env(self.tag), "MAITRE_LOG": "info"}
         self.proc = subprocess.Popen(
             self.cmd, cwd=ROOT, env=env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True
         )
         return self
+
+    def another(self, name: str) -> "OperatorProcess":
+        """A second replica of the operator (the same ServiceAccount, coordinator and Lease)."""
+        other = OperatorProcess(*self.args, name=name)
+        self.others.append(other)
+        return other
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -99,6 +113,8 @@ class OperatorProcess:
             self.proc.wait()
 
     def stop(self) -> None:
+        for other in self.others:
+            other.stop()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -197,80 +213,67 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[kube_cluster.Kube
 
 
 def test_a_maitrejob_is_run_scaled_adopted_refused_and_deleted(kube: kube_cluster.KubeCluster, tmp_path: Path) -> None:
-    tag = os.urandom(8).hex()
     ckpt = tmp_path / "ckpt"
     train = _train(100_000, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "50")
-    operator: OperatorProcess | None = None
-    try:
-        with maitre_up(tmp_path, tag) as (coordinator, token_file):
-            _apply_base(kube, tmp_path, token_file.read_text().strip())
-            kubeconfig = _sa_kubeconfig(kube, tmp_path, "maitre-operator")
-            operator = OperatorProcess(tmp_path, kubeconfig, coordinator, token_file, tag).start()
+    with _operated(kube, tmp_path) as (coordinator, operator):
 
-            def status(name: str, what: str, check: Any, timeout: float = 90) -> dict[str, Any]:
-                def seen() -> dict[str, Any] | None:
-                    obj = _mj(kube, name)
-                    st = (obj or {}).get("status") or {}
-                    return st if check(st) else None
+        def status(name: str, what: str, check: Any, timeout: float = 90) -> Any:
+            return _status(kube, name, what, check, operator.text, timeout)
 
-                return wait_for(seen, timeout, what, lambda: f"{_mj(kube, name)}\n{operator.text()}")
+        # Applied: submitted with its UID, trains, grows to its maximum.
+        kube.kubectl("apply", "-f", "-", stdin=_job("train", minReplicas=1, maxReplicas=2, command=train,
+                                                     checkpointDir=str(ckpt)))  # fmt: skip
+        st = status("train", "train at 2", lambda s: s.get("phase") == "RUNNING" and s.get("replicas") == 2)
+        obj = _mj(kube, "train")
+        assert obj is not None and "maitre.dev/job" in obj["metadata"]["finalizers"]
+        job = coordinator.get("/jobs/train")
+        assert job["origin"] == f"{NS}/train/{obj['metadata']['uid']}"
+        conditions = {c["type"]: c["status"] for c in st["conditions"]}
+        assert conditions["Running"] == "True" and conditions["Admitted"] == "True"
+        reasons = [e["reason"] for e in _events(kube, "train")]
+        assert "Submitted" in reasons and "Admitted" in reasons, reasons
 
-            # Applied: submitted with its UID, trains, grows to its maximum.
-            kube.kubectl("apply", "-f", "-", stdin=_job("train", minReplicas=1, maxReplicas=2, command=train,
-                                                         checkpointDir=str(ckpt)))  # fmt: skip
-            st = status("train", "train at 2", lambda s: s.get("phase") == "RUNNING" and s.get("replicas") == 2)
-            obj = _mj(kube, "train")
-            assert obj is not None and "maitre.dev/job" in obj["metadata"]["finalizers"]
-            job = coordinator.get("/jobs/train")
-            assert job["origin"] == f"{NS}/train/{obj['metadata']['uid']}"
-            conditions = {c["type"]: c["status"] for c in st["conditions"]}
-            assert conditions["Running"] == "True" and conditions["Admitted"] == "True"
-            reasons = [e["reason"] for e in _events(kube, "train")]
-            assert "Submitted" in reasons and "Admitted" in reasons, reasons
+        # kubectl scale: grown in place (the same job, a later epoch, no failure).
+        epoch = st["epoch"]
+        kube.kubectl("-n", NS, "scale", "mj", "train", "--replicas", "3")
+        st = status("train", "train at 3 replicas", lambda s: s.get("replicas") == 3)
+        assert st["epoch"] > epoch and st["failures"] == 0
+        assert coordinator.get("/jobs/train")["max_workers"] == 3
 
-            # kubectl scale: grown in place (the same job, a later epoch, no failure).
-            epoch = st["epoch"]
-            kube.kubectl("-n", NS, "scale", "mj", "train", "--replicas", "3")
-            st = status("train", "train at 3 replicas", lambda s: s.get("replicas") == 3)
-            assert st["epoch"] > epoch and st["failures"] == 0
-            assert coordinator.get("/jobs/train")["max_workers"] == 3
+        # A second replica of the operator waits on the Lease; the first SIGKILLed mid-job, the
+        # second takes over and re-adopts the job (nothing submitted twice, no Event repeated).
+        standby = operator.another("b").start()
+        time.sleep(3.0)
+        assert "leads" not in standby.text(), standby.text()
+        submitted = reasons.count("Submitted")
+        operator.kill()
+        step = status("train", "train's status", lambda s: s.get("step"))["step"]
+        status("train", "train's status updated by the standby", lambda s: s.get("step", 0) > step + 20)
+        assert "leads" in standby.text(), standby.text()
+        reasons = [e["reason"] for e in _events(kube, "train")]
+        assert reasons.count("Submitted") == submitted, reasons
+        assert len(reasons) == len(set((e["reason"], e["message"]) for e in _events(kube, "train"))), reasons
+        assert [j["job_id"] for j in coordinator.get("/jobs")["jobs"]] == ["train"]
 
-            # The operator SIGKILLed mid-job: the next one re-adopts (nothing submitted twice).
-            submitted = reasons.count("Submitted")
-            operator.kill()
-            step = st["step"]
-            operator.start()
-            status("train", "train's status updated by the new operator", lambda s: s.get("step", 0) > step + 20)
-            reasons = [e["reason"] for e in _events(kube, "train")]
-            assert reasons.count("Submitted") == submitted, reasons
-            assert len(reasons) == len(set((e["reason"], e["message"]) for e in _events(kube, "train"))), reasons
-            assert [j["job_id"] for j in coordinator.get("/jobs")["jobs"]] == ["train"]
+        # Refused by the API server's schema (minReplicas >= 1), and by the coordinator.
+        bad = kube.kubectl("apply", "-f", "-", stdin=_job("bad", minReplicas=0, command=["true"]), check=False)
+        assert bad.returncode != 0 and "minReplicas" in bad.stderr, bad.stderr
+        kube.kubectl("apply", "-f", "-", stdin=_job("worse", minReplicas=3, maxReplicas=2, command=["true"]))
+        st = status("worse", "worse refused", lambda s: s.get("phase") == "INVALID")
+        assert "maxReplicas" in st["message"], st
+        assert any(e["reason"] == "Invalid" and e["type"] == "Warning" for e in _events(kube, "worse"))
+        kube.kubectl("-n", NS, "delete", "mj", "worse", "--timeout=60s")
 
-            # Refused by the API server's schema (minReplicas >= 1), and by the coordinator.
-            bad = kube.kubectl("apply", "-f", "-", stdin=_job("bad", minReplicas=0, command=["true"]), check=False)
-            assert bad.returncode != 0 and "minReplicas" in bad.stderr, bad.stderr
-            kube.kubectl("apply", "-f", "-", stdin=_job("worse", minReplicas=3, maxReplicas=2, command=["true"]))
-            st = status("worse", "worse refused", lambda s: s.get("phase") == "INVALID")
-            assert "maxReplicas" in st["message"], st
-            assert any(e["reason"] == "Invalid" and e["type"] == "Warning" for e in _events(kube, "worse"))
-            kube.kubectl("-n", NS, "delete", "mj", "worse", "--timeout=60s")
+        # Checkpoints, as the job reports them.
+        status("train", "a checkpoint in train's status", lambda s: s.get("lastCheckpointStep", 0) >= 50)
 
-            # Checkpoints, as the job reports them.
-            status("train", "a checkpoint in train's status", lambda s: s.get("lastCheckpointStep", 0) >= 50)
-
-            # kubectl delete: checkpointed at a step boundary, then gone.
-            kube.kubectl("-n", NS, "delete", "mj", "train", "--timeout=120s")
-            assert _mj(kube, "train") is None
-            job = coordinator.get("/jobs/train")
-            assert job["state"] == "CANCELLED", job
-            assert any(e["kind"] == "suspended" for e in job["events"]), job["events"]
-            assert list(ckpt.glob("step-*")), f"no checkpoint in {ckpt}: {os.listdir(ckpt) if ckpt.exists() else '-'}"
-    finally:
-        if operator is not None:
-            operator.stop()
-        time.sleep(1.0)
-        left = kill_tagged(tag)
-        assert not left, f"processes left behind: {left}"
+        # kubectl delete: checkpointed at a step boundary, then gone.
+        kube.kubectl("-n", NS, "delete", "mj", "train", "--timeout=120s")
+        assert _mj(kube, "train") is None
+        job = coordinator.get("/jobs/train")
+        assert job["state"] == "CANCELLED", job
+        assert any(e["kind"] == "suspended" for e in job["events"]), job["events"]
+        assert list(ckpt.glob("step-*")), f"no checkpoint in {ckpt}: {os.listdir(ckpt) if ckpt.exists() else '-'}"
 
 
 def test_an_operator_without_a_permission_says_which(kube: kube_cluster.KubeCluster, tmp_path: Path) -> None:
@@ -316,3 +319,30 @@ def test_a_higher_priority_maitrejob_shrinks_another_in_place_and_it_grows_back(
         for name in ("batch", "urgent"):
             kube.kubectl("-n", NS, "delete", "mj", name, "--timeout=120s")
         assert coordinator.get("/jobs/batch")["state"] == "CANCELLED"
+
+
+def test_an_unmodified_torchrun_script_as_a_maitrejob_is_restarted_whole_by_kubectl_scale(
+    kube: kube_cluster.KubeCluster, tmp_path: Path
+) -> None:
+    """Restart mode through the operator: ``elastic: restart`` in the MaitreJob's spec; ``kubectl
+    scale`` stops the gang and starts it again at the new size, from the script's checkpoint."""
+    ckpt, out = tmp_path / "ddp", tmp_path / "final.pt"
+    script = [sys.executable, str(ROOT / "examples" / "torchrun_ddp.py"), "--steps", "400", "--step-ms", "20",
+              "--checkpoint-dir", str(ckpt), "--out", str(out)]  # fmt: skip
+    with _operated(kube, tmp_path) as (coordinator, operator):
+
+        def status(what: str, check: Any, timeout: float = 90) -> Any:
+            return _status(kube, "ddp", what, check, operator.text, timeout)
+
+        kube.kubectl("apply", "-f", "-", stdin=_job("ddp", elastic="restart", minReplicas=1, maxReplicas=1,
+                                                     command=script))  # fmt: skip
+        status("ddp running at 1", lambda s: s.get("phase") == "RUNNING" and s.get("replicas") == 1)
+        wait_for(lambda: list(ckpt.glob("*")), 60, "the script's first checkpoint", operator.text)
+        kube.kubectl("-n", NS, "scale", "mj", "ddp", "--replicas", "2")
+        st = status("ddp restarted at 2", lambda s: s.get("restarts", 0) >= 1 and s.get("replicas") == 2)
+        assert st["failures"] == 0, st
+        st = status("ddp completed", lambda s: s.get("phase") == "COMPLETED", timeout=180)
+        assert out.exists(), "the script's rank 0 wrote no final parameters"
+        reasons = [e["reason"] for e in _events(kube, "ddp")]
+        assert "GangStopped" in reasons, reasons
+        kube.kubectl("-n", NS, "delete", "mj", "ddp", "--timeout=60s")

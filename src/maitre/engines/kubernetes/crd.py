@@ -146,6 +146,7 @@ def _status_schema() -> dict[str, Any]:
             "epoch": field("integer", "The membership epoch."),
             "step": field("integer", "The last committed step."),
             "failures": field("integer", "Failure events survived so far."),
+            "restarts": field("integer", "elastic: restart: the gangs started again after another."),
             "lastCheckpointStep": field("integer", "The step of the last checkpoint written."),
             "message": field("string", "Why it waits or failed."),
             "jobId": field("string", "The coordinator's job (its name)."),

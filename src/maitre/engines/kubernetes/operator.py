@@ -19,10 +19,10 @@ read both, make them agree, write what was seen into the object's ``status``:
   gracefully: suspended first where it checkpoints (every worker leaves at a step boundary, a
   final checkpoint written), then cancelled; the finalizer goes once the job has ended.
 - **Status and Events.** ``status`` holds the phase, the replicas training and targeted, the
-  epoch and step, the last checkpoint's step, the conditions, and how many of the job's events
-  became Kubernetes Events (``eventsSeen``: a restarted operator does not repeat them). Only
-  fields the CRD declares are written (:mod:`maitre.engines.kubernetes.crd`): a real API server
-  prunes the rest.
+  epoch and step, the gangs restarted (``elastic: restart``), the last checkpoint's step, the
+  conditions, and how many of the job's events became Kubernetes Events (``eventsSeen``: a
+  restarted operator does not repeat them). Only fields the CRD declares are written
+  (:mod:`maitre.engines.kubernetes.crd`): a real API server prunes the rest.
 - **One acts at a time.** Replicas of the operator elect a leader over a ``coordination.k8s.io``
   Lease; only the leader reconciles, and it stops the moment it cannot renew.
 
@@ -159,6 +159,8 @@ class Operator:
 
         lost_lease = threading.Event()
 
+        # (the client's election logs every renewal at INFO: its news is this module's to say)
+        logging.getLogger("leaderelection").setLevel(max(logging.WARNING, log.getEffectiveLevel()))
         lock = LeaseLock(self.cfg.lease_name, self.cfg.namespace, self.cfg.identity)
         lock.api_instance = client.CoordinationV1Api(self.api)  # (this operator's credentials)
         config = electionconfig.Config(lock, self.cfg.lease_s, self.cfg.renew_s, self.cfg.retry_s, lead, lost)
@@ -309,6 +311,7 @@ class Operator:
             "epoch": detail.get("epoch", 0),
             "step": detail.get("step", 0),
             "failures": detail.get("failures", 0),
+            "restarts": len(detail.get("restarts", [])),
             "message": detail.get("failure") or detail.get("waiting_for") or phase.lower(),
             "eventsSeen": len(events),
             "observedGeneration": obj["metadata"].get("generation", 0),
