@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -235,3 +236,21 @@ def wait_for(predicate, timeout: float, what: str, log: Path | list[str] | Calla
     else:
         detail = log.read_text()[-3000:] if log is not None and log.exists() else ""
     raise AssertionError(f"timed out waiting for {what}\n{detail}")
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports free now (the daemons a test starts are told them)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def announced_address(log: Path) -> str | None:
+    """The address ``maitre up`` printed in ``log`` (``coordinator at HOST:PORT``), once it has."""
+    lines = [ln for ln in log.read_text().splitlines() if "coordinator at " in ln]
+    return lines[0].split("coordinator at ")[1].split()[0] if lines else None

@@ -24,7 +24,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import ssl
 import subprocess
 import time
@@ -36,7 +35,7 @@ from typing import Any
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, free_ports
 
 BUILD = ROOT / "deploy" / "kubernetes" / "testbed" / "build-control-plane"
 NODE_GPUS = 8
@@ -67,17 +66,6 @@ def require() -> Path:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI must run the Kubernetes tests: {why}")
     pytest.skip(why)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -122,8 +110,8 @@ class KubeCluster:
     def start(self, timeout_s: float = 120.0) -> "KubeCluster":
         d = self.root
         d.mkdir(parents=True, exist_ok=True)
-        (self.etcd_port, self.etcd_peer, self.api_port, cm_port, sched_port) = _free_ports(5)
-        kubelet_ports = _free_ports(2 * self.nodes)
+        (self.etcd_port, self.etcd_peer, self.api_port, cm_port, sched_port) = free_ports(5)
+        kubelet_ports = free_ports(2 * self.nodes)
         subprocess.run(["openssl", "genrsa", "-out", str(d / "sa.key"), "2048"], check=True, capture_output=True)
         subprocess.run(
             ["openssl", "rsa", "-in", str(d / "sa.key"), "-pubout", "-out", str(d / "sa.pub")],

@@ -22,7 +22,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from conftest import free_ports
 
 NODES = ("node1", "node2", "node3", "node4")
 SWITCHES = {"sw1": ("node1", "node2"), "sw2": ("node3", "node4")}
@@ -63,17 +64,6 @@ def require(accounting: bool = False) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI must run the Slurm tests: {why}")
     pytest.skip(why)
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 @dataclass
@@ -204,7 +194,7 @@ def _read_pid(path: Path, timeout_s: float = 20.0) -> int:
 def write_config(root: Path, accounting: bool = False) -> Path:
     """The cluster's configuration files in ``root``; returns the path of ``slurm.conf``. With
     ``accounting``, ``slurmdbd.conf`` too (its MariaDB on a port of its own, in ``root/db``)."""
-    ctld_port, dbd_port, db_port, *node_ports = _free_ports(3 + len(NODES))
+    ctld_port, dbd_port, db_port, *node_ports = free_ports(3 + len(NODES))
     for d in ("munge", "log", "state", "spool"):
         (root / d).mkdir(parents=True, exist_ok=True)
     (root / "munge").chmod(0o700)
@@ -416,7 +406,7 @@ def maitre_up(cluster, tmp_path: Path, *flags: str):
     output in ``tmp_path/up.log``: yields (a client, the state directory, the log). Afterwards
     it is stopped (SIGINT) and every process it or its replica jobs started is killed; one left
     is a failure."""
-    from conftest import ROOT, TAG_VAR, _tagged_pids, kill_tagged, wait_for
+    from conftest import ROOT, TAG_VAR, _tagged_pids, announced_address, kill_tagged, wait_for
     from maitre.wire import Client
 
     tag = os.urandom(8).hex()
@@ -453,19 +443,7 @@ def maitre_up(cluster, tmp_path: Path, *flags: str):
         start_new_session=True,
     )
     try:
-        address = wait_for(
-            lambda: next(
-                (
-                    ln.split("coordinator at ")[1].split()[0]
-                    for ln in log.read_text().splitlines()
-                    if "coordinator at " in ln
-                ),
-                None,
-            ),
-            60,
-            "the coordinator",
-            log,
-        )
+        address = wait_for(lambda: announced_address(log), 60, "the coordinator", log)
         yield Client(address, timeout_s=5.0, token=(state / "token").read_text().strip()), state, log
     finally:
         up.send_signal(signal.SIGINT)

@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import pytest
 
 import kube_cluster
-from conftest import ROOT, TAG_VAR, kill_tagged, wait_for
+from conftest import ROOT, TAG_VAR, announced_address, kill_tagged, wait_for
 from maitre.wire import Client
 
 pytestmark = [pytest.mark.kubernetes, pytest.mark.timeout(600)]
@@ -60,12 +60,7 @@ def maitre_up(tmp_path: Path, tag: str) -> Iterator[tuple[Client, Path]]:
         cwd=ROOT, env=_env(tag), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:
-
-        def address() -> str | None:
-            lines = [ln for ln in log.read_text().splitlines() if "coordinator at " in ln]
-            return lines[0].split("coordinator at ")[1].split()[0] if lines else None
-
-        found = wait_for(address, 60, "the coordinator", log)
+        found = wait_for(lambda: announced_address(log), 60, "the coordinator", log)
         yield Client(found, timeout_s=5.0, token=(state / "token").read_text().strip()), state / "token"
     finally:
         up.send_signal(signal.SIGINT)

@@ -158,7 +158,7 @@ def _up(tmp: Path, env: dict[str, str], *flags: str, timeout: float = 60) -> sub
 @pytest.mark.timeout(90)
 def test_a_slurm_that_does_not_answer_is_one_line_naming_the_command(cluster, tmp_path) -> None:
     conf = tmp_path / "slurm.conf"  # the same cluster, but its controller on a dead port
-    [dead] = slurm_cluster._free_ports(1)
+    [dead] = slurm_cluster.free_ports(1)
     text = cluster.conf.read_text()
     text = (
         "\n".join(f"SlurmctldPort={dead}" if ln.startswith("SlurmctldPort=") else ln for ln in text.splitlines())

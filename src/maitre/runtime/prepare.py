@@ -180,7 +180,8 @@ class PreparedLoader:
         self._factor = 1.0
         """What each gradient of the current backward pass is scaled by before it accumulates
         (1: nothing; a micro-batch of another size than the first: the ratio)."""
-        self._hooks = [p.register_hook(self._scale) for p in loop.params]
+        self._hooks = [p.register_hook(self._scale) for p in loop.params] if self._mean else []
+        """(a sum is never scaled: no hook to call on every gradient)"""
 
     # -- what a script reads ---------------------------------------------------------------------
     @property

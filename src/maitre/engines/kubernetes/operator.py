@@ -318,16 +318,16 @@ class Operator:
         }
         if checkpoints:
             new["lastCheckpointStep"] = int(checkpoints[-1].get("step", 0))
-        conditions = status
+        conditions = {"conditions": status.get("conditions", [])}
         for kind, on in (
-            ("Admitted", phase not in ("PENDING",)),
+            ("Admitted", phase != "PENDING"),
             ("Running", phase == "RUNNING"),
             ("Suspended", phase == "SUSPENDED"),
             ("Completed", phase == "COMPLETED"),
             ("Failed", phase == "FAILED"),
         ):
             value, words = ("True" if on else "False"), f"the job is {phase}"
-            conditions = {**conditions, **self._condition(conditions, kind, value, phase.title(), words)}
+            conditions = self._condition(conditions, kind, value, phase.title(), words)
         new["conditions"] = conditions["conditions"]
         if any(status.get(k) != v for k, v in new.items()):
             self._status(obj, new)
