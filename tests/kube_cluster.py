@@ -20,12 +20,17 @@ say why; under CI (``CI=true``) they fail instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
+import signal
 import ssl
 import subprocess
+import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -280,3 +285,108 @@ class KubeCluster:
                 pass
             time.sleep(0.3)
         raise AssertionError(f"waited {timeout_s:.0f} s for {what}:\n{self.log('kube-apiserver')}")
+
+
+class LocalRuntime:
+    """The container runtime that the hollow nodes lack, for replica pods: the container
+    ``agent`` of every pod of ``namespace`` labelled ``maitre.dev/job`` that a hollow node reports
+    Running is run as a local process, as the pod says (its command and args, ``$(VAR)`` expanded
+    from its env, whose ``fieldRef`` to ``metadata.name`` is resolved; ``maitre`` is this
+    Python's ``-m maitre.cli``). A pod deleted (evicted, preempted, or by the operator) has its
+    process sent SIGTERM, as a kubelet does, and SIGKILL after the pod's grace period."""
+
+    def __init__(self, kube: KubeCluster, namespace: str, env: dict[str, str], log_dir: Path) -> None:
+        self.kube, self.namespace, self.env, self.log_dir = kube, namespace, env, log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.terminated: dict[str, float] = {}
+        """Pod name -> when its process was sent SIGTERM (time.time())."""
+        self._grace: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="local-runtime", daemon=True)
+
+    def __enter__(self) -> "LocalRuntime":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._kill(proc)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL to the container: the agent and every process under it (its workers run in
+        sessions of their own, as a kubelet's cgroup would still hold them)."""
+        family, parents = {proc.pid}, {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(stat.parent.name)] = int(fields[1])
+        grew = True
+        while grew:
+            more = {pid for pid, ppid in parents.items() if ppid in family} - family
+            family |= more
+            grew = bool(more)
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+    def command(self, pod: dict[str, Any]) -> list[str]:
+        agent = next(c for c in pod["spec"]["containers"] if c["name"] == "agent")
+        values = {e["name"]: e.get("value", "") for e in agent.get("env", [])}
+        for e in agent.get("env", []):
+            ref = (e.get("valueFrom") or {}).get("fieldRef", {}).get("fieldPath")
+            if ref == "metadata.name":
+                values[e["name"]] = pod["metadata"]["name"]
+        words = [*agent.get("command", []), *agent.get("args", [])]
+        words = [re.sub(r"\$\((\w+)\)", lambda m: values.get(m.group(1), m.group(0)), w) for w in words]
+        if words and words[0] == "maitre":
+            words = [sys.executable, "-m", "maitre.cli", *words[1:]]
+        return words
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            try:
+                listed = self.kube.request(
+                    "GET", f"/api/v1/namespaces/{self.namespace}/pods?labelSelector=maitre.dev%2Fjob"
+                )
+            except (OSError, AssertionError):
+                continue
+            seen = set()
+            for pod in listed["items"]:
+                name = pod["metadata"]["name"]
+                seen.add(name)
+                if pod["metadata"].get("deletionTimestamp"):
+                    self._term(name, pod["spec"].get("terminationGracePeriodSeconds", 30))
+                elif pod.get("status", {}).get("phase") == "Running" and name not in self.procs:
+                    with open(self.log_dir / f"{name}.log", "wb") as log:
+                        self.procs[name] = subprocess.Popen(
+                            self.command(pod), cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True,
+                        )  # fmt: skip
+            for name in set(self.procs) - seen:
+                self._term(name, 30)
+            now = time.time()
+            for name, at in self.terminated.items():
+                proc = self.procs[name]
+                if proc.poll() is None and now > at + self._grace[name]:
+                    self._kill(proc)
+
+    def _term(self, name: str, grace: float) -> None:
+        proc = self.procs.get(name)
+        if proc is not None and name not in self.terminated:
+            self.terminated[name] = time.time()
+            self._grace[name] = grace
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)

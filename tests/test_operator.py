@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import yaml
 
 import kube_cluster
 from conftest import ROOT, TAG_VAR, announced_address, kill_tagged, wait_for
@@ -49,13 +50,13 @@ def _env(tag: str) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def maitre_up(tmp_path: Path, tag: str) -> Iterator[tuple[Client, Path]]:
-    """``maitre up`` with two local nodes of two slots: the agents that stand for the cluster's
-    nodes (a job may be resized again 3 s after the last resize, not 180). Yields a client and
-    the token file."""
+def maitre_up(tmp_path: Path, tag: str, nodes: int = 2) -> Iterator[tuple[Client, Path]]:
+    """``maitre up`` with ``nodes`` local nodes of two slots: the agents that stand for the
+    cluster's nodes (a job may be resized again 3 s after the last resize, not 180). Yields a
+    client and the token file."""
     state, log = tmp_path / "state", tmp_path / "up.log"
     up = subprocess.Popen(
-        [sys.executable, "-m", "maitre.cli", "up", "--nodes", "2", "--slots-per-node", "2",
+        [sys.executable, "-m", "maitre.cli", "up", "--nodes", str(nodes), "--slots-per-node", "2",
          "--state-dir", str(state), "--queue", "default", "--resize-cooldown", "3"],
         cwd=ROOT, env=_env(tag), stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
@@ -122,11 +123,12 @@ class OperatorProcess:
         return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
 
 
-def _apply_base(kube: kube_cluster.KubeCluster, tmp_path: Path, token: str) -> None:
-    base = tmp_path / "base"
-    shutil.copytree(ROOT / "deploy" / "kubernetes" / "base", base)
-    (base / "token").write_text(token)
-    kube.kubectl("apply", "-k", str(base))
+def _apply_base(kube: kube_cluster.KubeCluster, tmp_path: Path, token: str, overlay: str = "base") -> None:
+    """``kubectl apply -k`` the base (or an overlay of it), with the coordinator's token."""
+    for name in {"base", overlay}:
+        shutil.copytree(ROOT / "deploy" / "kubernetes" / name, tmp_path / name, dirs_exist_ok=True)
+    (tmp_path / "base" / "token").write_text(token)
+    kube.kubectl("apply", "-k", str(tmp_path / overlay))
     kube.kubectl("wait", "--for=condition=Established", "crd/maitrejobs.maitre.dev", "--timeout=60s")
 
 
@@ -180,17 +182,39 @@ def _status(kube: kube_cluster.KubeCluster, name: str, what: str, check: Any, lo
     return wait_for(seen, timeout, what, lambda: f"{_mj(kube, name)}\n{log()}")
 
 
+def _replica_pod_template(tmp_path: Path, coordinator: Client, token_file: Path) -> Path:
+    """``deploy/kubernetes/replica-pods/replica-pod.yaml`` with the local coordinator's address
+    and token file in its agent's arguments, without volumes (the hollow nodes mount none), and
+    without CPU and memory requests (a hollow node has little of either: the GPUs are what counts)."""
+    pod = yaml.safe_load((ROOT / "deploy" / "kubernetes" / "replica-pods" / "replica-pod.yaml").read_text())
+    agent = pod["spec"]["containers"][0]
+    agent["args"] = ["--coordinator", coordinator.address, "--token-file", str(token_file)]
+    agent.pop("volumeMounts")
+    agent["resources"] = {}
+    pod["spec"].pop("volumes")
+    path = tmp_path / "replica-pod.yaml"
+    path.write_text(yaml.safe_dump(pod))
+    return path
+
+
 @contextlib.contextmanager
-def _operated(kube: kube_cluster.KubeCluster, tmp_path: Path) -> Iterator[tuple[Client, "OperatorProcess"]]:
+def _operated(
+    kube: kube_cluster.KubeCluster, tmp_path: Path, replica_pods: bool = False
+) -> Iterator[tuple[Client, "OperatorProcess"]]:
     """A coordinator (``maitre up``), the base applied with its token, and the operator running
-    with its ServiceAccount's token; every process they started is gone afterwards."""
+    with its ServiceAccount's token; every process they started is gone afterwards. With
+    ``replica_pods``: the replica-pods overlay, a coordinator without nodes of its own, and the
+    operator's ``--replica-pods`` (the test runs the pods' agents: :class:`LocalRuntime`)."""
     tag = os.urandom(8).hex()
     operator: OperatorProcess | None = None
     try:
-        with maitre_up(tmp_path, tag) as (coordinator, token_file):
-            _apply_base(kube, tmp_path, token_file.read_text().strip())
+        with maitre_up(tmp_path, tag, nodes=0 if replica_pods else 2) as (coordinator, token_file):
+            _apply_base(kube, tmp_path, token_file.read_text().strip(), "replica-pods" if replica_pods else "base")
             kubeconfig = _sa_kubeconfig(kube, tmp_path, "maitre-operator")
-            operator = OperatorProcess(tmp_path, kubeconfig, coordinator, token_file, tag).start()
+            operator = OperatorProcess(tmp_path, kubeconfig, coordinator, token_file, tag)
+            if replica_pods:
+                operator.cmd += ["--replica-pods", str(_replica_pod_template(tmp_path, coordinator, token_file))]
+            operator.start()
             yield coordinator, operator
     finally:
         if operator is not None:
@@ -341,3 +365,96 @@ def test_an_unmodified_torchrun_script_as_a_maitrejob_is_restarted_whole_by_kube
         reasons = [e["reason"] for e in _events(kube, "ddp")]
         assert "GangStopped" in reasons, reasons
         kube.kubectl("-n", NS, "delete", "mj", "ddp", "--timeout=60s")
+
+
+def _pods(kube: kube_cluster.KubeCluster, job: str) -> list[dict[str, Any]]:
+    """``job``'s replica pods that are not being deleted, by replica index."""
+    listed = kube.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=maitre.dev%2Fjob%3D{job}")["items"]
+    live = [p for p in listed if not p["metadata"].get("deletionTimestamp")]
+    return sorted(live, key=lambda p: int(p["metadata"]["labels"]["maitre.dev/replica"]))
+
+
+def _phases(kube: kube_cluster.KubeCluster, job: str) -> list[str]:
+    return [p["status"].get("phase", "Pending") for p in _pods(kube, job)]
+
+
+def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_after_the_drain(
+    kube: kube_cluster.KubeCluster, tmp_path: Path
+) -> None:
+    """One pod per replica (``--replica-pods``, the replica-pods overlay): the hollow nodes have
+    8 GPUs each, a replica takes 8, so of the 3 replicas asked for one pod stays Pending, and
+    the job trains at 2; a pod evicted is a graceful leave (no failure) and the Pending pod takes
+    its place; ``kubectl scale`` down deletes the Pending pod, and the running one only after its
+    worker has left at a step boundary; ``kubectl delete`` takes every pod with the job."""
+    with _operated(kube, tmp_path, replica_pods=True) as (coordinator, operator):
+        runtime = kube_cluster.LocalRuntime(kube, NS, _env(operator.tag), tmp_path)
+        with runtime:
+
+            def status(what: str, check: Any, timeout: float = 120) -> Any:
+                return _status(
+                    kube, "wide", what, check, lambda: f"{operator.text()}\n{_phases(kube, 'wide')}", timeout
+                )
+
+            kube.kubectl("apply", "-f", "-", stdin=_job("wide", priorityClassName="normal", minReplicas=1,
+                                                         maxReplicas=3, gpusPerReplica=8,
+                                                         command=_train(100_000)))  # fmt: skip
+            st = status("wide at 2, a third pod Pending", lambda s: s.get("replicas") == 2 and s.get("pendingReplicas"))
+            assert st["phase"] == "RUNNING" and st["failures"] == 0, st
+            waiting = {c["type"]: c for c in st["conditions"]}["ReplicasPending"]
+            assert waiting["status"] == "True" and "Insufficient nvidia.com/gpu" in waiting["message"], waiting
+            pods = _pods(kube, "wide")
+            assert [p["status"]["phase"] for p in pods] == ["Running", "Running", "Pending"], pods
+            assert [p["spec"].get("priorityClassName") for p in pods] == ["maitre-normal", *["maitre-surplus"] * 2]
+            agent = pods[0]["spec"]["containers"][0]
+            assert agent["resources"]["requests"]["nvidia.com/gpu"] == "8"
+            assert (
+                "reserved_for=wide" in agent["args"]
+                and pods[0]["metadata"]["ownerReferences"][0]["kind"] == "MaitreJob"
+            )
+            nodes = {n["node"]: n for n in coordinator.get("/nodes")["nodes"]}
+            assert set(nodes) == {p["metadata"]["name"] for p in pods[:2]}, nodes  # a node per Running pod
+            assert all(n["labels"]["reserved_for"] == "wide" and n["slots"] == 8 for n in nodes.values()), nodes
+
+            # Evicted (the Eviction API, as `kubectl drain` does): a graceful leave, and the Pending
+            # pod takes the freed GPUs.
+            evicted = pods[1]["metadata"]["name"]
+            eviction = {
+                "apiVersion": "policy/v1beta1",
+                "kind": "Eviction",
+                "metadata": {"name": evicted, "namespace": NS},
+            }
+            kube.request("POST", f"/api/v1/namespaces/{NS}/pods/{evicted}/eviction", eviction)
+            wait_for(lambda: evicted in runtime.terminated, 30, "the evicted pod's SIGTERM", operator.text)
+            status("the evicted replica gone", lambda s: s.get("replicas") == 1)
+            st = status("wide back at 2", lambda s: s.get("replicas") == 2)
+            assert st["failures"] == 0, st
+            assert pods[2]["metadata"]["name"] in {n["node"] for n in coordinator.get("/nodes")["nodes"]}
+            job = coordinator.get("/jobs/wide")
+            assert any(e["kind"] == "worker_left" for e in job["events"]), job["events"]
+            assert not any(e["kind"] == "worker_dead" for e in job["events"]), job["events"]
+            assert any(e["reason"] == "ReplicaPodEvicted" for e in _events(kube, "wide")), "\n".join(
+                f"{e['reason']}: {e['message']}" for e in _events(kube, "wide")
+            )
+            wait_for(
+                lambda: sorted(_phases(kube, "wide")) == ["Pending", "Running", "Running"], 60,
+                "the replica's pod asked for again", lambda: str(_phases(kube, "wide")),
+            )  # fmt: skip
+
+            # Scaled down: the Pending pod goes first; a running one only once its worker has left.
+            t0 = time.time()
+            running = {p["metadata"]["name"] for p in _pods(kube, "wide") if p["status"]["phase"] == "Running"}
+            kube.kubectl("-n", NS, "scale", "mj", "wide", "--replicas", "1")
+            status("wide at 1", lambda s: s.get("replicas") == 1 and not s.get("pendingReplicas"))
+            wait_for(lambda: len(_pods(kube, "wide")) == 1, 60, "one pod left", operator.text)
+            (gone,) = running - {p["metadata"]["name"] for p in _pods(kube, "wide")}
+            wait_for(lambda: gone in runtime.terminated, 30, "the pod's SIGTERM")
+            left = [
+                e["t"] for e in coordinator.get("/jobs/wide")["events"] if e["kind"] == "worker_left" and e["t"] > t0
+            ]
+            assert left and min(left) <= runtime.terminated[gone], (left, runtime.terminated[gone])
+            assert coordinator.get("/jobs/wide")["failures"] == 0
+
+            # Deleted: the job ends, and every pod with it.
+            kube.kubectl("-n", NS, "delete", "mj", "wide", "--timeout=120s")
+            assert coordinator.get("/jobs/wide")["state"] == "CANCELLED"
+            wait_for(lambda: not _pods(kube, "wide"), 60, "the pods gone", operator.text)

@@ -797,8 +797,10 @@ def cmd_operator(args: argparse.Namespace) -> int:
     from kubernetes import client, config
 
     from maitre.engines.kubernetes.operator import Operator, OperatorConfig, missing_permissions
+    from maitre.engines.kubernetes.pods import load_template
 
     try:
+        template = None if args.replica_pods is None else load_template(args.replica_pods)
         cfg = OperatorConfig(
             namespace=args.namespace,
             resync_s=args.resync,
@@ -806,6 +808,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
             lease_s=args.lease_seconds,
             renew_s=max(2, args.lease_seconds * 2 // 3),
             retry_s=max(1, args.lease_seconds // 6),
+            replica_pods=template,
         )
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -818,13 +821,14 @@ def cmd_operator(args: argparse.Namespace) -> int:
         raise UsageError(f"no Kubernetes API server to talk to: {exc}") from None
     api = client.ApiClient()
     try:
-        missing = missing_permissions(api, cfg.namespace)
+        missing = missing_permissions(api, cfg.namespace, replica_pods=template is not None)
     except (OSError, client.exceptions.ApiException) as exc:
         raise UsageError(f"cannot ask the Kubernetes API server what the operator may do: {exc}") from None
     if missing:
         raise UsageError(
             f"the operator may not {'; '.join(missing)} in namespace {cfg.namespace}: grant it what "
             "deploy/kubernetes/base/operator-rbac.yaml's Role grants"
+            + (" and, for replica pods, deploy/kubernetes/replica-pods/operator-pods-rbac.yaml's" if template else "")
         )
     coordinator = _coordinator(args)
     coordinator.get(protocol.JOBS)  # reachable, and the token is right, before anything else
@@ -1258,6 +1262,13 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--lease-name", default="maitre-operator", help="the Lease its replicas elect a leader with")
     op.add_argument(
         "--lease-seconds", type=int, default=15, help="how long a leader's Lease holds unrenewed (at least 3)"
+    )
+    op.add_argument(
+        "--replica-pods",
+        metavar="TEMPLATE",
+        help="keep one pod per replica of every MaitreJob, made from this Pod manifest (its container "
+        "'agent' runs maitre agent), so Kubernetes' scheduler, quotas and priorities see each replica "
+        "(default: jobs run on the agents already there)",
     )
     _coordinator_args(op)
     op.set_defaults(fn=cmd_operator)

@@ -148,6 +148,9 @@ def _status_schema() -> dict[str, Any]:
             "failures": field("integer", "Failure events survived so far."),
             "restarts": field("integer", "elastic: restart: the gangs started again after another."),
             "lastCheckpointStep": field("integer", "The step of the last checkpoint written."),
+            "pendingReplicas": field(
+                "integer", "Replica pods the cluster's scheduler has not placed (with --replica-pods)."
+            ),
             "message": field("string", "Why it waits or failed."),
             "jobId": field("string", "The coordinator's job (its name)."),
             "observedGeneration": field("integer", "The spec's generation the coordinator has."),

@@ -36,6 +36,7 @@ API server forbids is reported with the verb and resource that are missing.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -45,6 +46,7 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from maitre.engines.kubernetes.crd import GROUP, KIND, PLURAL, VERSION, API_VERSION, manifest_of
+from maitre.engines.kubernetes.pods import JOB_LABEL, ReplicaPods, pod_for, unschedulable
 from maitre.errors import ApiError, CoordinatorUnreachable
 from maitre.wire import Client
 
@@ -69,16 +71,20 @@ NEEDED = (
 )
 """(API group, resource, subresource, verbs) the operator needs in its namespace: what
 ``deploy/kubernetes/base/operator-rbac.yaml`` grants."""
+NEEDED_FOR_PODS = (("", "pods", "", ("list", "create", "delete")),)
+"""And with replica pods (``--replica-pods``): what ``deploy/kubernetes/replica-pods``'s Role
+adds."""
 
 
-def missing_permissions(api: Any, namespace: str) -> list[str]:
-    """What of :data:`NEEDED` the operator's credentials may not do in ``namespace``, asked of
-    the API server (a SelfSubjectAccessReview each: any authenticated user may ask)."""
+def missing_permissions(api: Any, namespace: str, replica_pods: bool = False) -> list[str]:
+    """What of :data:`NEEDED` (and :data:`NEEDED_FOR_PODS`) the operator's credentials may not
+    do in ``namespace``, asked of the API server (a SelfSubjectAccessReview each: any
+    authenticated user may ask)."""
     from kubernetes import client
 
     authz = client.AuthorizationV1Api(api)
     missing = []
-    for group, resource, sub, verbs in NEEDED:
+    for group, resource, sub, verbs in (*NEEDED, *(NEEDED_FOR_PODS if replica_pods else ())):
         for verb in verbs:
             attrs = client.V1ResourceAttributes(
                 group=group, resource=resource, subresource=sub or None, verb=verb, namespace=namespace
@@ -104,6 +110,9 @@ class OperatorConfig:
     renew_s: int = 10
     retry_s: int = 2
     identity: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    replica_pods: dict[str, Any] | None = None
+    """A replica pod template (:mod:`maitre.engines.kubernetes.pods`): one pod per replica of
+    every MaitreJob (None: the jobs run on the agents already there, the DaemonSet's)."""
 
     def __post_init__(self) -> None:
         if not self.namespace:
@@ -115,6 +124,14 @@ class OperatorConfig:
                 f"the Lease's times must satisfy lease > renew > 1.2 x retry >= 1.2 s, got "
                 f"{self.lease_s}, {self.renew_s}, {self.retry_s}"
             )
+
+
+def json_message(body: Any) -> str:
+    """The ``message`` of an API server's error body (its text where it is not JSON)."""
+    try:
+        return str(json.loads(body)["message"])
+    except (TypeError, ValueError, KeyError):
+        return " ".join(str(body).split())[:500]
 
 
 def _now() -> str:
@@ -135,6 +152,8 @@ class Operator:
         self.coordinator = coordinator
         self.leading = threading.Event()
         self.wake = threading.Event()
+        self.pods = None if cfg.replica_pods is None else ReplicaPods(cfg.replica_pods, cfg.namespace)
+        self._pending: dict[str, tuple[int, str | None]] = {}
 
     # -- the loop ---------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> bool:
@@ -213,10 +232,16 @@ class Operator:
             lambda: self.objects.list_namespaced_custom_object(GROUP, VERSION, self.cfg.namespace, PLURAL),
         )
         jobs = {j["job_id"]: j for j in self.coordinator.get("/jobs")["jobs"]}
-        for obj in listed.get("items", []):
+        items = listed.get("items", [])
+        pods = self._list_pods() if self.pods is not None else []
+        if self.pods is not None:
+            self._pending = {o["metadata"]["name"]: self.pods.pending(pods, o["metadata"]["name"]) for o in items}
+        for obj in items:
             if not self.leading.is_set():
                 return
             self.reconcile(obj, jobs.get(obj["metadata"]["name"]))
+        if self.pods is not None and self.leading.is_set():
+            self._sync_pods(items, jobs, pods)
 
     def reconcile(self, obj: dict[str, Any], job: dict[str, Any] | None) -> None:
         """Make the coordinator's ``job`` (None: it has none of this name) agree with ``obj``."""
@@ -319,6 +344,15 @@ class Operator:
         if checkpoints:
             new["lastCheckpointStep"] = int(checkpoints[-1].get("step", 0))
         conditions = {"conditions": status.get("conditions", [])}
+        if self.pods is not None:
+            waiting, words = self._pending.get(obj["metadata"]["name"], (0, None))
+            new["pendingReplicas"] = waiting
+            conditions = self._condition(
+                conditions, "ReplicasPending", "True" if waiting else "False",
+                "Unschedulable" if words else ("Pending" if waiting else "Placed"),
+                f"{waiting} replica pod(s) wait for the scheduler: {words or 'not placed yet'}" if waiting
+                else "every replica pod asked for is placed",
+            )  # fmt: skip
         for kind, on in (
             ("Admitted", phase != "PENDING"),
             ("Running", phase == "RUNNING"),
@@ -362,6 +396,98 @@ class Operator:
         self.coordinator.post(f"/jobs/{name}/cancel")
         how = "checkpointed and cancelled" if state == "SUSPENDED" else "cancelled"
         self.event(obj, "Normal", "Cancelled", f"deleted: job {name} {how}")
+
+    # -- replica pods -----------------------------------------------------------------------------
+    def _list_pods(self) -> list[dict[str, Any]]:
+        listed = self._k8s(
+            "list", "pods", lambda: self.core.list_namespaced_pod(self.cfg.namespace, label_selector=JOB_LABEL)
+        )
+        return [self.api.sanitize_for_serialization(p) for p in listed.items]
+
+    def _sync_pods(
+        self, items: list[dict[str, Any]], jobs: dict[str, dict[str, Any]], pods: list[dict[str, Any]]
+    ) -> None:
+        """One pass of :class:`ReplicaPods`: pods asked for, deleted, and Events of pods that
+        someone else deleted or the scheduler cannot place."""
+        from maitre.scheduling.spec import parse_manifest
+
+        assert self.pods is not None
+        objects = {o["metadata"]["name"]: o for o in items}
+        ours = [
+            j for name, j in jobs.items() if name in objects
+            and j.get("origin") == f"{self.cfg.namespace}/{name}/{objects[name]['metadata']['uid']}"
+        ]  # fmt: skip
+        nodes = {n["node"]: n["workers"] for n in self.coordinator.get("/nodes")["nodes"] if n["alive"]}
+        changes, ended = self.pods.changes(ours, nodes, pods)
+        by_name = {p["metadata"]["name"]: p for p in pods}
+        for name in [*ended, *changes.remove]:
+            if name in self.pods.deleted or by_name[name]["metadata"].get("deletionTimestamp"):
+                continue
+            pod = by_name[name]
+            job = pod["metadata"]["labels"][JOB_LABEL]
+            self.pods.deleted.add(name)
+            self._k8s(
+                "delete",
+                "pods",
+                lambda name=name: self.core.delete_namespaced_pod(name, self.cfg.namespace),  # type: ignore[misc]
+                missing_ok=True,
+            )
+            if job in objects:
+                phase = (pod.get("status") or {}).get("phase", "Pending")
+                why = (
+                    "it ended"
+                    if name in ended
+                    else ("its job needs it no more" if phase != "Pending" else "not placed, and no longer wanted")
+                )
+                self.event(objects[job], "Normal", "ReplicaPodDeleted", f"pod {name} ({phase}) deleted: {why}")
+        for add in changes.add:
+            obj = objects[add.job]
+            body = pod_for(self.pods.template, obj, parse_manifest(manifest_of(obj)), add.index, add.surplus)
+            self._create_pod(obj, body, add.index, add.surplus)
+        # Pods deleted by someone else (evicted, preempted, drained), seen deleting or already gone.
+        now = {p["metadata"]["name"]: p["metadata"]["labels"].get(JOB_LABEL, "") for p in pods}
+        deleting = {n for n, p in by_name.items() if p["metadata"].get("deletionTimestamp")}
+        for name in sorted((set(self.pods.seen) - set(now)) | deleting):
+            job = now.get(name) or self.pods.seen.get(name, "")
+            if name in self.pods.deleted or ("evicted", name) in self.pods.said or job not in objects:
+                continue
+            self.pods.said.add(("evicted", name))
+            self.event(objects[job], "Warning", "ReplicaPodEvicted",
+                       f"pod {name} was deleted by someone else (evicted, preempted or drained): its agent "
+                       "leaves at a step boundary, and the replica's pod is asked for again")  # fmt: skip
+        for name, pod in by_name.items():
+            if ("pending", name) not in self.pods.said and now[name] in objects and (words := unschedulable(pod)):
+                self.pods.said.add(("pending", name))
+                self.event(objects[now[name]], "Normal", "ReplicaPodPending", f"pod {name}: {words}")
+        self.pods.deleted &= set(now)  # (pods gone for good are forgotten)
+        self.pods.said = {(kind, name) for kind, name in self.pods.said if kind == "quota" or name in now}
+        self.pods.seen = now
+
+    def _create_pod(self, obj: dict[str, Any], body: dict[str, Any], index: int, surplus: bool) -> None:
+        """Create a replica pod; one refused by a ResourceQuota is capacity the namespace does
+        not have (a Warning Event, once, until one is created again)."""
+        from kubernetes.client.exceptions import ApiException
+
+        assert self.pods is not None
+        job = obj["metadata"]["name"]
+        try:
+            made = self.core.create_namespaced_pod(self.cfg.namespace, body)
+        except ApiException as exc:
+            if exc.status == 403 and "quota" in str(exc.body):
+                if ("quota", job) not in self.pods.said:
+                    self.pods.said.add(("quota", job))
+                    words = json_message(exc.body)
+                    self.event(obj, "Warning", "ReplicaPodRefused", f"replica {index}'s pod: {words}")
+                return
+            if exc.status == 403:
+                raise Forbidden(
+                    f"the API server forbids the operator to create pods in namespace {self.cfg.namespace}: its "
+                    "Role lacks that (deploy/kubernetes/replica-pods/operator-pods-rbac.yaml)"
+                ) from None
+            raise
+        self.pods.said.discard(("quota", job))
+        kind = "surplus" if surplus else "minimum"
+        self.event(obj, "Normal", "ReplicaPodCreated", f"pod {made.metadata.name} for replica {index} ({kind})")
 
     # -- writing to the API server ----------------------------------------------------------------
     @staticmethod

@@ -1,17 +1,14 @@
 """The Slurm engine of ``maitre up --slurm``: keeps each maitre job's replica jobs in line.
 
 Every ``interval_s`` it reads the coordinator's jobs and nodes (its HTTP API) and Slurm's
-replica jobs (``squeue``) and idle scavenger nodes (``sinfo``), then :func:`plan` decides:
-
-- a job that is not finished has its first ``minReplicas`` replica jobs in its partition (Slurm
-  queues them until it has room: the gang waits there, not in maitre);
-- its surplus, up to ``maxReplicas``, goes to the scavenger partition one replica job per idle
-  node Slurm reports there (never while one of them is still pending): growing is Slurm seeing
-  idle capacity; the coordinator grows the job onto each agent that joins;
-- a job with more replica jobs than ``maxReplicas`` (``maitre scale``) loses the pending ones
-  first, then those whose node runs none of its workers: the coordinator shrinks first, at a
-  step boundary; only then is the replica job cancelled;
-- a finished job's replica jobs are cancelled.
+replica jobs (``squeue``) and idle scavenger nodes (``sinfo``), then :func:`plan` decides by the
+rule Kubernetes' replica pods follow too (:mod:`maitre.engines.replicas`): each job's first
+``minReplicas`` replica jobs in its partition (Slurm queues them: the gang waits there, not in
+maitre); its surplus, up to ``maxReplicas``, in the scavenger partition, one replica job per idle
+node Slurm reports there (never while one of them is still pending): growing is Slurm seeing
+idle capacity, and the coordinator grows the job onto each agent that joins; scaled down, the
+pending ones go first, then those whose node the coordinator has already left at a step
+boundary; a finished job's replica jobs are cancelled.
 
 A preempted replica job needs little from here: its agent drains on SIGTERM, Slurm requeues
 the job and starts it again when it can, and its agent joins again. Slurm holds a requeued
@@ -32,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maitre import protocol
+from maitre.engines.replicas import Unit
+from maitre.engines.replicas import plan as shared_plan
 from maitre.engines.slurm import inventory, replicas
 from maitre.engines.slurm.commands import Slurm, SlurmError
 from maitre.engines.slurm.replicas import AgentCommand, ReplicaJob
@@ -86,43 +85,18 @@ def plan(
     *,
     scavenger: bool = True,
 ) -> Plan:
-    """What to submit and cancel. ``jobs``: the coordinator's job summaries; ``nodes``: each
-    maitre node's workers; ``have``: the replica jobs Slurm has; ``idle_scavenger``: idle nodes
-    in the scavenger partition."""
-    out = Plan()
-    by_job: dict[str, list[ReplicaJob]] = {}
-    for r in have:
-        by_job.setdefault(r.job, []).append(r)
-    live = {j["job_id"]: j for j in jobs if j["state"] not in FINISHED}
-    for job_id, mine in sorted(by_job.items()):
-        if job_id not in live:
-            out.cancel.extend(r.slurm_id for r in mine)
-    for job_id, job in sorted(live.items()):
-        mine = by_job.get(job_id, [])
-        indices = {r.index for r in mine}
-        out.release.extend(r.slurm_id for r in mine if r.state == "PENDING" and r.reason == "BeginTime")
-        lo, hi = job["min_workers"], job["max_workers"]
-        out.submit.extend(Submit(job_id, i, False) for i in range(lo) if i not in indices)
-        extra = len(mine) - hi
-        if extra > 0:  # scaled down: pending first, then nodes the coordinator already left
-            workers = {w["id"] for w in job.get("workers", [])}
-            order = sorted(mine, key=lambda r: (r.state != "PENDING", r.index < lo, -r.index))
-            for r in order:
-                if extra <= 0:
-                    break
-                if r.state == "PENDING" or not workers & set(nodes.get(r.node, [])):
-                    out.cancel.append(r.slurm_id)
-                    extra -= 1
-            continue
-        if not scavenger or any(r.state == "PENDING" and r.index >= lo for r in mine):
-            continue
-        for i in range(lo, hi):
-            if idle_scavenger <= 0:
-                break
-            if i not in indices:
-                out.submit.append(Submit(job_id, i, True))
-                idle_scavenger -= 1
-    return out
+    """What to submit and cancel (:func:`maitre.engines.replicas.plan`, one surplus replica
+    job per idle scavenger node), and which requeued replica jobs to release. ``jobs``: the
+    coordinator's job summaries; ``nodes``: each maitre node's workers; ``have``: the replica
+    jobs Slurm has; ``idle_scavenger``: idle nodes in the scavenger partition."""
+    units = [Unit(r.slurm_id, r.job, r.index, r.state == "PENDING", r.node) for r in have]
+    changes = shared_plan(jobs, nodes, units, surplus=idle_scavenger if scavenger else 0)
+    live = {j["job_id"] for j in jobs if j["state"] not in FINISHED}
+    return Plan(
+        submit=[Submit(a.job, a.index, a.surplus) for a in changes.add],
+        cancel=changes.remove,
+        release=[r.slurm_id for r in have if r.job in live and r.state == "PENDING" and r.reason == "BeginTime"],
+    )
 
 
 def check(slurm: Slurm, cfg: SlurmConfig) -> inventory.Inventory:
