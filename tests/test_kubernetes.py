@@ -453,3 +453,147 @@ def test_up_refuses_a_bad_token_file_or_store_port(args, says, capsys, tmp_path:
     err = capsys.readouterr().err.strip()
     assert err.startswith("maitre: error:") and says in err and "\n" not in err, err
     assert not (tmp_path / "s").exists()  # nothing was started or written
+
+
+# -- the operator: its RBAC, and replica pods ----------------------------------------------
+def _rules(role: dict[str, Any]) -> set[tuple[str, str, str, str]]:
+    return {(g, *r.partition("/")[::2], v) for rule in role["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}  # fmt: skip
+
+
+def test_the_operators_roles_grant_exactly_what_it_asks_for() -> None:
+    from maitre.engines.kubernetes.operator import NEEDED, NEEDED_FOR_PODS
+
+    def asked(needed: Any) -> set[tuple[str, str, str, str]]:
+        return {(g, r, s, v) for g, r, s, verbs in needed for v in verbs}
+
+    assert _rules(_named("Role", "maitre-operator")) == asked(NEEDED)
+    assert _rules(_named("Role", "maitre-operator-pods")) == asked(NEEDED_FOR_PODS)
+
+
+def _owner() -> dict[str, Any]:
+    obj = copy.deepcopy(_docs(SAMPLE)[0])
+    obj["metadata"].update(namespace="maitre", uid="1c0ffee0-0000-4000-8000-000000000001")
+    return obj
+
+
+@pytest.mark.parametrize("surplus", [False, True])
+def test_a_replica_pod_is_the_template_with_the_jobs_gpus_class_and_agent_flags(surplus: bool) -> None:
+    from maitre.engines.kubernetes import pods
+
+    template = pods.load_template(DEPLOY / "replica-pods" / "replica-pod.yaml")
+    owner = _owner()
+    manifest = parse_manifest(k8s.manifest_of(owner))
+    pod = pods.pod_for(template, owner, manifest, 3, surplus)
+    _validate(pod)
+    name = owner["metadata"]["name"]
+    assert pod["metadata"]["generateName"] == f"maitre-{name}-3-"
+    assert pod["metadata"]["labels"][pods.JOB_LABEL] == name and pod["metadata"]["labels"][pods.INDEX_LABEL] == "3"
+    (ref,) = pod["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
+        "MaitreJob",
+        name,
+        owner["metadata"]["uid"],
+        True,
+    )
+    spec = pod["spec"]
+    assert spec["restartPolicy"] == "Never"
+    wanted = "maitre-surplus" if surplus else f"maitre-{manifest.priority_class_name}"
+    assert spec["priorityClassName"] == wanted and _named("PriorityClass", wanted)
+    (container,) = spec["containers"]
+    agent = _cli(container)
+    gpus = manifest.gpus_per_replica
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == str(gpus) == str(agent.nproc_per_node)
+    assert agent.node_id == "$(MAITRE_POD_NAME)"
+    assert {"name": "MAITRE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    assert f"reserved_for={name}" in agent.label and ("capacity_type=spot" in agent.label) == surplus
+    # the notice covers the job's checkpoint grace; the kubelet's SIGKILL comes well after it
+    assert (
+        manifest.grace_period_s < agent.sigterm_notice
+        and agent.sigterm_notice + 5 <= spec["terminationGracePeriodSeconds"]
+    )
+    host, port = agent.coordinator.rsplit(":", 1)
+    service = _named("Service", "maitre-coordinator")
+    assert (host, int(port)) == (service["metadata"]["name"], service["spec"]["ports"][0]["port"])
+    assert template == pods.load_template(DEPLOY / "replica-pods" / "replica-pod.yaml")  # (not changed)
+
+
+def test_surplus_pods_rank_below_every_jobs_minimum_and_preempt_nothing() -> None:
+    surplus = _named("PriorityClass", "maitre-surplus")
+    assert surplus["value"] < min(PRIORITY_CLASSES.values()) and surplus["preemptionPolicy"] == "Never"
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda p: p.update(kind="Deployment"), "expected a Pod manifest"),
+        (lambda p: p["spec"]["containers"][0].update(name="main"), "one container must be named 'agent'"),
+        (lambda p: p["spec"]["containers"][0].update(command=["python", "train.py"]), "must run `maitre agent`"),
+        (lambda p: p["spec"]["containers"][0]["args"].extend(["--node-id", "x"]), "--node-id is the operator's"),
+        (lambda p: p["spec"]["containers"][0].update(args=[]), "needs --coordinator"),
+        (lambda p: p.pop("spec"), "spec.containers is required"),
+    ],
+)
+def test_a_replica_pod_template_that_cannot_serve_is_refused_by_name(edit: Any, says: str, tmp_path: Path) -> None:
+    template = yaml.safe_load((DEPLOY / "replica-pods" / "replica-pod.yaml").read_text())
+    edit(template)
+    path = tmp_path / "pod.yaml"
+    path.write_text(yaml.safe_dump(template))
+    done = subprocess.run(
+        [sys.executable, "-m", "maitre.cli", "operator", "--namespace", "maitre", "--replica-pods", str(path),
+         "--coordinator", "127.0.0.1:9"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert str(path) in done.stderr or "replica pod template" in done.stderr
+
+
+def test_replica_pods_are_asked_for_one_surplus_at_a_time_and_ended_ones_deleted() -> None:
+    from maitre.engines.kubernetes import pods
+    from maitre.engines.replicas import Add
+
+    keeper = pods.ReplicaPods(template={}, namespace="maitre")
+    job = {"job_id": "a", "state": "RUNNING", "min_workers": 1, "max_workers": 3, "workers": []}
+
+    def pod(name: str, index: int, phase: str) -> dict[str, Any]:
+        labels = {pods.JOB_LABEL: "a", pods.INDEX_LABEL: str(index)}
+        return {"metadata": {"name": name, "labels": labels}, "status": {"phase": phase}}
+
+    changes, ended = keeper.changes([job], {}, [])
+    assert (changes.add, ended) == ([Add("a", 0, False), Add("a", 1, True)], [])
+    changes, _ = keeper.changes([job], {}, [pod("p0", 0, "Running"), pod("p1", 1, "Pending")])
+    assert changes.add == []  # a surplus pod waits: capacity the cluster does not have
+    changes, ended = keeper.changes([job], {}, [pod("p0", 0, "Running"), pod("p1", 1, "Failed")])
+    assert changes.add == [Add("a", 1, True)] and ended == ["p1"]
+    waiting = pod("p2", 2, "Pending")
+    waiting["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "message": "0/2 nodes: GPUs"}]
+    assert keeper.pending([pod("p0", 0, "Running"), waiting], "a") == (1, "0/2 nodes: GPUs")
+
+
+def test_kustomize_renders_the_replica_pods_overlay(tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        if os.environ.get("CI"):
+            pytest.fail("kubectl is missing (Debian's kubernetes-client; .ci/run installs it)")
+        pytest.skip("no kubectl here (apt-get install kubernetes-client)")
+    for name in ("base", "replica-pods"):
+        shutil.copytree(DEPLOY / name, tmp_path / name)
+    (tmp_path / "base" / "token").write_text("a-test-token\n")
+    done = subprocess.run(
+        [kubectl, "kustomize", str(tmp_path / "replica-pods")], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    docs = [d for d in yaml.safe_load_all(done.stdout) if d is not None]
+    for doc in docs:
+        _validate(doc)
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("DaemonSet", "maitre-agent") not in kinds and ("Role", "maitre-operator-pods") in kinds
+    (operator,) = [d for d in docs if d["kind"] == "Deployment"]
+    spec = operator["spec"]["template"]["spec"]
+    args = _cli(spec["containers"][0])
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "maitre-replica-pod"]
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["replica-pod"]["configMap"]["name"] == "maitre-replica-pod"
+    assert Path(args.replica_pods) == Path(mounts["replica-pod"]) / "replica-pod.yaml"
+    assert config["data"]["replica-pod.yaml"] == (DEPLOY / "replica-pods" / "replica-pod.yaml").read_text()
