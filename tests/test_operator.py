@@ -309,6 +309,23 @@ def test_an_operator_without_a_permission_says_which(kube: kube_cluster.KubeClus
     assert "may not get maitrejobs (maitre.dev)" in result.stderr and "create events" in result.stderr, result.stderr
     assert "operator-rbac.yaml" in result.stderr
 
+    # The base's Role, without the replica-pods overlay's: with --replica-pods, pods are missing.
+    _apply_base(kube, tmp_path, "a-token")
+    kube.kubectl("-n", NS, "create", "serviceaccount", "base-only", check=False)
+    kube.kubectl("-n", NS, "create", "rolebinding", "base-only", "--role=maitre-operator",
+                 f"--serviceaccount={NS}:base-only", check=False)  # fmt: skip
+    template = tmp_path / "replica-pod.yaml"
+    shutil.copy(ROOT / "deploy" / "kubernetes" / "replica-pods" / "replica-pod.yaml", template)
+    result = subprocess.run(
+        [sys.executable, "-m", "maitre.cli", "operator", "--namespace", NS, "--kubeconfig",
+         str(_sa_kubeconfig(kube, tmp_path, "base-only")), "--coordinator", "127.0.0.1:9", "--replica-pods",
+         str(template)],
+        cwd=ROOT, env=_env(os.urandom(8).hex()), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "may not list pods; create pods; delete pods in namespace" in result.stderr, result.stderr
+    assert "replica-pods/operator-pods-rbac.yaml" in result.stderr
+
 
 def test_a_higher_priority_maitrejob_shrinks_another_in_place_and_it_grows_back(
     kube: kube_cluster.KubeCluster, tmp_path: Path
@@ -458,3 +475,38 @@ def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_aft
             kube.kubectl("-n", NS, "delete", "mj", "wide", "--timeout=120s")
             assert coordinator.get("/jobs/wide")["state"] == "CANCELLED"
             wait_for(lambda: not _pods(kube, "wide"), 60, "the pods gone", operator.text)
+
+
+def test_with_replica_pods_a_higher_priority_job_preempts_a_surplus_pod_which_leaves_gracefully(
+    kube: kube_cluster.KubeCluster, tmp_path: Path
+) -> None:
+    """Kubernetes' own preemption, seen by maitre: the cluster is full of a low-priority job's
+    pods (its minimum and one surplus); a high-priority MaitreJob's pod preempts the surplus pod
+    (``maitre-surplus`` ranks below every job's minimum), whose agent drains at a step boundary:
+    the low job shrinks without a failure, and grows back once the high one completes."""
+    with _operated(kube, tmp_path, replica_pods=True) as (coordinator, operator):
+        with kube_cluster.LocalRuntime(kube, NS, _env(operator.tag), tmp_path) as runtime:
+
+            def status(name: str, what: str, check: Any, timeout: float = 120) -> Any:
+                return _status(kube, name, what, check, lambda: f"{operator.text()}\n{_phases(kube, name)}", timeout)
+
+            kube.kubectl("apply", "-f", "-", stdin=_job("batch", priorityClassName="low", minReplicas=1,
+                                                         maxReplicas=2, gpusPerReplica=8,
+                                                         command=_train(100_000)))  # fmt: skip
+            status("batch", "batch at 2", lambda s: s.get("replicas") == 2)
+            minimum, surplus = (p["metadata"]["name"] for p in _pods(kube, "batch"))
+            kube.kubectl("apply", "-f", "-", stdin=_job("urgent", priorityClassName="high", minReplicas=1,
+                                                         maxReplicas=1, gpusPerReplica=8,
+                                                         command=_train(300)))  # fmt: skip
+            wait_for(lambda: surplus in runtime.terminated, 60, "the surplus pod preempted", operator.text)
+            assert minimum not in runtime.terminated
+            status("urgent", "urgent running", lambda s: s.get("phase") == "RUNNING")
+            st = status("batch", "batch shrunk to 1", lambda s: s.get("replicas") == 1)
+            assert st["phase"] == "RUNNING" and st["failures"] == 0, st
+            status("urgent", "urgent completed", lambda s: s.get("phase") == "COMPLETED", timeout=180)
+            st = status("batch", "batch grown back to 2", lambda s: s.get("replicas") == 2)
+            assert st["failures"] == 0, st
+            assert not any(e["kind"] == "worker_dead" for e in coordinator.get("/jobs/batch")["events"])
+            wait_for(lambda: not _pods(kube, "urgent"), 60, "urgent's pod gone once it completed")
+            for name in ("batch", "urgent"):
+                kube.kubectl("-n", NS, "delete", "mj", name, "--timeout=120s")
