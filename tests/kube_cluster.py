@@ -12,7 +12,8 @@ one; every daemon is stopped by its pid afterwards, the API server before etcd.
 What is real: the API server (schemas, structural pruning, subresources, RBAC, finalizers,
 garbage collection), etcd, the controllers (service-account tokens, garbage collector, node
 lifecycle), the scheduler. What stands in: the container runtime (hollow nodes run nothing), so
-the processes of a maitre job are local processes of the test (agents standing for the nodes).
+the processes of a maitre job are local processes of the test: agents standing for the nodes,
+or, for replica pods, :class:`LocalRuntime` running each Running pod's container command.
 
 Where the control plane cannot be had (not root, no apt, a build that fails), the tests skip and
 say why; under CI (``CI=true``) they fail instead.

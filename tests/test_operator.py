@@ -14,6 +14,12 @@ MaitreJob shrinks another in place, which grows back; an unmodified torchrun scr
 MaitreJob of ``elastic: restart``, restarted whole by ``kubectl scale``. And an operator whose
 ServiceAccount lacks a permission says which, and starts nothing.
 
+With replica pods (the replica-pods overlay, ``--replica-pods``; the coordinator has no nodes
+of its own, and ``kube_cluster.LocalRuntime`` runs each Running pod's agent as a local process,
+as a container runtime would): a pod that does not fit stays Pending and is reported; an evicted
+pod leaves gracefully and the Pending one takes its GPUs; scaled down, a running pod goes only
+after its worker has left; a higher-priority job's pod preempts a surplus pod, gracefully.
+
 Marked ``kubernetes``: ``.ci/run`` runs it on its own line (the control plane is built once per
 machine, about 6 minutes cold, by ``deploy/kubernetes/testbed/build-control-plane``).
 """
