@@ -8,7 +8,11 @@ The job: an MLP of ``--params-m`` million float32 parameters (``--layers`` squar
 with momentum, a fixed global batch of synthetic samples split evenly over the ranks, the loss
 summed (maitre divides by the global count; DDP and FSDP2 average, which costs them nothing).
 Each run trains ``--warmup`` steps, then times ``--steps`` steps: the median time from one step's
-start to the next's, on rank 0. The modes, each a fresh group of processes under torchrun:
+start to the next's, on rank 0. Each mode runs ``--rounds`` times, the modes interleaved (round
+``r`` starts ``r`` modes later): a row's step time is the median of its rounds, and its ratio to
+DDP or FSDP2 the median of the ratios within each round, so that the drift of a shared machine
+between one run and the next falls on both sides of a ratio. The modes, each a fresh group of
+processes under torchrun:
 
 - ``local``: each rank trains its share with no reduction at all: the compute alone, so
   ``step - local`` is the communication a mode leaves exposed;
@@ -389,6 +393,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--rate", default="1gbit", help="the link's rate (tc tbf)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per run")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="runs of each mode, interleaved (round r starts r modes later); a row's step is the "
+        "median of its rounds, its ratio the median of the ratios within each round",
+    )
     # smoke: one rank (every mode's code, not its collectives' cost); not maitre-flat (maitre's
     # code with other Buckets) nor local (ddp's without the wrapper); over the link one mode
     # (the hosts, the shaping and torchrun across them are the same for every mode)
@@ -403,6 +414,7 @@ def main() -> None:
             "warmup": 1,
             "steps": 2,
             "timeout_s": 120.0,
+            "rounds": 1,
             "modes": ",".join(m for m in MODES if m not in ("maitre-flat", "local")),
             "link_modes": "maitre",
         },
@@ -417,7 +429,7 @@ def main() -> None:
             p.error(f"unknown mode(s) for {setting}: {', '.join(unknown)}: choose from {', '.join(allowed)}")
     if any(r < 1 or args.global_batch % r for r in world_sizes):
         p.error(f"--global-batch {args.global_batch} must split evenly over every world size")
-    for name in ("width", "layers", "warmup", "steps"):
+    for name in ("width", "layers", "warmup", "steps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     params = IN_DIM * args.width + args.layers * args.width**2 + args.width * OUT_DIM
@@ -436,23 +448,32 @@ def main() -> None:
                 net = None
                 if setting == "link":
                     net, made = shaped_hosts(ranks, args.rate)
+                names = modes[setting]
+                times: dict[str, list[float]] = {mode: [] for mode in names}
                 try:
-                    row: dict[str, dict[str, float]] = {}
-                    for mode in modes[setting]:
-                        step = (
-                            run_loopback(mode, ranks, args, work)
-                            if setting == "loopback"
-                            else run_link(mode, made, args, work)
-                        )
-                        row[mode] = {"step_s": step}
-                        print(f"{setting} x{ranks} {mode}: {1000 * step:.0f} ms/step", flush=True)
+                    for r in range(args.rounds):  # interleaved, each round in another order
+                        for mode in names[r % len(names) :] + names[: r % len(names)]:
+                            step = (
+                                run_loopback(mode, ranks, args, work)
+                                if setting == "loopback"
+                                else run_link(mode, made, args, work)
+                            )
+                            times[mode].append(step)
+                            print(
+                                f"{setting} x{ranks} round {r + 1}/{args.rounds} {mode}: {1000 * step:.0f} ms/step",
+                                flush=True,
+                            )
                 finally:
                     if net is not None:
                         net.close()
+                row: dict[str, dict[str, Any]] = {
+                    mode: {"step_s": statistics.median(ts), "rounds_s": ts} for mode, ts in times.items()
+                }
                 for mode, m in row.items():
                     for base in ("ddp", "fsdp2"):
-                        if base in row and mode != base:
-                            m[f"ratio_to_{base}"] = m["step_s"] / row[base]["step_s"]
+                        if base in row and mode != base:  # paired within a round, then the median
+                            pairs = [a / b for a, b in zip(times[mode], times[base])]
+                            m[f"ratio_to_{base}"] = statistics.median(pairs)
                 if "local" in row:
                     for m in row.values():
                         m["exposed_comm_s"] = max(0.0, m["step_s"] - row["local"]["step_s"])
@@ -470,6 +491,7 @@ def main() -> None:
                 "optimizer": "SGD",
                 "warmup": args.warmup,
                 "steps": args.steps,
+                "rounds": args.rounds,
                 "link_rate": args.rate,
             },
             "machine": {"cpus": os.cpu_count(), "torch_threads_per_rank": 1},
