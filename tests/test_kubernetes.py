@@ -532,6 +532,9 @@ def test_surplus_pods_rank_below_every_jobs_minimum_and_preempt_nothing() -> Non
         (lambda p: p["spec"]["containers"][0]["args"].extend(["--node-id", "x"]), "--node-id is the operator's"),
         (lambda p: p["spec"]["containers"][0].update(args=[]), "needs --coordinator"),
         (lambda p: p.pop("spec"), "spec.containers is required"),
+        (lambda p: p["spec"]["containers"][0].update(args="--coordinator x"), "must be lists of strings"),
+        (lambda p: p["spec"]["containers"][0]["args"].extend(["--spot-notice", "file:/x"]), "--spot-notice is the"),
+        (lambda p: p["spec"]["containers"][0].update(env={"A": "1"}), "env must be a list"),
     ],
 )
 def test_a_replica_pod_template_that_cannot_serve_is_refused_by_name(edit: Any, says: str, tmp_path: Path) -> None:
@@ -548,11 +551,11 @@ def test_a_replica_pod_template_that_cannot_serve_is_refused_by_name(edit: Any, 
     assert str(path) in done.stderr or "replica pod template" in done.stderr
 
 
-def test_replica_pods_are_asked_for_one_surplus_at_a_time_and_ended_ones_deleted() -> None:
+def test_replica_pods_are_asked_for_one_surplus_at_a_time_never_in_a_loop_and_ended_ones_deleted() -> None:
     from maitre.engines.kubernetes import pods
-    from maitre.engines.replicas import Add
+    from maitre.engines.units import Add
 
-    keeper = pods.ReplicaPods(template={}, namespace="maitre")
+    keeper = pods.ReplicaPods(template={})
     job = {"job_id": "a", "state": "RUNNING", "min_workers": 1, "max_workers": 3, "workers": []}
 
     def pod(name: str, index: int, phase: str) -> dict[str, Any]:
@@ -565,9 +568,24 @@ def test_replica_pods_are_asked_for_one_surplus_at_a_time_and_ended_ones_deleted
     assert changes.add == []  # a surplus pod waits: capacity the cluster does not have
     changes, ended = keeper.changes([job], {}, [pod("p0", 0, "Running"), pod("p1", 1, "Failed")])
     assert changes.add == [Add("a", 1, True)] and ended == ["p1"]
+    # scaled down to 1, the coordinator left the minimum's node (p0): p0 goes, and is not asked
+    # for again (the job trains on its surplus pod; asking would only remove it again)
+    job1 = {**job, "max_workers": 1, "workers": [{"id": "w2"}]}
+    nodes = {"p0": [], "p2": ["w2"]}
+    changes, _ = keeper.changes([job1], nodes, [pod("p0", 0, "Running"), pod("p2", 2, "Running")])
+    assert (changes.add, changes.remove) == ([], ["p0"])
+    changes, _ = keeper.changes([job1], nodes, [pod("p2", 2, "Running")])
+    assert (changes.add, changes.remove) == ([], [])
+    # a pod being deleted keeps its index (not asked for again) and is no pod to remove
+    going = pod("p1", 1, "Running")
+    going["metadata"]["deletionTimestamp"] = "2026-12-07T00:00:00Z"
+    changes, _ = keeper.changes([{**job, "max_workers": 2}], {}, [pod("p0", 0, "Running"), going])
+    assert (changes.add, changes.remove) == ([], [])
     waiting = pod("p2", 2, "Pending")
     waiting["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "message": "0/2 nodes: GPUs"}]
-    assert keeper.pending([pod("p0", 0, "Running"), waiting], "a") == (1, "0/2 nodes: GPUs")
+    bound = pod("p3", 3, "Pending")  # (bound to a node, its container starting: placed)
+    bound["spec"] = {"nodeName": "node-1"}
+    assert keeper.pending([pod("p0", 0, "Running"), waiting, bound], "a") == (1, "0/2 nodes: GPUs")
 
 
 def test_kustomize_renders_the_replica_pods_overlay(tmp_path: Path) -> None:

@@ -265,6 +265,14 @@ def test_a_maitrejob_is_run_scaled_adopted_refused_and_deleted(kube: kube_cluste
         assert st["epoch"] > epoch and st["failures"] == 0
         assert coordinator.get("/jobs/train")["max_workers"] == 3
 
+        # Another change to the running job's spec is not applied, and it says so.
+        kube.kubectl("-n", NS, "patch", "mj", "train", "--type", "merge", "-p", '{"spec": {"gracePeriodSeconds": 60}}')
+        st = status("train", "SpecApplied False", lambda s: any(
+            c["type"] == "SpecApplied" and c["status"] == "False" for c in s.get("conditions", [])))  # fmt: skip
+        said = {c["type"]: c for c in st["conditions"]}["SpecApplied"]["message"]
+        assert "gracePeriodSeconds" in said and "maxReplicas" not in said, said
+        assert any(e["reason"] == "SpecNotApplied" and e["type"] == "Warning" for e in _events(kube, "train"))
+
         # A second replica of the operator waits on the Lease; the first SIGKILLed mid-job, the
         # second takes over and re-adopts the job (nothing submitted twice, no Event repeated).
         standby = operator.another("b").start()
@@ -463,6 +471,18 @@ def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_aft
                 "the replica's pod asked for again", lambda: str(_phases(kube, "wide")),
             )  # fmt: skip
 
+            # The operator SIGKILLed and started again: it adopts the pods it finds (none made
+            # twice, none deleted, none told of again but the Pending one) and reports on.
+            pods = {p["metadata"]["name"] for p in _pods(kube, "wide")}
+            told = {e["metadata"]["name"] for e in _events(kube, "wide")}
+            step = status("wide's step", lambda s: s.get("step"))["step"]
+            operator.kill()
+            operator.start()
+            status("wide's status from the new operator", lambda s: s.get("step", 0) > step + 20)
+            assert {p["metadata"]["name"] for p in _pods(kube, "wide")} == pods
+            new = [e["reason"] for e in _events(kube, "wide") if e["metadata"]["name"] not in told]
+            assert not {"ReplicaPodCreated", "ReplicaPodDeleted", "ReplicaPodEvicted", "Submitted"} & set(new), new
+
             # Scaled down: the Pending pod goes first; a running one only once its worker has left.
             t0 = time.time()
             running = {p["metadata"]["name"] for p in _pods(kube, "wide") if p["status"]["phase"] == "Running"}
@@ -470,6 +490,10 @@ def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_aft
             status("wide at 1", lambda s: s.get("replicas") == 1 and not s.get("pendingReplicas"))
             wait_for(lambda: len(_pods(kube, "wide")) == 1, 60, "one pod left", operator.text)
             (gone,) = running - {p["metadata"]["name"] for p in _pods(kube, "wide")}
+            (kept,) = _pods(kube, "wide")  # the minimum's pod; the surplus one was given up
+            assert kept["metadata"]["labels"]["maitre.dev/replica"] == "0", kept["metadata"]
+            time.sleep(3.0)  # (six passes of the operator: nothing more is made or deleted)
+            assert [p["metadata"]["name"] for p in _pods(kube, "wide")] == [kept["metadata"]["name"]]
             wait_for(lambda: gone in runtime.terminated, 30, "the pod's SIGTERM")
             left = [
                 e["t"] for e in coordinator.get("/jobs/wide")["events"] if e["kind"] == "worker_left" and e["t"] > t0

@@ -687,14 +687,20 @@ class ClusterState:
         self.log(now, "max_replicas", job=job_id, replicas=replicas)
 
     def shrink_to_max(self, job_id: str, ms: Membership | None, now: float) -> list[str]:
-        """After :meth:`set_max` below the current size: give up the excess at once. Returns
-        the members asked to leave."""
+        """After :meth:`set_max` below the current size: give up the excess at once, spot nodes
+        first (Slurm's scavenger replicas, Kubernetes' surplus pods: the capacity asked for
+        last), then the nodes it has least on. Returns the members asked to leave."""
         m = self._get(job_id)
         excess = m.job.replicas - m.job.max_replicas
         if excess <= 0 or ms is None or ms.over:
             return []
         new = dict(m.job.placement)
-        for node in sorted(new, key=lambda n: (new[n], n)):
+
+        def spot_first(n: str) -> tuple[bool, int, str]:  # (capacity that may go anyway, a surplus)
+            state = self.nodes.get(n)
+            return (state is None or state.node.capacity_type != "spot", new[n], n)
+
+        for node in sorted(new, key=spot_first):
             take = min(excess, new[node])
             new[node] -= take
             excess -= take

@@ -14,7 +14,9 @@ read both, make them agree, write what was seen into the object's ``status``:
   words, and is not submitted again until its spec changes.
 - **``kubectl scale mj J --replicas N``** (the scale subresource: ``spec.maxReplicas``) becomes
   ``maitre scale``: the job grows or shrinks in place. Other changes to a running job's spec are
-  not applied (an Event says so); delete and apply again.
+  not applied: the manifest the coordinator took is kept in the annotation ``maitre.dev/submitted``
+  (replica pods are made from it), and a changed field is named by the condition ``SpecApplied``
+  (False) and a Warning Event; delete and apply again.
 - **``kubectl delete``**: a finalizer (``maitre.dev/job``) holds the object while its job leaves
   gracefully: suspended first where it checkpoints (every worker leaves at a step boundary, a
   final checkpoint written), then cancelled; the finalizer goes once the job has ended.
@@ -46,13 +48,17 @@ from datetime import datetime, timezone
 from typing import Any, Callable
 
 from maitre.engines.kubernetes.crd import GROUP, KIND, PLURAL, VERSION, API_VERSION, manifest_of
-from maitre.engines.kubernetes.pods import JOB_LABEL, ReplicaPods, pod_for, unschedulable
+from maitre.engines.kubernetes.pods import JOB_LABEL, ReplicaPods, evicted, pod_for, unschedulable
 from maitre.errors import ApiError, CoordinatorUnreachable
 from maitre.wire import Client
 
 log = logging.getLogger("maitre.operator")
 
 FINALIZER = f"{GROUP}/job"
+SUBMITTED = f"{GROUP}/submitted"
+"""The annotation that keeps the manifest as the coordinator took it (JSON): what the job runs,
+whatever the spec says since (only ``maxReplicas`` follows the spec: ``kubectl scale``)."""
+FOLLOWED = ("maxReplicas", "origin")
 ENDED = ("COMPLETED", "FAILED", "CANCELLED")
 TROUBLE = ("fail", "dead", "lost", "hung", "kill", "evict", "crash")
 """Words that make a job event a Warning Event (the rest are Normal): a resize is news, a
@@ -152,7 +158,7 @@ class Operator:
         self.coordinator = coordinator
         self.leading = threading.Event()
         self.wake = threading.Event()
-        self.pods = None if cfg.replica_pods is None else ReplicaPods(cfg.replica_pods, cfg.namespace)
+        self.pods = None if cfg.replica_pods is None else ReplicaPods(cfg.replica_pods)
         self._pending: dict[str, tuple[int, str | None]] = {}
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -288,6 +294,9 @@ class Operator:
             self._status(obj, {"phase": "INVALID", "message": words, "observedGeneration": meta.get("generation", 0),
                                **self._condition(status, "Invalid", "True", "Refused", words)})  # fmt: skip
             return
+        keep = json.dumps(manifest, separators=(",", ":"), sort_keys=True)
+        self._patch(obj, {"metadata": {"annotations": {SUBMITTED: keep}}})
+        obj["metadata"].setdefault("annotations", {})[SUBMITTED] = keep
         self.event(
             obj,
             "Normal",
@@ -344,6 +353,15 @@ class Operator:
         if checkpoints:
             new["lastCheckpointStep"] = int(checkpoints[-1].get("step", 0))
         conditions = {"conditions": status.get("conditions", [])}
+        if changed := self._unapplied(obj):
+            words = f"changed since the job was submitted, not applied: {', '.join(changed)} (delete and apply again)"
+            if {c["type"]: c for c in conditions["conditions"]}.get("SpecApplied", {}).get("message") != words:
+                self.event(obj, "Warning", "SpecNotApplied", words)
+            conditions = self._condition(conditions, "SpecApplied", "False", "Changed", words)
+        else:
+            conditions = self._condition(
+                conditions, "SpecApplied", "True", "Submitted", "the job runs the spec as applied"
+            )
         if self.pods is not None:
             waiting, words = self._pending.get(obj["metadata"]["name"], (0, None))
             new["pendingReplicas"] = waiting
@@ -365,6 +383,21 @@ class Operator:
         new["conditions"] = conditions["conditions"]
         if any(status.get(k) != v for k, v in new.items()):
             self._status(obj, new)
+
+    @staticmethod
+    def _unapplied(obj: dict[str, Any]) -> list[str]:
+        """The spec's fields that differ from the manifest submitted (:data:`SUBMITTED`), but
+        ``maxReplicas``, which ``kubectl scale`` changes in place."""
+        text = (obj["metadata"].get("annotations") or {}).get(SUBMITTED)
+        if not text:
+            return []
+        try:
+            then = json.loads(text)
+        except ValueError:
+            return ["the annotation " + SUBMITTED]
+        now = {**manifest_of(obj)}
+        keys = (set(then) | set(now)) - {"name", *FOLLOWED}
+        return sorted(k for k in keys if then.get(k) != now.get(k))
 
     def _delete(self, obj: dict[str, Any], job: dict[str, Any] | None) -> None:
         """Leave gracefully, then let the object go: a job that checkpoints is suspended (its
@@ -409,7 +442,7 @@ class Operator:
     ) -> None:
         """One pass of :class:`ReplicaPods`: pods asked for, deleted, and Events of pods that
         someone else deleted or the scheduler cannot place."""
-        from maitre.scheduling.spec import parse_manifest
+        from kubernetes.client.exceptions import ApiException
 
         assert self.pods is not None
         objects = {o["metadata"]["name"]: o for o in items}
@@ -421,28 +454,42 @@ class Operator:
         changes, ended = self.pods.changes(ours, nodes, pods)
         by_name = {p["metadata"]["name"]: p for p in pods}
         for name in [*ended, *changes.remove]:
-            if name in self.pods.deleted or by_name[name]["metadata"].get("deletionTimestamp"):
-                continue
             pod = by_name[name]
+            if name in self.pods.deleted or pod["metadata"].get("deletionTimestamp"):
+                continue
             job = pod["metadata"]["labels"][JOB_LABEL]
-            self.pods.deleted.add(name)
-            self._k8s(
-                "delete",
-                "pods",
-                lambda name=name: self.core.delete_namespaced_pod(name, self.cfg.namespace),  # type: ignore[misc]
-                missing_ok=True,
-            )
-            if job in objects:
-                phase = (pod.get("status") or {}).get("phase", "Pending")
-                why = (
-                    "it ended"
-                    if name in ended
-                    else ("its job needs it no more" if phase != "Pending" else "not placed, and no longer wanted")
+            try:
+                self._k8s(
+                    "delete",
+                    "pods",
+                    lambda name=name: self.core.delete_namespaced_pod(name, self.cfg.namespace),  # type: ignore[misc]
+                    missing_ok=True,
                 )
-                self.event(objects[job], "Normal", "ReplicaPodDeleted", f"pod {name} ({phase}) deleted: {why}")
+            except ApiException as exc:  # (tried again at the next pass)
+                log.warning("pod %s not deleted: %s %s", name, exc.status, json_message(exc.body))
+                continue
+            self.pods.deleted.add(name)
+            if job not in objects:
+                continue
+            phase = (pod.get("status") or {}).get("phase", "Pending")
+            if words := evicted(pod):
+                self.event(objects[job], "Warning", "ReplicaPodEvicted",
+                           f"pod {name} was evicted by its node ({words}): its replica is asked for again")  # fmt: skip
+                continue
+            why = (
+                "it ended" if name in ended
+                else "its job needs it no more" if phase != "Pending" else "not placed, and no longer wanted"
+            )  # fmt: skip
+            self.event(objects[job], "Normal", "ReplicaPodDeleted", f"pod {name} ({phase}) deleted: {why}")
         for add in changes.add:
             obj = objects[add.job]
-            body = pod_for(self.pods.template, obj, parse_manifest(manifest_of(obj)), add.index, add.surplus)
+            if obj["metadata"].get("deletionTimestamp"):
+                continue  # (leaving: no replica is asked for again)
+            try:
+                body = pod_for(self.pods.template, obj, self._submitted(obj), add.index, add.surplus)
+            except ValueError as exc:  # (a ManifestError: the spec as submitted no longer parses)
+                self._refused(obj, add.index, str(exc))
+                continue
             self._create_pod(obj, body, add.index, add.surplus)
         # Pods deleted by someone else (evicted, preempted, drained), seen deleting or already gone.
         now = {p["metadata"]["name"]: p["metadata"]["labels"].get(JOB_LABEL, "") for p in pods}
@@ -460,34 +507,47 @@ class Operator:
                 self.pods.said.add(("pending", name))
                 self.event(objects[now[name]], "Normal", "ReplicaPodPending", f"pod {name}: {words}")
         self.pods.deleted &= set(now)  # (pods gone for good are forgotten)
-        self.pods.said = {(kind, name) for kind, name in self.pods.said if kind == "quota" or name in now}
+        self.pods.said = {(kind, name) for kind, name in self.pods.said if kind == "refused" or name in now}
         self.pods.seen = now
 
     def _create_pod(self, obj: dict[str, Any], body: dict[str, Any], index: int, surplus: bool) -> None:
-        """Create a replica pod; one refused by a ResourceQuota is capacity the namespace does
-        not have (a Warning Event, once, until one is created again)."""
+        """Create a replica pod. One the API server refuses for what it is (a ResourceQuota
+        exceeded, an admission policy, an invalid field of the template) is a Warning Event,
+        once until a pod of that job is created again; a 403 of RBAC is :class:`Forbidden`."""
         from kubernetes.client.exceptions import ApiException
 
         assert self.pods is not None
-        job = obj["metadata"]["name"]
         try:
             made = self.core.create_namespaced_pod(self.cfg.namespace, body)
         except ApiException as exc:
-            if exc.status == 403 and "quota" in str(exc.body):
-                if ("quota", job) not in self.pods.said:
-                    self.pods.said.add(("quota", job))
-                    words = json_message(exc.body)
-                    self.event(obj, "Warning", "ReplicaPodRefused", f"replica {index}'s pod: {words}")
-                return
-            if exc.status == 403:
+            words = json_message(exc.body)
+            if exc.status == 403 and "cannot create resource" in words:
                 raise Forbidden(
                     f"the API server forbids the operator to create pods in namespace {self.cfg.namespace}: its "
                     "Role lacks that (deploy/kubernetes/replica-pods/operator-pods-rbac.yaml)"
                 ) from None
-            raise
-        self.pods.said.discard(("quota", job))
+            if not 400 <= exc.status < 500:
+                raise
+            self._refused(obj, index, words)
+            return
+        self.pods.said.discard(("refused", obj["metadata"]["name"]))
         kind = "surplus" if surplus else "minimum"
         self.event(obj, "Normal", "ReplicaPodCreated", f"pod {made.metadata.name} for replica {index} ({kind})")
+
+    def _refused(self, obj: dict[str, Any], index: int, words: str) -> None:
+        assert self.pods is not None
+        job = obj["metadata"]["name"]
+        if ("refused", job) not in self.pods.said:
+            self.pods.said.add(("refused", job))
+            self.event(obj, "Warning", "ReplicaPodRefused", f"replica {index}'s pod: {words}")
+
+    def _submitted(self, obj: dict[str, Any]) -> Any:
+        """The job's manifest as the coordinator took it (:data:`SUBMITTED`; the spec now, for an
+        object submitted before the annotation existed), parsed."""
+        from maitre.scheduling.spec import parse_manifest
+
+        text = (obj["metadata"].get("annotations") or {}).get(SUBMITTED)
+        return parse_manifest(json.loads(text) if text else manifest_of(obj))
 
     # -- writing to the API server ----------------------------------------------------------------
     @staticmethod

@@ -2,7 +2,7 @@
 
 With ``maitre operator --replica-pods TEMPLATE`` the operator keeps, for every MaitreJob whose
 job has not ended, one pod per replica, by the rule Slurm's replica jobs follow too
-(:func:`maitre.engines.replicas.plan`). Each pod requests the job's ``gpusPerReplica`` as
+(:func:`maitre.engines.units.plan`). Each pod requests the job's ``gpusPerReplica`` as
 ``nvidia.com/gpu``, so Kubernetes' scheduler, ResourceQuotas and priorities account for it, and
 runs one ``maitre agent`` (the template's container ``agent``) that registers the pod as a maitre
 node taking that job's workers only (``--label reserved_for=<job>``, ``--node-id`` the pod's
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from maitre.engines.replicas import ENDED, Changes, Unit, plan
+from maitre.engines.units import Changes, Unit, plan
 
 log = logging.getLogger("maitre.operator")
 
@@ -70,19 +70,26 @@ def load_template(path: str | Path) -> dict[str, Any]:
 def check_template(pod: Any, where: str = "the replica pod template") -> dict[str, Any]:
     if not isinstance(pod, dict) or pod.get("apiVersion") != "v1" or pod.get("kind") != "Pod":
         raise TemplateError(f"{where}: expected a Pod manifest (apiVersion: v1, kind: Pod)")
+    if not isinstance(pod.get("metadata") or {}, dict):
+        raise TemplateError(f"{where}: metadata must be a mapping")
     spec = pod.get("spec")
     containers = spec.get("containers") if isinstance(spec, dict) else None
     if not isinstance(containers, list):
-        raise TemplateError(f"{where}: spec.containers is required")
+        raise TemplateError(f"{where}: spec.containers is required (a list)")
     agent = [c for c in containers if isinstance(c, dict) and c.get("name") == CONTAINER]
     if len(agent) != 1:
         raise TemplateError(f"{where}: one container must be named {CONTAINER!r} (the maitre agent)")
-    command = [*agent[0].get("command", []), *agent[0].get("args", [])]
-    if "agent" not in command or not all(isinstance(a, str) for a in command):
+    parts = [agent[0].get("command") or [], agent[0].get("args") or []]
+    if not all(isinstance(p, list) and all(isinstance(a, str) for a in p) for p in parts):
+        raise TemplateError(f"{where}: container {CONTAINER!r}'s command and args must be lists of strings")
+    if not isinstance(agent[0].get("env") or [], list) or not isinstance(agent[0].get("resources") or {}, dict):
+        raise TemplateError(f"{where}: container {CONTAINER!r}'s env must be a list, its resources a mapping")
+    command = [*parts[0], *parts[1]]
+    if "agent" not in command:
         raise TemplateError(f"{where}: container {CONTAINER!r} must run `maitre agent` (its command and args)")
-    for flag in ("--node-id", "--nproc-per-node", "--sigterm-notice"):
+    for flag in ("--node-id", "--nproc-per-node", "--sigterm-notice", "--spot-notice", "--slurm"):
         if flag in command:
-            raise TemplateError(f"{where}: {flag} is the operator's to set for each pod; remove it")
+            raise TemplateError(f"{where}: {flag} is the operator's to set (or not) for each pod; remove it")
     if "--coordinator" not in command:
         raise TemplateError(f"{where}: the agent needs --coordinator (the coordinator's Service)")
     return pod
@@ -102,13 +109,13 @@ def pod_for(
     job, gpus = meta["name"], manifest.gpus_per_replica
     notice = manifest.grace_period_s + NOTICE_MARGIN_S
     pod = copy.deepcopy(template)
-    pmeta = pod.setdefault("metadata", {})
+    pmeta = pod["metadata"] = dict(pod.get("metadata") or {})
     for key in ("name", "uid", "resourceVersion", "creationTimestamp"):
         pmeta.pop(key, None)
     pmeta["generateName"] = f"maitre-{job}-{index}-"
     pmeta["namespace"] = meta["namespace"]
     pmeta["labels"] = {
-        **pmeta.get("labels", {}),
+        **(pmeta.get("labels") or {}),
         "app.kubernetes.io/name": "maitre",
         "app.kubernetes.io/component": "replica",
         JOB_LABEL: job,
@@ -127,23 +134,23 @@ def pod_for(
         spec.pop("priorityClassName", None)
     agent = next(c for c in spec["containers"] if c["name"] == CONTAINER)
     agent["args"] = [
-        *agent.get("args", []),
+        *(agent.get("args") or []),
         "--node-id", "$(MAITRE_POD_NAME)",
         "--nproc-per-node", str(gpus),
         "--sigterm-notice", f"{notice:g}",
         "--label", f"reserved_for={job}",
         *(["--label", "capacity_type=spot"] if surplus else []),
     ]  # fmt: skip
-    env = [e for e in agent.get("env", []) if e.get("name") != "MAITRE_POD_NAME"]
+    env = [e for e in agent.get("env") or [] if e.get("name") != "MAITRE_POD_NAME"]
     agent["env"] = [*env, {"name": "MAITRE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    resources = agent.setdefault("resources", {})
-    resources.setdefault("limits", {})[GPU] = str(gpus)
-    resources.setdefault("requests", {})[GPU] = str(gpus)
+    resources = agent["resources"] = dict(agent.get("resources") or {})
+    for key in ("limits", "requests"):
+        resources[key] = {**(resources.get(key) or {}), GPU: str(gpus)}
     return pod
 
 
 def unit_of(pod: dict[str, Any]) -> Unit | None:
-    """A replica pod as :func:`maitre.engines.replicas.plan` sees it (None: not a replica pod,
+    """A replica pod as :func:`maitre.engines.units.plan` sees it (None: not a replica pod,
     or one that has ended: it counts for nothing and is deleted)."""
     meta, status = pod["metadata"], pod.get("status") or {}
     labels = meta.get("labels") or {}
@@ -153,7 +160,15 @@ def unit_of(pod: dict[str, Any]) -> Unit | None:
         return None
     if status.get("phase") in ("Succeeded", "Failed"):
         return None
-    return Unit(meta["name"], job, index, status.get("phase", "Pending") == "Pending", meta["name"])
+    pending = status.get("phase", "Pending") == "Pending"
+    return Unit(meta["name"], job, index, pending, meta["name"], going=bool(meta.get("deletionTimestamp")))
+
+
+def unplaced(pod: dict[str, Any]) -> bool:
+    """Not bound to a node yet (the scheduler has no room for it, or has not tried)."""
+    meta, status = pod["metadata"], pod.get("status") or {}
+    bound = (pod.get("spec") or {}).get("nodeName")
+    return status.get("phase", "Pending") == "Pending" and not bound and not meta.get("deletionTimestamp")
 
 
 def unschedulable(pod: dict[str, Any]) -> str | None:
@@ -164,12 +179,20 @@ def unschedulable(pod: dict[str, Any]) -> str | None:
     return None
 
 
+def evicted(pod: dict[str, Any]) -> str | None:
+    """The kubelet's words for a pod it evicted (node pressure: the pod is Failed, not deleted)."""
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed" and status.get("reason") == "Evicted":
+        return status.get("message") or "evicted by its node's kubelet"
+    return None
+
+
 @dataclass
 class ReplicaPods:
-    """The operator's part that keeps replica pods (one pass: :meth:`sync`)."""
+    """What the operator keeps between its passes over replica pods (the pass itself is the
+    operator's ``_sync_pods``)."""
 
     template: dict[str, Any]
-    namespace: str
     deleted: set[str] = field(default_factory=set)
     """Pods this operator deleted (any other pod seen deleting was evicted or deleted by
     someone else: an Event says so, once)."""
@@ -193,15 +216,9 @@ class ReplicaPods:
                 ended.append(pod["metadata"]["name"])
         return plan(jobs, nodes, units, surplus=len(jobs), surplus_per_job=1), ended
 
-    def pending(self, pods: list[dict[str, Any]], job: str) -> tuple[int, str | None]:
+    @staticmethod
+    def pending(pods: list[dict[str, Any]], job: str) -> tuple[int, str | None]:
         """How many of ``job``'s pods wait for the scheduler, and its words for the first."""
-        waiting = [p for p in pods if (unit_of(p) or Unit("", "", 0, False, "")).pending and _job(p) == job]
+        waiting = [p for p in pods if unplaced(p) and (p["metadata"].get("labels") or {}).get(JOB_LABEL) == job]
         words = next((w for w in map(unschedulable, waiting) if w), None)
         return len(waiting), words
-
-
-def _job(pod: dict[str, Any]) -> str | None:
-    return (pod["metadata"].get("labels") or {}).get(JOB_LABEL)
-
-
-__all__ = ["ENDED", "ReplicaPods", "TemplateError", "load_template", "pod_for", "unit_of", "unschedulable"]

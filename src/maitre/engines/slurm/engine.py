@@ -2,7 +2,7 @@
 
 Every ``interval_s`` it reads the coordinator's jobs and nodes (its HTTP API) and Slurm's
 replica jobs (``squeue``) and idle scavenger nodes (``sinfo``), then :func:`plan` decides by the
-rule Kubernetes' replica pods follow too (:mod:`maitre.engines.replicas`): each job's first
+rule Kubernetes' replica pods follow too (:mod:`maitre.engines.units`): each job's first
 ``minReplicas`` replica jobs in its partition (Slurm queues them: the gang waits there, not in
 maitre); its surplus, up to ``maxReplicas``, in the scavenger partition, one replica job per idle
 node Slurm reports there (never while one of them is still pending): growing is Slurm seeing
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from maitre import protocol
-from maitre.engines.replicas import Unit
-from maitre.engines.replicas import plan as shared_plan
+from maitre.engines.units import Unit
+from maitre.engines.units import plan as shared_plan
 from maitre.engines.slurm import inventory, replicas
 from maitre.engines.slurm.commands import Slurm, SlurmError
 from maitre.engines.slurm.replicas import AgentCommand, ReplicaJob
@@ -85,7 +85,7 @@ def plan(
     *,
     scavenger: bool = True,
 ) -> Plan:
-    """What to submit and cancel (:func:`maitre.engines.replicas.plan`, one surplus replica
+    """What to submit and cancel (:func:`maitre.engines.units.plan`, one surplus replica
     job per idle scavenger node), and which requeued replica jobs to release. ``jobs``: the
     coordinator's job summaries; ``nodes``: each maitre node's workers; ``have``: the replica
     jobs Slurm has; ``idle_scavenger``: idle nodes in the scavenger partition."""

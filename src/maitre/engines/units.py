@@ -7,13 +7,16 @@ one replica's node (or GPUs), runs one ``maitre agent`` there that takes that jo
 follow, level-triggered, from what the coordinator and the cluster report:
 
 - a job that has not ended has a unit for each of its first ``minReplicas`` indices (the
-  cluster queues them until it has room: the gang waits there, not in maitre);
+  cluster queues them until it has room: the gang waits there, not in maitre), never more
+  units than ``maxReplicas`` (a minimum unit removed on a scale-down, its replica training on a
+  surplus one, is not asked for again: that would be removed again, and so on);
 - its surplus, up to ``maxReplicas``, is asked for as ``surplus`` allows (Slurm: one per idle
   node of the scavenger partition; Kubernetes: one at a time), and never while a surplus unit
   is still waiting: a unit that stays pending is capacity the cluster does not have;
 - a job with more units than ``maxReplicas`` (``maitre scale``) loses its pending ones first,
   then those whose node runs none of its workers: the coordinator shrinks first, at a step
-  boundary, and only then is the unit removed;
+  boundary (giving up ``spot``-labelled nodes, the surplus, first), and only then is the unit
+  removed; a unit already going (deleted, draining) keeps its index and counts for nothing;
 - an ended job's units, and those of a job the coordinator does not know, are removed.
 """
 
@@ -37,6 +40,8 @@ class Unit:
     """Waiting for the cluster's scheduler (no node yet)."""
     node: str
     """The maitre node its agent registers ('' while pending)."""
+    going: bool = False
+    """Being deleted already (its agent drains): it keeps its index until it is gone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,10 +80,12 @@ def plan(
         if job_id not in live:
             out.remove.extend(u.id for u in mine)
     for job_id, job in sorted(live.items()):
-        mine = by_job.get(job_id, [])
-        indices = {u.index for u in mine}
+        every = by_job.get(job_id, [])
+        indices = {u.index for u in every}
+        mine = [u for u in every if not u.going]
         lo, hi = job["min_workers"], job["max_workers"]
-        out.add.extend(Add(job_id, i, False) for i in range(lo) if i not in indices)
+        missing = [i for i in range(lo) if i not in indices][: max(0, hi - len(every))]
+        out.add.extend(Add(job_id, i, False) for i in missing)
         extra = len(mine) - hi
         if extra > 0:  # scaled down: pending first, then nodes the coordinator already left
             workers = {w["id"] for w in job.get("workers", [])}
