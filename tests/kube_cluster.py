@@ -302,6 +302,8 @@ class LocalRuntime:
         self.terminated: dict[str, float] = {}
         """Pod name -> when its process was sent SIGTERM (time.time())."""
         self._grace: dict[str, float] = {}
+        self._family: dict[int, set[int]] = {}
+        """Each agent's pid -> every pid seen under it (a worker outlives its agent's exit)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="local-runtime", daemon=True)
 
@@ -311,7 +313,7 @@ class LocalRuntime:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=30)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.terminate()
@@ -320,24 +322,15 @@ class LocalRuntime:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._kill(proc)
+                pass
+        for proc in self.procs.values():  # the containers' every process, as a cgroup holds them
+            self._kill(proc)
 
-    @staticmethod
-    def _kill(proc: subprocess.Popen[bytes]) -> None:
-        """SIGKILL to the container: the agent and every process under it (its workers run in
-        sessions of their own, as a kubelet's cgroup would still hold them)."""
-        family, parents = {proc.pid}, {}
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(stat.parent.name)] = int(fields[1])
-        grew = True
-        while grew:
-            more = {pid for pid, ppid in parents.items() if ppid in family} - family
-            family |= more
-            grew = bool(more)
+    def _kill(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL to the container: the agent and every process under it, now or seen under it
+        before (its workers run in sessions of their own; a kubelet's cgroup would still hold
+        them)."""
+        family = self._family.setdefault(proc.pid, {proc.pid}) | _descendants(proc.pid)
         for pid in family:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -378,6 +371,9 @@ class LocalRuntime:
                         )  # fmt: skip
             for name in set(self.procs) - seen:
                 self._term(name, 30)
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    self._family.setdefault(proc.pid, {proc.pid}).update(_descendants(proc.pid))
             now = time.time()
             for name, at in self.terminated.items():
                 proc = self.procs[name]
@@ -391,3 +387,19 @@ class LocalRuntime:
             self._grace[name] = grace
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process under ``pid`` now (from /proc)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    family, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in family} - family
+        family |= more
+        grew = bool(more)
+    return family - {pid}
