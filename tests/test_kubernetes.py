@@ -504,8 +504,8 @@ def test_a_replica_pod_is_the_template_with_the_jobs_gpus_class_and_agent_flags(
     agent = _cli(container)
     gpus = manifest.gpus_per_replica
     assert container["resources"]["limits"]["nvidia.com/gpu"] == str(gpus) == str(agent.nproc_per_node)
-    assert agent.node_id == "$(MAITRE_POD_NAME)"
-    assert {"name": "MAITRE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
+    assert agent.node_id == "$(POD_NAME)"
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in container["env"]
     assert f"reserved_for={name}" in agent.label and ("capacity_type=spot" in agent.label) == surplus
     # the notice covers the job's checkpoint grace; the kubelet's SIGKILL comes well after it
     assert (

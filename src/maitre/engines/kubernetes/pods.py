@@ -135,14 +135,14 @@ def pod_for(
     agent = next(c for c in spec["containers"] if c["name"] == CONTAINER)
     agent["args"] = [
         *(agent.get("args") or []),
-        "--node-id", "$(MAITRE_POD_NAME)",
+        "--node-id", "$(POD_NAME)",
         "--nproc-per-node", str(gpus),
         "--sigterm-notice", f"{notice:g}",
         "--label", f"reserved_for={job}",
         *(["--label", "capacity_type=spot"] if surplus else []),
     ]  # fmt: skip
-    env = [e for e in agent.get("env") or [] if e.get("name") != "MAITRE_POD_NAME"]
-    agent["env"] = [*env, {"name": "MAITRE_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    env = [e for e in agent.get("env") or [] if e.get("name") != "POD_NAME"]
+    agent["env"] = [*env, {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
     resources = agent["resources"] = dict(agent.get("resources") or {})
     for key in ("limits", "requests"):
         resources[key] = {**(resources.get(key) or {}), GPU: str(gpus)}
