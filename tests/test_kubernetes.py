@@ -129,12 +129,18 @@ def test_kustomization_lists_every_file_of_the_base_and_the_token_is_never_commi
         assert {"name": "token", "secret": {"secretName": secret, "defaultMode": 0o440}} in volumes, (kind, volumes)
 
 
-def test_kustomize_renders_the_base_into_manifests_that_validate(tmp_path: Path) -> None:
+def _kubectl() -> str:
+    """Debian's kubectl (kustomize's renderer here); skipped where there is none, failed under CI."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         if os.environ.get("CI"):
             pytest.fail("kubectl is missing (Debian's kubernetes-client; .ci/run installs it)")
         pytest.skip("no kubectl here (apt-get install kubernetes-client)")
+    return kubectl
+
+
+def test_kustomize_renders_the_base_into_manifests_that_validate(tmp_path: Path) -> None:
+    kubectl = _kubectl()
     base = tmp_path / "base"
     shutil.copytree(BASE, base)
     (base / "token").write_text("a-test-token\n")
@@ -589,11 +595,7 @@ def test_replica_pods_are_asked_for_one_surplus_at_a_time_never_in_a_loop_and_en
 
 
 def test_kustomize_renders_the_replica_pods_overlay(tmp_path: Path) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        if os.environ.get("CI"):
-            pytest.fail("kubectl is missing (Debian's kubernetes-client; .ci/run installs it)")
-        pytest.skip("no kubectl here (apt-get install kubernetes-client)")
+    kubectl = _kubectl()
     for name in ("base", "replica-pods"):
         shutil.copytree(DEPLOY / name, tmp_path / name)
     (tmp_path / "base" / "token").write_text("a-test-token\n")

@@ -395,7 +395,7 @@ class Operator:
             then = json.loads(text)
         except ValueError:
             return ["the annotation " + SUBMITTED]
-        now = {**manifest_of(obj)}
+        now = manifest_of(obj)
         keys = (set(then) | set(now)) - {"name", *FOLLOWED}
         return sorted(k for k in keys if then.get(k) != now.get(k))
 
