@@ -17,7 +17,8 @@ ServiceAccount lacks a permission says which, and starts nothing.
 With replica pods (the replica-pods overlay, ``--replica-pods``; the coordinator has no nodes
 of its own, and ``kube_cluster.LocalRuntime`` runs each Running pod's agent as a local process,
 as a container runtime would): a pod that does not fit stays Pending and is reported; an evicted
-pod leaves gracefully and the Pending one takes its GPUs; scaled down, a running pod goes only
+pod leaves gracefully and the Pending one takes its GPUs; an operator restarted while that pod
+is still terminating tells nothing twice; scaled down, a running pod goes only
 after its worker has left; a higher-priority job's pod preempts a surplus pod, gracefully.
 
 Marked ``kubernetes``: ``.ci/run`` runs it on its own line (the control plane is built once per
@@ -225,9 +226,32 @@ def _operated(
     finally:
         if operator is not None:
             operator.stop()
+        _clear(kube)
         time.sleep(1.0)
         left = kill_tagged(tag)
         assert not left, f"processes left behind: {left}"
+
+
+def _clear(kube: kube_cluster.KubeCluster) -> None:
+    """The namespace's MaitreJobs (their finalizer dropped: no operator is left to act on it)
+    and replica pods gone, so that what a test leaves, passed or failed, never meets the next."""
+    if kube.request("GET", f"/api/v1/namespaces/{NS}", allow=(404,)) is None:
+        return
+
+    def left() -> str:
+        jobs = kube.kubectl("-n", NS, "get", "maitrejobs", "-o", "name", check=False).stdout.split()
+        pods = kube.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=maitre.dev%2Fjob")["items"]
+        return " ".join([*jobs, *(f"pod/{p['metadata']['name']}" for p in pods)])
+
+    kube.kubectl("-n", NS, "delete", "maitrejobs", "--all", "--wait=false", check=False)
+    for name in kube.kubectl("-n", NS, "get", "maitrejobs", "-o", "name", check=False).stdout.split():
+        kube.kubectl("-n", NS, "patch", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False)
+    for pod in kube.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=maitre.dev%2Fjob")["items"]:
+        if pod["metadata"].get("finalizers"):  # (HOLD, where a test failed holding a pod)
+            kube.kubectl("-n", NS, "patch", "pod", pod["metadata"]["name"], "--type=merge",
+                         "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+    kube.kubectl("-n", NS, "delete", "pods", "-l", "maitre.dev/job", "--force", "--grace-period=0", check=False)
+    wait_for(lambda: not left(), 60, "the namespace cleared", left)
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +422,10 @@ def test_an_unmodified_torchrun_script_as_a_maitrejob_is_restarted_whole_by_kube
         kube.kubectl("-n", NS, "delete", "mj", "ddp", "--timeout=60s")
 
 
+HOLD = "maitre.test/hold"
+"""A finalizer of the tests' own: a pod holding it stays terminating until the test lets go."""
+
+
 def _pods(kube: kube_cluster.KubeCluster, job: str) -> list[dict[str, Any]]:
     """``job``'s replica pods that are not being deleted, by replica index."""
     listed = kube.request("GET", f"/api/v1/namespaces/{NS}/pods?labelSelector=maitre.dev%2Fjob%3D{job}")["items"]
@@ -446,9 +474,15 @@ def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_aft
             assert set(nodes) == {p["metadata"]["name"] for p in pods[:2]}, nodes  # a node per Running pod
             assert all(n["labels"]["reserved_for"] == "wide" and n["slots"] == 8 for n in nodes.values()), nodes
 
-            # Evicted (the Eviction API, as `kubectl drain` does): a graceful leave, and the Pending
-            # pod takes the freed GPUs.
+            # Evicted (the Eviction API, as `kubectl drain` does): a graceful leave; the Pending pod
+            # takes the freed GPUs, and the replica's pod is asked for again. The test holds the
+            # evicted pod terminating (a finalizer of its own), and meanwhile SIGKILLs and restarts
+            # the operator: the new one adopts the pods it finds (none made twice, none deleted)
+            # and tells nothing again (not the eviction of the pod it sees terminating, nor the
+            # Pending pod), and reports on.
             evicted = pods[1]["metadata"]["name"]
+            hold = {"metadata": {"finalizers": [HOLD]}}
+            kube.kubectl("-n", NS, "patch", "pod", evicted, "--type=merge", "-p", json.dumps(hold))
             eviction = {
                 "apiVersion": "policy/v1beta1",
                 "kind": "Eviction",
@@ -471,17 +505,19 @@ def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_aft
                 "the replica's pod asked for again", lambda: str(_phases(kube, "wide")),
             )  # fmt: skip
 
-            # The operator SIGKILLed and started again: it adopts the pods it finds (none made
-            # twice, none deleted, none told of again but the Pending one) and reports on.
-            pods = {p["metadata"]["name"] for p in _pods(kube, "wide")}
+            alive = {p["metadata"]["name"] for p in _pods(kube, "wide")}
             told = {e["metadata"]["name"] for e in _events(kube, "wide")}
             step = status("wide's step", lambda s: s.get("step"))["step"]
             operator.kill()
             operator.start()
             status("wide's status from the new operator", lambda s: s.get("step", 0) > step + 20)
-            assert {p["metadata"]["name"] for p in _pods(kube, "wide")} == pods
+            held = kube.request("GET", f"/api/v1/namespaces/{NS}/pods/{evicted}")
+            assert held["metadata"]["deletionTimestamp"], held["metadata"]  # (terminating throughout)
+            assert {p["metadata"]["name"] for p in _pods(kube, "wide")} == alive
             new = [e["reason"] for e in _events(kube, "wide") if e["metadata"]["name"] not in told]
-            assert not {"ReplicaPodCreated", "ReplicaPodDeleted", "ReplicaPodEvicted", "Submitted"} & set(new), new
+            assert not {"ReplicaPodCreated", "ReplicaPodDeleted", "ReplicaPodEvicted", "ReplicaPodPending",
+                        "Submitted"} & set(new), new  # fmt: skip
+            kube.kubectl("-n", NS, "patch", "pod", evicted, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
 
             # Scaled down: the Pending pod goes first; a running one only once its worker has left.
             t0 = time.time()

@@ -38,6 +38,7 @@ API server forbids is reported with the verb and resource that are missing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -474,7 +475,8 @@ class Operator:
             phase = (pod.get("status") or {}).get("phase", "Pending")
             if words := evicted(pod):
                 self.event(objects[job], "Warning", "ReplicaPodEvicted",
-                           f"pod {name} was evicted by its node ({words}): its replica is asked for again")  # fmt: skip
+                           f"pod {name} was evicted by its node ({words}): its replica is asked for again",
+                           once=f"evicted/{name}")  # fmt: skip
                 continue
             why = (
                 "it ended" if name in ended
@@ -501,11 +503,13 @@ class Operator:
             self.pods.said.add(("evicted", name))
             self.event(objects[job], "Warning", "ReplicaPodEvicted",
                        f"pod {name} was deleted by someone else (evicted, preempted or drained): its agent "
-                       "leaves at a step boundary, and the replica's pod is asked for again")  # fmt: skip
+                       "leaves at a step boundary, and the replica's pod is asked for again",
+                       once=f"evicted/{name}")  # fmt: skip
         for name, pod in by_name.items():
             if ("pending", name) not in self.pods.said and now[name] in objects and (words := unschedulable(pod)):
                 self.pods.said.add(("pending", name))
-                self.event(objects[now[name]], "Normal", "ReplicaPodPending", f"pod {name}: {words}")
+                self.event(objects[now[name]], "Normal", "ReplicaPodPending", f"pod {name}: {words}",
+                           once=f"pending/{name}")  # fmt: skip
         self.pods.deleted &= set(now)  # (pods gone for good are forgotten)
         self.pods.said = {(kind, name) for kind, name in self.pods.said if kind == "refused" or name in now}
         self.pods.seen = now
@@ -590,12 +594,20 @@ class Operator:
             missing_ok=True,
         )
 
-    def event(self, obj: dict[str, Any], kind: str, reason: str, message: str) -> None:
-        """A Kubernetes Event about ``obj`` (``kubectl describe mj`` shows it)."""
+    def event(self, obj: dict[str, Any], kind: str, reason: str, message: str, once: str | None = None) -> None:
+        """A Kubernetes Event about ``obj`` (``kubectl describe mj`` shows it). With ``once`` (what
+        it tells, e.g. ``evicted/<pod>``) it is told once for ``obj``, by whichever operator comes
+        first: its name is made from ``once``, so an operator started again finds it told (the API
+        server answers 409) instead of telling it twice."""
         meta = obj["metadata"]
         now = _now()
+        if once is None:
+            named: dict[str, str] = {"generateName": f"{meta['name']}."}
+        else:
+            digest = hashlib.sha256(f"{meta['uid']}/{once}".encode()).hexdigest()[:16]
+            named = {"name": f"{meta['name']}.{digest}"}
         body = {
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": self.cfg.namespace},
+            "metadata": {**named, "namespace": self.cfg.namespace},
             "involvedObject": {
                 "apiVersion": API_VERSION,
                 "kind": KIND,
@@ -611,7 +623,13 @@ class Operator:
             "lastTimestamp": now,
             "count": 1,
         }
-        self._k8s("create", "events", lambda: self.core.create_namespaced_event(self.cfg.namespace, body))
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._k8s("create", "events", lambda: self.core.create_namespaced_event(self.cfg.namespace, body))
+        except ApiException as exc:
+            if not (exc.status == 409 and once is not None):  # (409: told already)
+                raise
 
     def _job_event(self, obj: dict[str, Any], e: dict[str, Any]) -> None:
         kind = str(e.get("kind", "event"))

@@ -197,8 +197,8 @@ class ReplicaPods:
     """Pods this operator deleted (any other pod seen deleting was evicted or deleted by
     someone else: an Event says so, once)."""
     said: set[tuple[str, str]] = field(default_factory=set)
-    """What an Event has told already: ``("pending", pod)``, ``("evicted", pod)``,
-    ``("quota", job)``."""
+    """What an Event has told already: ``("pending", pod)``, ``("evicted", pod)`` (told once
+    across operators too: those Events are named by what they tell), ``("refused", job)``."""
     seen: dict[str, str] = field(default_factory=dict)
     """The replica pods of the last pass, and their jobs (one gone since, not deleted here, was
     deleted by someone else)."""
