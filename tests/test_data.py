@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -526,6 +527,37 @@ def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(t
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [float(line.split()[3]) for line in done.stdout.splitlines() if line.startswith("step")]
     assert len(losses) >= 2 and losses[-1] < losses[0], done.stdout
+
+
+@pytest.mark.timeout(180)
+def test_a_corrupt_token_under_maitre_run_fails_the_job_at_once_naming_the_file_and_offset(tmp_path: Path) -> None:
+    """Bad data is the data's fault, not a worker's: the first worker that meets a corrupt token
+    fails the job with the file and byte offset, instead of its peers taking its share (and the
+    same record) one after the other, and replacements after them."""
+    import json
+
+    from conftest import ROOT
+    from maitre.cli import main
+
+    out = tmp_path / "shards"
+    assert (
+        main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]) == 0
+    )
+    shard = out / json.loads((out / "meta.json").read_text())["shards"][1]
+    raw = bytearray(shard.read_bytes())
+    raw[2 * 100 : 2 * 101] = (65000).to_bytes(2, "little")  # token 100 of the second shard
+    shard.write_bytes(bytes(raw))
+    cmd = [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data", str(out), "--data-workers", "2",
+           "--steps", "200", "--block", "32", "--global-batch", "16", "--d-model", "16", "--layers", "1",
+           "--heads", "2", "--log-every", "1000"]  # fmt: skip
+    code, lines, run = play(tmp_path, cmd, "", min_nodes=2, max_nodes=2, local_nodes=2, max_restarts=5)
+    assert protocol.DATA_ERROR == f"{DataError.__module__}.{DataError.__qualname__}: "  # (a worker's last line)
+    job = run.job()
+    assert code != 0 and job["state"] == "FAILED", "\n".join(lines)
+    said = f"{shard.name}: at byte 200: token id 65000 is not below the vocabulary size 512"
+    assert said in job["failure"] and "the data cannot be read" in job["failure"], job["failure"]
+    dead = [e for e in job["events"] if e["kind"] == "worker_dead"]
+    assert len(dead) == 1 and job["failures"] <= 1, dead  # no peer, no replacement met it again
 
 
 def test_prepare_refuses_bad_input_and_leaves_nothing_behind(tmp_path: Path, capsys) -> None:

@@ -57,3 +57,26 @@ def test_state_round_trip_and_rule_mismatch() -> None:
 def test_bad_settings_are_rejected(kwargs) -> None:
     with pytest.raises(ValueError):
         LinearScaling(**kwargs)
+
+
+def test_a_per_rank_batch_larger_than_the_data_set_is_refused_before_the_first_step() -> None:
+    import torch
+
+    from maitre.runtime.env import WorkerEnv
+    from maitre.runtime.loop import ElasticLoop
+    from maitre.runtime.sampler import ElasticSampler
+
+    model = torch.nn.Linear(2, 1)
+    rule = LinearScaling(per_rank_batch_size=8, base_world_size=1)
+    loop = ElasticLoop(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        ElasticSampler(6, 2),
+        scaling=rule,
+        env=WorkerEnv.from_environ({}),
+    )
+    with pytest.raises(
+        ValueError, match=r"global batch \(8: the linear rule at world size 1\) is larger than the data set \(6"
+    ):
+        next(iter(loop.run(3)))
+    assert loop.state.step == 0

@@ -43,6 +43,11 @@ from maitre.scheduling.spec import JobManifest, StragglerSpec
 API = "/v1"
 """Every route below is under this prefix."""
 
+DATA_ERROR = "maitre.data.shards.DataError: "
+"""How a worker's error line (its last stderr line) begins when its data could not be read (a
+corrupt shard): the data's fault, not the worker's, so the coordinator fails the job at once
+rather than hand the same record to a peer or a replacement."""
+
 # -- environment variables -------------------------------------------------------------------
 COORDINATOR = "MAITRE_COORDINATOR"
 """``HOST:PORT`` of the coordinator's HTTP API (workers, agents and the CLI)."""

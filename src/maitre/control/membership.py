@@ -556,6 +556,9 @@ class Membership:
         else:
             w.error = f"exited with code {code}" if code > 0 else f"killed by signal {-code}"
         self._mark_dead(w, f"worker {wid}: {w.error}", now)
+        if w.error.startswith(p.DATA_ERROR):  # (the data's fault: no peer or replacement reads it)
+            self._fail(f"the data cannot be read: {w.error.removeprefix(p.DATA_ERROR)} (worker {wid})", now)
+            return
         self._check_user_error(now)
 
     def evict(self, wid: str, reason: str, now: float) -> None:

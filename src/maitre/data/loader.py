@@ -21,7 +21,8 @@ size or worker count loads its first batch without reading the skipped data.
 
 An exception raised by the dataset (a corrupt shard: :class:`maitre.data.DataError`) reaches the
 training script as it would from a DataLoader: the job stops at that step, its committed state
-intact. With ``on_error="skip"`` a record that raises is left out instead: the rest of its
+intact (under ``maitre run`` the coordinator fails the job at once: no peer or replacement is
+handed the same record). With ``on_error="skip"`` a record that raises is left out instead: the rest of its
 micro-batch is collated without it, the step's mean is over the samples trained
 (:meth:`Batch.skip <maitre.runtime.loop.Batch.skip>`: the same at any world size), each skip is
 printed with its error (the file and byte offset, for shards) and counted (``loader.skipped``

@@ -414,6 +414,12 @@ class ElasticLoop:
     # -- the step boundary -----------------------------------------------------------------------
     def _next_batch(self) -> Batch:
         size = self.scaling.global_batch_size(self.sampler.global_batch_size, self.world_size)
+        if size > self.sampler.num_samples and self.state.step == 0:  # (the job's first: every rank's)
+            rule = getattr(self.scaling, "rule", type(self.scaling).__name__)
+            raise ValueError(
+                f"the global batch ({size}: the {rule} rule at world size {self.world_size}) "
+                f"is larger than the data set ({self.sampler.num_samples} samples)"
+            )
         slc = self.sampler.next_slice(self.rank, self.world_size, size)
         chunks, mine = self._split(slc.local_indices)
         dtype = self.hooks.autocast_dtype

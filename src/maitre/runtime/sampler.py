@@ -76,6 +76,10 @@ class ElasticSampler:
             raise ValueError(f"the data set is empty (num_samples {num_samples}): nothing to train on")
         if global_batch_size <= 0:
             raise ValueError(f"global_batch_size must be positive, got {global_batch_size}")
+        if global_batch_size > num_samples:
+            raise ValueError(
+                f"the global batch ({global_batch_size}) is larger than the data set ({num_samples} samples)"
+            )
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -95,10 +99,6 @@ class ElasticSampler:
         describe = getattr(dataset, "describe", None)
         if len(dataset) == 0:
             raise ValueError(f"the data set is empty ({dataset!r}): nothing to train on")
-        if global_batch_size > len(dataset):
-            raise ValueError(
-                f"the global batch ({global_batch_size}) is larger than the data set ({len(dataset)} samples)"
-            )
         return cls(
             len(dataset),
             global_batch_size,

@@ -9,7 +9,8 @@ run up to floating-point summation order.
 so the global batch grows with the world, and the learning rate is scaled by ``world / base_world``
 (Goyal et al., 2017) or its square root (Krizhevsky, 2014). After every resize the factor moves
 from its old to its new value linearly over ``warmup_steps`` steps, which avoids the loss spike of
-an abrupt jump.
+an abrupt jump. A global batch larger than the data set is refused before the first step; one
+that grows past it later (the world grew) takes the rest of the data epoch as its step.
 """
 
 from __future__ import annotations
