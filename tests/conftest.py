@@ -60,6 +60,41 @@ def example_command(steps: int, out: Path | None = None, extra: tuple[str, ...] 
     return cmd + (["--out", str(out)] if out is not None else [])
 
 
+def audit_records(*runs: Path, steps: int) -> None:
+    """Every sample once, from the training script's own record (``examples/train.py
+    --record``), not maitre's ledger: of each step the attempt that committed is the last one
+    tried (the highest membership epoch of the latest of ``runs``: a dropped step is tried again
+    only in a later epoch or run). Steps 1 to ``steps`` each have one, and their samples cover
+    every complete data epoch exactly once and the one in progress at most once."""
+    import json
+    from collections import Counter, defaultdict
+
+    last: dict[int, tuple[tuple[int, int], list[dict]]] = {}
+    for r, folder in enumerate(runs):
+        for path in sorted(folder.glob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                e = json.loads(line)
+                key, have = (r, e["epoch"]), last.get(e["step"])
+                if have is None or key > have[0]:
+                    last[e["step"]] = (key, [e])
+                elif key == have[0]:
+                    have[1].append(e)
+    missing = sorted(set(range(1, steps + 1)) - set(last))
+    assert not missing and max(last) == steps, f"steps with no record: {missing[:20]}, last {max(last, default=0)}"
+    seen: dict[int, Counter] = defaultdict(Counter)
+    for _, entries in last.values():
+        for e in entries:
+            seen[e["data_epoch"]].update(e["ids"])
+    samples = next(iter(last.values()))[1][0]["samples"]
+    for d, counts in sorted(seen.items()):
+        twice = sorted(i for i, c in counts.items() if c > 1)
+        assert not twice, f"data epoch {d}: samples trained more than once: {twice[:20]}"
+        if d < max(seen):
+            lost = sorted(set(range(samples)) - set(counts))
+            assert not lost, f"data epoch {d}: samples never trained: {lost[:20]}"
+    assert len(seen) > 1, "no data epoch completed: nothing to audit"
+
+
 def relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b|| over every finite entry of ``b`` (a must be finite in the same places)."""
     assert a.keys() == b.keys()

@@ -16,6 +16,7 @@ rank's share in the loop body would clip a different vector at every world size.
 """
 
 import argparse
+import json
 import math
 import os
 import time
@@ -114,6 +115,13 @@ def main() -> None:
         default=25.0,
         help="MiB of gradients per reduction launched while backward runs (DDP's 25)",
     )
+    p.add_argument(
+        "--record",
+        type=Path,
+        help="append the sample ids this process trains, step by step, to a file of its own in this "
+        "folder (written before each backward, so a step that commits is in it; the tests audit "
+        "exactly-once from it)",
+    )
     args = p.parse_args()
     if not args.bucket_cap_mb > 0:
         p.error(f"--bucket-cap-mb must be a positive number of MiB, got {args.bucket_cap_mb}")
@@ -175,6 +183,10 @@ def main() -> None:
         if args.data_workers is None
         else maitre.data.Loader(Sequences(ids, args.block), loop, num_workers=args.data_workers)
     )
+    record = None
+    if args.record is not None:
+        args.record.mkdir(parents=True, exist_ok=True)
+        record = os.open(args.record / f"{os.getpid()}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     started, tokens = time.monotonic(), 0
     for batch in loop.run(max_steps=args.steps):
         loaded = loader(batch) if loader is not None else iter(batch.micro_batches)
@@ -191,6 +203,11 @@ def main() -> None:
                     )
                 chunk = chunk.to(device)
                 x, y = chunk[:, :-1], chunk[:, 1:]
+            if record is not None:  # (the ids of the data itself, where a loader loaded it)
+                trained = idx if loader is None else got.tolist()
+                line = {"epoch": loop.epoch, "step": batch.step, "data_epoch": batch.slice.data_epoch,
+                        "samples": sampler.num_samples, "ids": trained}  # fmt: skip
+                os.write(record, (json.dumps(line) + "\n").encode())
             with batch.autocast():
                 logits = model(x)
             if logits.dtype in (torch.float16, torch.bfloat16):  # the loss in the model's dtype
@@ -210,6 +227,8 @@ def main() -> None:
 
     if loader is not None:
         loader.close()
+    if record is not None:
+        os.close(record)
     if loop.completed and loop.rank == 0:  # (not a worker that left, or stopped early)
         loss = "n/a (nothing left to train)" if loop.last_loss is None else f"{loop.last_loss:.4f}"
         skipped = f", {loop.scaler.skipped} steps skipped for fp16 overflow" if loop.scaler is not None else ""
