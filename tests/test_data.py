@@ -174,6 +174,38 @@ def test_npy_shards_say_their_own_dtype(tmp_path: Path) -> None:
     assert len(ds) == 11 and ds[1].tolist() == list(range(70004, 70009))
 
 
+def test_lit_gpts_packed_chunks_are_read_by_their_header_and_checked(tmp_path: Path) -> None:
+    """lit-gpt's ``PackedDatasetBuilder`` files: LITPKDS, version 1, a dtype code (8: uint16,
+    4: int32), the token count, then the tokens; a header that lies, or a negative int32 token,
+    is named with its byte offset."""
+    import struct
+
+    def chunk(path: Path, tokens: np.ndarray, code: int, count: int | None = None, version: int = 1) -> None:
+        header = b"LITPKDS" + struct.pack("<QBQ", version, code, len(tokens) if count is None else count)
+        path.write_bytes(header + tokens.tobytes())
+
+    folder = tmp_path / "lit"
+    folder.mkdir()
+    chunk(folder / "train_0.bin", np.arange(45, dtype=np.uint16), 8)
+    chunk(folder / "train_1.bin", np.arange(100_000, 100_023, dtype=np.int32), 4)
+    ds = TokenShards(folder, seq_len=4)  # (dtype uint16 by default: each header says its own)
+    assert ds.counts == [11, 5] and ds[1].tolist() == [4, 5, 6, 7, 8]
+    assert ds[11].tolist() == list(range(100_000, 100_005)) and ds[15].tolist() == list(range(100_016, 100_021))
+    bad = [
+        (dict(count=50), r"train_0\.bin: at byte 114: its header says 50 tokens, the file holds 45"),
+        (dict(version=2), r"at byte 7: lit-gpt packed format version 2, not 1"),
+        (dict(code=6), r"at byte 15: lit-gpt dtype code 6: not tokens of uint16 \(8\) or int32 \(4\)"),
+    ]
+    for change, said in bad:
+        chunk(folder / "train_0.bin", np.arange(45, dtype=np.uint16), **{"code": 8, **change})
+        with pytest.raises(DataError, match=said):
+            TokenShards(folder, seq_len=4)
+    chunk(folder / "train_0.bin", np.arange(45, dtype=np.uint16), 8)
+    chunk(folder / "train_1.bin", np.array([7] * 10 + [-3] + [7] * 12, dtype=np.int32), 4)
+    with pytest.raises(DataError, match=r"train_1\.bin: at byte 64: token id -3 is negative"):
+        TokenShards(folder, seq_len=4)[13]
+
+
 def test_a_truncated_shard_is_named_with_its_byte_offset(tmp_path: Path) -> None:
     folder = shards(tmp_path / "t", [100, 100])
     with (folder / "shard-001.bin").open("ab") as f:

@@ -2,10 +2,12 @@
 sequences.
 
 Each shard is a flat array of token ids, as nanoGPT's ``prepare.py`` and ``maitre data
-prepare`` write them: raw ``.bin`` files of ``uint16`` (or ``uint32``) tokens, or ``.npy`` files
-(their header says the dtype). Sample ``i`` is a packed sequence of ``seq_len + 1`` tokens (the
-inputs and, shifted by one, the targets), cut from one shard without crossing into the next;
-a shard's last partial sequence is left out.
+prepare`` write them: raw ``.bin`` files of ``uint16`` (or ``uint32``) tokens, ``.npy`` files
+(their header says the dtype), or lit-gpt's packed ``.bin`` chunks (``PackedDatasetBuilder``: a
+24-byte header, ``LITPKDS``, version 1, a dtype code, the chunk's token count, then the tokens,
+``uint16`` or ``int32``; recognized by the header whatever the file is called). Sample ``i``
+is a packed sequence of ``seq_len + 1`` tokens (the inputs and, shifted by one, the targets),
+cut from one shard without crossing into the next; a shard's last partial sequence is left out.
 
 The order of a data epoch is shard-aware: the sequences of each shard are cut into blocks of
 ``block`` consecutive sequences, and the blocks of all shards are shuffled (from ``(seed,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import bisect
 import os
 import re
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,9 @@ from numpy.lib import format as npy_format
 from torch.utils.data import Dataset
 
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+LITGPT_MAGIC = b"LITPKDS"
+LITGPT_DTYPES = {8: np.dtype("<u2"), 4: np.dtype("<i4")}
+"""lit-gpt's dtype codes of token chunks (its table also has floats and signed bytes: not tokens)."""
 
 
 class DataError(ValueError):
@@ -60,6 +66,10 @@ def _layout(path: Path, dtype: np.dtype) -> tuple[int, np.dtype]:
     """(byte offset of the first token, dtype) of a shard; checks its size."""
     size = path.stat().st_size
     offset = 0
+    with path.open("rb") as f:
+        head = f.read(24)
+    if head.startswith(LITGPT_MAGIC):
+        return _litgpt_layout(path, head, size)
     if path.suffix == ".npy":
         with path.open("rb") as f:
             try:
@@ -88,6 +98,25 @@ def _layout(path: Path, dtype: np.dtype) -> tuple[int, np.dtype]:
             f"truncated: {size} bytes is not a whole number of {dtype} tokens ({size - whole} bytes left over)",
         )
     return offset, dtype
+
+
+def _litgpt_layout(path: Path, head: bytes, size: int) -> tuple[int, np.dtype]:
+    """(24, dtype) of a lit-gpt packed chunk, whose header is checked against its size."""
+    if len(head) < 24:
+        raise DataError(path, len(head), "truncated: a lit-gpt packed chunk's header is 24 bytes")
+    version, code, tokens = struct.unpack("<QBQ", head[len(LITGPT_MAGIC) :])
+    if version != 1:
+        raise DataError(path, 7, f"lit-gpt packed format version {version}, not 1")
+    dtype = LITGPT_DTYPES.get(code)
+    if dtype is None:
+        raise DataError(path, 15, f"lit-gpt dtype code {code}: not tokens of uint16 (8) or int32 (4)")
+    held = (size - 24) // dtype.itemsize
+    if held != tokens or (size - 24) % dtype.itemsize:
+        whole = 24 + min(held, tokens) * dtype.itemsize
+        raise DataError(
+            path, whole, f"its header says {tokens} tokens, the file holds {(size - 24) / dtype.itemsize:g}"
+        )
+    return 24, dtype
 
 
 class Shards(Dataset):
@@ -181,7 +210,8 @@ class TokenShards(Shards):
     Args:
         directory: the shards' folder; its files matching ``pattern``, in name order.
         seq_len: tokens of input per sample (a sample holds one more: the last target).
-        dtype: ``"uint16"`` or ``"uint32"``, for raw ``.bin`` shards (``.npy`` say their own).
+        dtype: ``"uint16"`` or ``"uint32"``, for raw ``.bin`` shards (``.npy`` files and
+            lit-gpt's packed chunks say their own).
         vocab_size: when given, a token id at or above it is a corrupt shard.
         block: consecutive sequences kept together by the shuffle.
     """
@@ -233,6 +263,12 @@ class TokenShards(Shards):
         shard, position = self.locate(int(index))
         first = position * self.seq_len
         tokens = np.asarray(self._map(shard)[first : first + self.seq_len + 1])
+        if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:  # (lit-gpt's int32)
+            at = int(np.argmax(tokens < 0))
+            offset, dt = self._layouts[shard]
+            raise DataError(
+                self.files[shard], offset + (first + at) * dt.itemsize, f"token id {int(tokens[at])} is negative"
+            )
         if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
             at = int(np.argmax(tokens >= self.vocab_size))
             offset, dt = self._layouts[shard]
