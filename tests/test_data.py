@@ -624,6 +624,29 @@ def test_a_corrupt_token_under_maitre_run_fails_the_job_at_once_naming_the_file_
     assert len(dead) == 1 and job["failures"] <= 1, dead  # no peer, no replacement met it again
 
 
+def test_prepare_takes_a_folder_of_the_users_text_files(tmp_path: Path) -> None:
+    """Any folder of text files, nested ones too, in name order; what is not ``.txt`` is left out."""
+    import json
+
+    from maitre.cli import main
+    from maitre.data.prepare import open_shards
+    from tokenizers import Tokenizer
+
+    corpus = tmp_path / "corpus"
+    (corpus / "b").mkdir(parents=True)
+    (corpus / "a.txt").write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    (corpus / "b" / "c.txt").write_text("Pack my box with five dozen liquor jugs! " * 200)
+    (corpus / "notes.md").write_text("left out")
+    out = tmp_path / "shards"
+    assert main(["data", "prepare", str(corpus), "--out", str(out), "--vocab-size", "300", "--quiet"]) == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert [Path(p).name for p in meta["inputs"]] == ["a.txt", "c.txt"] and meta["vocab_size"] <= 300
+    ds, _ = open_shards(out, seq_len=16)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    text = tokenizer.decode([int(t) for k in range(len(ds)) for t in ds[k][:-1]])
+    assert "quick brown fox" in text and "liquor jugs" in text and "left out" not in text
+
+
 def test_prepare_refuses_bad_input_and_leaves_nothing_behind(tmp_path: Path, capsys) -> None:
     from maitre.cli import main
 

@@ -100,7 +100,7 @@ def prepare(
         vocab_size=vocab_size,
         special_tokens=[EOT],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress,  # (the tokenizer's own bar, for its training)
     )
     tokenizer.train_from_iterator(_documents(files), trainer=trainer)
     vocab = tokenizer.get_vocab_size()
