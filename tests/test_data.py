@@ -276,6 +276,12 @@ def test_with_on_error_skip_a_corrupt_record_is_left_out_of_the_mean_and_counted
         assert torch.allclose(model.weight.detach(), expected)
         assert loader.skipped == 1
     assert loop.skipped == 1
+    # The count is committed state: a loop resumed from it (a joiner's, a checkpoint's) goes on.
+    state = loop.state.state_dict()
+    assert state["skipped"] == 1
+    again = a_loop(len(ds), 4)
+    again.state.load_state_dict(state)
+    assert again.skipped == 1 and again.step == loop.step
     steps = sorted(loop.sampler.order(0)[: len(ds) // 4 * 4])
     assert 5 in steps and sorted(trained) == [i for i in steps if i != 5]
     err = capsys.readouterr().err

@@ -163,8 +163,21 @@ def test_a_scrape_says_what_the_coordinator_saw(world) -> None:
             )
         )
     t[0] += 0.1  # too soon after the last one: kept as the latest, no event
-    ok(client.post(report, json={"kind": "progress", "step": 31, "loss": None, "world_size": 2, "steps_per_s": 9.0}))
-    for bad in ('"steps_per_s": -1.0', '"loss": NaN', '"world_size": 0', '"loss": Infinity'):
+    ok(
+        client.post(
+            report,
+            json={
+                "kind": "progress",
+                "step": 31,
+                "loss": None,
+                "world_size": 2,
+                "steps_per_s": 9.0,
+                "skipped_samples": 2,
+            },
+        )
+    )
+    bad_fields = ('"steps_per_s": -1.0', '"loss": NaN', '"world_size": 0', '"loss": Infinity', '"skipped_samples": -1')
+    for bad in bad_fields:
         body = '{"kind": "progress", "step": 32, "world_size": 2, "steps_per_s": 1.0, ' + bad + "}"
         assert (
             client.post(report, content=body.encode(), headers={"content-type": "application/json"}).status_code == 400
@@ -228,6 +241,7 @@ def test_a_scrape_says_what_the_coordinator_saw(world) -> None:
     assert sample(text, "maitre_jobs", state="PENDING") == 1
     assert sample(text, "maitre_jobs_waiting", queue="q") == 1
     assert sample(text, "maitre_job_step", job="a") == 31
+    assert sample(text, "maitre_job_skipped_samples", job="a") == 2
     assert sample(text, "maitre_job_steps_per_second", job="a") == 9.0
     assert sample(text, "maitre_job_loss", job="a") is None  # the latest had none
     assert sample(text, "maitre_job_world_size", job="a") == 2

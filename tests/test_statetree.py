@@ -212,7 +212,7 @@ def test_train_state_round_trip_restores_everything():
     _draws()  # move the generators off their seeds
 
     tree = ts.state_dict()
-    assert set(tree) == {"model", "optimizer", "sampler", "step", "rng"}
+    assert set(tree) == {"model", "optimizer", "sampler", "step", "skipped", "rng"}
     skeleton, tensors = encode(tree)
     data, tensors = dumps(skeleton), [t.detach().clone() for t in tensors]
     expected_params = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -266,7 +266,7 @@ def test_train_state_load_missing_entry_raises():
         ts.load_state_dict(tree)
 
 
-@pytest.mark.parametrize("name", ["model", "step", "rng"])
+@pytest.mark.parametrize("name", ["model", "step", "skipped", "rng"])
 def test_train_state_register_rejects_taken_names(name):
     ts, *_ = _make_state(0)
     with pytest.raises(ValueError, match="already taken"):

@@ -151,7 +151,7 @@ def test_the_progress_meter_reports_rates_over_its_window() -> None:
     meter = ProgressMeter(every_s=1.0)
     assert meter.committed(10.0, 5, 12, 2.0, 2) is None  # the window opens here
     assert meter.committed(10.5, 6, 12, 1.9, 2) is None
-    report = meter.committed(11.0, 7, 12, float("nan"), 2)
+    report = meter.committed(11.0, 7, 12, float("nan"), 2, skipped=3)
     assert report == {
         "kind": "progress",
         "step": 7,
@@ -159,6 +159,7 @@ def test_the_progress_meter_reports_rates_over_its_window() -> None:
         "world_size": 2,
         "steps_per_s": 2.0,
         "samples_per_s": 24.0,
+        "skipped_samples": 3,
     }
     assert meter.committed(11.5, 8, 12, 1.8, 2) is None  # counted from the last report
     assert meter.committed(12.0, 9, 12, 1.7, 2)["steps_per_s"] == 2.0

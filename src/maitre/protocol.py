@@ -783,6 +783,9 @@ class ProgressReport(_Request):
     steps_per_s: float = Field(ge=0, allow_inf_nan=False)
     """Committed steps over the wall time since the last report (pauses included)."""
     samples_per_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    skipped_samples: int = Field(0, ge=0)
+    """Samples left out of the committed steps so far because their data could not be read
+    (``on_error="skip"``): part of the job's committed state."""
 
 
 class StragglerWindow(_Request):

@@ -344,6 +344,11 @@ class _StateCollector(Collector):
             "Samples per second over the latest progress report's window.",
             labels=["job"],
         )
+        skipped = GaugeMetricFamily(
+            "maitre_job_skipped_samples",
+            "Samples left out of the committed steps because their data could not be read (on_error='skip').",
+            labels=["job"],
+        )
         loss = GaugeMetricFamily(
             "maitre_job_loss",
             "The last step's global mean loss (latest progress report, when the script logs it).",
@@ -423,6 +428,7 @@ class _StateCollector(Collector):
                     rate.add_metric([job_id], report["steps_per_s"])
                     if report.get("samples_per_s") is not None:
                         samples.add_metric([job_id], report["samples_per_s"])
+                    skipped.add_metric([job_id], report.get("skipped_samples", 0))
                     if report.get("loss") is not None:
                         loss.add_metric([job_id], report["loss"])
                     world.add_metric([job_id], report["world_size"])
@@ -454,6 +460,7 @@ class _StateCollector(Collector):
             step,
             rate,
             samples,
+            skipped,
             loss,
             world,
             seen,

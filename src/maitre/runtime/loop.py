@@ -261,9 +261,6 @@ class ElasticLoop:
         self.last_loss: float | None = None
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
-        self.skipped = 0
-        """Samples left out of committed steps because their data could not be loaded
-        (:meth:`Batch.skip`), over all ranks, since this process began training."""
         self.recoveries: list[Recovery] = []
         self._reducer = Reducer(model, self.params, buckets or Buckets(), SLOTS, divide_early=self.scaler is None)
         """The gradient buffers, laid out in buckets, and their reduction."""
@@ -314,6 +311,13 @@ class ElasticLoop:
     def step(self) -> int:
         """Committed steps so far."""
         return self.state.step
+
+    @property
+    def skipped(self) -> int:
+        """Samples left out of the committed steps because their data could not be read
+        (:meth:`Batch.skip`), over all ranks: part of the committed state, so it goes on across
+        joins, restarts and resumes, and the coordinator's job view shows it."""
+        return self.state.skipped
 
     @property
     def completed(self) -> bool:
@@ -595,7 +599,7 @@ class ElasticLoop:
             self.lr_scheduler.step()
         self.sampler.advance(batch.slice)
         self.state.step += 1
-        self.skipped += skipped
+        self.state.skipped += skipped
         self.last_loss = float(control[Slot.LOSS]) / max(count, 1)
         return True
 
@@ -687,6 +691,7 @@ class ElasticLoop:
             batch.global_batch_size,
             self.last_loss if batch._logged else None,
             self.world_size,
+            self.state.skipped,
         )
         if report is not None:
             assert self._reporter is not None

@@ -46,16 +46,20 @@ class TrainState:
     def __init__(self, **objects: Stateful | None) -> None:
         self.objects: dict[str, Stateful] = {k: v for k, v in objects.items() if v is not None}
         self.step = 0
+        self.skipped = 0
+        """Samples left out of the committed steps because their data could not be read
+        (``on_error="skip"``), over all ranks and every run the state went through."""
 
     def register(self, name: str, obj: Stateful) -> None:
         """Add a user object (anything with ``state_dict``/``load_state_dict``) to the state."""
-        if name in self.objects or name in ("step", "rng"):
+        if name in self.objects or name in ("step", "skipped", "rng"):
             raise ValueError(f"state name {name!r} is already taken")
         self.objects[name] = obj
 
     def state_dict(self) -> dict[str, Any]:
         tree: dict[str, Any] = {name: obj.state_dict() for name, obj in self.objects.items()}
         tree["step"] = self.step
+        tree["skipped"] = self.skipped
         tree["rng"] = rng_state()
         return tree
 
@@ -66,4 +70,5 @@ class TrainState:
         for name, obj in self.objects.items():
             obj.load_state_dict(tree[name])
         self.step = int(tree["step"])
+        self.skipped = int(tree.get("skipped", 0))  # (none in a state saved before it was kept)
         set_rng_state(tree["rng"])

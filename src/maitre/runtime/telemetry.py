@@ -52,7 +52,7 @@ class ProgressMeter:
         self._since = None
 
     def committed(
-        self, now: float, step: int, samples: int, loss: float | None, world_size: int
+        self, now: float, step: int, samples: int, loss: float | None, world_size: int, skipped: int = 0
     ) -> dict[str, Any] | None:
         """A step committed at ``now``; returns a progress report when one is due."""
         if self._since is None:  # the window opens at a commit: no start-up in the rate
@@ -70,6 +70,7 @@ class ProgressMeter:
             "world_size": world_size,
             "steps_per_s": self._steps / elapsed,
             "samples_per_s": self._samples / elapsed,
+            "skipped_samples": skipped,
         }
         self._since, self._steps, self._samples = now, 0, 0
         return report
