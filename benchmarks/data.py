@@ -26,6 +26,10 @@ one process with ``torch.set_num_threads(1)`` and ``--workers`` data workers:
   samples.
 
 ``--smoke``: 128 images, a batch of 16, one rep, a few steps.
+
+The token shards hold ``--token-steps`` + 2 batches of sequences, and a throughput run over them
+times ``--token-steps`` batches (600: a sequence costs little to read, so fewer would time the
+noise of the machine rather than the loader).
 """
 
 from __future__ import annotations
@@ -292,15 +296,24 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--prefetch", type=int, default=2)
-    p.add_argument("--steps", type=int, default=60, help="batches timed per throughput run")
+    p.add_argument("--steps", type=int, default=60, help="batches of JPEGs timed per throughput run")
+    p.add_argument(
+        "--token-steps",
+        type=int,
+        default=600,
+        help="batches of token sequences timed per throughput run (default 600: about half a second, "
+        "for they cost little each)",
+    )
     p.add_argument(
         "--compute-ms", type=float, default=150.0, help="each training step's compute in the wait run (default 150)"
     )
     p.add_argument("--reps", type=int, default=5)
-    args = parse(p, "data", smoke={"images": 128, "batch": 16, "steps": 4, "reps": 1, "compute_ms": 40.0})
-    for name in ("images", "batch", "workers", "steps", "reps"):
+    args = parse(
+        p, "data", smoke={"images": 128, "batch": 16, "steps": 4, "token_steps": 4, "reps": 1, "compute_ms": 40.0}
+    )
+    for name in ("images", "batch", "workers", "steps", "token_steps", "reps"):
         if getattr(args, name) < (0 if name == "workers" else 1):
-            p.error(f"--{name} must be at least {0 if name == 'workers' else 1}")
+            p.error(f"--{name.replace('_', '-')} must be at least {0 if name == 'workers' else 1}")
     if args.workers < 1:
         p.error("--workers must be at least 1: the benchmark compares loaders with workers")
     if args.batch * (args.steps + 2) > args.images:
@@ -311,9 +324,10 @@ def main() -> None:
         (root / "jpeg").mkdir()
         t0 = time.perf_counter()
         make_jpegs(root / "jpeg", args.images)
-        make_shards(root / "tokens", args.images * (SEQ + 1))
+        sequences = (args.token_steps + 2) * args.batch
+        make_shards(root / "tokens", sequences * (SEQ + 1))
         print(
-            f"data: {args.images} JPEGs and {args.images} sequences of {SEQ} tokens made in "
+            f"data: {args.images} JPEGs and {sequences} sequences of {SEQ} tokens made in "
             f"{time.perf_counter() - t0:.1f} s",
             flush=True,
         )
@@ -326,13 +340,14 @@ def main() -> None:
                 "workers": args.workers,
                 "prefetch_factor": args.prefetch,
                 "steps": args.steps,
+                "token_steps": args.token_steps,
                 "reps": args.reps,
                 "seq_len": SEQ,
                 "cpus": os.cpu_count(),
             }
         }
-        for name, ds in (("jpeg", jpegs), ("tokens", tokens)):
-            result[name] = {"throughput": throughput(ds, args, args.steps)}
+        for name, ds, steps in (("jpeg", jpegs, args.steps), ("tokens", tokens, args.token_steps)):
+            result[name] = {"throughput": throughput(ds, args, steps)}
             print(f"{name}: {result[name]['throughput']['maitre_vs_dataloader']:.3f}x DataLoader", flush=True)
         result["wait"] = wait_share(jpegs, args, min(args.steps, len(jpegs) // args.batch - 1))
         result["first_batch"] = first_batch(jpegs, args, result["wait"]["step_ms"])

@@ -117,7 +117,8 @@ def summary() -> str:
     restart = load_result("restart")
     link = tp["link"]["4"]
     gpu4 = gpu["overhead"]["micro_batches_4"]
-    jpeg = data["jpeg"]["throughput"]
+    jpeg, wait, first = data["jpeg"]["throughput"], data["wait"], data["first_batch"]
+    worst_ms = max(v for k, v in first.items() if k.endswith("_ms") and k != "step_ms")
     m, t = rec["maitre"], rec["torchrun"]
     big = max((r for r in ckpt.values() if isinstance(r, dict) and "state_mb" in r), key=lambda r: r["state_mb"])
     jct = sim["load1_mean_avg_jct_s"]["maitre, goodput batch"]
@@ -147,6 +148,18 @@ def summary() -> str:
             f"{jpeg['maitre_samples_s']:,.0f}",
             f"DataLoader: {jpeg['dataloader_samples_s']:,.0f}",
             jpeg["maitre_samples_s"] / jpeg["dataloader_samples_s"],
+        ),
+        (
+            f"data: training with 2 data workers, waiting for data in a {wait['step_ms']:.0f} ms step",
+            f"{wait['wait_ms_mean']:.1f} ms",
+            f"the 2% target: {0.02 * wait['step_ms']:.1f} ms",
+            wait["wait_ms_mean"] / (0.02 * wait["step_ms"]),
+        ),
+        (
+            "data: a resume or a resize to its first batch, anywhere in the data epoch (worst)",
+            f"{worst_ms:.0f} ms",
+            f"one step: {first['step_ms']:.0f} ms",
+            first["worst_vs_step"],
         ),
         (
             "a worker killed: from the kill to the next step",
