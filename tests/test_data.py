@@ -600,6 +600,29 @@ def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(t
 
 
 @pytest.mark.timeout(180)
+def test_train_llm_from_token_shards_under_maitre_run_through_a_kill_and_a_join(tmp_path: Path) -> None:
+    """The decoder example from ``maitre data prepare``'s shards, its data workers loading ahead,
+    under ``maitre run`` while a worker is SIGKILLed and another joins: it completes, every
+    sample once by maitre's ledger."""
+    from conftest import ROOT
+    from maitre.cli import main
+
+    out = tmp_path / "shards"
+    assert (
+        main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]) == 0
+    )
+    cmd = [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data", str(out), "--data-workers", "2",
+           "--steps", "60", "--block", "32", "--global-batch", "16", "--d-model", "16", "--layers", "1",
+           "--heads", "2", "--log-every", "1000"]  # fmt: skip
+    code, lines, run = play(tmp_path, cmd, "kill@15,join@30", min_nodes=1, max_nodes=3, local_nodes=2, max_restarts=3)
+    assert code == 0 and run.job()["state"] == "COMPLETED", "\n".join(lines)
+    worlds = [len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch"]
+    assert 1 in worlds and max(worlds) >= 2, worlds
+    result = audit(tmp_path / "run" / "ledger")
+    assert result.ok and result.steps == 60, result.describe()
+
+
+@pytest.mark.timeout(180)
 def test_a_corrupt_token_under_maitre_run_fails_the_job_at_once_naming_the_file_and_offset(tmp_path: Path) -> None:
     """Bad data is the data's fault, not a worker's: the first worker that meets a corrupt token
     fails the job with the file and byte offset, instead of its peers taking its share (and the

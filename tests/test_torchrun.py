@@ -2,7 +2,8 @@
 
 Under ``torchrun --standalone --nproc-per-node 2`` the loop uses torchrun's fixed world; its final
 parameters must match a single-process run with the same seed and global batch (relative error
-<= 1e-5 over the finite entries: the attention mask buffer holds -inf).
+<= 1e-5 over the finite entries: the attention mask buffer holds -inf), also when each rank reads
+its samples through maitre's loader with data workers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLE, TINY, example_command, relative_error, run_tagged
+from conftest import EXAMPLE, TINY, audit_records, example_command, relative_error, run_tagged
 
 STEPS = 30
 
@@ -37,10 +38,16 @@ def test_single_process_mode(single: tuple[subprocess.CompletedProcess[str], Pat
 
 
 @pytest.mark.timeout(420)
+@pytest.mark.parametrize("data_workers", [None, 2])
 def test_example_under_torchrun_matches_single_process(
-    tmp_path: Path, single: tuple[subprocess.CompletedProcess[str], Path]
+    tmp_path: Path, single: tuple[subprocess.CompletedProcess[str], Path], data_workers: int | None
 ) -> None:
+    """With ``data_workers``, each rank reads its samples through ``maitre.data.Loader`` with 2
+    worker processes: every step's samples once (the script's own record), and the same
+    parameters as one process that indexes the corpus in place."""
     out = tmp_path / "torchrun.pt"
+    records = tmp_path / "records"
+    loader = [] if data_workers is None else ["--data-workers", str(data_workers), "--record", str(records)]
     cmd = [
         sys.executable,
         "-m",
@@ -52,6 +59,7 @@ def test_example_under_torchrun_matches_single_process(
         "--steps",
         str(STEPS),
         *TINY,
+        *loader,
         "--out",
         str(out),
     ]
@@ -59,6 +67,9 @@ def test_example_under_torchrun_matches_single_process(
     assert result.returncode == 0, f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     assert result.stdout.count(f"done: {STEPS} steps") == 1, result.stdout  # rank 0 only
     assert out.is_file()
+    if data_workers is not None:
+        audit_records(records, steps=STEPS, complete=False)
+        assert len(list(records.glob("*.jsonl"))) == 2  # (a record per rank)
 
     reference_result, reference_out = single
     assert reference_result.returncode == 0, reference_result.stderr
