@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+import numpy as np
 import pytest
 
 from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
@@ -142,16 +143,26 @@ def test_order_is_deterministic_in_seed_and_data_epoch():
     b = ElasticSampler(200, 16, seed=7)
     c = ElasticSampler(200, 16, seed=8)
     for d in range(3):
-        assert a.order(d) == b.order(d)
-        assert sorted(a.order(d)) == list(range(200))
-    assert a.order(0) != a.order(1)
-    assert a.order(0) != c.order(0)
-    assert a.order(0) != list(range(200))
+        assert a.order(d).tolist() == b.order(d).tolist()
+        assert sorted(a.order(d).tolist()) == list(range(200))
+    assert a.order(0).tolist() != a.order(1).tolist()
+    assert a.order(0).tolist() != c.order(0).tolist()
+    assert a.order(0).tolist() != list(range(200))
     # the cache does not leak one epoch's order into another
-    first = list(a.order(0))
+    first = a.order(0).tolist()
     a.order(5)
-    assert a.order(0) == first
-    assert ElasticSampler(9, 2, shuffle=False).order(3) == list(range(9))
+    assert a.order(0).tolist() == first
+    assert ElasticSampler(9, 2, shuffle=False).order(3).tolist() == list(range(9))
+
+
+def test_the_order_is_torchs_randperm_of_seed_and_data_epoch_kept_in_4_bytes_a_sample():
+    """The permutation is part of what a checkpoint means (its cursor points into it): pinned
+    here, so that a state saved by one version resumes on the same samples in the next."""
+    import torch
+
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 2)
+    order = ElasticSampler(1000, 8, seed=5).order(2)
+    assert order.tolist() == torch.randperm(1000, generator=gen).tolist() and order.dtype == np.int32
 
 
 def test_order_independent_of_world_size_history():

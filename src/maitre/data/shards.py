@@ -34,6 +34,8 @@ import torch
 from numpy.lib import format as npy_format
 from torch.utils.data import Dataset
 
+from maitre.runtime.sampler import compact
+
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 LITGPT_MAGIC = b"LITPKDS"
 LITGPT_DTYPES = {8: np.dtype("<u2"), 4: np.dtype("<i4")}
@@ -148,18 +150,19 @@ class Shards(Dataset):
         return shard, index - self.starts[shard]
 
     # -- what the sampler asks of a source --------------------------------------------------------
-    def order(self, seed: int, data_epoch: int) -> list[int]:
+    def order(self, seed: int, data_epoch: int) -> np.ndarray:
         """Every sample once: blocks of ``block`` consecutive samples of one shard, the blocks
         shuffled from ``(seed, data_epoch)``."""
-        starts = [
-            s for shard in range(len(self.files)) for s in range(self.starts[shard], self.starts[shard + 1], self.block)
-        ]
-        ends = [min(s + self.block, self.starts[bisect.bisect_right(self.starts, s)]) for s in starts]
+        starts = np.concatenate(
+            [np.arange(self.starts[k], self.starts[k + 1], self.block) for k in range(len(self.files))] or [[]]
+        ).astype(np.int64)
+        ends = np.minimum(starts + self.block, np.asarray(self.starts)[np.searchsorted(self.starts, starts, "right")])
         gen = torch.Generator().manual_seed(seed * 1_000_003 + data_epoch)
-        perm = torch.randperm(len(starts), generator=gen).tolist()
-        if not perm:
-            return []
-        return torch.cat([torch.arange(starts[b], ends[b]) for b in perm]).tolist()
+        perm = torch.randperm(len(starts), generator=gen).numpy()
+        lengths = ends[perm] - starts[perm]
+        # Block b's samples, for the blocks in perm's order: each block's start, then +1 within it.
+        within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        return compact(np.repeat(starts[perm], lengths) + within)
 
     def _settings(self) -> dict[str, Any]:
         """What else besides the files a saved order depends on."""

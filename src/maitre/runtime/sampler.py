@@ -22,10 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 
-Order = Callable[[int, int], list[int]]
+Order = Callable[[int, int], "list[int] | np.ndarray"]
 """``order(seed, data_epoch)``: a permutation of the source's sample indices."""
+
+
+def compact(order: "list[int] | np.ndarray | torch.Tensor") -> np.ndarray:
+    """An order as an array of the smallest integers that hold it (int32 below 2**31 samples:
+    4 bytes a sample, where a Python list of ints takes about 36)."""
+    arr = order.numpy() if isinstance(order, torch.Tensor) else np.asarray(order, dtype=np.int64)
+    return arr.astype(np.int32) if len(arr) < 2**31 else arr.astype(np.int64, copy=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +98,7 @@ class ElasticSampler:
         self.data_epoch = 0
         self.cursor = 0
         self._order_epoch = -1
-        self._order: list[int] = []
+        self._order = np.empty(0, dtype=np.int32)
 
     @classmethod
     def of(cls, dataset: Any, global_batch_size: int, *, seed: int = 0, shuffle: bool = True) -> "ElasticSampler":
@@ -109,23 +117,24 @@ class ElasticSampler:
             check=getattr(dataset, "changes", None),
         )
 
-    def order(self, data_epoch: int) -> list[int]:
-        """The global sample order of one data epoch (cached for the current one)."""
+    def order(self, data_epoch: int) -> np.ndarray:
+        """The global sample order of one data epoch, as an array (cached for the current one;
+        at 100 M samples it holds 400 MB, a list would hold 3.6 GB)."""
         if data_epoch != self._order_epoch:
             self._order = self._draw(data_epoch)
             self._order_epoch = data_epoch
         return self._order
 
-    def _draw(self, data_epoch: int) -> list[int]:
+    def _draw(self, data_epoch: int) -> np.ndarray:
         if not self.shuffle:
-            return list(range(self.num_samples))
+            return compact(np.arange(self.num_samples))
         if self._order_fn is not None:
-            order = self._order_fn(self.seed, data_epoch)
+            order = compact(self._order_fn(self.seed, data_epoch))
             if len(order) != self.num_samples:
                 raise ValueError(f"the source's order has {len(order)} samples, not {self.num_samples}")
             return order
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + data_epoch)
-        return torch.randperm(self.num_samples, generator=gen).tolist()
+        return compact(torch.randperm(self.num_samples, generator=gen))
 
     def upcoming(self, size: Callable[[], int]) -> Iterator[list[int]]:
         """The global slices of the steps after the committed cursor, in order, as they will be
@@ -134,9 +143,9 @@ class ElasticSampler:
         epoch, cursor = self.data_epoch, self.cursor
         order = self.order(epoch)
 
-        def walk(epoch: int, cursor: int, order: list[int]) -> Iterator[list[int]]:
+        def walk(epoch: int, cursor: int, order: np.ndarray) -> Iterator[list[int]]:
             while True:
-                piece = order[cursor : cursor + size()]
+                piece = order[cursor : cursor + size()].tolist()
                 yield piece
                 cursor += len(piece)
                 if cursor >= self.num_samples:
@@ -153,7 +162,7 @@ class ElasticSampler:
         if batch <= 0:
             raise ValueError(f"global batch size must be positive, got {batch}")
         order = self.order(self.data_epoch)
-        global_indices = order[self.cursor : self.cursor + batch]
+        global_indices = order[self.cursor : self.cursor + batch].tolist()
         lo, hi = share_bounds(len(global_indices), rank, world_size)
         return StepSlice(self.data_epoch, self.cursor, global_indices, global_indices[lo:hi])
 
