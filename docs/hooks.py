@@ -144,13 +144,14 @@ def summary() -> str:
             gpu4["maitre"]["step_s"] / gpu4["ddp"]["step_s"],
         ),
         (
-            "data loading, JPEGs, 2 workers (samples/s: higher is better)",
+            f"data loading, JPEGs, {data['setup']['workers']} workers (samples/s: higher is better)",
             f"{jpeg['maitre_samples_s']:,.0f}",
             f"DataLoader: {jpeg['dataloader_samples_s']:,.0f}",
             jpeg["maitre_samples_s"] / jpeg["dataloader_samples_s"],
         ),
         (
-            f"data: training with 2 data workers, waiting for data in a {wait['step_ms']:.0f} ms step",
+            f"data: training with {data['setup']['workers']} data workers, waiting for data in a "
+            f"{wait['step_ms']:.0f} ms step",
             f"{wait['wait_ms_mean']:.1f} ms",
             f"the 2% target: {0.02 * wait['step_ms']:.1f} ms",
             wait["wait_ms_mean"] / (0.02 * wait["step_ms"]),

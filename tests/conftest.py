@@ -66,7 +66,8 @@ def audit_records(*runs: Path, steps: int, complete: bool = True) -> None:
     tried (the highest membership epoch of the latest of ``runs``: a dropped step is tried again
     only in a later epoch or run). Steps 1 to ``steps`` each have one, and their samples cover
     every complete data epoch exactly once and the one in progress at most once (``complete``:
-    and at least one data epoch was completed)."""
+    and at least one data epoch was completed). Not for fp16 runs: a step an overflow skipped is
+    tried again in the same epoch, and the record cannot tell the two attempts apart."""
     import json
     from collections import Counter, defaultdict
 

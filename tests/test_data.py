@@ -166,6 +166,15 @@ def test_token_shards_cut_packed_sequences_and_shuffle_by_blocks(tmp_path: Path)
     assert sampler.order(0).tolist() == order  # the source's order, whatever the world size
 
 
+def test_the_block_order_of_shards_is_pinned(tmp_path: Path) -> None:
+    """A checkpoint's cursor points into this order: it must not change from one version to the
+    next (drawn as ``torch.randperm`` of the blocks from ``seed * 1_000_003 + data_epoch``)."""
+    ds = TokenShards(shards(tmp_path / "p", [61, 31, 16]), seq_len=5, block=4)
+    assert ds.counts == [12, 6, 3]
+    want = [16, 17, 12, 13, 14, 15, 4, 5, 6, 7, 18, 19, 20, 8, 9, 10, 11, 0, 1, 2, 3]
+    assert ds.order(7, 1).tolist() == want
+
+
 def test_npy_shards_say_their_own_dtype(tmp_path: Path) -> None:
     folder = tmp_path / "n"
     folder.mkdir()
@@ -307,7 +316,7 @@ def test_past_max_skipped_the_error_stops_the_job(tmp_path: Path) -> None:
     loop = a_loop(40, 4)
     with Loader(Broken(), loop, on_error="skip", max_skipped=5) as loader:
         with pytest.raises(
-            RuntimeError,
+            DataError,
             match=r"KeyError: \"no column 'text' in record \d+\" "
             r"\(and 5 records skipped before it",
         ):

@@ -496,6 +496,30 @@ def test_same_error_on_every_member_fails_the_job_with_it():
     assert not m.try_open_epoch(2.3)
 
 
+def test_a_data_error_fails_the_job_at_once_unless_the_loss_ended_its_run():
+    line = p.DATA_ERROR + "/d/shard-001.bin: at byte 200: token id 65000 is not below the vocabulary size 512"
+    m = make(min_w=1, max_w=3, max_restarts=5)
+    w1, _ = start(m, 2)
+    m.exited(w1, 1, line, 2.0)  # the first member that meets it: its peer is not handed the record
+    assert m.state == JobState.FAILED and m.failures == 1
+    assert m.failure == "the data cannot be read: /d/shard-001.bin: at byte 200: token id 65000 is not below " + (
+        f"the vocabulary size 512 (worker {w1})"
+    )
+    assert [e["kind"] for e in m.events].count("failed") == 1
+    # Suspending, the last member's loss ends the suspension: the job stays SUSPENDED.
+    m = make(min_w=2, max_w=3)
+    a, b = start(m, 2)
+    m.suspend("preempted", 2.0)
+    m.done(a, 8, 2.5, suspended=True)
+    m.exited(b, 1, line, 2.6)
+    assert m.state == JobState.SUSPENDED and m.failure is None, m.events[-3:]
+    # Past max_restarts already: one failure, the first reason kept.
+    m = make(min_w=1, max_w=2, max_restarts=0)
+    w1, _ = start(m, 2)
+    m.exited(w1, 1, line, 2.0)
+    assert m.state == JobState.FAILED and [e["kind"] for e in m.events].count("failed") == 1
+
+
 def test_different_errors_are_not_a_user_error():
     m = make(min_w=1, max_w=2, max_restarts=5)
     w1, w2 = start(m, 2)

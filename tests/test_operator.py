@@ -224,12 +224,14 @@ def _operated(
             operator.start()
             yield coordinator, operator
     finally:
-        if operator is not None:
-            operator.stop()
-        _clear(kube)
-        time.sleep(1.0)
-        left = kill_tagged(tag)
-        assert not left, f"processes left behind: {left}"
+        try:
+            if operator is not None:
+                operator.stop()
+            _clear(kube)
+        finally:
+            time.sleep(1.0)
+            left = kill_tagged(tag)
+            assert not left, f"processes left behind: {left}"
 
 
 def _clear(kube: kube_cluster.KubeCluster) -> None:
@@ -505,6 +507,9 @@ def test_replica_pods_wait_for_capacity_leave_gracefully_when_evicted_and_go_aft
                 "the replica's pod asked for again", lambda: str(_phases(kube, "wide")),
             )  # fmt: skip
 
+            (waiting,) = [p["metadata"]["name"] for p in _pods(kube, "wide") if p["status"].get("phase") == "Pending"]
+            said = lambda: [e["message"] for e in _events(kube, "wide") if e["reason"] == "ReplicaPodPending"]  # noqa: E731
+            wait_for(lambda: any(waiting in m for m in said()), 30, f"{waiting}'s Pending told", operator.text)
             alive = {p["metadata"]["name"] for p in _pods(kube, "wide")}
             told = {e["metadata"]["name"] for e in _events(kube, "wide")}
             step = status("wide's step", lambda s: s.get("step"))["step"]

@@ -251,3 +251,14 @@ def test_load_state_dict_of_a_different_data_set_raises(change):
     with pytest.raises(ValueError, match="different data set"):
         dst.load_state_dict({**src.state_dict(), **change})
     assert (dst.data_epoch, dst.cursor, dst.global_batch_size) == (0, 0, 3)  # untouched
+
+
+def test_a_sources_order_with_ids_outside_the_data_set_is_refused():
+    """(Kept in 4 bytes a sample, an id past the data set would otherwise wrap around.)"""
+    import torch
+
+    sampler = ElasticSampler(4, 2, order=lambda seed, epoch: [0, 1, 2, 2**31 + 1])
+    with pytest.raises(ValueError, match=r"must hold the sample ids 0\.\.3"):
+        sampler.next_slice(0, 1)
+    tensor = ElasticSampler(4, 2, order=lambda seed, epoch: torch.tensor([3, 1, 0, 2]))
+    assert tensor.next_slice(0, 1).global_indices == [3, 1]

@@ -556,6 +556,8 @@ class Membership:
         else:
             w.error = f"exited with code {code}" if code > 0 else f"killed by signal {-code}"
         self._mark_dead(w, f"worker {wid}: {w.error}", now)
+        if self.over:  # (the loss ended the run: a suspension or the job completed, or failed)
+            return
         if w.error.startswith(p.DATA_ERROR):  # (the data's fault: no peer or replacement reads it)
             self._fail(f"the data cannot be read: {w.error.removeprefix(p.DATA_ERROR)} (worker {wid})", now)
             return

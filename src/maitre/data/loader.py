@@ -21,13 +21,15 @@ size or worker count loads its first batch without reading the skipped data.
 
 An exception raised by the dataset (a corrupt shard: :class:`maitre.data.DataError`) reaches the
 training script as it would from a DataLoader: the job stops at that step, its committed state
-intact (under ``maitre run`` the coordinator fails the job at once: no peer or replacement is
-handed the same record). With ``on_error="skip"`` a record that raises is left out instead: the rest of its
-micro-batch is collated without it, the step's mean is over the samples trained
-(:meth:`Batch.skip <maitre.runtime.loop.Batch.skip>`: the same at any world size), each skip is
-printed with its error (the file and byte offset, for shards) and counted (``loader.skipped``
-here, ``loop.skipped`` over all ranks); past ``max_skipped`` the error stops the job, so a bug
-that fails every record is not trained around.
+intact (under ``maitre run`` the coordinator fails the job at once on a :class:`DataError`: no
+peer or replacement is handed the same record; another exception is a worker's crash, retried
+as any other, until every member fails with it). With ``on_error="skip"`` a record that
+raises is left out instead: the rest of its micro-batch is collated without it, the step's mean
+is over the samples trained (:meth:`Batch.skip <maitre.runtime.loop.Batch.skip>`: the same at
+any world size), each skip is printed with its error (the file and byte offset, for shards) and
+counted (``loader.skipped`` here, ``loop.skipped`` over all ranks, committed with the steps);
+past ``max_skipped`` in the whole job the error stops it (a :class:`DataError`), so a bug that
+fails every record is not trained around.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.data._utils import signal_handling as _signals
+
+from maitre.data.shards import DataError
 
 if TYPE_CHECKING:
     from maitre.runtime.loop import Batch, ElasticLoop
@@ -174,7 +178,9 @@ class Loader:
         on_error: ``"raise"`` (a record that raises stops the job at that step) or ``"skip"``
             (it is left out and counted; a micro-batch whose every record was skipped comes
             as None).
-        max_skipped: records skipped before the next one's error is raised after all.
+        max_skipped: records skipped in the whole job (every rank, across restarts and resumes:
+            ``loop.skipped`` and this step's) before the next one's error is raised after all,
+            as a :class:`DataError`.
     """
 
     def __init__(
@@ -242,11 +248,11 @@ class Loader:
             data = self._get(batch, k)
             if self._guarded:
                 data, bad = data
-                for index, error in bad:
-                    if self.skipped >= self.max_skipped:
-                        raise RuntimeError(
-                            f"sample {index}: {error} (and {self.skipped} "
-                            "records skipped before it: more than max_skipped)"
+                for j, (index, error) in enumerate(bad):
+                    before = self.loop.skipped + batch.skipped + j  # the job's, committed, and this step's here
+                    if before >= self.max_skipped:  # (a DataError: under maitre run the job fails at once)
+                        raise DataError(
+                            f"sample {index}: {error} (and {before} records skipped before it: more than max_skipped)"
                         )
                     self.skipped += 1
                     print(f"maitre: step {batch.step}: skipped sample {index}: {error}", file=sys.stderr, flush=True)

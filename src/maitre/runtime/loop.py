@@ -127,6 +127,11 @@ class Batch:
         rather than per sample (variable sequence lengths do not look slow)."""
         self._tokens += tokens
 
+    @property
+    def skipped(self) -> int:
+        """Samples of this rank's share skipped so far in this step (:meth:`skip`)."""
+        return self._skipped
+
     def skip(self, samples: int = 1) -> None:
         """``samples`` of this rank's share could not be loaded (a corrupt record, with a
         loader's ``on_error="skip"``): the step's mean is over the samples trained, the same

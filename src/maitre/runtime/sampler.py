@@ -32,8 +32,12 @@ Order = Callable[[int, int], "list[int] | np.ndarray"]
 def compact(order: "list[int] | np.ndarray | torch.Tensor") -> np.ndarray:
     """An order as an array of the smallest integers that hold it (int32 below 2**31 samples:
     4 bytes a sample, where a Python list of ints takes about 36)."""
-    arr = order.numpy() if isinstance(order, torch.Tensor) else np.asarray(order, dtype=np.int64)
-    return arr.astype(np.int32) if len(arr) < 2**31 else arr.astype(np.int64, copy=False)
+    arr = order.detach().cpu().numpy() if isinstance(order, torch.Tensor) else np.asarray(order)
+    if arr.size == 0:
+        return arr.astype(np.int32)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or int(arr.min()) < 0 or int(arr.max()) >= len(arr):
+        raise ValueError(f"an order must hold the sample ids 0..{len(arr) - 1}, each once: got {arr[:8]}...")
+    return arr.astype(np.int32 if len(arr) < 2**31 else np.int64, copy=False)
 
 
 @dataclass(frozen=True, slots=True)
