@@ -330,7 +330,7 @@ class LocalRuntime:
         """SIGKILL to the container: the agent and every process under it, now or seen under it
         before (its workers run in sessions of their own; a kubelet's cgroup would still hold
         them)."""
-        family = self._family.setdefault(proc.pid, {proc.pid}) | _descendants(proc.pid)
+        family = self._family.setdefault(proc.pid, {proc.pid}) | _descendants(proc.pid, _parents())
         for pid in family:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -371,9 +371,10 @@ class LocalRuntime:
                         )  # fmt: skip
             for name in set(self.procs) - seen:
                 self._term(name, 30)
+            parents = _parents()  # (one scan of /proc a pass, for every container)
             for proc in self.procs.values():
                 if proc.poll() is None:
-                    self._family.setdefault(proc.pid, {proc.pid}).update(_descendants(proc.pid))
+                    self._family.setdefault(proc.pid, {proc.pid}).update(_descendants(proc.pid, parents))
             now = time.time()
             for name, at in self.terminated.items():
                 proc = self.procs[name]
@@ -389,14 +390,19 @@ class LocalRuntime:
                 proc.send_signal(signal.SIGTERM)
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process under ``pid`` now (from /proc)."""
+def _parents() -> dict[int, int]:
+    """Every process's parent, now (from /proc)."""
     parents: dict[int, int] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
+    return parents
+
+
+def _descendants(pid: int, parents: dict[int, int]) -> set[int]:
+    """Every process under ``pid`` in ``parents`` (:func:`_parents`)."""
     family, grew = {pid}, True
     while grew:
         more = {p for p, parent in parents.items() if parent in family} - family

@@ -561,19 +561,33 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
 
 
 # -- maitre data prepare, and a decoder trained from its shards -------------------------------------
+def prepared(out: Path) -> Path:
+    """``maitre data prepare``'s shards of the shipped text into ``out`` (a vocabulary of 512)."""
+    from maitre.cli import main
+
+    args = ["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]
+    assert main(args) == 0
+    return out
+
+
+def tiny_llm(shards: Path, steps: int) -> list[str]:
+    """``examples/train_llm.py``, tiny, from ``shards`` through the loader with 2 data workers."""
+    from conftest import ROOT
+
+    return [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data", str(shards), "--data-workers", "2",
+            "--steps", str(steps), "--block", "32", "--global-batch", "16", "--d-model", "16", "--layers", "1",
+            "--heads", "2", "--log-every", "1000"]  # fmt: skip
+
+
 def test_prepare_writes_shards_the_loader_reads_and_train_llm_trains_from_them(tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
 
     from conftest import ROOT
-    from maitre.cli import main
     from maitre.data.prepare import open_shards
 
-    out = tmp_path / "shards"
-    assert (
-        main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]) == 0
-    )
+    out = prepared(tmp_path / "shards")
     meta = json.loads((out / "meta.json").read_text())
     assert meta["vocab_size"] == 512 and meta["dtype"] == "uint16" and len(meta["shards"]) > 2
     assert meta["inputs"][0].endswith("macbeth.txt")  # the text shipped with maitre
@@ -613,16 +627,8 @@ def test_train_llm_from_token_shards_under_maitre_run_through_a_kill_and_a_join(
     """The decoder example from ``maitre data prepare``'s shards, its data workers loading ahead,
     under ``maitre run`` while a worker is SIGKILLed and another joins: it completes, every
     sample once by maitre's ledger."""
-    from conftest import ROOT
-    from maitre.cli import main
-
-    out = tmp_path / "shards"
-    assert (
-        main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]) == 0
-    )
-    cmd = [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data", str(out), "--data-workers", "2",
-           "--steps", "60", "--block", "32", "--global-batch", "16", "--d-model", "16", "--layers", "1",
-           "--heads", "2", "--log-every", "1000"]  # fmt: skip
+    out = prepared(tmp_path / "shards")
+    cmd = tiny_llm(out, 60)
     code, lines, run = play(tmp_path, cmd, "kill@15,join@30", min_nodes=1, max_nodes=3, local_nodes=2, max_restarts=3)
     assert code == 0 and run.job()["state"] == "COMPLETED", "\n".join(lines)
     worlds = [len(e["members"]) for e in run.job()["events"] if e["kind"] == "epoch"]
@@ -638,20 +644,12 @@ def test_a_corrupt_token_under_maitre_run_fails_the_job_at_once_naming_the_file_
     same record) one after the other, and replacements after them."""
     import json
 
-    from conftest import ROOT
-    from maitre.cli import main
-
-    out = tmp_path / "shards"
-    assert (
-        main(["data", "prepare", "--out", str(out), "--shard-tokens", "10000", "--vocab-size", "512", "--quiet"]) == 0
-    )
+    out = prepared(tmp_path / "shards")
     shard = out / json.loads((out / "meta.json").read_text())["shards"][1]
     raw = bytearray(shard.read_bytes())
     raw[2 * 100 : 2 * 101] = (65000).to_bytes(2, "little")  # token 100 of the second shard
     shard.write_bytes(bytes(raw))
-    cmd = [sys.executable, str(ROOT / "examples" / "train_llm.py"), "--data", str(out), "--data-workers", "2",
-           "--steps", "200", "--block", "32", "--global-batch", "16", "--d-model", "16", "--layers", "1",
-           "--heads", "2", "--log-every", "1000"]  # fmt: skip
+    cmd = tiny_llm(out, 200)
     code, lines, run = play(tmp_path, cmd, "", min_nodes=2, max_nodes=2, local_nodes=2, max_restarts=5)
     assert protocol.DATA_ERROR == f"{DataError.__module__}.{DataError.__qualname__}: "  # (a worker's last line)
     job = run.job()

@@ -34,8 +34,6 @@ import torch
 from numpy.lib import format as npy_format
 from torch.utils.data import Dataset
 
-from maitre.runtime.sampler import compact
-
 DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 LITGPT_MAGIC = b"LITPKDS"
 LITGPT_DTYPES = {8: np.dtype("<u2"), 4: np.dtype("<i4")}
@@ -162,7 +160,7 @@ class Shards(Dataset):
         lengths = ends[perm] - starts[perm]
         # Block b's samples, for the blocks in perm's order: each block's start, then +1 within it.
         within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        return compact(np.repeat(starts[perm], lengths) + within)
+        return np.repeat(starts[perm], lengths) + within  # (the sampler keeps it as int32)
 
     def _settings(self) -> dict[str, Any]:
         """What else besides the files a saved order depends on."""
@@ -267,20 +265,18 @@ class TokenShards(Shards):
         first = position * self.seq_len
         tokens = np.asarray(self._map(shard)[first : first + self.seq_len + 1])
         if tokens.dtype.kind == "i" and tokens.size and int(tokens.min()) < 0:  # (lit-gpt's int32)
-            at = int(np.argmax(tokens < 0))
-            offset, dt = self._layouts[shard]
-            raise DataError(
-                self.files[shard], offset + (first + at) * dt.itemsize, f"token id {int(tokens[at])} is negative"
-            )
+            raise self._bad_token(shard, first, tokens, tokens < 0, "is negative")
         if self.vocab_size is not None and tokens.size and int(tokens.max()) >= self.vocab_size:
-            at = int(np.argmax(tokens >= self.vocab_size))
-            offset, dt = self._layouts[shard]
-            raise DataError(
-                self.files[shard],
-                offset + (first + at) * dt.itemsize,
-                f"token id {int(tokens[at])} is not below the vocabulary size {self.vocab_size}: a corrupt shard",
-            )
+            words = f"is not below the vocabulary size {self.vocab_size}: a corrupt shard"
+            raise self._bad_token(shard, first, tokens, tokens >= self.vocab_size, words)
         return torch.from_numpy(tokens.astype(np.int64))
+
+    def _bad_token(self, shard: int, first: int, tokens: np.ndarray, bad: np.ndarray, words: str) -> DataError:
+        """The error naming the first of ``tokens`` (from token ``first`` of ``shard``) that is
+        ``bad``, with its byte offset in the file."""
+        at = int(np.argmax(bad))
+        offset, dt = self._layouts[shard]
+        return DataError(self.files[shard], offset + (first + at) * dt.itemsize, f"token id {int(tokens[at])} {words}")
 
     def __getstate__(self) -> dict[str, Any]:  # (a worker started by spawn maps its own)
         return {**self.__dict__, "_maps": {}}

@@ -623,13 +623,12 @@ class Operator:
             "lastTimestamp": now,
             "count": 1,
         }
-        from kubernetes.client.exceptions import ApiException
-
-        try:
-            self._k8s("create", "events", lambda: self.core.create_namespaced_event(self.cfg.namespace, body))
-        except ApiException as exc:
-            if not (exc.status == 409 and once is not None):  # (409: told already)
-                raise
+        self._k8s(
+            "create",
+            "events",
+            lambda: self.core.create_namespaced_event(self.cfg.namespace, body),
+            exists_ok=once is not None,  # (409: told already)
+        )
 
     def _job_event(self, obj: dict[str, Any], e: dict[str, Any]) -> None:
         kind = str(e.get("kind", "event"))
@@ -639,9 +638,12 @@ class Operator:
         trouble = any(w in f"{kind} {words}".lower() for w in TROUBLE)
         self.event(obj, "Warning" if trouble else "Normal", reason, f"{words or kind}{when}")
 
-    def _k8s(self, verb: str, resource: str, call: Callable[[], Any], missing_ok: bool = False) -> Any:
+    def _k8s(
+        self, verb: str, resource: str, call: Callable[[], Any], missing_ok: bool = False, exists_ok: bool = False
+    ) -> Any:
         """``call()``, with a 403 named as the permission it lacks (and a 404 let go where the
-        object may have gone meanwhile)."""
+        object may have gone meanwhile; a 409 where it may have changed, or, ``exists_ok``, where
+        a create finds it made already)."""
         from kubernetes.client.exceptions import ApiException
 
         try:
@@ -654,6 +656,6 @@ class Operator:
                 ) from None
             if exc.status == 404 and missing_ok:
                 return None
-            if exc.status == 409 and missing_ok:  # changed meanwhile: the next pass sees it anew
+            if exc.status == 409 and (missing_ok or exists_ok):  # (the next pass sees it anew; or made)
                 return None
             raise
