@@ -150,6 +150,26 @@ def test_a_crash_at_every_start_fails_the_job_with_its_last_lines_of_stderr() ->
 
 
 @pytest.mark.timeout(10)
+def test_a_data_error_fails_the_job_at_once_instead_of_restarting_the_gang() -> None:
+    """A corrupt record is the data's fault: a new gang would meet it again, restart after
+    restart, so the first worker that reports it fails the job, naming the file and offset."""
+    from maitre import protocol
+
+    line = protocol.DATA_ERROR + "/d/shard-001.bin: at byte 200: token id 65000 is not below the vocabulary size 512"
+    run = _run(max_restarts=5)
+    a, b = _start(run)
+    run.exited(a, 1, line, 3.0, joined=True, stderr=["Traceback", line])
+    assert run.state == JobState.FAILED and run.failures == 1, run.events[-3:]
+    assert run.failure == (
+        "the data cannot be read: /d/shard-001.bin: at byte 200: token id 65000 is not below the "
+        f"vocabulary size 512 (worker {a})"
+    )
+    run.exited(b, -15, None, 3.5, joined=True)  # its gang stopped: nothing more
+    assert run.state == JobState.FAILED and [e["kind"] for e in run.events].count("failed") == 1
+    assert run.wants_workers() == 0
+
+
+@pytest.mark.timeout(10)
 def test_exiting_zero_without_a_process_group_or_the_success_marker_is_a_failure() -> None:
     run = _run(target=1, max_restarts=0)
     [w] = _start(run)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from maitre import protocol as p
 from maitre.control.detectors import DetectorConfig
 from maitre.control.membership import LIVE, JobSpec, Membership, Worker, WorkerState
 from maitre.scheduling.lifecycle import JobState
@@ -293,6 +294,8 @@ class RestartRun(Membership):
             w.error = f"exited with code {code}" if code > 0 else f"killed by signal {-code}"
         self.last_stderr = list(stderr or [])[-20:]
         self._mark_dead(w, f"worker {wid}: {w.error}", now)
+        if not self.over and w.error.startswith(p.DATA_ERROR):  # a new gang would read it again
+            self._fail(f"the data cannot be read: {w.error.removeprefix(p.DATA_ERROR)} (worker {wid})", now)
 
     def evict(self, wid: str, reason: str, now: float) -> None:
         w = self._worker(wid)
