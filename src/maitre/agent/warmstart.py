@@ -19,6 +19,7 @@ free to use CUDA; that is not yet checked on a GPU machine: with a CUDA fork err
 
 from __future__ import annotations
 
+import atexit
 import io
 import multiprocessing
 import multiprocessing.forkserver
@@ -26,6 +27,7 @@ import os
 import runpy
 import sys
 import threading
+import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -118,6 +120,18 @@ def _name_process(name: str) -> None:
         pass
 
 
+def _threads(env: dict[str, str]) -> None:
+    """torch sized its thread pool when the fork server imported it, from the agent's
+    environment: a worker told ``OMP_NUM_THREADS=1`` (every worker is, unless its job says
+    otherwise, as under torchrun) would otherwise compute with one thread per core of the node,
+    each of its siblings too."""
+    value = env.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        torch.set_num_threads(int(value))
+
+
 def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str, out_w: Any, err_w: Any) -> None:
     """Runs in the forked worker: become the command, as ``python`` would have started it."""
     os.setsid()
@@ -130,13 +144,59 @@ def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: st
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.clear()
     os.environ.update(env)
+    _threads(env)
     os.chdir(cwd)
     sys.argv = list(argv)
-    if kind == "module":
-        sys.path.insert(0, cwd)
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        script = Path(target)
-        sys.path.insert(0, str(script.resolve().parent))
-        sys.argv[0] = str(script)
-        runpy.run_path(str(script), run_name="__main__")
+    try:
+        if kind == "module":
+            sys.path.insert(0, cwd)
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            script = Path(target)
+            sys.path.insert(0, str(script.resolve().parent))
+            sys.argv[0] = str(script)
+            runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = _exit_code(exc)
+    except BaseException as exc:  # noqa: BLE001 -- printed as python prints it, then exit 1
+        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        traceback.print_exception(type(exc), exc, _script_frames(exc.__traceback__))
+    _exit(code)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """``sys.exit(x)``'s exit code, as python gives it."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _script_frames(tb: Any) -> Any:
+    """The traceback from the script's first frame: not this module's nor runpy's, which a
+    cold-started script does not have."""
+    while tb is not None and (
+        tb.tb_frame.f_code.co_filename in (__file__, runpy.__file__)
+        or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def _exit(code: int) -> None:
+    """End as python ends: wait for the script's non-daemon threads, run its ``atexit``
+    functions, flush, exit. (multiprocessing would end the process with ``os._exit`` right after
+    the target returns, skipping the script's ``atexit`` functions.)"""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    finally:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)

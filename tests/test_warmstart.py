@@ -1,0 +1,154 @@
+"""Warm worker start (:mod:`maitre.agent.warmstart`): a worker forked from the agent's fork server
+is the command it stands for, as ``python`` would have started it: its arguments, environment,
+working directory, ``__main__``, exit code, its own session, its output on pipes, and the thread
+count its environment asks for (torch sized its pool in the fork server, before the worker's
+environment existed). Real processes: this is process semantics."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from maitre.agent import warmstart
+
+PY = sys.executable
+
+PROBE = """
+import json, os, sys
+import torch
+print("to stdout", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+json.dump(
+    {
+        "argv": sys.argv,
+        "name": __name__,
+        "cwd": os.getcwd(),
+        "var": os.environ.get("PROBE_VAR"),
+        "leftover": os.environ.get("PROBE_NOT_GIVEN"),
+        "sid": os.getsid(0),
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+    },
+    open(sys.argv[1], "w"),
+)
+sys.exit(3)
+"""
+
+
+def _finish(proc: warmstart.WarmProcess) -> tuple[int, str, str]:
+    code = proc.wait(60)
+    return code, proc.stdout.read(), proc.stderr.read()
+
+
+@pytest.mark.timeout(120)
+def test_a_warm_worker_is_its_command_as_python_would_start_it(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("PROBE_NOT_GIVEN", "the agent's own")  # not in the worker's env: not seen
+    script, out, work = tmp_path / "probe.py", tmp_path / "out.json", tmp_path / "work"
+    script.write_text(PROBE)
+    work.mkdir()
+    env = {"PATH": os.environ.get("PATH", ""), "PROBE_VAR": "given", "OMP_NUM_THREADS": "1"}
+    proc = warmstart.WarmProcess([PY, str(script), str(out), "--flag"], env, cwd=str(work))
+    code, stdout, stderr = _finish(proc)
+    assert (code, stdout, stderr) == (3, "to stdout\n", "to stderr\n")
+    seen = json.loads(out.read_text())
+    assert seen["argv"] == [str(script), str(out), "--flag"] and seen["name"] == "__main__"
+    assert seen["cwd"] == str(work) and seen["var"] == "given" and seen["leftover"] is None
+    assert seen["pid"] == proc.pid and seen["sid"] == proc.pid  # a session of its own
+    assert seen["threads"] == 1, seen  # OMP_NUM_THREADS=1, whatever the fork server's count
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("threads", ["2", None])
+def test_a_warm_worker_computes_with_the_threads_its_environment_asks_for(tmp_path: Path, threads) -> None:
+    """``None``: no OMP_NUM_THREADS, torch's own default (what a cold start gets)."""
+    script, out = tmp_path / "probe.py", tmp_path / "out.json"
+    script.write_text(PROBE)
+    env = {"PATH": os.environ.get("PATH", "")} | ({"OMP_NUM_THREADS": threads} if threads else {})
+    code, _, _ = _finish(warmstart.WarmProcess([PY, str(script), str(out)], env))
+    assert code == 3
+    want = int(threads) if threads else _cold_threads(env)
+    assert json.loads(out.read_text())["threads"] == want
+
+
+def _cold_threads(env: dict[str, str]) -> int:
+    import subprocess
+
+    done = subprocess.run(
+        [PY, "-c", "import torch; print(torch.get_num_threads())"], env=env, capture_output=True, text=True, timeout=60
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.timeout(120)
+def test_a_module_starts_warm_with_python_dash_m(tmp_path: Path) -> None:
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    out = tmp_path / "out.json"
+    code, _, _ = _finish(warmstart.WarmProcess([PY, "-m", "probe_module", str(out)], {}, cwd=str(tmp_path)))
+    assert code == 3
+    seen = json.loads(out.read_text())
+    assert seen["name"] == "__main__" and seen["argv"][1:] == [str(out)]
+
+
+@pytest.mark.timeout(120)
+def test_an_uncaught_exception_exits_1_with_its_traceback_last(tmp_path: Path) -> None:
+    """The agent takes a failing worker's last line of stderr as its error (``Type: message``)."""
+    script = tmp_path / "boom.py"
+    script.write_text("raise ValueError('bad learning rate')\n")
+    code, _, stderr = _finish(warmstart.WarmProcess([PY, str(script)], {}))
+    assert code == 1
+    assert stderr.splitlines()[0] == "Traceback (most recent call last):", stderr
+    assert stderr.splitlines()[-1] == "ValueError: bad learning rate", stderr
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize(
+    ("command", "target"),
+    [
+        ([PY, "train.py", "--steps", "3"], ("path", "train.py", ["train.py", "--steps", "3"])),
+        ([PY, "-m", "pkg.train", "--x"], ("module", "pkg.train", ["pkg.train", "--x"])),
+        ([PY, "-X", "importtime", "train.py"], None),  # interpreter flags: run as asked
+        ([PY, "-c", "print(1)"], None),
+        (["/usr/bin/env", "python3", "train.py"], None),  # another interpreter, maybe
+        ([PY], None),
+        (["bash", "run.sh"], None),
+    ],
+)
+def test_only_this_interpreter_running_a_script_or_module_starts_warm(command, target) -> None:
+    assert warmstart.warm_target(command) == target
+
+
+@pytest.mark.timeout(10)
+def test_warm_start_can_be_turned_off() -> None:
+    assert warmstart.enabled({}) and not warmstart.enabled({warmstart.ENV: "0"})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("end", "code", "said"),
+    [
+        ("pass", 0, ""),
+        ("raise ValueError('late')", 1, "ValueError: late"),
+        ("sys.exit(4)", 4, ""),
+        ("sys.exit('cannot go on')", 1, "cannot go on"),
+    ],
+)
+def test_a_warm_worker_ends_as_python_ends(tmp_path: Path, end: str, code: int, said: str) -> None:
+    """Its non-daemon threads are waited for and its ``atexit`` functions run, however the
+    script ends (a W&B run's ``finish``, a writer's last flush), and ``sys.exit`` means what it
+    means to python."""
+    script, marks = tmp_path / "ends.py", tmp_path / "marks"
+    script.write_text(
+        "import atexit, sys, threading, time\n"
+        f"marks = open({str(marks)!r}, 'a', buffering=1)\n"
+        "atexit.register(lambda: marks.write('atexit\\n'))\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), marks.write('thread\\n'))).start()\n"
+        f"{end}\n"
+    )
+    got, _, stderr = _finish(warmstart.WarmProcess([PY, str(script)], {}))
+    assert got == code, stderr
+    assert (stderr.splitlines() or [""])[-1] == said, stderr
+    assert marks.read_text() == "thread\natexit\n"
