@@ -30,9 +30,10 @@ its stderr (for a Python exception, ``Type: message``), which is what lets the c
 a crash from a bug that every rank hits.
 
 Python workers of this interpreter are forked from a fork server that has torch imported
-already (:mod:`maitre.agent.warmstart`), so a joiner holds its slot idle for milliseconds, not
-the seconds of its imports. Workers get torchrun's variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``)
-plus ``MAITRE_*``; they run in their own session so a signal meant for one never reaches the agent.
+already (:mod:`maitre.agent.warmstart`), so a joiner, or a restart-mode gang started again,
+holds its slots idle for milliseconds, not the seconds of its imports. Workers get torchrun's
+variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``) plus ``MAITRE_*``; they run in their own
+session so a signal meant for one never reaches the agent.
 """
 
 from __future__ import annotations
@@ -594,7 +595,7 @@ class Agent:
                 mine.update(torchrun.environ(order, order.restart, i, gang.port, env.get("CUDA_VISIBLE_DEVICES")))
                 mine.pop(protocol.SLOTS, None)
             try:
-                if gang is None and warmstart.enabled(mine) and warmstart.warm_target(order.command):
+                if warmstart.enabled(mine) and warmstart.warm_target(order.command):
                     procs.append(warmstart.WarmProcess(order.command, mine))
                 else:
                     procs.append(

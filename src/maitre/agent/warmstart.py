@@ -9,9 +9,14 @@ imported pages copy-on-write with its siblings.
 
 Only commands that run a Python script or module with this interpreter can start warm
 (``python script.py ...`` or ``python -m module ...``); anything else, or ``MAITRE_WARM_START=0``,
-starts with :class:`subprocess.Popen` as before. The forked worker gets the command's arguments,
-environment and working directory, its own session (signals meant for it never reach the
-agent), and its stdout and stderr on pipes the agent reads, as a cold-started one does. The fork
+starts with :class:`subprocess.Popen` as before. Both kinds of job start warm: an ``ElasticLoop``
+joiner, and every process of a restart-mode gang (an unmodified script, started again whole at
+each restart: the imports were most of a restart). The forked worker gets the command's
+arguments, environment and working directory, its own session (signals meant for it never reach
+the agent), its stdout and stderr on pipes the agent reads, the thread count its
+``OMP_NUM_THREADS`` asks for, and the end python gives a script (its non-daemon threads waited
+for, its ``atexit`` functions run, its traceback as python prints it, ``sys.exit``'s code), as a
+cold-started one does. The fork
 server only imports (torch initialises CUDA lazily, at first use), so forked workers should be
 free to use CUDA; that is not yet checked on a GPU machine: with a CUDA fork error, set
 ``MAITRE_WARM_START=0``.
