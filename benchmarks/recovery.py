@@ -21,7 +21,8 @@ Step times come from the data ledger (commit time of every step) that both maitr
 ElasticLoop under torchrun write. torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``,
 without which its restarts hang in torch 2.13 (pytorch#135712), and waits ``last_call_timeout``
 (its default, 30 s; ``--smoke``: 1 s) for more agents before a job of 2:3 agents first starts.
-``--smoke``: 2 workers (joins from 1 to 2), 2 steps between faults, one of each.
+``--smoke``: 2 workers (joins from 1 to 2), 2 steps between faults, one of each; the training
+process's batch is 8 and its steps wait 20 ms instead of computing (``SMOKE_WORKLOAD``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ from _results import parse, write_results  # noqa: E402
 from maitre.launch import Run, RunConfig  # noqa: E402
 
 WORKLOAD = HERE / "workload.py"
+SMOKE_WORKLOAD = ["--global-batch", "8", "--device-ms", "20"]
+"""A smoke run's training process: a small batch, and steps that wait rather than compute."""
+PACE: list[str] = []
+"""The training process's extra arguments in this run (:func:`pace`)."""
+
+
+def workload(*args: str) -> list[str]:
+    """The training process's command after the interpreter: ``args`` and this run's pace."""
+    return [str(WORKLOAD), *args, *PACE]
+
+
+def pace(smoke: bool) -> None:
+    PACE[:] = SMOKE_WORKLOAD if smoke else []
+
+
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -117,7 +133,7 @@ def after_failure(cs: list[dict[str, Any]], t_fault: float, new_round: Callable[
 def maitre_run(run_dir: Path, *, nodes: int, max_nodes: int, steps: int, ledger: bool = True) -> Run:
     run = Run(
         RunConfig(
-            command=[sys.executable, str(WORKLOAD), "--steps", str(steps), "--run-dir", str(run_dir)],
+            command=[sys.executable, *workload("--steps", str(steps), "--run-dir", str(run_dir))],
             min_nodes=1,
             max_nodes=max_nodes,
             local_nodes=nodes,
@@ -266,13 +282,9 @@ class Torchrun:
             "-m",
             "torch.distributed.run",
             *rdzv,
-            str(WORKLOAD),
-            "--steps",
-            str(self.steps),
-            "--run-dir",
-            str(self.work),
+            *workload("--steps", str(self.steps), "--run-dir", str(self.work)),
+            *(["--plain"] if self.plain else ["--ckpt-every", "10"]),
         ]
-        cmd += ["--plain"] if self.plain else ["--ckpt-every", "10"]
         env = {**os.environ, **TORCHRUN_ENV, "MAITRE_LEDGER_DIR": str(self.work / "ledger")}
         self.agents.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -384,6 +396,7 @@ def main() -> None:
     args = parse(p, "recovery", smoke={"reps": 1, "steady_steps": 10, "settle": 2, "workers": 2, "last_call_s": 1})
     if args.workers < 2:
         p.error("--workers must be at least 2")
+    pace(args.smoke)
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-"))
     try:
         measure(args, work)

@@ -25,7 +25,8 @@ in MB):
   committed step (median of ``--reps``, after ``--settle`` steps each; a small model: this is
   the protocol's latency).
 
-``--smoke``: a state of one layer 256 wide, one join of each kind and one crash.
+``--smoke``: a state of one layer 256 wide, one join of each kind and one crash, each step
+waiting 20 ms (``--device-ms``) instead of the cores' compute.
 
 On two CPU cores every process shares them: the job's six processes, the transfer's threads.
 """
@@ -62,6 +63,8 @@ from recovery import (  # noqa: E402
 
 from maitre.launch import Run, RunConfig  # noqa: E402
 
+PACE: list[str] = []
+"""The job's ``--device-ms`` argument, when it has one."""
 WIDTH = 2048
 """The MLP's width: one layer is WIDTH**2 parameters, 48 MB of state with AdamW in float32."""
 
@@ -90,6 +93,7 @@ def worker(args: argparse.Namespace) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loop = maitre.ElasticLoop(model, optimizer, maitre.ElasticSampler(n, 8, seed=0))
     for batch in loop.run(max_steps=args.steps):
+        time.sleep(args.device_ms / 1000)
         for idx in batch.micro_batches:
             batch.backward(torch.nn.functional.mse_loss(model(x[idx]), y[idx], reduction="sum"))
 
@@ -106,6 +110,7 @@ def job(work: Path, *, layers: int, nodes: int, max_nodes: int, width: int = WID
         str(width),
         "--steps",
         "100000",
+        *PACE,
     ]
     return Run(
         RunConfig(
@@ -288,14 +293,22 @@ def main() -> None:
         "--width", type=int, default=WIDTH, help=f"the MLP's width (default {WIDTH}: 48 MB of state a layer)"
     )
     p.add_argument("--steps", type=int, default=10, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="each step of the job also waits this long, as for a device's compute (the smoke run: its "
+        "jobs train until each join or crash, and steps that wait leave the cores to the others)",
+    )
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
-    args = parse(p, "replicas", smoke={"sizes": "1", "reps": 1, "settle": 3, "width": 256})
+    args = parse(p, "replicas", smoke={"sizes": "1", "reps": 1, "settle": 3, "width": 256, "device_ms": 20})
     if args.worker:
         return worker(args)
     if args.pair:
         return pair(args)
     sizes = [int(s) for s in args.sizes.split(",")]
+    PACE[:] = ["--device-ms", str(args.device_ms)] if args.device_ms else []
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-replicas-"))
 
     try:

@@ -23,7 +23,8 @@ The three ways:
   without the lost node and go on from their live state.
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``recovery.py``). ``--smoke``:
-2 workers, 3 steps between losses, one of each, a 1 s last call.
+2 workers, 3 steps between losses, one of each, a 1 s last call, the training process paced as in
+``recovery.py``'s.
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ sys.path.insert(0, str(HERE.parent / "src"))
 
 from _results import parse, write_results  # noqa: E402
 from recovery import (  # noqa: E402
-    WORKLOAD,
     Torchrun,
     after_failure,
     commits,
+    pace,
     stager,
     wait_for,
     wait_ledger_restart,
     wait_ledger_steps,
+    workload,
 )
 
 from maitre.launch import Run, RunConfig, _children  # noqa: E402
@@ -112,7 +114,7 @@ def maitre_losses(reps: int, work: Path, settle: int, workers: int, elastic: str
     out = []
     for i in range(reps):
         d = work / f"loss{i}"
-        command = [sys.executable, str(WORKLOAD), "--steps", "100000", "--run-dir", str(d)]
+        command = [sys.executable, *workload("--steps", "100000", "--run-dir", str(d))]
         if elastic == "restart":
             command += ["--ckpt-every", str(CKPT_EVERY)]
         run = Run(
@@ -162,6 +164,7 @@ def main() -> None:
     args = parse(p, "restart", smoke={"reps": 1, "settle": 3, "workers": 2, "last_call_s": 1})
     if args.workers < 2:
         p.error("--workers must be at least 2")
+    pace(args.smoke)
     work = Path(tempfile.mkdtemp(prefix="maitre-bench-restart-"))
     try:
         measure(args, work)

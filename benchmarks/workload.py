@@ -40,6 +40,13 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=0)
     p.add_argument("--plain", action="store_true")
     p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument(
+        "--device-ms",
+        type=float,
+        default=0.0,
+        help="each step also waits this long, as for a device's compute (smoke runs: their jobs train "
+        "until each fault, and steps that wait leave the cores to the processes under test)",
+    )
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -54,6 +61,7 @@ def main() -> None:
     sampler = maitre.ElasticSampler(num_seqs, args.global_batch, seed=0)
 
     def loss_of(idx: list[int]) -> torch.Tensor:
+        time.sleep(args.device_ms / 1000)
         window = torch.tensor(idx)[:, None] * block + torch.arange(block + 1)
         chunk = ids[window]
         logits = model(chunk[:, :-1])
