@@ -134,6 +134,7 @@ def test_warm_start_can_be_turned_off() -> None:
         ("raise ValueError('late')", 1, "ValueError: late"),
         ("sys.exit(4)", 4, ""),
         ("sys.exit('cannot go on')", 1, "cannot go on"),
+        ("raise KeyboardInterrupt", -2, "KeyboardInterrupt"),  # python ends by SIGINT then
     ],
 )
 def test_a_warm_worker_ends_as_python_ends(tmp_path: Path, end: str, code: int, said: str) -> None:

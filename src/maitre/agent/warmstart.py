@@ -30,6 +30,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import signal
 import sys
 import threading
 import traceback
@@ -165,7 +166,7 @@ def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: st
     except SystemExit as exc:
         code = _exit_code(exc)
     except BaseException as exc:  # noqa: BLE001 -- printed as python prints it, then exit 1
-        code = 130 if isinstance(exc, KeyboardInterrupt) else 1
+        code = -signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
         traceback.print_exception(type(exc), exc, _script_frames(exc.__traceback__))
     _exit(code)
 
@@ -193,7 +194,8 @@ def _script_frames(tb: Any) -> Any:
 
 def _exit(code: int) -> None:
     """End as python ends: wait for the script's non-daemon threads, run its ``atexit``
-    functions, flush, exit. (multiprocessing would end the process with ``os._exit`` right after
+    functions, flush, exit (a negative ``code``: by that signal, as python ends on an uncaught
+    KeyboardInterrupt). (multiprocessing would end the process with ``os._exit`` right after
     the target returns, skipping the script's ``atexit`` functions.)"""
     try:
         threading._shutdown()  # type: ignore[attr-defined]
@@ -204,4 +206,7 @@ def _exit(code: int) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-        os._exit(code)
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
