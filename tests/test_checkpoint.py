@@ -16,7 +16,7 @@ import torch
 from maitre.checkpoint import CheckpointConfig, Checkpointer, IntervalConfig, load, load_latest
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint.policy import IntervalPolicy, daly_interval_s
-from maitre.checkpoint.snapshot import plan
+from maitre.checkpoint.snapshot import plan, split, storage, updated_storages
 from maitre.runtime.sampler import ElasticSampler
 from maitre.runtime.scaling import LinearScaling
 from maitre.runtime.state import TrainState
@@ -182,6 +182,45 @@ def test_plan_balances_bytes() -> None:
         load[r] += size
     assert sorted(load) == [70, 80, 100]  # the 100 is one tensor: the others share the rest
     assert plan([5, 5], 1) == [0, 0]
+
+
+def test_what_only_the_update_writes_is_told_from_what_a_forward_writes() -> None:
+    """A save's GPU copy of the parameters and the optimizer's state runs on through the next
+    forward and backward (fenced before the update); a batch-norm's running statistics, which
+    the forward writes in place, must be copied before. The state tree's tensors are told apart
+    by their storage."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model[2].weight.requires_grad_(False)  # frozen: written by nothing, copied last all the same
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    tree = TrainState(model=model, optimizer=opt).state_dict()
+    updated = updated_storages(model, opt)
+    parts = split(tree, 0, 1)
+    late = {
+        path
+        for path, t in [
+            *tree["model"].items(),
+            *((f"opt.{i}.{k}", v) for i, s in tree["optimizer"]["state"].items() for k, v in s.items()),
+        ]
+        if storage(t) in updated
+    }
+    assert late == {
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "2.weight",
+        "2.bias",
+        *(f"opt.{i}.{k}" for i in range(5) for k in ("step", "exp_avg", "exp_avg_sq")),
+    }
+    early = [t for t in parts.tensors if storage(t) not in updated]
+    assert {storage(t) for t in early} == {
+        storage(model[1].running_mean),
+        storage(model[1].running_var),
+        storage(model[1].num_batches_tracked),
+    }
 
 
 def two_checkpoints(tmp_path: Path) -> tuple[Path, Path]:
