@@ -184,20 +184,25 @@ def test_plan_balances_bytes() -> None:
     assert plan([5, 5], 1) == [0, 0]
 
 
-def test_what_only_the_update_writes_is_told_from_what_a_forward_writes() -> None:
-    """A save's GPU copy of the parameters and the optimizer's state runs on through the next
-    forward and backward (fenced before the update); a batch-norm's running statistics, which
-    the forward writes in place, must be copied before. The state tree's tensors are told apart
-    by their storage."""
+def test_what_only_the_update_writes_is_told_from_what_a_step_may_write() -> None:
+    """A save's GPU copy of the optimizer's parameters and state runs on through the next
+    forward and backward (fenced before the update); what the step may write before (a
+    batch-norm's running statistics, a frozen teacher's weights the script updates, an
+    embedding renormalized in place by its forward) must be copied first. The state tree's
+    tensors are told apart by their storage."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
-    model[2].weight.requires_grad_(False)  # frozen: written by nothing, copied last all the same
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model(torch.randn(16, 4)).sum().backward()
+    model = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(10, 4, max_norm=1.0),  # its forward writes its weight
+            "net": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)),
+            "teacher": torch.nn.Linear(8, 2),  # not the optimizer's: an EMA the body updates
+        }
+    )
+    opt = torch.optim.AdamW([*model["emb"].parameters(), *model["net"].parameters()], lr=0.1)
+    model["net"](model["emb"](torch.arange(16) % 10)).sum().backward()
     opt.step()
     tree = TrainState(model=model, optimizer=opt).state_dict()
     updated = updated_storages(model, opt)
-    parts = split(tree, 0, 1)
     late = {
         path
         for path, t in [
@@ -207,19 +212,20 @@ def test_what_only_the_update_writes_is_told_from_what_a_forward_writes() -> Non
         if storage(t) in updated
     }
     assert late == {
-        "0.weight",
-        "0.bias",
-        "1.weight",
-        "1.bias",
-        "2.weight",
-        "2.bias",
-        *(f"opt.{i}.{k}" for i in range(5) for k in ("step", "exp_avg", "exp_avg_sq")),
+        *(f"net.{i}.{k}" for i in range(3) for k in ("weight", "bias")),
+        *(f"opt.{i}.{k}" for i in range(7) for k in ("step", "exp_avg", "exp_avg_sq")),
     }
-    early = [t for t in parts.tensors if storage(t) not in updated]
+    early = [t for t in split(tree, 0, 1).tensors if storage(t) not in updated]
     assert {storage(t) for t in early} == {
-        storage(model[1].running_mean),
-        storage(model[1].running_var),
-        storage(model[1].num_batches_tracked),
+        storage(t)
+        for t in (
+            model["emb"].weight,
+            model["net"][1].running_mean,
+            model["net"][1].running_var,
+            model["net"][1].num_batches_tracked,
+            model["teacher"].weight,
+            model["teacher"].bias,
+        )
     }
 
 

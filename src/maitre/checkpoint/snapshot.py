@@ -22,11 +22,13 @@ it are cached while the layout stays the same.
 side stream of the device, after the work already queued there (the update), into the pinned
 buffer, and ``take`` returns at once. Nothing waits on the host: the copy overlaps the next
 step's forward and backward, and the device waits only where a tensor still being copied is
-about to be written (:meth:`Snapshot.fence`). What the update alone writes (the parameters and
-the optimizer's state: the ``updated`` storages) is copied last and fenced before the next
-update; everything else (module buffers that a forward may write in place, such as batch-norm
-statistics, and the user's registered state) is copied first and fenced before the next step
-begins, which costs that copy only (small). The writer waits for the copy on the host before it
+about to be written (:meth:`Snapshot.fence`). What the update alone writes (the parameters the
+optimizer owns and its state: the ``updated`` storages) is copied last and fenced before the
+next update; everything else (module buffers that a forward may write in place, such as
+batch-norm statistics, parameters the optimizer does not own, the user's registered state) is
+copied first and fenced before the next step begins, which costs that copy only (small). So a
+script's step must leave the optimizer's parameters and state to the optimizer, as torch's own
+optimizers do; the rest it may write anywhere. The writer waits for the copy on the host before it
 reads the buffer; the next save waits for the writer, so the buffer is never overwritten under a
 copy. Each source tensor is recorded on the side stream, so the allocator reuses none of them
 before its copy is done.
@@ -35,6 +37,7 @@ before its copy is done.
 from __future__ import annotations
 
 import base64
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -94,11 +97,11 @@ class DeviceCopy:
         self.done: Any = None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Issue one copy (the caller holds ``torch.cuda.stream(self.stream)``)."""
         if not src.is_cuda:
             dst.copy_(src)
             return
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
         src.record_stream(self.stream)  # its memory is not reused before the copy is done
 
     def mark_first(self) -> None:
@@ -107,7 +110,9 @@ class DeviceCopy:
     def finish(self) -> None:
         if self.first is None:
             self.mark_first()
-        self.done = self.stream.record_event()
+        # A blocking event: the writer's wait sleeps instead of spinning a core.
+        self.done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self.done.record(self.stream)
 
     def fence(self, *, update: bool) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.done if update else self.first)
@@ -198,13 +203,21 @@ def storage(t: torch.Tensor) -> int:
 
 
 def updated_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> frozenset[int]:
-    """The storages that only ``optimizer``'s update writes: ``model``'s parameters (a sharded
-    one's local shard) and the optimizer's state. Not the module buffers, which a forward may
-    write in place (batch-norm statistics)."""
-    tensors: list[torch.Tensor] = [*model.parameters()]
+    """The storages that only ``optimizer``'s update writes: the parameters it owns (a sharded
+    one's local shard) and its state. Not the model's other parameters (a frozen teacher or an
+    EMA copy that the step's body may write), nor its buffers, which a forward may write in
+    place (batch-norm statistics), nor a weight its forward renormalizes in place (an
+    ``nn.Embedding`` with ``max_norm``), nor anything sharing their storage."""
+    tensors: list[torch.Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
     for per_param in optimizer.state.values():
         tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
-    return frozenset(storage(t.to_local() if statetree.is_sharded(t) else t) for t in tensors)
+    written: list[torch.Tensor] = [*model.buffers()]
+    written += [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.max_norm is not None]
+    return frozenset(_storage(t) for t in tensors) - {_storage(t) for t in written}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return storage(t.to_local() if statetree.is_sharded(t) else t)
 
 
 def plan(sizes: list[int], world_size: int) -> list[int]:
@@ -264,15 +277,16 @@ class SnapshotBuffers:
         if copy is not None:  # what a step may write first, what only the update writes last
             order.sort(key=lambda j: storage(sources[j]) in late)
         half = len(entries) // 2
-        for n, j in enumerate(order):
-            if n == half and halfway is not None:
-                halfway()
-            if copy is None:
-                self._views[j].copy_(sources[j])
-                continue
-            if copy.first is None and storage(sources[j]) in late:
-                copy.mark_first()
-            copy.copy(self._views[j], sources[j])
+        with torch.cuda.stream(copy.stream) if copy is not None else contextlib.nullcontext():
+            for n, j in enumerate(order):
+                if n == half and halfway is not None:
+                    halfway()
+                if copy is None:
+                    self._views[j].copy_(sources[j])
+                    continue
+                if copy.first is None and storage(sources[j]) in late:
+                    copy.mark_first()
+                copy.copy(self._views[j], sources[j])
         if copy is not None:
             copy.finish()
         data = self._buffer.numpy().data.cast("B")[:nbytes]
