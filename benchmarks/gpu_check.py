@@ -158,9 +158,8 @@ def checkpoint(size_gb: float, saves: int, rows: int = 16384, device: str = "cud
 
     from maitre.checkpoint import CheckpointConfig, load_latest
     from maitre.checkpoint.checkpointer import Checkpointer
-    from maitre.checkpoint.snapshot import updated_storages
     from maitre.runtime import statetree
-    from maitre.runtime.state import TrainState
+    from maitre.runtime.state import TrainState, updated_storages
 
     dev = torch.device(device)
 

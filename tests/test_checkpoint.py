@@ -16,10 +16,10 @@ import torch
 from maitre.checkpoint import CheckpointConfig, Checkpointer, IntervalConfig, load, load_latest
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint.policy import IntervalPolicy, daly_interval_s
-from maitre.checkpoint.snapshot import plan, split, storage, updated_storages
+from maitre.checkpoint.snapshot import plan, split
 from maitre.runtime.sampler import ElasticSampler
 from maitre.runtime.scaling import LinearScaling
-from maitre.runtime.state import TrainState
+from maitre.runtime.state import TrainState, storage, updated_storages
 
 
 class Counter:
@@ -189,7 +189,7 @@ def test_what_only_the_update_writes_is_told_from_what_a_step_may_write() -> Non
     forward and backward (fenced before the update); what the step may write before (a
     batch-norm's running statistics, a frozen teacher's weights the script updates, an
     embedding renormalized in place by its forward) must be copied first. The state tree's
-    tensors are told apart by their storage."""
+    tensors are told apart by their storage. A streamed join's snapshot copies the same way."""
     torch.manual_seed(0)
     model = torch.nn.ModuleDict(
         {

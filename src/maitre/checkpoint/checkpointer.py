@@ -126,7 +126,7 @@ class Checkpointer:
     ) -> float:
         """Snapshot ``state`` (a TrainState tree, or a function returning one) and hand it to the
         writer; returns the seconds this blocked. With ``updated`` (the storages only the
-        optimizer's update writes: :func:`~maitre.checkpoint.snapshot.updated_storages`), a copy
+        optimizer's update writes: :func:`~maitre.runtime.state.updated_storages`), a copy
         from a GPU runs on after this returns, and the caller calls :meth:`fence` before it
         writes the state; without, the copy is done when this returns."""
         started = self.clock()

@@ -46,6 +46,7 @@ import torch
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint import reshard
 from maitre.runtime import statetree
+from maitre.runtime.state import storage
 
 
 @dataclass(slots=True)
@@ -197,29 +198,6 @@ def part_bytes(state: dict[str, Any], rank: int, world_size: int) -> tuple[int, 
     return mine, any(t.is_cuda for t in parts.tensors)
 
 
-def storage(t: torch.Tensor) -> int:
-    """The address of the memory ``t`` is a view of (tensors that share it share this)."""
-    return t.untyped_storage().data_ptr()
-
-
-def updated_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> frozenset[int]:
-    """The storages that only ``optimizer``'s update writes: the parameters it owns (a sharded
-    one's local shard) and its state. Not the model's other parameters (a frozen teacher or an
-    EMA copy that the step's body may write), nor its buffers, which a forward may write in
-    place (batch-norm statistics), nor a weight its forward renormalizes in place (an
-    ``nn.Embedding`` with ``max_norm``), nor anything sharing their storage."""
-    tensors: list[torch.Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
-    for per_param in optimizer.state.values():
-        tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
-    written: list[torch.Tensor] = [*model.buffers()]
-    written += [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.max_norm is not None]
-    return frozenset(_storage(t) for t in tensors) - {_storage(t) for t in written}
-
-
-def _storage(t: torch.Tensor) -> int:
-    return storage(t.to_local() if statetree.is_sharded(t) else t)
-
-
 def plan(sizes: list[int], world_size: int) -> list[int]:
     """The rank that writes each tensor: largest first, to the least-loaded rank (ties to the
     lowest rank), so every rank computes the same plan and loads differ by at most one tensor."""
@@ -257,11 +235,11 @@ class SnapshotBuffers:
         updated: frozenset[int] | None = None,
     ) -> Snapshot:
         """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers. With
-        ``updated`` (the storages, ``untyped_storage().data_ptr()``, that only the optimizer's
-        update writes), a copy from a GPU goes on after this returns, and the caller fences
-        what it writes next (:meth:`Snapshot.fence`; see the module docstring); without, it is
-        done when this returns. ``halfway`` is called halfway through the copy (fault injection
-        in tests)."""
+        ``updated`` (the storages that only the optimizer's update writes:
+        :func:`maitre.runtime.state.updated_storages`), a copy from a GPU goes on after this
+        returns, and the caller fences what it writes next (:meth:`Snapshot.fence`; see the
+        module docstring); without, it is done when this returns. ``halfway`` is called
+        halfway through the copy (fault injection in tests)."""
         parts = split(state, rank, world_size)
         tensors = parts.tensors
         rng = state.get("rng")

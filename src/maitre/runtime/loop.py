@@ -59,7 +59,6 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from maitre import protocol
-from maitre.checkpoint import snapshot
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
 from maitre.checkpoint.writer import SaveResult
 from maitre.runtime.control import SLOTS, Slot
@@ -75,7 +74,7 @@ from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.signals import SigtermLatch
 from maitre.runtime.steptiming import StepTiming
 from maitre.runtime.streamjoin import Listening, StreamJoin
-from maitre.runtime.state import Stateful, TrainState
+from maitre.runtime.state import Stateful, TrainState, updated_storages
 from maitre.runtime.storelink import StoreLinkError
 from maitre.runtime import telemetry
 from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
@@ -649,7 +648,7 @@ class ElasticLoop:
         fences the state before it writes it). None on the host: the copy is done at once."""
         if self.device.type != "cuda":
             return None
-        return snapshot.updated_storages(self.model, self.optimizer)
+        return updated_storages(self.model, self.optimizer)
 
     def _state_written(self) -> None:
         """The live state is about to be written (the update, a state received or loaded): the
@@ -1179,20 +1178,9 @@ class ElasticLoop:
         self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
         mine = [pair(listener) for listener in join.listeners_of(me, training)]
         if mine:
-            packed = Packed.of(self.state.state_dict(), self.device, lazy=self._optimizer_owned())
+            packed = Packed.of(self.state.state_dict(), self.device, lazy=updated_storages(self.model, self.optimizer))
             rec.state_bytes, rec.state_from = packed.nbytes, me
             join.senders.append(Sender(self._store, mine, packed, self.device, abandon))
-
-    def _optimizer_owned(self) -> set[int]:
-        """The storages that only the optimizer's step changes: the parameters (their local
-        shards) and the optimizer's state. A snapshot copies them while the next step's forward
-        and backward run (they read them only)."""
-        owned = {replicas.local_tensor(p).data_ptr() for p in self.params}
-        for per_param in self.optimizer.state.values():
-            for v in per_param.values():
-                if isinstance(v, torch.Tensor):
-                    owned.add(replicas.local_tensor(v).data_ptr())
-        return owned
 
     def _mesh_of(self) -> Any:
         """Where received sharded tensors live: this replica's mesh (by dimension names)."""
