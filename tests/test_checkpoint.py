@@ -16,10 +16,10 @@ import torch
 from maitre.checkpoint import CheckpointConfig, Checkpointer, IntervalConfig, load, load_latest
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint.policy import IntervalPolicy, daly_interval_s
-from maitre.checkpoint.snapshot import plan
+from maitre.checkpoint.snapshot import plan, split
 from maitre.runtime.sampler import ElasticSampler
 from maitre.runtime.scaling import LinearScaling
-from maitre.runtime.state import TrainState
+from maitre.runtime.state import TrainState, storage, updated_storages
 
 
 class Counter:
@@ -182,6 +182,51 @@ def test_plan_balances_bytes() -> None:
         load[r] += size
     assert sorted(load) == [70, 80, 100]  # the 100 is one tensor: the others share the rest
     assert plan([5, 5], 1) == [0, 0]
+
+
+def test_what_only_the_update_writes_is_told_from_what_a_step_may_write() -> None:
+    """A save's GPU copy of the optimizer's parameters and state runs on through the next
+    forward and backward (fenced before the update); what the step may write before (a
+    batch-norm's running statistics, a frozen teacher's weights the script updates, an
+    embedding renormalized in place by its forward) must be copied first. The state tree's
+    tensors are told apart by their storage. A streamed join's snapshot copies the same way."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict(
+        {
+            "emb": torch.nn.Embedding(10, 4, max_norm=1.0),  # its forward writes its weight
+            "net": torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)),
+            "teacher": torch.nn.Linear(8, 2),  # not the optimizer's: an EMA the body updates
+        }
+    )
+    opt = torch.optim.AdamW([*model["emb"].parameters(), *model["net"].parameters()], lr=0.1)
+    model["net"](model["emb"](torch.arange(16) % 10)).sum().backward()
+    opt.step()
+    tree = TrainState(model=model, optimizer=opt).state_dict()
+    updated = updated_storages(model, opt)
+    late = {
+        path
+        for path, t in [
+            *tree["model"].items(),
+            *((f"opt.{i}.{k}", v) for i, s in tree["optimizer"]["state"].items() for k, v in s.items()),
+        ]
+        if storage(t) in updated
+    }
+    assert late == {
+        *(f"net.{i}.{k}" for i in range(3) for k in ("weight", "bias")),
+        *(f"opt.{i}.{k}" for i in range(7) for k in ("step", "exp_avg", "exp_avg_sq")),
+    }
+    early = [t for t in split(tree, 0, 1).tensors if storage(t) not in updated]
+    assert {storage(t) for t in early} == {
+        storage(t)
+        for t in (
+            model["emb"].weight,
+            model["net"][1].running_mean,
+            model["net"][1].running_var,
+            model["net"][1].num_batches_tracked,
+            model["teacher"].weight,
+            model["teacher"].bias,
+        )
+    }
 
 
 def two_checkpoints(tmp_path: Path) -> tuple[Path, Path]:

@@ -9,6 +9,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from maitre.runtime.group import EpochLost
 from maitre.runtime.heartbeat import CoordinatorView
@@ -100,7 +101,7 @@ class _Writer:
         self.cfg = SimpleNamespace(save_final=True)
         self.busy, self.saved, self.prepared = True, [], 0
 
-    def save(self, state, *, step: int, rank: int, world_size: int, token: int) -> float:
+    def save(self, state, *, step: int, rank: int, world_size: int, token: int, updated=None) -> float:
         self.saved.append(step)
         return 0.0
 
@@ -113,6 +114,7 @@ def loop_saving(step: int, max_steps: int) -> tuple[ElasticLoop, _Writer]:
     loop._ledger = loop._recovery = loop._reporter = loop.replica = None
     loop._join = StreamJoin()  # (no listener: it trains)
     loop.rank, loop.world_size, loop._max_steps = 0, 1, max_steps  # (it writes part 0 of 1)
+    loop.device = torch.device("cpu")
     loop.checkpointer = writer = _Writer()
     loop.state = SimpleNamespace(step=step, state_dict=dict)
     return loop, writer
@@ -121,7 +123,6 @@ def loop_saving(step: int, max_steps: int) -> tuple[ElasticLoop, _Writer]:
 def test_a_busy_writer_vetoes_a_save_but_not_the_last_steps() -> None:
     """A save asked while a rank still writes the previous one waits for the next step; the
     last step has none, so its save waits for the writer instead of being lost."""
-    import torch
 
     from maitre.runtime.control import SLOTS, Slot
 

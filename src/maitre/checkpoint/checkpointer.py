@@ -4,7 +4,9 @@ The loop asks :meth:`Checkpointer.due` at each step boundary (the answer rides i
 allreduce, so every rank saves at the same step), calls :meth:`save` after the step committed,
 and :meth:`load_latest` when a job starts with no live state to take from a peer. ``save``
 blocks only for the copy into reused host memory (and, when the previous save is still being
-written, for that to finish: the wait counts as cost, so the interval backs off).
+written, for that to finish: the wait counts as cost, so the interval backs off). From a GPU the
+copy runs on while the next step computes; the loop calls :meth:`fence` before the next step
+and before the next update, where the device waits for what it is about to write.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Callable, Mapping
 
 from maitre.checkpoint import loader
 from maitre.checkpoint.policy import IntervalConfig, IntervalPolicy
-from maitre.checkpoint.snapshot import SnapshotBuffers, part_bytes
+from maitre.checkpoint.snapshot import Snapshot, SnapshotBuffers, part_bytes
 from maitre.checkpoint.writer import SaveResult, Writer, fault_point
 from maitre.protocol import CHECKPOINT_DIR as DIR_ENV
 from maitre.protocol import CHECKPOINT_EVERY as EVERY_ENV
@@ -98,6 +100,7 @@ class Checkpointer:
         """Called with each finished save, on the thread that collects it (the training loop's,
         at its next step boundary): the committer's result tells the coordinator (telemetry)."""
         self._interval: tuple[int | None, float | None] = (None, None)
+        self._copying: Snapshot | None = None
 
     # -- saving ----------------------------------------------------------------------------------
     @property
@@ -112,10 +115,20 @@ class Checkpointer:
         self._collect()
 
     def save(
-        self, state: dict[str, Any] | Callable[[], dict[str, Any]], *, step: int, rank: int, world_size: int, token: int
+        self,
+        state: dict[str, Any] | Callable[[], dict[str, Any]],
+        *,
+        step: int,
+        rank: int,
+        world_size: int,
+        token: int,
+        updated: frozenset[int] | None = None,
     ) -> float:
         """Snapshot ``state`` (a TrainState tree, or a function returning one) and hand it to the
-        writer; returns the seconds this blocked."""
+        writer; returns the seconds this blocked. With ``updated`` (the storages only the
+        optimizer's update writes: :func:`~maitre.runtime.state.updated_storages`), a copy
+        from a GPU runs on after this returns, and the caller calls :meth:`fence` before it
+        writes the state; without, the copy is done when this returns."""
         started = self.clock()
         writer = self._writer_started()
         writer.wait()
@@ -128,7 +141,9 @@ class Checkpointer:
             rank=rank,
             world_size=world_size,
             halfway=lambda: fault_point("snapshot", writer.saves + 1),
+            updated=updated,
         )
+        self._copying = snap if snap.copy is not None else None
         snap.meta = dict(self.meta)
         snap.block_s = self.clock() - started
         every = self.cfg.interval.every_steps
@@ -136,6 +151,16 @@ class Checkpointer:
         writer.submit(snap)
         self.policy.started(step, self.clock(), snap.block_s)
         return snap.block_s
+
+    def fence(self, *, update: bool) -> None:
+        """The live state is about to be written: by the next step (``update=False``: module
+        buffers, registered state) or by the update (``update=True``: parameters, optimizer
+        state). The device waits for the last save's copy of those, if it still runs; the host
+        does not wait. Cheap when there is nothing to wait for."""
+        if self._copying is not None:
+            self._copying.fence(update=update)
+            if update:
+                self._copying = None
 
     def saved_elsewhere(self, step: int) -> None:
         """The job saved ``step`` without this process (another replica wrote its shards): the

@@ -17,11 +17,27 @@ The buffer is one byte tensor per process, laid out in the order of the shard fi
 :func:`maitre.checkpoint.format.layout`), so the writer streams it to disk with no further copy.
 It is kept between saves and only grows, so steady-state saves allocate nothing; the views into
 it are cached while the layout stays the same.
+
+**State on a GPU is copied while training goes on.** The device-to-host copies are issued on a
+side stream of the device, after the work already queued there (the update), into the pinned
+buffer, and ``take`` returns at once. Nothing waits on the host: the copy overlaps the next
+step's forward and backward, and the device waits only where a tensor still being copied is
+about to be written (:meth:`Snapshot.fence`). What the update alone writes (the parameters the
+optimizer owns and its state: the ``updated`` storages) is copied last and fenced before the
+next update; everything else (module buffers that a forward may write in place, such as
+batch-norm statistics, parameters the optimizer does not own, the user's registered state) is
+copied first and fenced before the next step begins, which costs that copy only (small). So a
+script's step must leave the optimizer's parameters and state to the optimizer, as torch's own
+optimizers do; the rest it may write anywhere. The writer waits for the copy on the host before it
+reads the buffer; the next save waits for the writer, so the buffer is never overwritten under a
+copy. Each source tensor is recorded on the side stream, so the allocator reuses none of them
+before its copy is done.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,6 +46,7 @@ import torch
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint import reshard
 from maitre.runtime import statetree
+from maitre.runtime.state import storage
 
 
 @dataclass(slots=True)
@@ -53,6 +70,53 @@ class Snapshot:
     """Where this rank's pieces of sharded tensors lie in them, by tensor index."""
     meta: dict[str, Any] = field(default_factory=dict)
     block_s: float = 0.0
+    copy: "DeviceCopy | None" = None
+    """The copy into ``data`` still running on a GPU, if any (see the module docstring)."""
+
+    def fence(self, *, update: bool) -> None:
+        """The device's current stream waits (on the device: the host goes on) until what the
+        next step (``update=False``) or the next update (``update=True``) writes is copied."""
+        if self.copy is not None:
+            self.copy.fence(update=update)
+
+    def wait_copied(self) -> None:
+        """Block the host until ``data`` holds the whole copy (the writer, before it reads)."""
+        if self.copy is not None:
+            self.copy.done.synchronize()
+
+
+class DeviceCopy:
+    """One snapshot's copy from a CUDA device, on the side stream ``stream``: issued after the
+    work already queued on the device's current stream; ``first`` is recorded once the tensors
+    a step may write are copied, ``done`` once all are."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.device = stream.device
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.first: Any = None
+        self.done: Any = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Issue one copy (the caller holds ``torch.cuda.stream(self.stream)``)."""
+        if not src.is_cuda:
+            dst.copy_(src)
+            return
+        dst.copy_(src, non_blocking=True)
+        src.record_stream(self.stream)  # its memory is not reused before the copy is done
+
+    def mark_first(self) -> None:
+        self.first = self.stream.record_event()
+
+    def finish(self) -> None:
+        if self.first is None:
+            self.mark_first()
+        # A blocking event: the writer's wait sleeps instead of spinning a core.
+        self.done = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        self.done.record(self.stream)
+
+    def fence(self, *, update: bool) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.done if update else self.first)
 
 
 @dataclass(slots=True)
@@ -153,6 +217,7 @@ class SnapshotBuffers:
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._key: tuple[Any, ...] | None = None
         self._views: list[torch.Tensor] = []
+        self._streams: dict[torch.device, Any] = {}
 
     @property
     def capacity(self) -> int:
@@ -167,9 +232,14 @@ class SnapshotBuffers:
         rank: int,
         world_size: int,
         halfway: Callable[[], None] | None = None,
+        updated: frozenset[int] | None = None,
     ) -> Snapshot:
-        """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers.
-        ``halfway`` is called halfway through the copy (fault injection in tests)."""
+        """Copy ``state`` (a TrainState tree with its ``rng`` entry) into the buffers. With
+        ``updated`` (the storages that only the optimizer's update writes:
+        :func:`maitre.runtime.state.updated_storages`), a copy from a GPU goes on after this
+        returns, and the caller fences what it writes next (:meth:`Snapshot.fence`; see the
+        module docstring); without, it is done when this returns. ``halfway`` is called
+        halfway through the copy (fault injection in tests)."""
         parts = split(state, rank, world_size)
         tensors = parts.tensors
         rng = state.get("rng")
@@ -178,11 +248,25 @@ class SnapshotBuffers:
         if key != self._key:
             self._views = self._prepare(entries, nbytes, pin=any(t.is_cuda for t in tensors))
             self._key = key
+        sources = [tensors[int(e.key)] for e in entries]
+        copy = self._device_copy(sources) if updated is not None else None
+        late = updated or frozenset()
+        order = list(range(len(entries)))
+        if copy is not None:  # what a step may write first, what only the update writes last
+            order.sort(key=lambda j: storage(sources[j]) in late)
         half = len(entries) // 2
-        for j, (entry, view) in enumerate(zip(entries, self._views)):
-            if j == half and halfway is not None:
-                halfway()
-            view.copy_(tensors[int(entry.key)])
+        with torch.cuda.stream(copy.stream) if copy is not None else contextlib.nullcontext():
+            for n, j in enumerate(order):
+                if n == half and halfway is not None:
+                    halfway()
+                if copy is None:
+                    self._views[j].copy_(sources[j])
+                    continue
+                if copy.first is None and storage(sources[j]) in late:
+                    copy.mark_first()
+                copy.copy(self._views[j], sources[j])
+        if copy is not None:
+            copy.finish()
         data = self._buffer.numpy().data.cast("B")[:nbytes]
         return Snapshot(
             step,
@@ -195,7 +279,20 @@ class SnapshotBuffers:
             data,
             {"rng": rng_to_json(rng) if rng is not None else None},
             parts.pieces,
+            copy=copy,
         )
+
+    def _device_copy(self, sources: list[torch.Tensor]) -> DeviceCopy | None:
+        """A copy on the side stream of the one CUDA device the sources live on; None when none
+        is on a GPU, or when they span devices (then each copy is synchronous)."""
+        devices = {t.device for t in sources if t.is_cuda}
+        if len(devices) != 1 or not self._buffer.is_pinned():
+            return None
+        (device,) = devices
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return DeviceCopy(stream)
 
     def reserve(self, nbytes: int, pin: bool) -> None:
         """Grow the buffer to ``nbytes`` and touch every page, so that the save after it only

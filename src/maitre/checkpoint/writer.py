@@ -194,6 +194,7 @@ class Writer:
     def _persist(self, snap: Snapshot) -> Path | None:
         n = self.saves
         began = time.monotonic()
+        snap.wait_copied()  # (from a GPU the copy may still be running)
         tmp = self.root / fmt.tmp_dir_name(snap.step, snap.token)
         tmp.mkdir(parents=True, exist_ok=True)
         try:

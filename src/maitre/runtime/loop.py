@@ -74,7 +74,7 @@ from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.signals import SigtermLatch
 from maitre.runtime.steptiming import StepTiming
 from maitre.runtime.streamjoin import Listening, StreamJoin
-from maitre.runtime.state import Stateful, TrainState
+from maitre.runtime.state import Stateful, TrainState, updated_storages
 from maitre.runtime.storelink import StoreLinkError
 from maitre.runtime import telemetry
 from maitre.runtime.transfer import Packed, Receiver, Sender, broadcast_state, sync_steps
@@ -360,6 +360,8 @@ class ElasticLoop:
                     len(batch.micro_batches), self.group, batch.global_batch_size, early=self._tp_checked
                 )
                 step_start = self._timing.begin()
+                if self.checkpointer is not None:  # (a save's device copy reads the state on)
+                    self.checkpointer.fence(update=False)
                 yield batch
                 if not self._tp_checked:  # each tp rank's own gradients, before any reduction
                     self._tp_checked = replicas.check_tp_grads(self.model, self._spanning)
@@ -568,6 +570,7 @@ class ElasticLoop:
         mean, the step hooks, the optimizer and the schedules. False: an fp16 overflow, the step
         commits nothing. A listener replays queued steps through here too, so it stays exact."""
         self._join.await_snapshots()  # a snapshot being copied still reads the live state
+        self._state_written()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         count = int(round(float(control[Slot.COUNT])))
         skipped = int(round(float(control[Slot.SKIPPED])))
@@ -629,6 +632,7 @@ class ElasticLoop:
                 rank=part[0],
                 world_size=part[1],
                 token=int(control[Slot.TOKEN]),
+                updated=self._updated_storages(),
             )
         elif part is not None:  # after the first step, when the optimizer state exists
             ckpt.prepare(self.state.state_dict, rank=part[0], world_size=part[1])
@@ -637,6 +641,20 @@ class ElasticLoop:
         self._committed_at = time.monotonic()
         if self._reporter is not None and training:
             self._report_progress(batch)
+
+    def _updated_storages(self) -> frozenset[int] | None:
+        """The storages only the update writes (the parameters, the optimizer's state): a save's
+        device copy of them may run on through the next step's forward and backward (the loop
+        fences the state before it writes it). None on the host: the copy is done at once."""
+        if self.device.type != "cuda":
+            return None
+        return updated_storages(self.model, self.optimizer)
+
+    def _state_written(self) -> None:
+        """The live state is about to be written (the update, a state received or loaded): the
+        device first finishes reading it for a save (on the device; the host goes on)."""
+        if self.checkpointer is not None:
+            self.checkpointer.fence(update=True)
 
     # -- per-rank timing: slow ranks (maitre.runtime.stragglers) --------------------------------
     def _size_slots(self) -> None:
@@ -772,6 +790,7 @@ class ElasticLoop:
             if not landed:
                 return
             meta, flats = lst.take()
+            self._state_written()
             self.state.load_state_dict(transfer_unpack(meta, flats, self._mesh_of()))
             if self.state.step != lst.snapshot_step:
                 raise RuntimeError(
@@ -1088,6 +1107,7 @@ class ElasticLoop:
         )
         if loaded is None:
             return False
+        self._state_written()
         try:
             self.state.load_state_dict(loaded.tree)
         except (ValueError, KeyError, RuntimeError) as exc:  # another script's, model's or data's
@@ -1133,6 +1153,7 @@ class ElasticLoop:
             received, rec.state_bytes = broadcast_state(self.group, tree, src, self._mesh_of())
             rec.state_from = src
             if self.state.step < ahead:
+                self._state_written()
                 self.state.load_state_dict(received)
         if self.env.mode == Mode.ELASTIC:  # (a torchrun group never resizes)
             self.scaling.on_resize(self.world_size, self.state.step)
@@ -1157,20 +1178,9 @@ class ElasticLoop:
         self.scaling.on_resize(self.world_size, self.state.step)  # before the snapshot: its state
         mine = [pair(listener) for listener in join.listeners_of(me, training)]
         if mine:
-            packed = Packed.of(self.state.state_dict(), self.device, lazy=self._optimizer_owned())
+            packed = Packed.of(self.state.state_dict(), self.device, lazy=updated_storages(self.model, self.optimizer))
             rec.state_bytes, rec.state_from = packed.nbytes, me
             join.senders.append(Sender(self._store, mine, packed, self.device, abandon))
-
-    def _optimizer_owned(self) -> set[int]:
-        """The storages that only the optimizer's step changes: the parameters (their local
-        shards) and the optimizer's state. A snapshot copies them while the next step's forward
-        and backward run (they read them only)."""
-        owned = {replicas.local_tensor(p).data_ptr() for p in self.params}
-        for per_param in self.optimizer.state.values():
-            for v in per_param.values():
-                if isinstance(v, torch.Tensor):
-                    owned.add(replicas.local_tensor(v).data_ptr())
-        return owned
 
     def _mesh_of(self) -> Any:
         """Where received sharded tensors live: this replica's mesh (by dimension names)."""

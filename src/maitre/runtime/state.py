@@ -5,6 +5,10 @@ training touches: model, optimizer, LR schedule, sampler (data epoch and cursor)
 rule, random number generators (python, torch, and numpy when the script uses it) and any extra
 object the user registers (anything with ``state_dict`` / ``load_state_dict``). The runtime
 captures it to send to a peer that is behind; the checkpoint writer will capture the same tree.
+
+Both copy it while the next step computes, where they can: the parameters the optimizer owns and
+its state are written by nothing but the optimizer's update, so they may still be read until the
+next update (:func:`updated_storages`); everything else is copied before the next step begins.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import sys
 from typing import Any, Protocol
 
 import torch
+
+from maitre.runtime import statetree
 
 
 class Stateful(Protocol):
@@ -72,3 +78,26 @@ class TrainState:
         self.step = int(tree["step"])
         self.skipped = int(tree.get("skipped", 0))  # (none in a state saved before it was kept)
         set_rng_state(tree["rng"])
+
+
+def storage(t: torch.Tensor) -> int:
+    """The address of the memory ``t`` is a view of (tensors that share it share this)."""
+    return t.untyped_storage().data_ptr()
+
+
+def updated_storages(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """The storages that only ``optimizer``'s update writes: the parameters it owns (a sharded
+    one's local shard) and its state. Not the model's other parameters (a frozen teacher or an
+    EMA copy that the step's body may write), nor its buffers, which a forward may write in
+    place (batch-norm statistics), nor a weight its forward renormalizes in place (an
+    ``nn.Embedding`` with ``max_norm``), nor anything sharing their storage."""
+    tensors: list[torch.Tensor] = [p for group in optimizer.param_groups for p in group["params"]]
+    for per_param in optimizer.state.values():
+        tensors += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    written: list[torch.Tensor] = [*model.buffers()]
+    written += [m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding) and m.max_norm is not None]
+    return frozenset(_storage(t) for t in tensors) - {_storage(t) for t in written}
+
+
+def _storage(t: torch.Tensor) -> int:
+    return storage(t.to_local() if statetree.is_sharded(t) else t)

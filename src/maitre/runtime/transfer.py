@@ -33,6 +33,7 @@ import torch.distributed as dist
 from maitre.protocol import TRANSFER_DELAY_S
 from maitre.runtime import statetree
 from maitre.runtime.group import EpochGroup
+from maitre.runtime.state import storage
 
 _DTYPES = {str(t): t for t in vars(torch).values() if isinstance(t, torch.dtype)}
 
@@ -66,8 +67,8 @@ class Packed:
     """A state laid out for the wire: the header, and one flat buffer per dtype.
 
     :meth:`of` copies every tensor at once except those whose storage is in ``lazy`` (tensors
-    that only the optimizer's step changes); :meth:`copy_lazy` copies those, on any thread,
-    before that step."""
+    that only the optimizer's step changes: :func:`maitre.runtime.state.updated_storages`);
+    :meth:`copy_lazy` copies those, on any thread, before that step."""
 
     def __init__(
         self, header: bytes, flats: list[torch.Tensor], pending: list[tuple[torch.Tensor, torch.Tensor]]
@@ -77,7 +78,7 @@ class Packed:
         self._pending = pending
 
     @classmethod
-    def of(cls, tree: Any, device: torch.device, lazy: set[int] = frozenset()) -> "Packed":  # type: ignore[assignment]
+    def of(cls, tree: Any, device: torch.device, lazy: frozenset[int] = frozenset()) -> "Packed":
         skeleton, tensors = statetree.encode(tree)
         specs = [[str(t.dtype), list(t.shape)] for t in tensors]
         header = statetree.dumps({"skeleton": skeleton, "tensors": specs})
@@ -90,7 +91,7 @@ class Packed:
             for t in parts:
                 slot = flat[offset : offset + t.numel()].view(t.shape)
                 offset += t.numel()
-                if t.numel() and t.device == device and t.data_ptr() in lazy:
+                if t.numel() and t.device == device and storage(t) in lazy:
                     pending.append((slot, t))
                 else:
                     slot.copy_(t)
