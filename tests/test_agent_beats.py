@@ -161,3 +161,32 @@ def test_a_workers_beat_on_the_socket_gets_its_view_and_a_malformed_one_a_400() 
     finally:
         agent._local.shutdown()
         agent.stop(grace_s=0.5)
+
+
+def test_a_worker_whose_start_ends_after_the_agent_stopped_is_ended_not_left_behind(monkeypatch) -> None:
+    """Starts run on threads of their own: one that finishes after :meth:`Agent.stop` took its
+    list of workers is the start's to end. (Left running, a warm worker, which python waits for
+    at exit, kept its agent's process alive after SIGINT: found by the chaos run.)"""
+    agent = Agent("127.0.0.1:1", "n0", 1)
+    started: list[subprocess.Popen] = []
+    real = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen:
+        started.append(real(*args, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    monkeypatch.setattr("maitre.agent.agent.subprocess.Popen", popen)
+    order = protocol.StartOrder(
+        worker_id="j-w1",
+        job_id="j",
+        command=[sys.executable, "-c", "import time; time.sleep(60)"],  # (-c: a cold start)
+        env={},
+        local_rank=0,
+        slots=1,
+        store="x:1",
+        token="t",
+    )
+    agent.stop(grace_s=0.5)
+    agent._spawn(order)
+    assert len(started) == 1 and started[0].poll() is not None  # ended, and waited for
+    assert agent.workers == {} and agent.running() == []

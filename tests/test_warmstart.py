@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -153,3 +155,32 @@ def test_a_warm_worker_ends_as_python_ends(tmp_path: Path, end: str, code: int, 
     assert got == code, stderr
     assert (stderr.splitlines() or [""])[-1] == said, stderr
     assert marks.read_text() == "thread\natexit\n"
+
+
+@pytest.mark.timeout(120)
+def test_reap_ends_every_warm_worker_and_what_it_started(tmp_path: Path) -> None:
+    """The last act of an agent's process: a warm worker is a non-daemon child, which python
+    waits for at exit, so none may be left running; its session goes with it."""
+    script, pid_file = tmp_path / "stays.py", tmp_path / "child.pid"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(60)\n"
+    )
+    proc = warmstart.WarmProcess([PY, str(script)], {})
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline and proc.poll() is None, "the worker did not start its child"
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    warmstart.reap()
+    assert proc.poll() == -signal.SIGKILL
+    while time.monotonic() < deadline:  # (the child is the fork server's grandchild: init reaps it)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the worker's own child outlived it")

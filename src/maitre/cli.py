@@ -300,7 +300,7 @@ def _health_monitor(args: argparse.Namespace):
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from maitre.agent import netaddr
+    from maitre.agent import netaddr, warmstart
     from maitre.agent.agent import Agent
 
     client = _coordinator(args)
@@ -357,6 +357,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         pass
     finally:
         agent.stop()
+        warmstart.reap()  # (the process's one agent: whatever it forked ends with it)
     return 0
 
 

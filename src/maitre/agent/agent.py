@@ -38,6 +38,7 @@ session so a signal meant for one never reaches the agent.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -629,7 +630,16 @@ class Agent:
             ]
         worker.threads += [threading.Thread(target=self._wait, args=(worker, i), daemon=True) for i in range(nproc)]
         with self._lock:
-            self.workers[wid] = worker
+            stopping = self._stop.is_set()
+            if not stopping:
+                self.workers[wid] = worker
+        if stopping:  # (stop() took its list of workers before this one was in it: it ends here)
+            worker.signal_groups(signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                worker.wait(timeout=5)
+            if gang is not None:
+                gang.close()
+            return
         for t in worker.threads:
             t.start()
 

@@ -65,6 +65,21 @@ def prewarm() -> None:
         multiprocessing.forkserver.ensure_running()
 
 
+def reap(timeout_s: float = 5.0) -> None:
+    """SIGKILL every warm worker of this process still running (its session: what it started
+    too) and wait for it: the last act of a process that ran an agent. A warm worker is a
+    non-daemon child (so that it may start DataLoader workers of its own), which python waits
+    for at exit: one left running would keep the agent's process alive as long as it runs."""
+    children = multiprocessing.active_children() if _context is not None else []
+    for proc in children:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # (before its setsid: not yet a group)
+            proc.kill()
+    for proc in children:
+        proc.join(timeout_s)
+
+
 def enabled(env: dict[str, str] | None = None) -> bool:
     return (env or os.environ).get(ENV, "1") != "0" and sys.platform != "win32"
 
