@@ -32,8 +32,8 @@ A job that starts with no live state anywhere (its first start, a resume, or eve
 loads the newest complete checkpoint, if one is configured; the state then goes on live.
 
 When the allreduce fails (a peer crashed) or is abandoned (the coordinator closed the epoch: a
-peer hung or was removed) the step in flight is dropped, the loop rendezvous for the next epoch,
-builds its group, pulls the committed state from a peer that is ahead (see
+peer hung or was removed) the step in flight is dropped, the loop rendezvous for the next epoch
+(:mod:`maitre.runtime.recovery`), builds its group, pulls the committed state from a peer that is ahead (see
 :mod:`maitre.runtime.transfer`) and yields the same step again with the new shares. The script
 never sees the failure. A joiner builds its model before it asks to join, so the running workers
 pause only for the rendezvous and the state broadcast.
@@ -56,7 +56,6 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 
 from maitre import protocol
 from maitre.checkpoint.checkpointer import CheckpointConfig, Checkpointer
@@ -69,6 +68,8 @@ from maitre.runtime.hooks import LossScaler, StepHooks, all_finite, clip
 from maitre.runtime import replica as replicas
 from maitre.runtime.ledger import Ledger
 from maitre.runtime.reduction import Buckets, Reducer, agree
+from maitre.runtime import recovery
+from maitre.runtime.recovery import Ended, Recovery
 from maitre.runtime.sampler import ElasticSampler, StepSlice, share_bounds
 from maitre.runtime.scaling import ConstantBatch
 from maitre.runtime.signals import SigtermLatch
@@ -84,9 +85,6 @@ from maitre.runtime.link import CoordinatorLink, HttpLink
 
 _STALL_FLOOR_S = 0.5
 _STALL_STEPS = 5.0
-_JOB_ENDED = ("COMPLETED", "FAILED", "SUSPENDED", "CANCELLED")
-"""Job states (a view's ``job_state``) in which the epoch closed with the job, not without a
-member: the step every member finished still stands."""
 
 
 @dataclass(slots=True)
@@ -161,22 +159,6 @@ class Batch:
             return contextlib.nullcontext()
         device_type, dtype = self._autocast
         return torch.autocast(device_type, dtype=dtype)
-
-
-@dataclass(slots=True)
-class Recovery:
-    """Timings of the last membership change, as this worker saw it (wall clock, seconds)."""
-
-    reason: str
-    detected_at: float
-    assigned_at: float = 0.0
-    group_at: float = 0.0
-    synced_at: float = 0.0
-    state_bytes: int = 0
-    state_from: int = -1
-    state_source: str = "none"
-    """Where the state this member starts the epoch with came from: ``peer`` (live in the
-    group: its own, or received from a member ahead), ``disk`` or ``none`` (step 0)."""
 
 
 class ElasticLoop:
@@ -266,7 +248,6 @@ class ElasticLoop:
         self.last_loss: float | None = None
         self.last_grad_norm: float | None = None
         """The global gradient norm of the last committed step (with ``clip_grad_norm``)."""
-        self.recoveries: list[Recovery] = []
         self._reducer = Reducer(model, self.params, buckets or Buckets(), SLOTS, divide_early=self.scaler is None)
         """The gradient buffers, laid out in buckets, and their reduction."""
         self._step_times: deque[float] = deque(maxlen=32)
@@ -376,7 +357,7 @@ class ElasticLoop:
                             self.checkpointer.policy.observe_history(view.failures, view.age_s)
             self._done()
             self.ended = "completed"
-        except _Ended as end:
+        except Ended as end:
             self.ended = end.why
             if end.message:
                 print(end.message, file=sys.stderr, flush=True)
@@ -776,7 +757,7 @@ class ElasticLoop:
                 self._link.left()
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
-        raise _Ended(
+        raise Ended(
             "left",
             f"maitre: {self.env.worker_id}: the job finished at step "
             f"{self._max_steps} while this worker's state streamed in; it leaves",
@@ -851,31 +832,14 @@ class ElasticLoop:
         done = time.monotonic()
         if done - began <= self._stall_after():
             return
-        deadline = done + self.env.coordinator_timeout_s
         self._confirming = True  # reported as stalled, so that its agent beats now and often
         try:
-            while hb.view.heard_at < done and self._given_up() is None:
-                if time.monotonic() > deadline:
-                    raise WorkerStopped(
-                        f"no word from the coordinator for {self.env.coordinator_timeout_s:.0f}s "
-                        f"after step {self.state.step + 1}; giving up"
-                    )
-                time.sleep(0.01)
+            recovery.await_word(lambda: hb.view, self.epoch, done, self.env.coordinator_timeout_s, self.state.step)
         finally:
             self._confirming = False
-        reason = self._given_up()
-        if reason is not None:
-            raise EpochLost(reason, time.monotonic())
 
-    def _given_up(self) -> str | None:
-        """Why the coordinator no longer counts on this rank's epoch, as its view says: it was
-        closed without this rank's job ending, or this worker was removed."""
-        view = self._heartbeat.view if self._heartbeat is not None else None
-        if view is None or view.job_state in _JOB_ENDED:
-            return None
-        if view.stop:
-            return "the coordinator removed this worker"
-        return self._epoch_closed()
+    def _view(self) -> Any:
+        return self._heartbeat.view if self._heartbeat is not None else None
 
     def _stop_reason(self) -> str | None:
         """Why the job must stop after this step with a checkpoint: SIGTERM (under torchrun or
@@ -906,8 +870,8 @@ class ElasticLoop:
                     self._link.done(self.state.step, suspended=True)
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report the suspension: {exc}", file=sys.stderr)
-            raise _Ended("suspended")
-        raise _Ended("SIGTERM" if self._sigterm.heard else "suspended")
+            raise Ended("suspended")
+        raise Ended("SIGTERM" if self._sigterm.heard else "suspended")
 
     def _change_requested(self) -> bool:
         hb = self._heartbeat
@@ -965,14 +929,7 @@ class ElasticLoop:
         return max(_STALL_FLOOR_S, _STALL_STEPS * statistics.median(self._step_times))
 
     def _epoch_closed(self) -> str | None:
-        view = self._heartbeat.view if self._heartbeat is not None else None
-        if view is not None and view.closed and view.member_epoch == self.epoch:
-            return "the coordinator closed the epoch"
-        if view is not None and view.member_epoch > self.epoch > 0:
-            # The worker is in a newer epoch already: another process of its replica went on
-            # to it while this one still waited in the old one.
-            return "the coordinator moved this worker to a newer epoch"
-        return None
+        return recovery.epoch_closed(self._view(), self.epoch)
 
     def _recover(self, lost: EpochLost) -> None:
         if self.env.mode != Mode.ELASTIC:
@@ -991,44 +948,15 @@ class ElasticLoop:
             self.group.retire()
             self.group = None
         self._join.reset()  # a new epoch decides again
-        deadline = time.monotonic() + self.env.coordinator_timeout_s
-        unbuilt_group = unbuilt is not None and unbuilt.unbuilt  # the coordinator counts it as a failure
-        request = protocol.RendezvousRequest(
+        answer = recovery.rendezvous(
+            self._link,
             from_epoch=self.epoch if from_epoch is None else from_epoch,
             step=self.state.step,
-            reason=reason[:500],
-            wait_s=5.0,
-            group_failed=unbuilt_group,
-            unreachable=unbuilt.unreachable[:64] if unbuilt is not None and unbuilt_group else [],
+            reason=reason,
+            lost=unbuilt,
+            timeout_s=self.env.coordinator_timeout_s,
+            speaks=not self.env.proc,  # (the first process speaks for its replica)
         )
-        while True:
-            try:
-                answer = self._link.rendezvous(request, timeout_s=15.0)
-            except CoordinatorUnreachable as exc:
-                if time.monotonic() > deadline:
-                    raise WorkerStopped(f"{exc}; giving up after {self.env.coordinator_timeout_s:.0f}s") from None
-                time.sleep(0.5)
-                continue
-            except ApiError as exc:
-                raise WorkerStopped(f"rendezvous refused: {exc.message}") from None
-            except ValidationError as exc:  # a coordinator of another version
-                raise WorkerStopped(f"the coordinator's rendezvous answer cannot be read: {exc}") from None
-            if answer.action == "train":
-                break
-            if answer.action == "leave":
-                if not self.env.proc:  # the first process speaks for its replica
-                    try:
-                        self._link.left()
-                    except (CoordinatorUnreachable, ApiError) as exc:  # its exit tells it as well
-                        print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
-                raise _Ended("left")
-            if answer.action == "stop":
-                said = f"maitre: worker stopped: {answer.reason}"
-                if answer.reason == "job suspended":
-                    raise _Ended("suspended", said)
-                if answer.reason in ("job completed", "job cancelled"):
-                    raise _Ended("stopped", said)
-                raise WorkerStopped(f"worker stopped: {answer.reason}")
         if self._store is None or answer.store_id != self._store_id:
             # First epoch, or the coordinator restarted since the last one: the run's c10d
             # store is a new server (behind the same door), so connect again.
@@ -1193,22 +1121,9 @@ class ElasticLoop:
         rec, self._recovery = self._recovery, None
         if rec is None or self._reporter is None or self.env.proc:  # the first process speaks
             return
-        now = time.time()
-        report = {
-            "kind": "recovery",
-            "epoch": self.epoch,
-            "rank": self.rank,
-            "reason": rec.reason,
-            "world_size": self.world_size,
-            "detected_at": rec.detected_at,
-            "rendezvous_s": rec.assigned_at - rec.detected_at,
-            "group_s": rec.group_at - rec.assigned_at,
-            "state_s": rec.synced_at - rec.group_at,
-            "state_bytes": rec.state_bytes,
-            "to_next_step_s": now - rec.detected_at,
-            "step": self.state.step,
-            "state_source": rec.state_source,
-        }
+        report = rec.report(
+            epoch=self.epoch, rank=self.rank, world_size=self.world_size, step=self.state.step, now=time.time()
+        )
         self._reporter.send(report)  # in the background: not on the first step's path
 
     def _done(self) -> None:
@@ -1226,13 +1141,3 @@ class ElasticLoop:
                 self._link.done(self.state.step)
             except (CoordinatorUnreachable, ApiError) as exc:
                 print(f"maitre: could not report completion: {exc}", file=sys.stderr)
-
-
-class _Ended(Exception):
-    """This worker's part in the job ended before its last step; :meth:`ElasticLoop.run` catches
-    it and returns (``why``: :attr:`ElasticLoop.ended`)."""
-
-    def __init__(self, why: str, message: str | None = None) -> None:
-        super().__init__(why)
-        self.why = why
-        self.message = message
