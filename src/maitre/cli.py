@@ -8,6 +8,7 @@ unreachable coordinator is one line on stderr and a non-zero exit, with nothing 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import logging
 import math
@@ -348,6 +349,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     advertised = netaddr.worker_env(client.address, os.environ, args.iface)
     if advertised:
         print("maitre: workers advertise " + " ".join(f"{k}={v}" for k, v in advertised.items()), flush=True)
+    # `kill -USR1` prints every thread's stack to stderr: where a stuck agent waits.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     if notices is not None and hasattr(notices.src, "arm"):
         notices.src.arm()
         threading.Thread(target=_leave_when_drained, args=(agent, notices), daemon=True).start()

@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -208,6 +209,36 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def _describe(pid: int) -> str:
+    """A left-behind process: its parent, state, threads and where each waits in the kernel,
+    its command line, and for an agent the native stacks of its threads (gdb, when there)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        tasks = sorted(Path(f"/proc/{pid}/task").iterdir())
+        waits = [f"{t.name}:{(t / 'wchan').read_text() or '-'}" for t in tasks]
+    except OSError as exc:
+        return f"{pid}: gone ({exc})"
+    line = f"{pid} ppid={stat[1]} state={stat[0]} threads={len(tasks)} [{' '.join(waits[:12])}] {_cmdline(pid)[:240]}"
+    if " agent " in _cmdline(pid):  # its python stacks (faulthandler, on SIGUSR1) into its log
+        try:
+            log = Path(os.readlink(f"/proc/{pid}/fd/2"))
+            size = log.stat().st_size
+            _signal(pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            line += "\n" + log.read_text(errors="replace")[size:][-6000:]
+        except OSError as exc:
+            line += f"\n(no stacks: {exc})"
+    if " agent " in _cmdline(pid) and shutil.which("gdb"):
+        bt = subprocess.run(
+            ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        line += "\n" + "\n".join(x for x in bt.splitlines() if x.startswith(("#", "Thread")))[:6000]
+    return line
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -490,6 +521,8 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     deadline = time.monotonic() + 15  # (workers may take a moment after their agent)
     while (leftovers := _tagged_pids(tag)) and time.monotonic() < deadline:
         time.sleep(0.5)
+    if leftovers:  # what they are and where they wait, for the report and the log
+        print("chaos: left behind:\n" + "\n".join(_describe(p) for p in leftovers), flush=True)
     leftovers = [f"{p}: {_cmdline(p)[:200]}" for p in leftovers]
     recovery = [r["recovered_s"] for r in records if "recovered_s" in r]
     kinds: dict[str, int] = {}
