@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TAG_VAR, example_command, kill_tagged, relative_error, wait_for
+from conftest import ROOT, TAG_VAR, _tagged_pids, example_command, kill_tagged, relative_error, wait_for
 from maitre.scheduling.model import Queue
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _agent(address: str, token_file: Path, node: str, tag: str) -> subprocess.Popen[str]:
+def _agent(address: str, token_file: Path, node: str, tag: str, notice: bool = True) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MAITRE_", "TORCHELASTIC_"))}
     env.update({TAG_VAR: tag, "OMP_NUM_THREADS": "1"})
     return subprocess.Popen(
@@ -44,8 +44,7 @@ def _agent(address: str, token_file: Path, node: str, tag: str) -> subprocess.Po
             node,
             "--nproc-per-node",
             "1",
-            "--sigterm-notice",
-            "30",
+            *(("--sigterm-notice", "30") if notice else ()),
             "--no-health-builtin",
             "--health-check",
             "true",
@@ -185,3 +184,32 @@ def test_sigterm_drains_a_pods_worker_at_a_step_boundary_and_loses_no_sample(tmp
     assert result.ok, result.describe()
     assert relative_error(torch.load(out, weights_only=True), reference(steps)) < 1e-9
     assert left == [], "the agent left processes behind"
+
+
+def test_sigterm_without_a_notice_stops_the_agent_and_its_workers(tmp_path: Path) -> None:
+    """Without ``--sigterm-notice``, SIGTERM (``kill``, systemd's stop) stops the agent as
+    SIGINT does: its workers are ended and it exits 0, leaving no process behind (python's
+    default ended it at once, and the workers, in sessions of their own, trained on)."""
+    lines: list[str] = []
+    cluster = _cluster(tmp_path, lines)
+    co = cluster.coordinator
+    tag = uuid.uuid4().hex
+    proc = _agent(cluster.address, cluster.token_file, "box-0", tag, notice=False)
+    try:
+        wait_for(lambda: [n for n in co.nodes_view() if n["alive"]], 60, "the node", lines)
+        command = example_command(100_000, tmp_path / "a.pt") + ["--device-ms-per-sample", "4"]
+        co.submit({"name": "a", "queue": "q", "minReplicas": 1, "maxReplicas": 1, "command": command})
+        wait_for(lambda: (a := co.job_status("a"))["state"] == "RUNNING" and a["step"] > 0, 120, "a to train", lines)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)  # (not its output: a worker left behind holds the pipe)
+        deadline = time.monotonic() + 5
+        while (left := _tagged_pids(tag)) and time.monotonic() < deadline:  # (workers after it)
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_tagged(tag)
+        agent_out, _ = proc.communicate()
+        cluster.stop()
+    assert code == 0, agent_out
+    assert left == [], "the agent left its workers behind"

@@ -351,6 +351,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         print("maitre: workers advertise " + " ".join(f"{k}={v}" for k, v in advertised.items()), flush=True)
     # `kill -USR1` prints every thread's stack to stderr: where a stuck agent waits.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if args.sigterm_notice is None:  # SIGTERM stops the agent as SIGINT does: workers too
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     if notices is not None and hasattr(notices.src, "arm"):
         notices.src.arm()
         threading.Thread(target=_leave_when_drained, args=(agent, notices), daemon=True).start()
