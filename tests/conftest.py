@@ -18,6 +18,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "train.py"
 
+# A suite started in the background of a script (`pytest ... &`, nohup) inherits SIGINT ignored,
+# and so would every process it starts: the tests that stop agents and coordinators with SIGINT,
+# as Ctrl-C does, would find them still running. Their SIGINT is python's again.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 _DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
