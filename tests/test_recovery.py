@@ -93,6 +93,17 @@ def test_leave_ends_the_workers_part_and_its_first_process_says_so(speaks: bool,
     assert ("could not report leaving" in capsys.readouterr().err) == speaks
 
 
+def test_leaving_tells_the_coordinator_once_through_the_process_that_speaks() -> None:
+    """The loop's own leave (a listener whose job finished while its state streamed in) goes
+    the same way as a rendezvous's ``leave``: told through the link, its message kept."""
+    link = _Link()
+    with pytest.raises(recovery.Ended) as ended:
+        recovery.leave(link, "maitre: w1: the job finished at step 40 while this worker's state streamed in")
+    assert (ended.value.why, link.lefts) == ("left", 1) and "step 40" in (ended.value.message or "")
+    with pytest.raises(recovery.Ended):
+        recovery.leave(None)  # (not the replica's first process: it says nothing)
+
+
 @pytest.mark.parametrize(
     ("reason", "why"),
     [("job suspended", "suspended"), ("job completed", "stopped"), ("job cancelled", "stopped")],

@@ -33,8 +33,8 @@ loads the newest complete checkpoint, if one is configured; the state then goes 
 
 When the allreduce fails (a peer crashed) or is abandoned (the coordinator closed the epoch: a
 peer hung or was removed) the step in flight is dropped, the loop rendezvous for the next epoch
-(:mod:`maitre.runtime.recovery`), builds its group, pulls the committed state from a peer that is ahead (see
-:mod:`maitre.runtime.transfer`) and yields the same step again with the new shares. The script
+(:mod:`maitre.runtime.recovery`), builds its group, pulls the committed state from a peer that
+is ahead (see :mod:`maitre.runtime.transfer`) and yields the same step again with the new shares. The script
 never sees the failure. A joiner builds its model before it asks to join, so the running workers
 pause only for the rendezvous and the state broadcast.
 
@@ -63,7 +63,7 @@ from maitre.checkpoint.writer import SaveResult
 from maitre.runtime.control import SLOTS, Slot
 from maitre.runtime.env import Mode, WorkerEnv
 from maitre.runtime.group import EpochGroup, EpochLost
-from maitre.runtime.heartbeat import Heartbeat
+from maitre.runtime.heartbeat import CoordinatorView, Heartbeat
 from maitre.runtime.hooks import LossScaler, StepHooks, all_finite, clip
 from maitre.runtime import replica as replicas
 from maitre.runtime.ledger import Ledger
@@ -752,13 +752,8 @@ class ElasticLoop:
         streamed in: the job is done and this worker holds none of it. It leaves (its script
         never sees the end of a training it did not do), so that the job completes instead of
         waiting for it, or training again from its checkpoint with it as the only member."""
-        if self._link is not None and not self.env.proc:  # the first process speaks
-            try:
-                self._link.left()
-            except (CoordinatorUnreachable, ApiError) as exc:
-                print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
-        raise Ended(
-            "left",
+        recovery.leave(
+            self._link if not self.env.proc else None,  # (the first process speaks)
             f"maitre: {self.env.worker_id}: the job finished at step "
             f"{self._max_steps} while this worker's state streamed in; it leaves",
         )
@@ -838,7 +833,8 @@ class ElasticLoop:
         finally:
             self._confirming = False
 
-    def _view(self) -> Any:
+    def _view(self) -> CoordinatorView | None:
+        """The coordinator's last word on this worker (None: no coordinator)."""
         return self._heartbeat.view if self._heartbeat is not None else None
 
     def _stop_reason(self) -> str | None:

@@ -174,12 +174,7 @@ def rendezvous(
         if answer.action == "train":
             return answer
         if answer.action == "leave":
-            if speaks:
-                try:
-                    link.left()
-                except (CoordinatorUnreachable, ApiError) as exc:  # its exit tells it as well
-                    print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
-            raise Ended("left")
+            leave(link if speaks else None)
         if answer.action == "stop":
             said = f"maitre: worker stopped: {answer.reason}"
             if answer.reason == "job suspended":
@@ -187,3 +182,16 @@ def rendezvous(
             if answer.reason in ("job completed", "job cancelled"):
                 raise Ended("stopped", said)
             raise WorkerStopped(f"worker stopped: {answer.reason}")
+
+
+def leave(link: CoordinatorLink | None, message: str | None = None) -> None:
+    """The job goes on without this worker: tell the coordinator through ``link`` (None: the
+    worker does not speak for its replica, or has no coordinator), then end its part
+    (:class:`Ended` ``("left")``, with ``message`` for stderr). An unreachable coordinator
+    learns it from the worker's exit as well."""
+    if link is not None:
+        try:
+            link.left()
+        except (CoordinatorUnreachable, ApiError) as exc:
+            print(f"maitre: could not report leaving: {exc}", file=sys.stderr)
+    raise Ended("left", message)
