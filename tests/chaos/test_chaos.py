@@ -25,7 +25,6 @@ import json
 import os
 import random
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -213,15 +212,17 @@ def _cmdline(pid: int) -> str:
 
 def _describe(pid: int) -> str:
     """A left-behind process: its parent, state, threads and where each waits in the kernel,
-    its command line, and for an agent the native stacks of its threads (gdb, when there)."""
+    its command line, and for an agent its threads' python stacks (``kill -USR1``: faulthandler
+    writes them to its log)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         tasks = sorted(Path(f"/proc/{pid}/task").iterdir())
         waits = [f"{t.name}:{(t / 'wchan').read_text() or '-'}" for t in tasks]
     except OSError as exc:
         return f"{pid}: gone ({exc})"
-    line = f"{pid} ppid={stat[1]} state={stat[0]} threads={len(tasks)} [{' '.join(waits[:12])}] {_cmdline(pid)[:240]}"
-    if " agent " in _cmdline(pid):  # its python stacks (faulthandler, on SIGUSR1) into its log
+    cmd = _cmdline(pid)
+    line = f"{pid} ppid={stat[1]} state={stat[0]} threads={len(tasks)} [{' '.join(waits[:12])}] {cmd[:240]}"
+    if " agent " in cmd:
         try:
             log = Path(os.readlink(f"/proc/{pid}/fd/2"))
             size = log.stat().st_size
@@ -230,14 +231,6 @@ def _describe(pid: int) -> str:
             line += "\n" + log.read_text(errors="replace")[size:][-6000:]
         except OSError as exc:
             line += f"\n(no stacks: {exc})"
-    if " agent " in _cmdline(pid) and shutil.which("gdb"):
-        bt = subprocess.run(
-            ["gdb", "-p", str(pid), "-batch", "-ex", "thread apply all bt 12"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        ).stdout
-        line += "\n" + "\n".join(x for x in bt.splitlines() if x.startswith(("#", "Thread")))[:6000]
     return line
 
 
