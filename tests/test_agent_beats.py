@@ -6,6 +6,7 @@ records the beats (the agent's side only; the coordinator's is in test_membershi
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -48,7 +49,8 @@ def orders(**fields: object) -> protocol.NodeOrders:
     return protocol.NodeOrders.model_validate(fields)
 
 
-def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once() -> None:
+def test_a_worker_falling_silent_mid_interval_makes_its_agent_beat_at_once(monkeypatch) -> None:
+    monkeypatch.setenv(protocol.WARM_START, "0")  # (no warm worker: its first beat waits for no imports)
     beats: list[tuple[float, dict]] = []
     handler = type("Recorder", (_Coordinator,), {"beats": beats})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -190,3 +192,93 @@ def test_a_worker_whose_start_ends_after_the_agent_stopped_is_ended_not_left_beh
     agent._spawn(order)
     assert len(started) == 1 and started[0].poll() is not None  # ended, and waited for
     assert agent.workers == {} and agent.running() == []
+
+
+SLOW_IMPORTS = """
+import os, time
+if os.environ.get("SLOW_FAILS"):
+    os._exit(3)  # (as an import that crashes the interpreter would)
+time.sleep(float(os.environ["SLOW_S"]))
+open(os.environ["WARM_MARK"], "w").write(repr(time.time()))
+"""
+
+A_NODE = """
+import json, os, sys, threading, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from maitre.agent import warmstart
+from maitre.agent.agent import Agent
+
+BEATS = []
+
+
+class Coordinator(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        if self.path.endswith("/watch"):
+            time.sleep(0.5)
+        else:
+            BEATS.append(time.time())
+        reply = b'{"version": 0, "views": null, "start": [], "kill": []}'
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(reply)))
+        self.end_headers()
+        self.wfile.write(reply)
+
+    def log_message(self, *args):
+        pass
+
+
+if __name__ == "__main__":
+    warmstart.PRELOAD[:] = ["slow_imports"]  # (torch's, slower and as slow as the machine is busy)
+    warmstart.WARM_TIMEOUT_S = float(sys.argv[1])
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Coordinator)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    agent = Agent(f"127.0.0.1:{server.server_port}", "n0", 1, heartbeat_s=0.2)
+    started = time.time()
+    agent.start()
+    deadline = time.time() + 30
+    while not BEATS and time.time() < deadline:
+        time.sleep(0.01)
+    mark = os.environ["WARM_MARK"]
+    while not os.environ.get("SLOW_FAILS") and not os.path.exists(mark) and time.time() < deadline:
+        time.sleep(0.01)  # (the fork server ends with its agent once its imports are done)
+    agent.stop(grace_s=0.5)
+    warmstart.reap()
+    warm = float(open(mark).read()) if os.path.exists(mark) else None
+    seen = {"started": started, "beat": BEATS[0] if BEATS else None, "warm": warm, "enabled": warmstart.enabled()}
+    print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("case", ["warm", "timeout", "fails"])
+def test_a_node_is_known_only_once_its_fork_server_has_done_its_imports(tmp_path, case: str) -> None:
+    """The first beat makes the node known, and the coordinator gives it work at once (a
+    restart-mode job stops its whole gang to make room for it): it comes once the node's fork
+    server has done its imports, so that its workers start in milliseconds, not after seconds
+    of torch's imports with the other nodes' waiting for them in their process group. Bounded
+    (a warning, and the node joins) and a fork server that failed starts workers cold. A real
+    agent process: the fork server is one per process, and its imports are a process's."""
+    from conftest import ROOT, run_tagged
+
+    (tmp_path / "slow_imports.py").write_text(SLOW_IMPORTS)
+    (tmp_path / "node.py").write_text(A_NODE)
+    mark = tmp_path / "warm"
+    timeout_s = {"warm": "60", "timeout": "0.5", "fails": "60"}[case]
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT / 'src'}", "WARM_MARK": str(mark), "SLOW_S": "2"}
+    if case == "fails":
+        env["SLOW_FAILS"] = "1"
+    done = run_tagged([sys.executable, str(tmp_path / "node.py"), timeout_s], 60, **env)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["beat"] is not None, done.stderr
+    if case == "warm":  # not before its imports were done (it used to beat at once)
+        assert seen["warm"] is not None and seen["beat"] >= seen["warm"], (seen, done.stderr)
+        assert "joins now" not in done.stderr and seen["enabled"], done.stderr
+    elif case == "timeout":  # it waited its 0.5 s, said so, and joined before the imports' end
+        assert seen["beat"] - seen["started"] >= 0.5 and seen["beat"] < seen["warm"], seen
+        assert "were not done after 0.5s; it joins now" in done.stderr, done.stderr
+        assert seen["enabled"], "a slow fork server still starts the workers, once it is ready"
+    else:  # known without waiting for ever; its workers start with exec
+        assert "the fork server failed" in done.stderr and "workers start cold" in done.stderr, done.stderr
+        assert not seen["enabled"] and seen["warm"] is None, seen

@@ -212,12 +212,15 @@ def test_source_specs_are_checked() -> None:
         NoticeWatcher(source("file:/tmp/x"), interval_s=0)
 
 
-def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_path: Path) -> None:
+def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_path: Path, monkeypatch) -> None:
     """The agent, against a stand-in coordinator: no notice in its beats until the file shows
     one, then a beat at once (not a heartbeat interval later) with the seconds left."""
     from test_agent_beats import _Coordinator
 
+    from maitre import protocol
     from maitre.agent.agent import Agent
+
+    monkeypatch.setenv(protocol.WARM_START, "0")  # (no worker: its first beat waits for no imports)
 
     beats: list[tuple[float, dict]] = []
     server = ThreadingHTTPServer(("127.0.0.1", 0), type("Recorder", (_Coordinator,), {"beats": beats}))
@@ -256,12 +259,17 @@ def test_the_watcher_thread_polls_and_the_agent_beats_the_notice_at_once(tmp_pat
         server.server_close()
 
 
-def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_agent_whose_source_is_unreachable_keeps_beating_without_a_notice(
+    caplog: pytest.LogCaptureFixture, monkeypatch
+) -> None:
     from test_agent_beats import _Coordinator
 
     import socket
 
+    from maitre import protocol
     from maitre.agent.agent import Agent
+
+    monkeypatch.setenv(protocol.WARM_START, "0")  # (no worker: its first beat waits for no imports)
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -31,9 +31,12 @@ a crash from a bug that every rank hits.
 
 Python workers of this interpreter are forked from a fork server that has torch imported
 already (:mod:`maitre.agent.warmstart`), so a joiner, or a restart-mode gang started again,
-holds its slots idle for milliseconds, not the seconds of its imports. Workers get torchrun's
-variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``) plus ``MAITRE_*``; they run in their own
-session so a signal meant for one never reaches the agent.
+holds its slots idle for milliseconds, not the seconds of its imports. The node's first beat,
+which makes it known, waits for those imports (bounded, :func:`~maitre.agent.warmstart.warm`):
+the coordinator stops a restart-mode gang to make room for a node as soon as it knows it, and
+the next gang would otherwise wait in its process group for the new node's imports. Workers
+get torchrun's variables (``LOCAL_RANK``, ``OMP_NUM_THREADS=1``) plus ``MAITRE_*``; they run in
+their own session so a signal meant for one never reaches the agent.
 """
 
 from __future__ import annotations
@@ -298,7 +301,6 @@ class Agent:
 
     # -- life cycle ------------------------------------------------------------------------------
     def start(self) -> "Agent":
-        warmstart.prewarm()
         self._thread = threading.Thread(target=self.serve, name=f"agent-{self.node_id}", daemon=True)
         self._thread.start()
         return self
@@ -308,10 +310,14 @@ class Agent:
         cannot be reached at all at start-up."""
         if self.notices is not None:
             self.notices.start()
+        warmstart.prewarm()  # (its imports go on while the health probe runs)
         if self.health is not None:
             if self.health.latest is None:
                 self.health.first()
             self.health.start()
+        self._warm()
+        if self._stop.is_set():  # stopped before it was known: nothing to say, nothing started
+            return
         self._beat()
         self._threads = [
             threading.Thread(
@@ -340,6 +346,16 @@ class Agent:
                 self._beat()
             except CoordinatorUnreachable:
                 pass  # the coordinator may be restarting; keep our workers running
+
+    def _warm(self) -> None:
+        """Wait for the fork server's imports before the first beat, as for the first health
+        probe: a node counts as ready (takes work, and a restart-mode gang is stopped to make
+        room for it) only once its workers can start in milliseconds (see
+        :func:`maitre.agent.warmstart.warm`). Bounded: past it, or if the fork server failed,
+        the node goes on and says why."""
+        why = warmstart.warm(stop=self._stop)
+        if why is not None and not self._stop.is_set():
+            log.warning("node %s: %s; it joins now", self.node_id, why)
 
     def _urgent(self, now: float) -> bool:
         """A worker is stalled or silent: the hang detector needs fresh news, every ``urgent_s``."""

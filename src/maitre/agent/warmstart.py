@@ -33,6 +33,7 @@ import runpy
 import signal
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, Sequence
@@ -59,10 +60,81 @@ def _ctx() -> Any:
 
 def prewarm() -> None:
     """Start the fork server now (it imports torch once, for a few seconds), not at the
-    first worker."""
+    first worker. Returns at once: the imports go on in the fork server (see :func:`warm`)."""
     if enabled():
         _ctx()
         multiprocessing.forkserver.ensure_running()
+
+
+WARM_TIMEOUT_S = 120.0
+"""How long :func:`warm` waits for the fork server's imports (torch's take 3 s of a laptop core,
+tens of seconds on a node whose cores are busy)."""
+
+_probe: "_Probe | None" = None
+_cold: str | None = None
+"""Why this process's fork server cannot start workers (it failed to start): they start cold."""
+
+
+class _Probe:
+    """A process forked from the fork server to do nothing, on a thread of its own: its start
+    returns once the fork server has forked it, which it does only after its imports. (The fork
+    server takes requests before then: its socket exists from its start, and nothing else says
+    when it is ready.)"""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: str | None = None
+        threading.Thread(target=self._run, name="maitre-warm-probe", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            proc = _ctx().Process(target=_noop, name="maitre-warm-probe", daemon=True)
+            proc.start()
+            proc.join()
+        except Exception as exc:  # noqa: BLE001 -- the fork server died (an import crashed it)
+            self.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        finally:
+            self.done.set()
+
+
+def _noop() -> None:
+    pass
+
+
+def warm(timeout_s: float | None = None, stop: threading.Event | None = None) -> str | None:
+    """Start the fork server if need be and wait until it has done its imports: None once it
+    has (at once after the first time in a process, or when warm start is off), else why not.
+
+    The agent calls it before its first beat, so that a node is known to the coordinator only
+    once its workers can start in milliseconds: a node that registered while its fork server
+    was still importing torch was given its share of a restart-mode gang at once, and the whole
+    gang, stopped for it, waited for those imports in its process group (14.5 s after a join
+    on a busy machine, 0.5 s after a loss). A joiner of an in-place job pays the same imports
+    before its first step either way; the running workers train on meanwhile.
+
+    Bounded: past ``timeout_s`` (default :data:`WARM_TIMEOUT_S`) it says so and the node goes
+    on (its workers are forked once the imports are done, as they were before); a fork server
+    that failed turns warm start off for this process (its workers start cold, with ``exec``).
+    ``stop`` set: it returns at once (the agent is stopping). Several agents in one process (a
+    local run's nodes) share the fork server, and the one probe."""
+    global _probe, _cold
+    if not enabled():
+        return None
+    with _lock:
+        if _probe is None:
+            _probe = _Probe()
+        probe = _probe
+    limit = WARM_TIMEOUT_S if timeout_s is None else timeout_s
+    deadline = time.monotonic() + limit
+    while not probe.done.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+        if stop is not None and stop.is_set():
+            return "stopped while the fork server imported"
+        if time.monotonic() >= deadline:
+            return f"the fork server's imports ({', '.join(PRELOAD)}) were not done after {limit:g}s"
+    if probe.error is not None:
+        _cold = f"the fork server failed ({probe.error})"
+        return f"{_cold}: workers start cold"
+    return None
 
 
 def reap(timeout_s: float = 5.0) -> None:
@@ -81,7 +153,7 @@ def reap(timeout_s: float = 5.0) -> None:
 
 
 def enabled(env: dict[str, str] | None = None) -> bool:
-    return (env or os.environ).get(ENV, "1") != "0" and sys.platform != "win32"
+    return (env or os.environ).get(ENV, "1") != "0" and sys.platform != "win32" and _cold is None
 
 
 def warm_target(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
