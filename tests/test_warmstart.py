@@ -184,3 +184,55 @@ def test_reap_ends_every_warm_worker_and_what_it_started(tmp_path: Path) -> None
         time.sleep(0.05)
     else:
         raise AssertionError("the worker's own child outlived it")
+
+
+AGENT = """
+import os, sys, time
+from maitre.agent import warmstart
+if __name__ == "__main__":
+    warmstart.PRELOAD = ["maitre.agent.warmstart"]  # (torch's imports: seconds a round, same race)
+    for _ in range(int(sys.argv[2])):
+        warmstart.WarmProcess([sys.executable, sys.argv[1]], {"PATH": os.environ.get("PATH", "")})
+        print("started", flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_an_agent_gone_in_any_window_of_a_start_leaves_no_worker_behind(tmp_path: Path, sig: int) -> None:
+    """An agent process (here a stand-in that only starts warm workers, one after another)
+    ended without a word at 24 points spread over its fork server's start and its workers'
+    starts: no worker, no fork server of its, nothing they started outlives it. Before the
+    workers watched their agent, every worker started trained on (in its own session), and a
+    start under way when the agent went was forked after it, by the orphaned fork server."""
+    from conftest import TAG_VAR, kill_tagged, pids_with_env
+
+    import subprocess
+
+    worker, agent = tmp_path / "train.py", tmp_path / "agent.py"
+    worker.write_text("import time\ntime.sleep(60)\n")
+    agent.write_text(AGENT)
+    tag = os.urandom(8).hex()
+    env = {**os.environ, TAG_VAR: tag, "PYTHONUNBUFFERED": "1"}
+    left: dict[float, list[int]] = {}
+    try:
+        for i in range(24):
+            proc = subprocess.Popen([PY, str(agent), str(worker), "6"], env=env, stdout=subprocess.PIPE, text=True)
+            assert proc.stdout is not None
+            if i % 2:  # half of them once the first worker started: a start of a warm fork server
+                assert proc.stdout.readline() == "started\n"
+            delay = (i // 2) * 0.02
+            time.sleep(delay)
+            proc.send_signal(sig)
+            proc.wait(10)
+            proc.stdout.close()
+            deadline = time.monotonic() + 10
+            while (pids := pids_with_env(TAG_VAR, tag)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if pids:
+                left[round(delay, 2)] = pids
+                kill_tagged(tag)
+    finally:
+        kill_tagged(tag)
+    assert not left, f"processes outlived their agent (seconds after its start or first worker: pids): {left}"

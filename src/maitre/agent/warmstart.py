@@ -30,6 +30,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
@@ -178,7 +179,8 @@ class WarmProcess:
         ctx = _ctx()
         out_r, out_w = ctx.Pipe(duplex=False)
         err_r, err_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_child, args=(*target, env, cwd or os.getcwd(), out_w, err_w), daemon=False)
+        args = (*target, env, cwd or os.getcwd(), out_w, err_w, os.getpid())
+        self._proc = ctx.Process(target=_child, args=args, daemon=False)
         self._proc.start()
         out_w.close()
         err_w.close()
@@ -225,9 +227,57 @@ def _threads(env: dict[str, str]) -> None:
         torch.set_num_threads(int(value))
 
 
-def _child(kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str, out_w: Any, err_w: Any) -> None:
-    """Runs in the forked worker: become the command, as ``python`` would have started it."""
+def _watch_agent(agent: int) -> None:
+    """End this worker, and everything in its session, once the agent that asked for it is gone
+    (at once when it is gone already). Called first thing in the forked worker.
+
+    The fork server outlives its agent for a moment: it ends when it reads that the agent
+    closed its end of their pipe, and a request it took before that still forks a worker, whose
+    agent is gone then (an agent stopped while a worker's start is under way; outside checks saw
+    one train on for 5 minutes). A worker is also in a session of its own (signals meant for it
+    never reach the agent), so an agent killed outright takes nothing with it. So the worker
+    watches the agent itself: a pidfd, readable once that process has ended. The pid could name
+    another process only after the agent ended and its pid was reused; the agent started the
+    fork server (the worker's parent), so while the fork server's parent is the agent, the
+    pidfd opened just before is the agent's."""
+    try:
+        pidfd: int | None = os.pidfd_open(agent)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd (Linux < 5.3): the fork server's end instead
+        pidfd = None
+    server = os.getppid()
+    if _parent_of(server) != agent:
+        os._exit(1)
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        else:
+            while os.getppid() == server:  # (the fork server ends with its agent)
+                time.sleep(0.5)
+        os.killpg(0, signal.SIGKILL)  # (the worker leads its session's group: all it started)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="maitre-agent-watch", daemon=True).start()
+
+
+def _parent_of(pid: int) -> int | None:
+    """``pid``'s parent, from ``/proc`` (None when it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # (the name, in brackets, may hold spaces)
+
+
+def _child(
+    kind: str, target: str, argv: list[str], env: dict[str, str], cwd: str, out_w: Any, err_w: Any, agent: int
+) -> None:
+    """Runs in the forked worker: become the command, as ``python`` would have started it,
+    for as long as its agent (the process ``agent``) lives."""
     os.setsid()
+    _watch_agent(agent)
     _name_process(Path(target).name)
     os.dup2(out_w.fileno(), 1)
     os.dup2(err_w.fileno(), 2)
