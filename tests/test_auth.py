@@ -57,8 +57,13 @@ def test_the_cli_reads_the_token_file(server: CoordinatorServer, tmp_path: Path)
     )
     assert via_env.returncode == 0, via_env.stderr
     missing = subprocess.run(
-        cmd + ["--token-file", str(tmp_path / "nope")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
-    )
+        cmd + ["--token-file", str(tmp_path / "nope"), "--wait", "0"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )  # (--wait 0: a token file not there is not waited for; tests/test_cli.py has the wait)
     assert missing.returncode == 2 and "cannot read --token-file" in missing.stderr
 
 

@@ -55,8 +55,9 @@ class Cli:
         )
         return env
 
-    def __call__(self, *args: str, timeout: float = 60, **extra_env: str) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.Popen(
+    def start(self, *args: str, **extra_env: str) -> subprocess.Popen[str]:
+        """``maitre ARGS`` started, its output piped."""
+        return subprocess.Popen(
             [*MAITRE, *args],
             cwd=ROOT,
             env=self.env(**extra_env),
@@ -65,6 +66,9 @@ class Cli:
             text=True,
             start_new_session=True,
         )
+
+    def __call__(self, *args: str, timeout: float = 60, **extra_env: str) -> subprocess.CompletedProcess[str]:
+        proc = self.start(*args, **extra_env)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -223,7 +227,7 @@ def test_port_out_of_range(cli: Cli, port: str) -> None:
 @pytest.mark.timeout(60)
 def test_agent_coordinator_not_listening(cli: Cli) -> None:
     port = free_port()
-    line = assert_rejected(cli("agent", "--coordinator", f"127.0.0.1:{port}"), cli, code=1)
+    line = assert_rejected(cli("agent", "--coordinator", f"127.0.0.1:{port}", "--wait", "0"), cli, code=1)
     assert "cannot reach the coordinator" in line and f"127.0.0.1:{port}" in line, line
 
 
@@ -259,8 +263,147 @@ def test_no_coordinator_configured(cli: Cli, args: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("args", [("scale", "job", "2"), ("status",), ("status", "job")])
 def test_scale_and_status_coordinator_not_listening(cli: Cli, args: tuple[str, ...]) -> None:
     port = free_port()
-    line = assert_rejected(cli(*args, "--coordinator", f"127.0.0.1:{port}"), cli, code=1)
+    line = assert_rejected(cli(*args, "--coordinator", f"127.0.0.1:{port}", "--wait", "0"), cli, code=1)
     assert "cannot reach the coordinator" in line, line
+
+
+# -- a coordinator that is starting, or never answers -----------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", ["-1", "x", "nan", "inf"])
+def test_wait_not_a_number_of_seconds(cli: Cli, value: str) -> None:
+    line = assert_rejected(cli("status", "--coordinator", "127.0.0.1:1", f"--wait={value}"), cli)
+    assert "--wait" in line and repr(value) in line, line
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("submit", "JOB"), ("status",), ("scale", "job", "2"), ("cancel", "job")])
+def test_the_commands_say_a_coordinator_is_not_up_after_their_wait(
+    cli: Cli, tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """Nothing listening, or no token file: each command waits its ``--wait``, then says the
+    coordinator is not up, in one line."""
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text("name: late\nqueue: default\ncommand: [python, train.py]\n")
+    args = tuple(str(manifest) if a == "JOB" else a for a in args)
+    where = ["--coordinator", f"127.0.0.1:{free_port()}", "--wait", "1.5"]
+    started = time.monotonic()
+    closed = cli.start(*args, *where)
+    no_token = cli.start(*args, *where, "--token-file", str(tmp_path / "state" / "token"))
+    results = {}
+    for name, proc in (("closed", closed), ("no token", no_token)):
+        out, err = proc.communicate(timeout=30)
+        results[name] = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert time.monotonic() - started >= 1.5
+    line = assert_rejected(results["closed"], cli, code=1)
+    assert "not up" in line and "after waiting 1.5s" in line and "--wait SECONDS" in line, line
+    line = assert_rejected(results["no token"], cli, code=1)
+    assert "not up" in line and "no token file" in line and "after waiting 1.5s" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_whose_coordinator_never_answers_exits_after_its_wait(cli: Cli) -> None:
+    """A port that is open but never answers (a coordinator hung at start-up): the agent asks
+    until its ``--wait`` is over, then exits with one line; no worker was started."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()  # (the kernel completes the connection; nothing ever reads or answers)
+        started = time.monotonic()
+        result = cli("agent", "--coordinator", f"127.0.0.1:{silent.getsockname()[1]}", "--wait", "2")
+        waited = time.monotonic() - started
+    line = assert_rejected(result, cli, code=1)
+    assert "not up" in line and "after waiting 2s" in line and "timed out" in line, line
+    assert waited >= 2, waited
+
+
+def _late_coordinator(state: Path, port: int, token: str | None = None):
+    """A coordinator on ``port`` with ``state``, started now (in this process: no nodes)."""
+    from maitre.local import LocalCluster, UpConfig
+
+    return LocalCluster(UpConfig(state_dir=state, port=port, nodes=0, token=token), out=lambda line: None).start()
+
+
+@pytest.mark.timeout(90)
+def test_the_commands_wait_for_a_coordinator_that_comes_up_late(cli: Cli, tmp_path: Path) -> None:
+    """A script's commands started 2 s before their coordinator (its token file not written, its
+    port not open): each waits, then does its work. Submit waits on the coordinator's own token
+    file; status has its token already and waits on the port; scale and cancel wait on a token
+    file the test writes once the job is there (so each has a job to act on)."""
+    from maitre.launch import write_token
+
+    port = free_port()
+    state = tmp_path / "state"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text("name: late\nqueue: default\nminReplicas: 1\nmaxReplicas: 2\ncommand: [python, t.py]\n")
+    where = ["--coordinator", f"127.0.0.1:{port}", "--wait", "40"]
+    gates = {name: tmp_path / f"{name}-token" for name in ("status", "scale", "cancel")}
+    token = uuid.uuid4().hex
+    write_token(gates["status"], token)
+    procs = {
+        "submit": cli.start("submit", str(manifest), *where, "--token-file", str(state / "token")),
+        "status": cli.start("status", *where, "--token-file", str(gates["status"])),
+        "scale": cli.start("scale", "late", "1", *where, "--token-file", str(gates["scale"])),
+        "cancel": cli.start("cancel", "late", *where, "--token-file", str(gates["cancel"])),
+    }
+
+    def done(name: str) -> tuple[str, str]:
+        out, err = procs[name].communicate(timeout=45)
+        assert procs[name].returncode == 0, (name, out, err)
+        return out, err
+
+    up = None
+    try:
+        time.sleep(2.0)
+        assert {n: p.poll() for n, p in procs.items()} == dict.fromkeys(procs), "a command did not wait"
+        up = _late_coordinator(state, port, token)
+        out, _ = done("submit")
+        assert "job late submitted to queue default" in out, out
+        out, _ = done("status")
+        assert out.startswith("JOB"), out
+        write_token(gates["scale"], token)
+        out, _ = done("scale")
+        assert "job late scaled to 1 workers" in out, out
+        write_token(gates["cancel"], token)
+        out, _ = done("cancel")
+        assert "job late cancelled" in out, out
+        assert up.coordinator.job_status("late")["state"] == "CANCELLED"
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        if up is not None:
+            up.stop()
+    assert cli.leftovers() == []
+
+
+@pytest.mark.timeout(90)
+def test_an_agent_waits_for_a_coordinator_that_comes_up_late(cli: Cli, tmp_path: Path) -> None:
+    """``maitre agent`` started 2 s before its coordinator joins it once it is up."""
+    from conftest import wait_for
+
+    port = free_port()
+    state = tmp_path / "state"
+    agent = cli.start(
+        "agent", "--coordinator", f"127.0.0.1:{port}", "--token-file", str(state / "token"), "--wait", "40",
+        "--node-id", "late", "--health-interval", "0", "--no-health-builtin", "--health-check", "true",
+    )  # fmt: skip
+    up = None
+    try:
+        time.sleep(2.0)
+        assert agent.poll() is None, agent.communicate()
+        up = _late_coordinator(state, port)
+        wait_for(lambda: any(n["node"] == "late" for n in up.coordinator.nodes_view()), 45, "the agent to join")
+        agent.send_signal(signal.SIGINT)
+        out, err = agent.communicate(timeout=30)
+        assert agent.returncode == 0, (out, err)
+        assert "maitre: agent late with 1 slot(s) joined" in out, out
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.communicate()
+        if up is not None:
+            up.stop()
+    assert cli.leftovers() == []
 
 
 @pytest.mark.timeout(60)
@@ -448,7 +591,7 @@ def test_up_refuses_a_state_file_that_is_not_its_own(cli: Cli, tmp_path: Path) -
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("args", [("cancel", "job"), ("resume", "job")])
 def test_cancel_and_resume_coordinator_not_listening(cli: Cli, args: tuple[str, ...]) -> None:
-    line = assert_rejected(cli(*args, "--coordinator", f"127.0.0.1:{free_port()}"), cli, code=1)
+    line = assert_rejected(cli(*args, "--coordinator", f"127.0.0.1:{free_port()}", "--wait", "0"), cli, code=1)
     assert "cannot reach the coordinator" in line, line
 
 

@@ -83,11 +83,12 @@ def test_importing_maitre_and_its_light_parts_does_not_import_torch(tmp_path: Pa
 def test_the_clients_commands_do_not_import_torch(tmp_path: Path) -> None:
     manifest = tmp_path / "job.yaml"
     manifest.write_text("name: hello\nqueue: default\ncommand: [python, train.py]\n")
-    # Port 1 refuses at once: each command gets as far as asking the coordinator, and fails.
+    # Port 1 refuses at once (--wait 0: asked once): each command gets as far as asking the
+    # coordinator, and fails.
     code = f"""
 import sys
 from maitre.cli import main
-unreachable = ["--coordinator", "127.0.0.1:1"]
+unreachable = ["--coordinator", "127.0.0.1:1", "--wait", "0"]
 assert main(["status", *unreachable]) == 1
 assert main(["submit", {str(manifest)!r}, *unreachable]) == 1
 assert "torch" not in sys.modules, "torch was imported"

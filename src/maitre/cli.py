@@ -2,7 +2,10 @@
 simulate.
 
 Every command validates its input before it starts anything; a bad flag, a missing script or an
-unreachable coordinator is one line on stderr and a non-zero exit, with nothing left running.
+unreachable coordinator is one line on stderr and a non-zero exit, with nothing left running. A
+command that needs a coordinator waits ``--wait`` seconds (default :data:`WAIT_S`) for one that
+is starting (its token file not written yet, its port not open or not answering yet) before it
+says that it is not up.
 """
 
 from __future__ import annotations
@@ -85,7 +88,29 @@ def _positive(name: str, value: int) -> int:
     return value
 
 
+WAIT_S = 30.0
+"""How long a command waits for a coordinator that is starting, by default (``--wait``)."""
+
+
+def _wait_seconds(text: str) -> float:
+    """``--wait``'s value: a finite number of seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < math.inf:  # (nan is neither)
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds (0: no wait), got {text!r}")
+    return value
+
+
 def _coordinator(args: argparse.Namespace) -> Client:
+    """The coordinator the command names, once it answers (see :func:`_up`)."""
+    return _up(_client(args), args)
+
+
+def _client(args: argparse.Namespace) -> Client:
+    """A client of the coordinator the command names, its address and ``--tls-ca`` checked (it
+    asks nothing yet); its token is ``$MAITRE_TOKEN``'s, until :func:`_up` reads the token file."""
     address = args.coordinator or os.environ.get(_COORDINATOR)
     if not address:
         raise UsageError("no coordinator: pass --coordinator HOST:PORT or set MAITRE_COORDINATOR")
@@ -93,15 +118,56 @@ def _coordinator(args: argparse.Namespace) -> Client:
         parse_address(address)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    token = os.environ.get(_TOKEN) or None
-    token_file = args.token_file or os.environ.get(_TOKEN_FILE)
-    if token_file:
-        token = _read_token(token_file)
     tls_ca = args.tls_ca or os.environ.get(_TLS_CA) or None
     try:
-        return Client(address, timeout_s=5.0, token=token, tls_ca=tls_ca)
+        return Client(address, timeout_s=5.0, token=os.environ.get(_TOKEN) or None, tls_ca=tls_ca)
     except (OSError, ssl.SSLError) as exc:
         raise UsageError(f"--tls-ca {tls_ca}: not a PEM certificate bundle ({exc})") from None
+
+
+def _up(client: Client, args: argparse.Namespace) -> Client:
+    """``client`` with the token file's token, once its coordinator answers: a coordinator that
+    is starting is waited for up to ``--wait`` seconds (its token file not there yet; its port
+    not open, or not answering: ``/health``, which needs no token, is asked), then the command
+    fails, saying that it is not up. ``--wait 0`` asks once, as the command's own request."""
+    wait_s: float = args.wait
+    deadline = time.monotonic() + wait_s
+    said = not sys.stderr.isatty()  # on a terminal, one line says that it waits; a script's stderr stays one line
+
+    def waiting() -> None:
+        nonlocal said
+        if not said:
+            said = True
+            print(f"maitre: waiting up to {wait_s:g}s for the coordinator at {client.address}", file=sys.stderr)
+
+    token_file = args.token_file or os.environ.get(_TOKEN_FILE)
+    if token_file:
+        while wait_s > 0 and not Path(token_file).exists():
+            if time.monotonic() >= deadline:
+                raise CoordinatorUnreachable(
+                    f"the coordinator at {client.address} is not up: no token file {token_file} after "
+                    f"waiting {wait_s:g}s (its `maitre up` writes it as it starts); --wait SECONDS waits longer"
+                )
+            waiting()
+            time.sleep(0.1)
+        client.token = _read_token(token_file)
+    while wait_s > 0:
+        try:
+            client.get(protocol.HEALTH, timeout_s=max(0.1, min(client.timeout_s, deadline - time.monotonic())))
+            break
+        except ApiError:
+            break  # it answers (the command's own request says what is wrong)
+        except CoordinatorUnreachable as exc:
+            if isinstance(exc.__cause__, ssl.SSLError):
+                raise  # (a certificate that is not the coordinator's: waiting mends nothing)
+            if time.monotonic() >= deadline:
+                raise CoordinatorUnreachable(
+                    f"cannot reach the coordinator at {client.address} after waiting {wait_s:g}s: it is not up "
+                    f"({exc.__cause__ or exc}); --wait SECONDS waits longer"
+                ) from None
+            waiting()
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+    return client
 
 
 def _read_token(path: str) -> str:
@@ -304,7 +370,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from maitre.agent import netaddr, warmstart
     from maitre.agent.agent import Agent
 
-    client = _coordinator(args)
+    client = _client(args)  # (the coordinator is waited for once every flag is checked)
     nproc = _positive("--nproc-per-node", args.nproc_per_node)
     labels = _labels(args.label or [])
     node = args.node_id
@@ -321,6 +387,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise UsageError(f"--iface {args.iface}: no such network interface on this machine")
     notices = _notices(args)
     health = _health_monitor(args)
+    _up(client, args)  # one that is starting is waited for, up to --wait
     client.get(protocol.JOBS)  # fail fast (unreachable, or a wrong token), before any worker starts
     node = node or f"{socket.gethostname()}-{os.getpid()}"
     # A SIGTERM that reaches the workers too (Slurm's proctrack/cgroup) is the agent's notice.
@@ -970,6 +1037,14 @@ def _coordinator_args(parser: argparse.ArgumentParser) -> None:
         "--tls-ca",
         metavar="PEM",
         help="speak HTTPS to the coordinator and check its certificate against these (default: $MAITRE_TLS_CA)",
+    )
+    parser.add_argument(
+        "--wait",
+        type=_wait_seconds,
+        default=WAIT_S,
+        metavar="SECONDS",
+        help=f"wait this long for a coordinator that is starting (its token file not written yet, its port "
+        f"not open yet), then say it is not up (default {WAIT_S:g}; 0: ask once)",
     )
 
 
