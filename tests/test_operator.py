@@ -21,8 +21,9 @@ pod leaves gracefully and the Pending one takes its GPUs; an operator restarted 
 is still terminating tells nothing twice; scaled down, a running pod goes only
 after its worker has left; a higher-priority job's pod preempts a surplus pod, gracefully.
 
-Marked ``kubernetes``: ``.ci/run`` runs it on its own line (the control plane is built once per
-machine, about 6 minutes cold, by ``deploy/kubernetes/testbed/build-control-plane``).
+Marked ``kubernetes``: ``.ci/run`` runs it on its own line, after building the control plane as
+a step of its own (once per machine, about 6 minutes cold, by
+``deploy/kubernetes/testbed/build-control-plane``); the fixture only finds the binaries.
 """
 
 from __future__ import annotations
