@@ -199,6 +199,34 @@ def test_bad_events(cli: Cli, spec: str) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [(), ("--data-workers", "0"), ("--data-workers", "two")], ids=["none", "0", "bad"])
+def test_kill_data_without_data_workers_is_refused_before_anything_starts(
+    cli: Cli, tmp_path: Path, workers: tuple[str, ...]
+) -> None:
+    """``kill-data`` kills a data worker; a job whose command shows none (no ``--data-workers N``
+    or ``--num-workers N`` with N >= 1) would run a drill that does nothing: refused, before any
+    directory is made."""
+    checkpoints = tmp_path / "ckpt"
+    args = ("run", "--checkpoint-dir", str(checkpoints), "--events", "kill@5,kill-data@10", str(EXAMPLE))
+    line = assert_rejected(cli(*args, "--steps", "20", *workers), cli)
+    assert "--events: kill-data@10" in line and "--data-workers N or --num-workers N" in line, line
+    assert sorted(p.name for p in cli.tmpdir.iterdir()) == [] and not checkpoints.exists()
+
+
+def test_the_data_workers_a_command_shows() -> None:
+    from maitre.story import check_story, data_workers_asked, parse_events
+
+    assert data_workers_asked(["--steps", "5", "--data-workers", "2"]) == 2
+    assert data_workers_asked(["--num_workers=3"]) == 3
+    assert data_workers_asked(["--data-workers", "2", "--data-workers", "0"]) == 0  # (the last wins)
+    assert data_workers_asked(["--workers", "2", "--data-workers"]) is None
+    check_story(parse_events("kill-data@3"), ["--num-workers", "1"])
+    check_story(parse_events("kill@3,join@5"), [])  # (only kill-data asks)
+    with pytest.raises(ValueError, match="shows 0 data workers"):
+        check_story(parse_events("kill-data@3"), ["--num-workers", "0"])
+
+
+@pytest.mark.timeout(60)
 def test_port_in_use(cli: Cli) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
         busy.bind(("127.0.0.1", 0))

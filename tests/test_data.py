@@ -9,9 +9,11 @@ directory refused on resume, an empty source or a batch larger than it refused u
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -114,6 +116,66 @@ def test_a_killed_data_worker_is_replaced_and_its_batches_loaded_again(tmp_path:
         assert loader.worker_restarts == 1 and loader.restarts == 2
     assert (tmp_path / "killed").exists()
     assert sorted(i for m in trained for i in m) == list(range(40))
+
+
+DATA_WORKERS = Path(__file__).parent / "scripts" / "data_workers.py"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.parametrize(
+    "context, victim",
+    [("fork", "data worker"), ("forkserver", "data worker"), ("forkserver", "fork server")],
+    ids=["fork", "forkserver", "forkserver-killed"],
+)
+def test_data_workers_are_found_below_their_training_process_and_any_kill_is_absorbed(
+    context: str, victim: str
+) -> None:
+    """``maitre run --events kill-data``'s search (:func:`maitre.launch.data_workers`) in a real
+    training process's tree finds exactly its DataLoader's own workers (the pids the DataLoader
+    holds): children of the training process under fork, of the fork server it started under
+    forkserver (a warm-started worker's default, where the old story killed the fork server),
+    and never the fork server nor the resource tracker. A data worker SIGKILLed from outside is
+    replaced; so is every data worker when the fork server is killed (their exit codes came to
+    the DataLoader through it: they all look dead, and end of their own, their parent gone). The
+    script trains every sample once per data epoch either way, and nothing is left running."""
+    from maitre.launch import _processes, data_workers
+
+    proc = subprocess.Popen(
+        [sys.executable, str(DATA_WORKERS), context], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        own = json.loads(proc.stdout.readline())["workers"]  # type: ignore[union-attr]
+        table = _processes()
+        found = data_workers(proc.pid, table)
+        assert found == sorted(own) and len(found) == 2, (found, own)
+        assert all(table[w][2].startswith(protocol.DATA_WORKER_NAME + "-") for w in found)
+        others = [p for p, (parent, _, _) in table.items() if parent == proc.pid and p not in found]
+        parents = {table[w][0] for w in found}
+        if context == "fork":
+            assert parents == {proc.pid}
+            target = found[0]
+        else:  # grandchildren: the children of the training process's fork server
+            (server,) = parents
+            assert server in others and "multiprocessing.forkserver" in _cmdline(server), _cmdline(server)
+            assert any("resource_tracker" in _cmdline(p) for p in others), [_cmdline(p) for p in others]
+            target = found[0] if victim == "data worker" else server
+        os.kill(target, signal.SIGKILL)
+        proc.stdin.write("go\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        done = json.loads(proc.stdout.readline())  # type: ignore[union-attr]
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sorted(done["trained"]) == sorted(list(range(48)) * 3)
+    assert done["worker_restarts"] == 1, done["worker_restarts"]
+    wait_for(lambda: not set(found) & set(_processes()), 10, f"the old data workers {found} to end")
 
 
 def test_a_resume_at_another_worker_count_reads_none_of_the_skipped_samples(tmp_path: Path) -> None:
@@ -529,7 +591,8 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
 ) -> None:
     """A job of 2 workers loses one (world 1), gets a replacement and a third (world 3), each
     rank's data workers loading ahead all along, and then one data worker is SIGKILLed (as the
-    OOM killer would): the loader replaces it, the job does not notice. The ledger shows every
+    OOM killer would; under warm start a child of the training process's fork server, which the
+    story must not take for one): the loader replaces it, the job does not notice. The ledger shows every
     sample once, and the parameters are a fixed-size run's."""
     records = tmp_path / "records"
     cmd = example_command(
@@ -545,9 +608,15 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
             "the data workers to end with their training processes",
             lines,
         )
-        assert any(re.search(r"story: step \d+: SIGKILL data worker \d+ of worker", line) for line in lines), "\n".join(
-            lines
-        )
+        # The story killed a data worker of a training process (named so by the loader, found
+        # below it), not the fork server its data workers are children of under warm start.
+        (kill,) = run.data_kills
+        assert kill.name.startswith(f"{protocol.DATA_WORKER_NAME}-") and kill.pid != kill.training_pid, kill
+        warm = os.environ.get(protocol.WARM_START, "1") != "0"  # (forkserver is then its default)
+        assert kill.under_fork_server if warm else kill.parent == kill.training_pid, kill
+        said = rf"story: step \d+: SIGKILL data worker {kill.pid} \({kill.name}, child of {kill.parent}"
+        assert any(re.search(said, line) for line in lines), "\n".join(lines)
+        assert not run.story_failures, run.story_failures
         # The only failure is the story's kill of a training worker: its data worker's was
         # absorbed by the loader, inside the step.
         assert run.job()["failures"] == 1, "\n".join(lines)
@@ -558,6 +627,20 @@ def test_kills_and_joins_with_batches_prefetched_train_every_sample_once(
     assert 1 in worlds and max(worlds) == 3, worlds
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert relative_error(final, reference(STEPS, *LONG)) <= 1e-5
+
+
+@pytest.mark.timeout(120)
+def test_a_kill_data_that_finds_no_data_worker_fails_the_run_loudly(tmp_path: Path, monkeypatch) -> None:
+    """A job whose workers load in the training process (``--data-workers 0``: ``maitre run``
+    refuses that story up front, an embedded Run does not) has no data worker to kill: the drill
+    did not happen, the run says so at the event's step and exits 1, the job itself completed."""
+    monkeypatch.setattr("maitre.launch.DATA_WORKER_WAIT_S", 1.0)
+    cmd = example_command(60, None, ("--data-workers", "0", "--device-ms-per-sample", "5"))  # (60 ms a step)
+    code, lines, run = play(tmp_path, cmd, "kill-data@5", min_nodes=1, max_nodes=1)
+    assert code == 1 and run.job()["state"] == "COMPLETED", "\n".join(lines)
+    assert not run.data_kills and len(run.story_failures) == 1, run.story_failures
+    assert any(re.search(r"story: step \d+: FAILED: kill-data@5: no data worker found", line) for line in lines)
+    assert any(line.startswith("maitre: the story failed: kill-data@5") for line in lines), "\n".join(lines)
 
 
 # -- maitre data prepare, and a decoder trained from its shards -------------------------------------

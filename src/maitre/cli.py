@@ -182,7 +182,7 @@ def _read_token(path: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from maitre.story import parse_events
+    from maitre.story import check_story, parse_events
 
     require("server", "run")  # it hosts the job's coordinator
 
@@ -226,6 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         command = [sys.executable, str(script.resolve()), *args.script_args]
     try:
         events = parse_events(args.events or "")
+        check_story(events, args.script_args)  # (kill-data: the command must show data workers)
     except ValueError as exc:
         raise UsageError(f"--events: {exc}") from None
     checkpoint_dir = _checkpoint_dir(args)
@@ -1094,7 +1095,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--job-id", default="job", help="name of the job")
     run.add_argument(
         "--events",
-        help="scripted story, e.g. kill@60,join@120,leave@200 (kinds: kill, hang, join, leave, kill-data), or 'demo'",
+        help="scripted story, e.g. kill@60,join@120,leave@200 (kinds: kill, hang, join, leave, kill-data: "
+        "the script's arguments must show data workers, --data-workers N or --num-workers N), or 'demo'",
     )
     run.add_argument("--run-dir", help="where the data ledger goes (default: a new temp dir)")
     run.add_argument("--no-ledger", action="store_true", help="do not record consumed samples")

@@ -35,6 +35,7 @@ from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
 from maitre.checkpoint import checkpointer as ckpt_env
 from maitre.checkpoint.loader import newest_complete
 from maitre import protocol
+from maitre.protocol import DATA_WORKER_NAME
 from maitre.control.api import CoordinatorServer
 from maitre.control.cluster import ClusterState
 from maitre.control.detectors import DetectorConfig
@@ -140,6 +141,10 @@ class Run:
         self._suspend_deadline: float | None = None
         self.agents: list[Agent] = []
         self._lock = threading.Lock()
+        self.data_kills: list[DataKill] = []
+        """The data workers the story killed (``kill-data``), as they were just before."""
+        self.story_failures: list[str] = []
+        """Story events that could not be carried out (``kill-data`` with no data worker)."""
 
     @property
     def coordinator(self):  # the in-process Coordinator
@@ -209,20 +214,8 @@ class Run:
                 os.kill(pid, sig)
             return next_epoch
         if event.kind == "kill-data":
+            self._kill_data_worker(event, job, active)
             step = job["step"]
-            for wid in active:
-                pid = self.pid_of(wid)
-                kids = [] if pid is None else _children(pid)
-                if kids:
-                    victim = random.Random(event.step).choice(kids)
-                    self.out(f"maitre: story: step {step}: SIGKILL data worker {victim} of worker {wid}")
-                    os.kill(victim, signal.SIGKILL)
-                    break
-            else:
-                self.out(
-                    f"maitre: story: step {step}: no data worker to kill (no worker "
-                    "loads its data in processes of its own)"
-                )
             return lambda j: j["step"] > step
         if event.kind == "join":
             self.out(f"maitre: story: step {job['step']}: a node joins")
@@ -232,6 +225,52 @@ class Run:
         self.out(f"maitre: story: step {job['step']}: scale down to {target} workers")
         self.coordinator.scale(self.cfg.job_id, target)
         return next_epoch
+
+    def _kill_data_worker(self, event: StoryEvent, job: dict[str, Any], active: list[str]) -> None:
+        """SIGKILL one data worker (a :class:`maitre.data.Loader`'s, found by its process name
+        below a training process, wherever it sits: a child of the training process, or of the
+        fork server the training process started). None found within
+        :data:`DATA_WORKER_WAIT_S` (the loader was between two sets of workers, say) is no
+        silent no-op: the run says so now and exits 1 at its end."""
+        step = job["step"]
+        start = time.monotonic()
+        rng = random.Random(event.step)
+        while True:
+            found = [
+                (wid, pid, victim)
+                for wid in active
+                if (pid := self.pid_of(wid)) is not None
+                for victim in data_workers(pid)
+            ]
+            if found:
+                wid, pid, victim = rng.choice(found)
+                kill = DataKill.of(victim, pid, wid)
+                if kill is not None:  # (still a data worker of that process: not gone meanwhile)
+                    self.out(
+                        f"maitre: story: step {step}: SIGKILL data worker {victim} ({kill.name}, "
+                        f"child of {kill.parent}{' (the fork server)' if kill.under_fork_server else ''}) "
+                        f"of worker {wid} (pid {pid})"
+                    )
+                    try:
+                        os.kill(victim, signal.SIGKILL)
+                        self.data_kills.append(kill)
+                        return
+                    except ProcessLookupError:  # (it ended just now: look again)
+                        pass
+            if (
+                time.monotonic() - start > DATA_WORKER_WAIT_S
+                or self._stop_signal
+                or self.job()["state"] != JobState.RUNNING.value
+            ):
+                break
+            time.sleep(0.1)
+        failure = (
+            f"kill-data@{event.step}: no data worker found in {time.monotonic() - start:.0f} s below any of "
+            f"{len(active)} training process(es) (a data worker is a maitre.data.Loader's, "
+            f"named {DATA_WORKER_NAME}-N): the drill did not happen"
+        )
+        self.out(f"maitre: story: step {step}: FAILED: {failure}; the run will exit 1")
+        self.story_failures.append(failure)
 
     def wait(self) -> int:
         """Play the story, wait for the job to end, print the summary; returns the exit code.
@@ -272,10 +311,12 @@ class Run:
         if pending:
             self.out(f"maitre: the job ended before the story's {', '.join(f'{e.kind}@{e.step}' for e in pending)}")
         self.out(summary(job, self.ledger_dir if self.cfg.ledger else None, self.run_dir, self.cfg.checkpoint_dir))
+        for failure in self.story_failures:
+            self.out(f"maitre: the story failed: {failure}")
         if job["state"] == JobState.SUSPENDED.value:
             self.out("maitre: suspended; continue with the same command plus --resume")
-            return 0
-        return 0 if job["state"] == JobState.COMPLETED.value else 1
+            return 1 if self.story_failures else 0
+        return 0 if job["state"] == JobState.COMPLETED.value and not self.story_failures else 1
 
     def request_stop(self, signame: str) -> None:
         """A signal handler's part: suspend the job (the wait loop carries it out). Without
@@ -323,8 +364,81 @@ def write_token(path: Path, token: str) -> None:
     os.replace(partial, path)
 
 
+DATA_WORKER_WAIT_S = 30.0
+"""How long ``kill-data`` looks for a data worker: one may be between two sets of workers (the
+loader starts new ones after a resize or a lost one; each imports what the dataset needs)."""
+
+
+def _processes() -> dict[int, tuple[int, str, str]]:
+    """Every live process, from ``/proc``: pid -> (parent pid, state, name)."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # (gone meanwhile)
+            continue
+        name, rest = stat[stat.index("(") + 1 :].rsplit(")", 1)  # (the name may hold spaces)
+        fields = rest.split()
+        if fields[0] not in "ZX":
+            table[int(entry)] = (int(fields[1]), fields[0], name)
+    return table
+
+
+def is_data_worker_name(name: str) -> bool:
+    return name == DATA_WORKER_NAME or name.startswith(f"{DATA_WORKER_NAME}-")
+
+
+def data_workers(pid: int, table: dict[int, tuple[int, str, str]] | None = None) -> list[int]:
+    """The live data workers of the training process ``pid``: its descendants named as a
+    :class:`maitre.data.Loader`'s data worker names itself (``maitre-data-N``), at any depth:
+    children of the training process (fork, spawn) or of the fork server it started
+    (forkserver: a warm-started worker's default). Not the fork server nor the resource tracker."""
+    table = _processes() if table is None else table
+    below: dict[int, list[int]] = {}
+    for child, (parent, _, _) in table.items():
+        below.setdefault(parent, []).append(child)
+    found, todo = [], list(below.get(pid, []))
+    while todo:
+        p = todo.pop()
+        if is_data_worker_name(table[p][2]):
+            found.append(p)
+        todo.extend(below.get(p, []))
+    return sorted(found)
+
+
+@dataclass(frozen=True, slots=True)
+class DataKill:
+    """A data worker the story killed, as ``/proc`` showed it just before."""
+
+    pid: int
+    name: str
+    parent: int
+    parent_cmdline: str
+    training_pid: int
+    worker: str
+
+    @property
+    def under_fork_server(self) -> bool:
+        return self.parent != self.training_pid and "forkserver" in self.parent_cmdline
+
+    @classmethod
+    def of(cls, pid: int, training_pid: int, worker: str) -> "DataKill | None":
+        """``pid`` as it is now, when it is (still) a data worker of ``training_pid``."""
+        table = _processes()
+        if pid not in table or pid not in data_workers(training_pid, table):
+            return None
+        parent, _, name = table[pid]
+        try:
+            cmdline = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmdline = ""
+        return cls(pid, name, parent, cmdline.strip(), training_pid, worker)
+
+
 def _children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (a worker's data loader processes), from ``/proc``."""
+    """The live child processes of ``pid``, from ``/proc``."""
     kids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

@@ -159,6 +159,10 @@ CHECKPOINT_FAULT = "MAITRE_CHECKPOINT_FAULT"
 """Fault injection for tests: make the checkpoint writer fail at a chosen point."""
 WARM_START = "MAITRE_WARM_START"
 """``0`` starts workers with a fresh interpreter instead of forking them warm."""
+DATA_WORKER_NAME = "maitre-data"
+"""The process name (``/proc/PID/comm``) of a :class:`maitre.data.Loader`'s data worker, with its
+index: ``maitre-data-0``. ``maitre run --events kill-data`` finds them by it among a training
+process's descendants, wherever they sit (children of a fork server under warm start)."""
 LOG = "MAITRE_LOG"
 """The CLI's log level for maitre's loggers (``debug``, ``info``, ``warning``: the default)."""
 

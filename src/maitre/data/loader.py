@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.data._utils import signal_handling as _signals
 
 from maitre.data.shards import DataError
+from maitre.protocol import DATA_WORKER_NAME
 
 if TYPE_CHECKING:
     from maitre.runtime.loop import Batch, ElasticLoop
@@ -88,8 +89,13 @@ class _Plan:
 
 
 class _WorkerInit:
-    """Each data worker's start: a watch on the training process that owns it, then the
-    user's ``worker_init_fn``.
+    """Each data worker's start: its name, a watch on the training process that owns it, then
+    the user's ``worker_init_fn``.
+
+    The name (``maitre-data-N`` in ``ps`` and ``top``: :data:`maitre.protocol.DATA_WORKER_NAME`)
+    is how ``maitre run --events kill-data`` tells a data worker from the other processes a
+    training process starts (the fork server its data workers are children of under forkserver,
+    multiprocessing's resource tracker), wherever it sits below the training process.
 
     torch's own watchdog ends a data worker whose *parent* is gone. Started by fork the parent
     is the training process; started by forkserver or spawn it is not (a worker that maitre's
@@ -102,6 +108,7 @@ class _WorkerInit:
         self.user = user
 
     def __call__(self, worker_id: int) -> None:
+        _name_process(f"{DATA_WORKER_NAME}-{worker_id}")
         try:
             owner = os.pidfd_open(self.owner)
         except ProcessLookupError:  # gone already
@@ -117,6 +124,15 @@ class _WorkerInit:
             threading.Thread(target=watch, name="maitre-owner-watch", daemon=True).start()
         if self.user is not None:
             self.user(worker_id)
+
+
+def _name_process(name: str) -> None:
+    """This process's name (``comm``: 15 bytes). Linux only; elsewhere nothing is named."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
 
 
 class _Skipped:
