@@ -15,6 +15,21 @@ Every script in benchmarks/ (but this helper and ``workload.py``, the training p
 HEAD`` of this tree, with ``-dirty`` when a tracked file has changes not committed, and the UTC
 time of the write. A reader (and the docs, whose tables quote it) can tell a fresh figure from
 a stale one. ``tests/chaos`` loads this file by its path to stamp ``chaos.json`` the same way.
+
+The stamp also holds the machine (:func:`machine`), since a figure moves with it: ``cpu`` (its
+model), ``cores`` (``os.cpu_count()``) and ``affinity`` (the cores this process may run on),
+``copy_gb_s`` (one thread's memory copy, the best of a few copies of ``copy_mb`` MB, measured
+once a run, when it writes), ``load_start`` and ``load_end`` (the 1-minute load average when
+:func:`parse` ran and when the results were written), ``run_s`` and ``run_cpus`` (the cores the
+run's own processes used on average: its CPU time and its children's, over ``run_s``), and
+``loaded``: true when the load at the start was above ``cores``, or the load at the end, less
+the run's own ``run_cpus`` (its processes count in the load average), was. A loaded run's table
+says so in the docs.
+
+The scripts whose figures head the README's table (``HEADLINE_ROUNDS``) also record how many
+rounds (runs, repetitions) each such figure is the median of, ``"rounds": {"argument",
+"count"}``; asked for fewer than ``MIN_ROUNDS`` they say, as they start, that the figure is a
+single run, and the docs' line under their table says it too.
 """
 
 from __future__ import annotations
@@ -22,15 +37,50 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import subprocess
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
+HEADLINE_ROUNDS = {"checkpoint": "reps", "data": "reps", "recovery": "reps", "restart": "reps", "throughput": "rounds"}
+"""For the results the README's table draws on (docs/hooks.py's ``SUMMARY_RESULTS``), the
+argument that counts the rounds (runs, repetitions) their headline figures are the median of.
+``gpu.json`` has none (each figure the median of the steps of one run of each mode), nor has
+``simulator.json`` (simulated time: a rerun gives the same figures)."""
+MIN_ROUNDS = 3
+"""Fewer rounds than this for a headline figure and the run says it is a single run."""
+COPY_MB = 256
+"""The buffer the copy bandwidth is measured on (larger than any last-level cache); 16 MB for
+``--smoke``, whose figures mean nothing."""
+SMOKE_COPY_MB = 16
+
+
+class _Mark(NamedTuple):
+    """Where the run stood at one moment: monotonic seconds, ``os.times()``, the 1-min load."""
+
+    at: float
+    times: tuple[float, ...]
+    load: float | None
+
+
+def _mark() -> _Mark:
+    try:
+        load: float | None = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # (no load average on this platform)
+        load = None
+    return _Mark(time.monotonic(), tuple(os.times())[:4], load)
+
+
+_RUN: dict[str, Any] = {"start": _mark(), "rounds": None}
+"""This process's run: its start (the import, then :func:`parse`) and its rounds, if the script
+is one of ``HEADLINE_ROUNDS``."""
+_COPY: dict[int, float] = {}  # copy_mb: GB/s, measured once a process
 
 
 def parse(
@@ -63,15 +113,98 @@ def parse(
     if args.smoke and out.resolve().parent == RESULTS:
         parser.error("--smoke never writes to benchmarks/results/ (give --out a temporary directory)")
     args.out = out
+    _RUN["start"], _RUN["rounds"] = _mark(), None
+    if name in HEADLINE_ROUNDS:
+        key = HEADLINE_ROUNDS[name]
+        count, flag = getattr(args, key), "--" + key.replace("_", "-")
+        _RUN["rounds"] = {"argument": flag, "count": count}
+        if count < MIN_ROUNDS:
+            print(f"{name}: {rounds_words(flag, count)}", flush=True)
     return args
+
+
+def rounds_words(flag: str, count: int) -> str:
+    """What a run of ``count`` rounds (``flag``) says of its headline figures, below
+    ``MIN_ROUNDS``: that each is a single run (or the median of that few)."""
+    if count <= 1:
+        return f"each headline figure is a single run ({flag} {count}), not a median of {MIN_ROUNDS} rounds or more"
+    return f"each headline figure is the median of {count} runs ({flag} {count}), fewer than {MIN_ROUNDS}"
+
+
+def copy_gb_s(mb: int = COPY_MB, copies: int = 5) -> float:
+    """One thread's memory copy bandwidth, GB/s (1e9 bytes): the best of ``copies`` copies of a
+    ``mb`` MB buffer into another, after one that maps the pages. Measured once a process for
+    each size (a second write of the results reuses it)."""
+    if mb not in _COPY:
+        n = mb << 20
+        src, dst = b"\x5a" * n, bytearray(n)  # (written: a buffer of zero pages copies from cache)
+        dst[:] = src
+        best = float("inf")
+        for _ in range(copies):
+            t = time.perf_counter()
+            dst[:] = src  # (a memcpy)
+            best = min(best, time.perf_counter() - t)
+        del src, dst
+        _COPY[mb] = round(n / best / 1e9, 2)
+    return _COPY[mb]
+
+
+def cpu_model() -> str:
+    """The processor's model name (``/proc/cpuinfo``; elsewhere what ``platform`` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine(*, smoke: bool = False) -> dict[str, Any]:
+    """The machine this run is on, and its load at the start and now (see the module's
+    docstring); the copy is measured after the load and the run's CPU time are read."""
+    start, now = _RUN["start"], _mark()
+    cores = os.cpu_count() or 1
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # (not Linux)
+        affinity = cores
+    run_s = now.at - start.at
+    run_cpus = (sum(now.times) - sum(start.times)) / run_s if run_s > 0 else 0.0
+    mb = SMOKE_COPY_MB if smoke else COPY_MB
+    stamp: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": cores,
+        "affinity": affinity,
+        "copy_gb_s": copy_gb_s(mb),
+        "copy_mb": mb,
+        "load_start": start.load,
+        "load_end": now.load,
+        "run_s": round(run_s, 1),
+        "run_cpus": round(run_cpus, 2),
+    }
+    stamp["loaded"] = loaded(stamp)
+    return stamp
+
+
+def loaded(stamp: dict[str, Any]) -> bool:
+    """Whether a machine stamp's load was above its cores: at the start, or at the end less the
+    run's own ``run_cpus``."""
+    cores, start, end = stamp["cores"], stamp.get("load_start"), stamp.get("load_end")
+    return bool((start is not None and start > cores) or (end is not None and end - stamp.get("run_cpus", 0.0) > cores))
 
 
 def measured(*, smoke: bool = False) -> dict[str, Any]:
     """The commit of this tree (``-dirty`` with uncommitted changes to tracked files, ``unknown``
-    outside a git checkout) and the UTC time now."""
+    outside a git checkout), the UTC time now, the machine (:func:`machine`) and, for a script
+    of ``HEADLINE_ROUNDS``, its rounds."""
     stamp: dict[str, Any] = {"commit": _commit(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if smoke:
         stamp["smoke"] = True  # figures of the smallest run: they mean nothing
+    stamp["machine"] = machine(smoke=smoke)
+    if _RUN["rounds"] is not None:
+        stamp["rounds"] = dict(_RUN["rounds"])
     return stamp
 
 

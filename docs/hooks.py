@@ -8,10 +8,15 @@ line of its own:
 * ``<!-- results: NAME -->``: ``benchmarks/results/NAME.json`` as a table, rendered by the
   ``table(result)`` of the script that writes it (``benchmarks/NAME.py``; ``gpu.json``:
   ``benchmarks/gpu_check.py``; ``chaos.json``: ``tests/chaos/chaos_report.py``), followed by the
-  commit and date it was measured on (:func:`render_results`);
+  commit and date it was measured on, the machine (its cores, processor and copy bandwidth, its
+  load; "on a loaded machine" where the load was above its cores; "machine not recorded" for a
+  result measured before the stamp had it) and, where a headline figure was asked for fewer
+  than three rounds, that it is a single run (:func:`render_results`, :func:`measured_line`);
 * ``<!-- results-summary -->``: the headline figures, maitre beside what one would use instead
   (:func:`summary`); README.md carries the same table, and ``tests/test_docs.py`` checks that it
-  is this one.
+  is this one. On the docs' page a list follows it: the files it draws on that are not of one
+  run set (another commit or machine than the table's others, no machine recorded, a loaded
+  machine, fewer than three rounds: :func:`summary_report`), which ``tests/test_docs.py`` names.
 
 Sphinx roles in docstrings (``:class:`~maitre.data.Loader```), which the API reference shows as
 mkdocstrings renders them, become plain code (:func:`on_page_content`).
@@ -29,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
@@ -40,6 +45,20 @@ RENDERERS = {"gpu": BENCHMARKS / "gpu_check.py", "chaos": ROOT / "tests" / "chao
 RESULTS_MARKER = re.compile(r"^<!-- results: ([\w-]+) -->[ \t]*$", re.M)
 CLI_MARKER = "<!-- cli-reference -->"
 SUMMARY_MARKER = "<!-- results-summary -->"
+SUMMARY_RESULTS = {
+    "throughput": "cpu",
+    "gpu": "gpu",
+    "data": "cpu",
+    "recovery": "cpu",
+    "restart": "cpu",
+    "checkpoint": "cpu",
+    "simulator": "simulated",
+}
+"""The results :func:`summary` draws on, and what their figures are: CPU timings (whose machine
+must be the table's), a GPU's (its own machine), simulated time (no machine's)."""
+COPY_SPREAD = 1.5
+"""Two CPU results whose copy bandwidths are further apart than this factor are of two machines
+(or of one in two states): the checkpoint's headline did not hold where it was 2x apart."""
 _ROLE = re.compile(r":(?:class|func|meth|attr|data|mod|exc|obj|const):<code>(~?)([^<]+)</code>")
 _LITERAL = re.compile(r"::</p>(\s*<pre>)")  # reST's "text::" before an indented code block
 
@@ -91,15 +110,69 @@ def renderer(name: str) -> Callable[[dict[str, Any]], str]:
     return table
 
 
-def measured_line(name: str, result: dict[str, Any]) -> str:
-    """ "`benchmarks/results/NAME.json`: measured on commit `abcdef1`, YYYY-MM-DD" from the
-    result's ``measured`` stamp (``-dirty`` kept: the tree had uncommitted changes)."""
+@functools.cache
+def bench_results() -> ModuleType:
+    """``benchmarks/_results.py``, loaded by its path (its wording of a run's rounds)."""
+    spec = importlib.util.spec_from_file_location("maitre_docs_bench_results", BENCHMARKS / "_results.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _short(commit: str) -> str:
+    return commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
+
+
+def _stamp(name: str, result: dict[str, Any]) -> dict[str, Any]:
     stamp = result.get("measured")
     if not isinstance(stamp, dict) or "commit" not in stamp or "date" not in stamp:
         raise DocsError(f"benchmarks/results/{name}.json has no measured commit and date")
-    commit = stamp["commit"]
-    short = commit[:7] + ("-dirty" if commit.endswith("-dirty") else "")
-    return f"`benchmarks/results/{name}.json`: measured on commit `{short}`, {stamp['date'][:10]}"
+    return stamp
+
+
+def _load(value: float | None) -> str:
+    return "not known" if value is None else f"{value:.2f}"
+
+
+def machine_words(machine: dict[str, Any]) -> str:
+    """A result's ``measured.machine`` in words: "on 2 cores (AMD EPYC, memory copy 9.10 GB/s),
+    load 0.42 at the start and 1.96 at the end", or "on a loaded machine (load 3.10 on 2 cores at
+    the start; ...)"."""
+    cores = machine["cores"]
+    start, end, own = machine.get("load_start"), machine.get("load_end"), machine.get("run_cpus", 0.0)
+    what = f"{machine['cpu']}, memory copy {machine['copy_gb_s']:.2f} GB/s"
+    if machine.get("loaded"):
+        if start is not None and start > cores:
+            load = f"load {start:.2f} on {cores} cores at the start"
+        else:
+            others = None if end is None else end - own
+            load = f"load {_load(others)} on {cores} cores at the end, the run's own {own:.2f} left out"
+        return f"on a loaded machine ({load}; {what})"
+    on = f"{cores} cores" if machine.get("affinity", cores) == cores else f"{machine['affinity']} of {cores} cores"
+    return f"on {on} ({what}), load {_load(start)} at the start and {_load(end)} at the end"
+
+
+def few_rounds(stamp: dict[str, Any]) -> str | None:
+    """What a stamp's rounds say of its headline figures, where they are fewer than three."""
+    rounds, results = stamp.get("rounds"), bench_results()
+    if not isinstance(rounds, dict) or rounds.get("count", results.MIN_ROUNDS) >= results.MIN_ROUNDS:
+        return None
+    return results.rounds_words(rounds["argument"], rounds["count"])
+
+
+def measured_line(name: str, result: dict[str, Any]) -> str:
+    """ "`benchmarks/results/NAME.json`: measured on commit `abcdef1`, YYYY-MM-DD, on 2 cores
+    (...)" from the result's ``measured`` stamp (``-dirty`` kept: the tree had uncommitted
+    changes; the machine by :func:`machine_words`, or "machine not recorded"), then, where a
+    headline figure had fewer than three rounds, that it is a single run."""
+    stamp = _stamp(name, result)
+    line = f"`benchmarks/results/{name}.json`: measured on commit `{_short(stamp['commit'])}`, {stamp['date'][:10]}"
+    machine = stamp.get("machine")
+    line += f", {machine_words(machine)}" if isinstance(machine, dict) else "; machine not recorded"
+    if (rounds := few_rounds(stamp)) is not None:
+        line += f"; {rounds}"
+    return line
 
 
 def render_results(name: str) -> str:
@@ -201,6 +274,95 @@ def summary() -> str:
     return "\n".join(lines)
 
 
+def _machine_key(machine: dict[str, Any]) -> tuple[Any, ...]:
+    return (machine.get("cpu"), machine.get("cores"), machine.get("affinity"))
+
+
+def _machine_desc(cpu: Any, cores: Any, affinity: Any, copy: float) -> str:
+    on = f"{cores} cores" if affinity == cores else f"{affinity} of {cores} cores"
+    return f"{on} ({cpu}, memory copy {copy:.2f} GB/s)"
+
+
+def _most_common(values: list[tuple[Any, str]]) -> tuple[Any, int, bool]:
+    """The value most of ``(value, date)`` share, how many share it, and whether it won a tie
+    (as the one measured last)."""
+    count: dict[Any, list[Any]] = {}
+    for value, date in values:
+        count.setdefault(value, [0, ""])
+        count[value][0] += 1
+        count[value][1] = max(count[value][1], date)
+    best = max(count, key=lambda v: tuple(count[v]))
+    return best, count[best][0], sum(c == count[best][0] for c, _ in count.values()) > 1
+
+
+class SummaryReport(NamedTuple):
+    """What :func:`summary_report` finds: ``table``, the commit and machine it takes as the
+    table's, in words; ``wrong`` and ``notes``, a line for each file, naming it."""
+
+    table: str
+    wrong: list[str]
+    notes: list[str]
+
+
+def summary_report() -> SummaryReport:
+    """The files :func:`summary` draws on (``SUMMARY_RESULTS``) that are not of one run set, each
+    named with what is not.
+
+    The table's commit is the one most of its files share (of those whose stamp records their
+    machine, if any do; the newest of a tie); its machine, the processor and cores most of its
+    CPU results were measured on, with their median copy bandwidth. ``wrong``: a file whose stamp
+    records its machine and that is from another commit, or (a CPU result) from another machine:
+    other cores or processor, or a copy bandwidth more than ``COPY_SPREAD`` times apart.
+    ``notes``: a file measured before the stamp had the machine (from another commit too, if so),
+    on a loaded machine, or with fewer than three rounds."""
+    stamps = {name: _stamp(name, load_result(name)) for name in SUMMARY_RESULTS}
+    stamped = [n for n, s in stamps.items() if isinstance(s.get("machine"), dict)]
+    pool = stamped or list(stamps)
+    commit, shared, tie = _most_common([(stamps[n]["commit"], stamps[n]["date"]) for n in pool])
+    table = f"the table's commit: {_short(commit)} ({shared} of {len(pool)} files"
+    table += f"{' with their machine recorded' if stamped else ''}{', the newest of a tie' if tie else ''})"
+    cpu = [n for n in stamped if SUMMARY_RESULTS[n] == "cpu"]
+    key, copy = None, None
+    if cpu:
+        key, _, _ = _most_common([(_machine_key(stamps[n]["machine"]), stamps[n]["date"]) for n in cpu])
+        copies = sorted(stamps[n]["machine"]["copy_gb_s"] for n in cpu if _machine_key(stamps[n]["machine"]) == key)
+        copy = copies[len(copies) // 2]
+        table += f"; its CPU figures' machine: {_machine_desc(*key, copy)}"
+    else:
+        table += "; its CPU figures' machine: not recorded"
+    wrong, notes = [], []
+    for name, stamp in stamps.items():
+        machine, bad, soft = stamp.get("machine"), [], []
+        if stamp["commit"] != commit:
+            (bad if name in stamped else soft).append(f"measured on commit {_short(stamp['commit'])}")
+        if not isinstance(machine, dict):
+            soft.append("machine not recorded")
+        else:
+            if name in cpu and copy is not None:
+                ratio = machine["copy_gb_s"] / copy
+                if _machine_key(machine) != key or not 1 / COPY_SPREAD <= ratio <= COPY_SPREAD:
+                    bad.append(f"another machine: {_machine_desc(*_machine_key(machine), machine['copy_gb_s'])}")
+            if machine.get("loaded"):
+                soft.append(f"measured {machine_words(machine)}")
+        if (rounds := few_rounds(stamp)) is not None:
+            soft.append(rounds)
+        if bad:
+            wrong.append(f"benchmarks/results/{name}.json: " + "; ".join(bad + soft))
+        elif soft:
+            notes.append(f"benchmarks/results/{name}.json: " + "; ".join(soft))
+    return SummaryReport(table, wrong, notes)
+
+
+def summary_notes() -> str:
+    """:func:`summary_report` as Markdown, for the docs' page under the table: the table's commit
+    and machine, and a list of the files that are not of them ("" when none is)."""
+    report = summary_report()
+    if not report.wrong and not report.notes:
+        return ""
+    head = f"Not all of one run set (one commit, one machine, three rounds or more): {report.table}."
+    return "\n".join([_text(head), "", *(f"- {_text(line)}" for line in report.wrong + report.notes)])
+
+
 # --- the CLI reference ---------------------------------------------------------------------------
 
 
@@ -293,7 +455,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any, **kwargs
         if CLI_MARKER in markdown:
             markdown = markdown.replace(CLI_MARKER, cli_reference())
         if SUMMARY_MARKER in markdown:
-            markdown = markdown.replace(SUMMARY_MARKER, summary())
+            notes = summary_notes()
+            markdown = markdown.replace(SUMMARY_MARKER, summary() + (f"\n\n{notes}" if notes else ""))
         return RESULTS_MARKER.sub(lambda m: render_results(m[1]), markdown)
     except (DocsError, KeyError, TypeError, ValueError) as exc:
         from mkdocs.exceptions import PluginError

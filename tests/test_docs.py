@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -134,6 +136,85 @@ def test_the_readme_summary_of_the_benchmarks_is_what_the_results_say() -> None:
     assert table.count("\n") >= 6
     assert table in README.read_text(), "README.md's benchmark summary is not:\n" + table
     assert hooks.SUMMARY_MARKER in (DOCS / "benchmarks.md").read_text()
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_summary_draws_on_one_run_set() -> None:
+    """The files the README's table draws on (``SUMMARY_RESULTS``, and no other) are of one
+    commit and, for the CPU figures, one machine: a file whose stamp records its machine and
+    that is from another commit or machine fails here, named. Those measured before the stamp
+    had the machine, on a loaded machine, or in fewer than three rounds are named in a warning
+    (and in the list under the table on the docs' page)."""
+    hooks = _hooks()
+    drawn: list[str] = []
+    load = hooks.load_result
+    hooks.load_result = lambda name: drawn.append(name) or load(name)
+    try:
+        hooks.summary()
+    finally:
+        hooks.load_result = load
+    assert sorted(set(drawn)) == sorted(hooks.SUMMARY_RESULTS)
+    report = hooks.summary_report()
+    if report.notes:
+        warnings.warn(f"README.md's benchmark table ({report.table}): " + " | ".join(report.notes), stacklevel=1)
+    assert not report.wrong, f"README.md's benchmark table ({report.table}) draws on:\n" + "\n".join(report.wrong)
+
+
+def test_a_result_of_another_commit_or_machine_than_the_summary_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hooks = _hooks()
+    monkeypatch.setattr(hooks, "RESULTS", tmp_path)
+    commit, date = "a" * 40, "2026-12-08T10:00:00+00:00"
+    machine = {
+        "cpu": "AMD EPYC",
+        "cores": 2,
+        "affinity": 2,
+        "copy_gb_s": 9.0,
+        "copy_mb": 256,
+        "load_start": 0.3,
+        "load_end": 1.9,
+        "run_s": 600.0,
+        "run_cpus": 1.8,
+        "loaded": False,
+    }
+
+    def write(name: str, **stamp: object) -> None:
+        measured = {"commit": commit, "date": date, "machine": machine, **stamp}
+        (tmp_path / f"{name}.json").write_text(json.dumps({"measured": measured}))
+
+    for name in hooks.SUMMARY_RESULTS:
+        write(name)
+    write("gpu", machine={**machine, "cpu": "Intel Xeon", "cores": 16, "affinity": 16, "copy_gb_s": 20.0})
+    write("simulator", machine={**machine, "copy_gb_s": 2.0})  # (simulated time: no machine's)
+    assert hooks.summary_report() == (
+        "the table's commit: aaaaaaa (7 of 7 files with their machine recorded); its CPU figures' "
+        "machine: 2 cores (AMD EPYC, memory copy 9.00 GB/s)",
+        [],
+        [],
+    )
+    assert hooks.summary_notes() == ""
+    write("data", commit="b" * 40)
+    write("checkpoint", machine={**machine, "copy_gb_s": 4.4})  # (the copy floor 2x apart)
+    write("recovery", machine={**machine, "cores": 4, "affinity": 4})
+    write("restart", machine={**machine, "loaded": True, "load_start": 2.5}, rounds={"argument": "--reps", "count": 1})
+    (tmp_path / "throughput.json").write_text(json.dumps({"measured": {"commit": "c" * 40, "date": date}}))
+    table, wrong, notes = hooks.summary_report()
+    assert table.startswith("the table's commit: aaaaaaa (5 of 6 files with their machine recorded)"), table
+    assert wrong == [
+        "benchmarks/results/data.json: measured on commit bbbbbbb",
+        "benchmarks/results/recovery.json: another machine: 4 cores (AMD EPYC, memory copy 9.00 GB/s)",
+        "benchmarks/results/checkpoint.json: another machine: 2 cores (AMD EPYC, memory copy 4.40 GB/s)",
+    ]
+    assert notes == [
+        "benchmarks/results/throughput.json: measured on commit ccccccc; machine not recorded",
+        "benchmarks/results/restart.json: measured on a loaded machine (load 2.50 on 2 cores at the start; "
+        "AMD EPYC, memory copy 9.00 GB/s); each headline figure is a single run (--reps 1), not a median of 3 "
+        "rounds or more",
+    ]
+    page = hooks.summary_notes()
+    assert "benchmarks/results/data.json: measured on commit bbbbbbb" in page.replace("\\", "")
+    assert "throughput.json" in page and "restart.json" in page
 
 
 @pytest.mark.timeout(120)

@@ -3,8 +3,8 @@
 thrown at it one after the other while it trains. At the end: every sample exactly once (the
 ledger audit), the final parameters of the fault-free run, no corrupt checkpoint loaded, no
 process left behind, and a report of every fault (its detection and recovery time) in
-``benchmarks/results/chaos.json`` (stamped, as every benchmark's, with the commit and date it ran
-on: ``benchmarks/_results.py``).
+``benchmarks/results/chaos.json`` (stamped, as every benchmark's, with the commit, date and
+machine it ran on: ``benchmarks/_results.py``).
 
 Run it with ``pytest -m chaos tests/chaos`` (deselected by default). ``CHAOS_SEED``,
 ``CHAOS_FAULTS`` (50), ``CHAOS_STEPS`` and ``CHAOS_KINDS`` (a comma list) change the run; a run
@@ -420,6 +420,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     rng = random.Random(SEED)
     schedule = _schedule(rng, FAULTS)
     expected = reference(STEPS)
+    results = _bench_results()  # (its import marks the run's start: the load then, its CPU time)
     out = tmp_path / "final.pt"
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
@@ -542,7 +543,7 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
         "job_failures": final["failures"],
         "per_fault": records,
     }
-    _write_results(RESULT, report)
+    results.write_results(RESULT, report, indent=1)
     print(f"chaos: report in {RESULT}\n{table(report)}", flush=True)
     assert result.ok, result.describe()
     assert result.steps == STEPS, result.describe()
@@ -557,11 +558,11 @@ def test_chaos(tmp_path: Path, reference, request: pytest.FixtureRequest) -> Non
     assert not missing, missing
 
 
-def _write_results(path: Path, report: dict) -> None:
-    """The report as the benchmarks write theirs (``measured``: the commit and date first), by
-    benchmarks/_results.py, loaded by its path (benchmarks/ is not a package)."""
+def _bench_results():
+    """benchmarks/_results.py, loaded by its path (benchmarks/ is not a package), which writes the
+    report as the benchmarks write theirs (``measured``: the commit, date and machine first)."""
     spec = importlib.util.spec_from_file_location("bench_results", ROOT / "benchmarks" / "_results.py")
     assert spec is not None and spec.loader is not None
     results = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(results)
-    results.write_results(path, report, indent=1)
+    return results
