@@ -246,10 +246,14 @@ def test_gpu_check_imports_and_parses_its_arguments(tmp_path: Path) -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert callable(module.main)
-    done = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--help"], 50, tmp_path)
-    assert done.returncode == 0 and "usage: gpu_check.py" in done.stdout, done.stdout
-    bad = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--no-such-flag"], 50, tmp_path)
-    assert bad.returncode == 2, bad.stdout
+    clock = FairClock()
+    try:
+        done = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--help"], 50, tmp_path, clock).done
+        assert done.returncode == 0 and "usage: gpu_check.py" in done.stdout, done.stdout
+        bad = _run([sys.executable, str(BENCHMARKS / "gpu_check.py"), "--no-such-flag"], 50, tmp_path, clock).done
+        assert bad.returncode == 2, bad.stdout
+    finally:
+        clock.close()
 
 
 def test_smoke_results_never_go_to_the_committed_results(tmp_path: Path) -> None:
