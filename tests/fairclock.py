@@ -19,37 +19,12 @@ from __future__ import annotations
 import os
 import threading
 import time
-from pathlib import Path
 
-TICK_S = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_by_process() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds so far) of every live process."""
-    out: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # (gone meanwhile)
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # (the name, in brackets, may hold spaces)
-        out[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK_S)
-    return out
+from maitre.agent import procs
 
 
-def _tree(root: int, procs: dict[int, tuple[int, float]]) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in procs.items():
-        children.setdefault(parent, []).append(pid)
-    seen, todo = {root}, [root]
-    while todo:
-        for kid in children.get(todo.pop(), []):
-            if kid not in seen:
-                seen.add(kid)
-                todo.append(kid)
-    return seen
+def _tree(root: int, table: dict[int, procs.Proc]) -> set[int]:
+    return {root, *procs.descendants(root, table)}
 
 
 class FairClock:
@@ -86,12 +61,14 @@ class FairClock:
         self._thread.join(timeout=5)
 
     def _sample(self) -> None:
-        before, at = _cpu_by_process(), time.monotonic()
+        before, at = procs.table(live_only=False), time.monotonic()
         while not self._stop.wait(self.period_s):
-            after, now = _cpu_by_process(), time.monotonic()
+            after, now = procs.table(live_only=False), time.monotonic()
             ours = _tree(self.root, after) | _tree(self.root, before)
             others = sum(
-                max(0.0, cpu - before[pid][1]) for pid, (_, cpu) in after.items() if pid not in ours and pid in before
+                max(0.0, proc.cpu_s - before[pid].cpu_s)
+                for pid, proc in after.items()
+                if pid not in ours and pid in before
             )
             dt = now - at
             free = 1.0 - min(1.0, others / (dt * self.cores)) if dt > 0 else 1.0

@@ -144,19 +144,20 @@ def test_data_workers_are_found_below_their_training_process_and_any_kill_is_abs
     replaced; so is every data worker when the fork server is killed (their exit codes came to
     the DataLoader through it: they all look dead, and end of their own, their parent gone). The
     script trains every sample once per data epoch either way, and nothing is left running."""
-    from maitre.launch import _processes, data_workers
+    from maitre.agent import procs
+    from maitre.launch import data_workers
 
     proc = subprocess.Popen(
         [sys.executable, str(DATA_WORKERS), context], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         own = json.loads(proc.stdout.readline())["workers"]  # type: ignore[union-attr]
-        table = _processes()
+        table = procs.table()
         found = data_workers(proc.pid, table)
         assert found == sorted(own) and len(found) == 2, (found, own)
-        assert all(table[w][2].startswith(protocol.DATA_WORKER_NAME + "-") for w in found)
-        others = [p for p, (parent, _, _) in table.items() if parent == proc.pid and p not in found]
-        parents = {table[w][0] for w in found}
+        assert all(table[w].name.startswith(protocol.DATA_WORKER_NAME + "-") for w in found)
+        others = [p for p in procs.children(proc.pid, table) if p not in found]
+        parents = {table[w].parent for w in found}
         if context == "fork":
             assert parents == {proc.pid}
             target = found[0]
@@ -175,7 +176,7 @@ def test_data_workers_are_found_below_their_training_process_and_any_kill_is_abs
         proc.wait()
     assert sorted(done["trained"]) == sorted(list(range(48)) * 3)
     assert done["worker_restarts"] == 1, done["worker_restarts"]
-    wait_for(lambda: not set(found) & set(_processes()), 10, f"the old data workers {found} to end")
+    wait_for(lambda: not set(found) & set(procs.table()), 10, f"the old data workers {found} to end")
 
 
 def test_a_resume_at_another_worker_count_reads_none_of_the_skipped_samples(tmp_path: Path) -> None:

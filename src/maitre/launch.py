@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from maitre.agent import procs
 from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
 from maitre.checkpoint import checkpointer as ckpt_env
 from maitre.checkpoint.loader import newest_complete
@@ -369,43 +370,17 @@ DATA_WORKER_WAIT_S = 30.0
 loader starts new ones after a resize or a lost one; each imports what the dataset needs)."""
 
 
-def _processes() -> dict[int, tuple[int, str, str]]:
-    """Every live process, from ``/proc``: pid -> (parent pid, state, name)."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # (gone meanwhile)
-            continue
-        name, rest = stat[stat.index("(") + 1 :].rsplit(")", 1)  # (the name may hold spaces)
-        fields = rest.split()
-        if fields[0] not in "ZX":
-            table[int(entry)] = (int(fields[1]), fields[0], name)
-    return table
-
-
 def is_data_worker_name(name: str) -> bool:
     return name == DATA_WORKER_NAME or name.startswith(f"{DATA_WORKER_NAME}-")
 
 
-def data_workers(pid: int, table: dict[int, tuple[int, str, str]] | None = None) -> list[int]:
+def data_workers(pid: int, table: dict[int, procs.Proc] | None = None) -> list[int]:
     """The live data workers of the training process ``pid``: its descendants named as a
     :class:`maitre.data.Loader`'s data worker names itself (``maitre-data-N``), at any depth:
     children of the training process (fork, spawn) or of the fork server it started
     (forkserver: a warm-started worker's default). Not the fork server nor the resource tracker."""
-    table = _processes() if table is None else table
-    below: dict[int, list[int]] = {}
-    for child, (parent, _, _) in table.items():
-        below.setdefault(parent, []).append(child)
-    found, todo = [], list(below.get(pid, []))
-    while todo:
-        p = todo.pop()
-        if is_data_worker_name(table[p][2]):
-            found.append(p)
-        todo.extend(below.get(p, []))
-    return sorted(found)
+    table = procs.table() if table is None else table
+    return [p for p in procs.descendants(pid, table) if is_data_worker_name(table[p].name)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,10 +401,10 @@ class DataKill:
     @classmethod
     def of(cls, pid: int, training_pid: int, worker: str) -> "DataKill | None":
         """``pid`` as it is now, when it is (still) a data worker of ``training_pid``."""
-        table = _processes()
+        table = procs.table()
         if pid not in table or pid not in data_workers(training_pid, table):
             return None
-        parent, _, name = table[pid]
+        parent, name = table[pid].parent, table[pid].name
         try:
             cmdline = Path(f"/proc/{parent}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
@@ -437,20 +412,7 @@ class DataKill:
         return cls(pid, name, parent, cmdline.strip(), training_pid, worker)
 
 
-def _children(pid: int) -> list[int]:
-    """The live child processes of ``pid``, from ``/proc``."""
-    kids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:  # (gone meanwhile)
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # (the name, in brackets, may hold spaces)
-        if int(fields[1]) == pid and fields[0] not in "ZX":
-            kids.append(int(entry))
-    return sorted(kids)
+_children = procs.children  # (benchmarks/restart.py's name, until it imports procs)
 
 
 def _prefixed(out: Callable[[str], None]) -> Callable[[str, str], None]:

@@ -39,6 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
+from maitre.agent import procs
 from maitre.protocol import WARM_START as ENV
 
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "maitre", "maitre.runtime.loop"]
@@ -247,7 +248,7 @@ def _watch_agent(agent: int) -> None:
     except (AttributeError, OSError):  # no pidfd (Linux < 5.3): the fork server's end instead
         pidfd = None
     server = os.getppid()
-    if _parent_of(server) != agent:
+    if (proc := procs.stat(server)) is None or proc.parent != agent:
         os._exit(1)
 
     def watch() -> None:
@@ -260,15 +261,6 @@ def _watch_agent(agent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="maitre-agent-watch", daemon=True).start()
-
-
-def _parent_of(pid: int) -> int | None:
-    """``pid``'s parent, from ``/proc`` (None when it is gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])  # (the name, in brackets, may hold spaces)
 
 
 def _child(
