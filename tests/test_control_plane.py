@@ -667,3 +667,34 @@ def test_a_restart_round_trips_every_field_of_every_manifest_through_the_store(t
             assert after[job][0] == was[0], (job, after[job][0], was[0])
             assert after[job] == was, job
         assert all(0 <= kept <= had for j in served for kept, had in zip(progress(sim.co)[j], served[j]))
+
+
+def test_a_node_that_joins_a_restart_job_hears_its_next_gang_at_once(tmp_path: Path) -> None:
+    """A restart-mode gang stopped to make room for a node that joined: the node held no
+    worker of it, so no exit woke it, and it got its start order only at its next beat (2 s
+    on a cluster), with the new gang's other members waiting for it in their process group.
+    The gang's stop wakes every node of the job's placement."""
+    sim = Sim(tmp_path, {"a": 1, "b": 1}, [Queue("q")], cooldown_s=0.0)
+    sim.down.add("b")
+    manifest = {"name": "r", "queue": "q", "minReplicas": 1, "maxReplicas": 2, "command": ["python", "train.py"]}
+    sim.co.submit({**manifest, "elastic": "restart"})
+    sim.advance(2.0)
+    assert sim.members("r") == 1 and sim.job("r")["state"] == "RUNNING"
+    sim.down.discard("b")
+    sim.version["b"] = sim.co.node_heartbeat("b", p.NodeBeat(slots=1, since=-1)).version  # b is known
+    for _ in range(20):  # the job grows onto it: its gang on a stops
+        sim.t += 0.25
+        sim.co.tick()
+        if sim.job("r")["stopping"]:
+            break
+    assert sim.job("r")["stopping"], sim.job("r")
+    orders = sim.co.node_orders("b", sim.version["b"])  # b's watch: nothing yet (the gang stops)
+    assert orders.start == []
+    sim.version["b"] = orders.version
+    [wid] = sim.running["a"]
+    beat = p.NodeBeat(slots=1, since=sim.version["a"], workers=[p.WorkerBeat(id=wid, silent_s=0.0)])
+    assert sim.co.node_heartbeat("a", beat).terminate == [wid]
+    sim._exit("a", wid, -15)  # its SIGTERM ends it, and the gang
+    assert not sim.job("r")["stopping"] and [e for e in sim.job("r")["events"] if e["kind"] == "gang_stopped"]
+    assert sim.co.node_version("b") > sim.version["b"], "b's watch did not answer: it waits for its next beat"
+    assert sim.co.node_orders("b", sim.version["b"]).start, "no start order for b"

@@ -659,9 +659,21 @@ class Coordinator:
             events = ms.events
             for event in events[self._emitted[job_id] :]:
                 self._emit(job_id, event["kind"], event)
+                if event["kind"] == "gang_stopped":
+                    self._wake_placed(job_id)
             self._emitted[job_id] = len(events)
         self.persist(save)
         self.on_wake(self.nodes.take_woken(), woken)
+
+    def _wake_placed(self, job_id: str) -> None:
+        """A restart-mode gang is gone and the next one forms: every node the job is placed on
+        hears it now (its start order), not at its next beat. A node with a worker of the gang
+        was woken by its exit; one that joined had none (a node's beat is 2 s apart: the
+        whole new gang waited that long in its process group for a joiner's worker)."""
+        managed = self.cluster.managed.get(job_id)
+        for node in managed.job.placement if managed is not None else ():
+            if node in self.nodes:
+                self.bump(node)
 
     # -- persistence -----------------------------------------------------------------------------
     def persist(self, job_ids: set[str]) -> None:
