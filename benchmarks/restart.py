@@ -1,4 +1,5 @@
-"""Restart benchmark: a node lost, and the same job brought back three ways, on one machine.
+"""Restart benchmark: a node lost, and the same job brought back three ways, on one machine;
+and a node joining a restart-mode job.
 
     python benchmarks/restart.py [--reps 3] [--settle 30] [--workers 3] [--last-call-s 30]
                                  [--smoke] [--out benchmarks/results/restart.json]
@@ -9,6 +10,19 @@ at once, and nobody is told. Measured, each a median over ``--reps`` losses:
 
 * ``to_step_s``: from the loss to the job's next committed step (the data ledger's commit times);
 * ``steps_lost``: committed steps trained again.
+
+Restart mode also gets a node that joins (``restart.join``): the job runs on ``--workers`` - 1
+nodes of the run (it may grow to ``--workers``), and a new node's agent starts in a process of
+its own, as on a new machine (``maitre agent``, with its own fork server, which imports torch as
+it starts); the gang is stopped and started again with it. For a loss and for a join:
+
+* ``stop_to_step_s`` (``restart.lost``, ``restart.join``): from the running gang's stop (its last
+  process gone: the coordinator's ``gang_stopped``) to the next gang's first committed step: the
+  time every node sits idle for the restart itself. A join's used to include what was left of
+  the new node's imports (its agent was known, and the gang stopped for it, before its fork
+  server had torch imported); the target is a join within 0.5 s of a loss;
+* the join's ``to_step_s``: from the new agent's start to that step (its imports included,
+  while the old gang trains on), and ``steps_lost``.
 
 The three ways:
 
@@ -23,8 +37,8 @@ The three ways:
   without the lost node and go on from their live state.
 
 torchrun runs with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see ``recovery.py``). ``--smoke``:
-2 workers, 3 steps between losses, one of each, a 1 s last call, the training process paced as in
-``recovery.py``'s.
+2 workers (a join from 1 to 2), 3 steps between losses, one of each, a 1 s last call, the
+training process paced as in ``recovery.py``'s.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,30 +124,45 @@ def torchrun_losses(reps: int, work: Path, settle: int, workers: int, last_call_
 
 
 # -- maitre -------------------------------------------------------------------------------------
-def maitre_losses(reps: int, work: Path, settle: int, workers: int, elastic: str) -> list[tuple[float, int]]:
-    """One maitre job per loss, in ``elastic`` mode."""
+def maitre_run(d: Path, elastic: str, nodes: int, workers: int) -> Run:
+    """A job of ``workers`` - 1 to ``workers`` nodes in ``elastic`` mode, ``nodes`` of them local
+    (agents in this process)."""
+    command = [sys.executable, *workload("--steps", "100000", "--run-dir", str(d))]
+    if elastic == "restart":
+        command += ["--ckpt-every", str(CKPT_EVERY)]
+    run = Run(
+        RunConfig(
+            command=command,
+            min_nodes=workers - 1,
+            max_nodes=workers,
+            local_nodes=nodes,
+            max_restarts=100,
+            run_dir=d,
+            quiet_workers=True,
+            elastic=elastic,
+            grace_period_s=5.0,
+        ),
+        out=lambda s: None,
+    )
+    return run.start()
+
+
+def stop_to_step(run: Run, ledger: Path, t: float) -> tuple[float, int]:
+    """(seconds from the first gang stopped after ``t`` to the next gang's first committed
+    step, committed steps trained again): the gang is stopped when its last process is gone
+    (the coordinator's ``gang_stopped``, on the ledger's clock, the wall clock)."""
+    stopped = next(e["t"] for e in run.job()["events"] if e["kind"] == "gang_stopped" and e["t"] >= t)
+    return after_failure(commits(ledger), stopped, lambda c: c["started"] > stopped)
+
+
+def maitre_losses(reps: int, work: Path, settle: int, workers: int, elastic: str) -> list[dict[str, float]]:
+    """One maitre job per loss, in ``elastic`` mode: ``to_step_s``, ``steps_lost`` and, in
+    restart mode, ``stop_to_step_s``."""
     out = []
     for i in range(reps):
         d = work / f"loss{i}"
-        command = [sys.executable, *workload("--steps", "100000", "--run-dir", str(d))]
-        if elastic == "restart":
-            command += ["--ckpt-every", str(CKPT_EVERY)]
-        run = Run(
-            RunConfig(
-                command=command,
-                min_nodes=workers - 1,
-                max_nodes=workers,
-                local_nodes=workers,
-                max_restarts=100,
-                run_dir=d,
-                quiet_workers=True,
-                elastic=elastic,
-                grace_period_s=5.0,
-            ),
-            out=lambda s: None,
-        )
+        run = maitre_run(d, elastic, workers, workers)
         ledger = d / "ledger"
-        run.start()
         try:
             wait_for(run, lambda j: len(j["members"]) == workers)
             wait_ledger_steps(ledger, settle, 180.0, "no progress")
@@ -144,13 +174,70 @@ def maitre_losses(reps: int, work: Path, settle: int, workers: int, elastic: str
             else:
                 wait_for(run, lambda j, e=epoch: j["epoch"] > e)
             wait_ledger_steps(ledger, 2, 180.0, "no progress after the loss")
+            stopped = stop_to_step(run, ledger, t)[0] if elastic == "restart" else None
         finally:
             run.shutdown()
         cs = commits(ledger)
         if elastic == "restart":
-            out.append(after_failure(cs, t, lambda c, t=t: c["started"] > t))
+            to_step, lost = after_failure(cs, t, lambda c, t=t: c["started"] > t)
         else:
-            out.append(after_failure(cs, t, lambda c, e=epoch: c["epoch"] > e))
+            to_step, lost = after_failure(cs, t, lambda c, e=epoch: c["epoch"] > e)
+        rec = {"to_step_s": to_step, "steps_lost": lost}
+        if stopped is not None:
+            rec["stop_to_step_s"] = stopped
+        out.append(rec)
+    return out
+
+
+def new_node(run: Run, log: Path) -> subprocess.Popen[bytes]:
+    """A node that joins as from a machine of its own: ``maitre agent`` in a new process (its own
+    fork server, importing torch as it starts), maitre from this tree; its health check is
+    ``true`` (the run's own nodes have none)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAITRE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent / "src"), *filter(None, [env.get("PYTHONPATH")])])
+    command = [sys.executable, "-m", "maitre.cli", "agent", "--coordinator", run.server.address]
+    command += ["--token-file", str(run.token_file), "--node-id", "joiner", "--nproc-per-node", "1"]
+    command += ["--no-health-builtin", "--health-check", "true", "--health-interval", "0"]
+    with log.open("wb") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def end_node(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT, as at a terminal: the agent stops its workers and its fork server ends with it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        for pid in [proc.pid, *_children(proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
+
+
+def restart_joins(reps: int, work: Path, settle: int, workers: int) -> list[dict[str, float]]:
+    """One restart-mode job per join: ``workers`` - 1 nodes, then a new one (:func:`new_node`)."""
+    out = []
+    for i in range(reps):
+        d = work / f"join{i}"
+        run = maitre_run(d, "restart", workers - 1, workers)
+        ledger, node = d / "ledger", None
+        try:
+            wait_for(run, lambda j: len(j["members"]) == workers - 1)
+            wait_ledger_steps(ledger, settle, 180.0, "no progress")
+            t = time.time()
+            node = new_node(run, d / "joiner.log")
+            wait_ledger_restart(ledger, t, workers, 180.0, "the job did not grow")
+            wait_ledger_steps(ledger, 2, 180.0, "no progress after the join")
+            stopped, lost = stop_to_step(run, ledger, t)
+        finally:
+            if node is not None:
+                end_node(node)
+            run.shutdown()
+        grown = next(c for c in commits(ledger) if c["started"] > t and c["t"] > t)
+        out.append({"stop_to_step_s": stopped, "to_step_s": grown["t"] - t, "steps_lost": lost})
     return out
 
 
@@ -177,16 +264,26 @@ def measure(args: argparse.Namespace, work: Path) -> None:
     stage = stager(work)
     print(f"restart benchmark: a node of {args.workers} lost, {args.reps} times each way, work dir {work}")
     reps, settle, workers = args.reps, args.settle, args.workers
-    raw = {
-        "torchrun": stage("torchrun", lambda d: torchrun_losses(reps, d, settle, workers, args.last_call_s)),
-        "restart": stage("maitre-restart", lambda d: maitre_losses(reps, d, settle, workers, "restart")),
-        "inplace": stage("maitre-inplace", lambda d: maitre_losses(reps, d, settle, workers, "inplace")),
+    torchrun = stage("torchrun", lambda d: torchrun_losses(reps, d, settle, workers, args.last_call_s))
+    restart = stage("maitre-restart", lambda d: maitre_losses(reps, d, settle, workers, "restart"))
+    joins = stage("maitre-restart-join", lambda d: restart_joins(reps, d, settle, workers))
+    inplace = stage("maitre-inplace", lambda d: maitre_losses(reps, d, settle, workers, "inplace"))
+    raw: dict[str, Any] = {  # (each way's losses as [to_step_s, steps_lost], as before the joins)
+        "torchrun": torchrun,
+        "restart": [(r["to_step_s"], r["steps_lost"]) for r in restart],
+        "inplace": [(r["to_step_s"], r["steps_lost"]) for r in inplace],
     }
     med = statistics.median
-    result = {
+    result: dict[str, Any] = {
         way: {"to_step_s": med(x for x, _ in losses), "steps_lost": med(n for _, n in losses)}
         for way, losses in raw.items()
     }
+    result["restart"]["lost"] = {"stop_to_step_s": med(r["stop_to_step_s"] for r in restart)}
+    result["restart"]["join"] = {
+        key: med(r[key] for r in joins) for key in ("stop_to_step_s", "to_step_s", "steps_lost")
+    }
+    raw["restart_lost_stop_to_step_s"] = [r["stop_to_step_s"] for r in restart]
+    raw["restart_join"] = joins
     result.update(
         raw=raw,
         reps=reps,
@@ -214,6 +311,15 @@ def table(result: dict[str, Any]) -> str:
     for way, name in names.items():
         r = result[way]
         lines.append(f"| {name} | {r['to_step_s']:.2f} | {r['steps_lost']:.0f} |")
+    lost, join = result["restart"].get("lost"), result["restart"].get("join")
+    if lost and join:  # (results from before the joins were measured have neither)
+        lines += [
+            "",
+            "| restart mode | from the gang's stop to the next gang's step (s) |",
+            "|---|---|",
+            f"| a node of {result['workers']} lost | {lost['stop_to_step_s']:.2f} |",
+            f"| a node joins {result['workers'] - 1} | {join['stop_to_step_s']:.2f} |",
+        ]
     return "\n".join(lines)
 
 
