@@ -317,8 +317,8 @@ def table(result: dict[str, Any]) -> str:
             "",
             "| restart mode | from the gang's stop to the next gang's step (s) |",
             "|---|---|",
-            f"| a node of {result['workers']} lost | {lost['stop_to_step_s']:.2f} |",
-            f"| a node joins {result['workers'] - 1} | {join['stop_to_step_s']:.2f} |",
+            f"| a node lost ({result['workers']} to {result['workers'] - 1} nodes) | {lost['stop_to_step_s']:.2f} |",
+            f"| a node joins ({result['workers'] - 1} to {result['workers']} nodes) | {join['stop_to_step_s']:.2f} |",
         ]
     return "\n".join(lines)
 
