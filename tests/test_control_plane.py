@@ -70,6 +70,10 @@ class Sim:
         self.lose_starts: set[str] = set()
         """Nodes whose next answer that carries start orders is lost on its way (its agent
         died with a watch pending, a link dropped it): the agent never sees it."""
+        self.silent_leavers = False
+        """Workers answered ``leave`` drop out without a word (no ``left``, no exit report; their
+        node's beats stop listing them): what the control-plane benchmark's simulated agent
+        did before issue 41, and what a leaver killed on its way out looks like."""
 
     def _coordinator(self) -> Coordinator:
         cluster = ClusterState(
@@ -117,40 +121,41 @@ class Sim:
         while self.t < end:
             self.t += dt
             for node in self.slots:
-                if node in self.down:
-                    continue
-                beat = p.NodeBeat(
-                    slots=self.slots[node],
-                    since=self.version[node],
-                    labels=p.Labels(**self.labels.get(node, {})),
-                    notice=self.notices.get(node),
-                    health=self.health.get(node),
-                    agent=self.agents.get(node, ""),
-                    workers=[
-                        p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0) for w in sorted(self.running[node])
-                    ],
-                )
-                reply = self.co.node_heartbeat(node, beat)
-                if reply.start and node in self.lose_starts:
-                    self.lose_starts.discard(node)
-                    continue
-                self.version[node] = reply.version
-                self.probe_asked[node] = reply.probe
-                if reply.views is not None:
-                    self.views.update(reply.views)
-                for wid in reply.kill:
-                    self._exit(node, wid, -9)
-                for wid in reply.terminate:  # (a restart-mode gang that stops: SIGTERM ends it)
-                    self._exit(node, wid, -15)
-                for order in reply.start:
-                    self.running[node].add(order.worker_id)
-                held = sum(self.co.workers.run(w).workers[w].slots for w in self.running[node])
-                assert held <= self.slots[node], f"{node} over-committed: {self.running[node]}"
+                if node not in self.down:
+                    self.beat(node)
             for node in self.slots:
                 if node not in self.down:
                     for wid in sorted(self.running[node]):
                         self._worker(node, wid)
             self.co.tick()
+
+    def beat(self, node: str) -> None:
+        """One beat of ``node``'s agent: its workers' progress; it carries its orders out."""
+        beat = p.NodeBeat(
+            slots=self.slots[node],
+            since=self.version[node],
+            labels=p.Labels(**self.labels.get(node, {})),
+            notice=self.notices.get(node),
+            health=self.health.get(node),
+            agent=self.agents.get(node, ""),
+            workers=[p.WorkerBeat(id=w, step=self.steps.get(w, 0), silent_s=0.0) for w in sorted(self.running[node])],
+        )
+        reply = self.co.node_heartbeat(node, beat)
+        if reply.start and node in self.lose_starts:
+            self.lose_starts.discard(node)
+            return
+        self.version[node] = reply.version
+        self.probe_asked[node] = reply.probe
+        if reply.views is not None:
+            self.views.update(reply.views)
+        for wid in reply.kill:
+            self._exit(node, wid, -9)
+        for wid in reply.terminate:  # (a restart-mode gang that stops: SIGTERM ends it)
+            self._exit(node, wid, -15)
+        for order in reply.start:
+            self.running[node].add(order.worker_id)
+        held = sum(self.co.workers.run(w).workers[w].slots for w in self.running[node])
+        assert held <= self.slots[node], f"{node} over-committed: {self.running[node]}"
 
     def _worker(self, node: str, wid: str) -> None:
         ms = self.co.workers.run(wid)
@@ -166,7 +171,9 @@ class Sim:
             answer = self.co.rendezvous(
                 wid, p.RendezvousRequest(from_epoch=w.epoch, wait_s=0, step=self.steps.get(wid, 0))
             )
-            if answer["action"] == "leave":
+            if answer["action"] == "leave" and self.silent_leavers:
+                self.running[node].discard(wid)
+            elif answer["action"] == "leave":
                 self.co.worker_left(wid)
                 self._exit(node, wid, 0)
             elif answer["action"] == "stop":
@@ -380,6 +387,51 @@ def test_scale_sets_a_managed_jobs_ceiling(tmp_path: Path) -> None:
     assert sim.members("a") == 2 and sim.job("a")["max_workers"] == 2
     with pytest.raises(BadRequest, match="below its minReplicas"):
         sim.co.scale("a", 0)
+
+
+@pytest.mark.parametrize("nodes", [4, 1024], ids=["4x8", "1024x8-filled"])
+def test_joiners_a_scale_turned_away_that_go_silent_are_no_failure_of_the_job(tmp_path: Path, nodes: int) -> None:
+    """Issue 41: benchmarks/control_plane.py at 1,024 nodes x 8 submitted ``grow`` (8 to 16
+    workers) and scaled it to 8 at once; on a busy coordinator the scheduling pass admitted it
+    at 16 and the start orders went out before the scale landed. The scale turned 8 of the
+    joiners away (LEAVING), they were answered ``leave`` and went silent (the simulated agent
+    reported nothing); 15 s on each was declared lost, each a failure of its own, and the
+    fourth failed the job at epoch 1 with its 8 members training. A worker that was told to
+    leave and holds nothing the job needs (it is in no epoch the job counts on) is no failure
+    when it is lost; the job trains on. At 1,024 nodes the cluster is filled as the benchmark
+    fills it (gangs of 256 and one of 240 submitted right after the scale)."""
+    sim = Sim(tmp_path, {f"n{i}": 8 for i in range(nodes)}, [Queue("q")])
+    sim.silent_leavers = True
+    sim.advance(1, dt=1.0)  # every node beating
+    sim.submit("grow", "q", 8, 16, checkpoint=False)
+    sim.co.tick()  # the pass the submission asked for admits it at 16...
+    assert sum(sim.job("grow")["placement"].values()) == 16
+    for node in sim.slots:  # ...and its agents get the start orders...
+        sim.beat(node)
+    assert sum(len(r) for r in sim.running.values()) == 16
+    sim.co.scale("grow", 8)  # ...before the scale lands
+    leaving = {w.id for w in sim.co.jobs["grow"].workers.values() if w.state == WorkerState.LEAVING}
+    assert len(leaving) == 8
+    [scaled] = [e for e in sim.db.events() if e["kind"] == "scale" and e.get("job") == "grow"]
+    assert set(scaled["turned_away"]) == leaving and scaled["leaving"] == [], scaled
+    gangs = {f"fill-{i}": 256 for i in range(nodes * 8 // 256 - 1)}
+    if gangs:
+        gangs["fill-rest"] = 240
+    for name, size in gangs.items():
+        sim.submit(name, "q", size, size, checkpoint=False)
+    sim.advance(3, dt=1.0)
+    job = sim.job("grow")
+    assert job["state"] == "RUNNING" and len(job["members"]) == 8 and not leaving & set(job["members"])
+    assert not leaving & {w for r in sim.running.values() for w in r}, "the leavers went"
+    sim.advance(20, dt=2.0)  # past dead_after_s (15 s) of their silence, beats 2 s apart
+    job = sim.job("grow")
+    assert job["state"] == "RUNNING" and job["epoch"] == 1 and len(job["members"]) == 8, job
+    assert job["failures"] == 0 and job["failure"] is None, job
+    dead = [e for e in sim.db.events() if e["kind"] == "worker_dead" and e.get("job") == "grow"]
+    assert {e["worker"] for e in dead} == leaving and all(e.get("leaving") for e in dead), dead
+    assert sim.co.metrics.worker_failures._value.get() == 0
+    for name, size in gangs.items():  # (fill-rest took the slots the leavers held once they were dead)
+        assert (sim.job(name)["state"], sim.members(name)) == ("RUNNING", size), name
 
 
 def test_phi_accrual_adapts_to_the_heartbeat_rhythm() -> None:

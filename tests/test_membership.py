@@ -422,6 +422,58 @@ def test_scale_down_also_turns_away_unneeded_joiners():
     assert state(m, w3) == WorkerState.LEFT and m.failures == 0
 
 
+def test_a_joiner_turned_away_then_lost_is_no_failure_a_leaving_member_lost_still_is():
+    """Issue 41: a joiner told to leave (it never was in an epoch) that goes silent, or dies,
+    is no failure of the job: it holds nothing the job needs. Nor is a leaver the others have
+    left behind (the next epoch opened without it). A leaving member of the current epoch lost
+    before it left still is one, once for the epoch (its peers may wait on it, it may hold
+    the state)."""
+    m = make(min_w=1, max_w=4, max_restarts=0)
+    w1, w2, w3 = start(m, 3)
+    j1, j2 = add(m, [("n1", 0), ("n1", 1)], now=1.5)
+    m.arrive(j1, 0, 0, "join", 1.6)  # READY; j2 still STARTING
+    assert m.scale(2, 2.0) == [w3]
+    assert (state(m, j1), state(m, j2)) == (WorkerState.LEAVING, WorkerState.LEAVING)
+    assert m.events[-1]["turned_away"] == [j1, j2]
+    m.exited(j2, -9, None, 2.1)  # killed on its way out
+    beat(m, [w1, w2, w3], 2.0, 18.0)
+    assert m.detect_failures(18.0) == [j1]  # answered "leave", then silent
+    assert (state(m, j1), state(m, j2)) == (WorkerState.DEAD, WorkerState.DEAD)
+    assert (m.failures, m.state) == (0, JobState.RUNNING), m.failure
+    assert [e.get("leaving") for e in m.events if e["kind"] == "worker_dead"] == [True, True]
+
+    # w3, a leaving member of the open epoch 1, then of the closed one, dies: a failure
+    m.arrive(w3, 1, 5, "leave", 18.1)
+    assert m.state == JobState.RENDEZVOUS
+    m.exited(w3, -9, None, 18.2)
+    assert m.failures == 1 and m.state == JobState.FAILED  # (max_restarts=0)
+
+
+def test_a_leaver_left_behind_by_the_next_epoch_is_no_failure_when_lost():
+    m = make(min_w=1, max_w=3, max_restarts=0)
+    w1, w2, w3 = start(m, 3)
+    m.scale(2, 2.0)
+    for w in (w1, w2, w3):
+        m.arrive(w, 1, 5, "resize", 2.1)
+    assert m.try_open_epoch(2.1) and m.members == [w1, w2]
+    assert state(m, w3) == WorkerState.LEAVING  # it has not said it left yet
+    m.exited(w3, 1, "RuntimeError: teardown", 2.5)
+    assert (m.failures, m.state, m.epoch) == (0, JobState.RUNNING, 2), m.failure
+
+
+def test_a_suspension_completes_when_a_joiner_it_turned_away_is_lost():
+    m = make(min_w=1, max_w=3)
+    w1, w2 = start(m, 2)
+    (j,) = add(m, [("n1", 0)], now=1.5)
+    m.scale(2, 2.0)  # j is turned away
+    m.suspend("preempted", 2.1)
+    m.done(w1, 5, 2.5, suspended=True)
+    m.evict(j, "node lost", 2.6)
+    assert (m.failures, m.state) == (0, JobState.SUSPENDING)
+    m.done(w2, 5, 2.7, suspended=True)
+    assert (m.failures, m.state) == (0, JobState.SUSPENDED)
+
+
 # -- heartbeat replies ------------------------------------------------------------------------------
 
 

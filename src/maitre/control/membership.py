@@ -568,6 +568,7 @@ class Membership:
 
     def _mark_dead(self, w: Worker, reason: str, now: float) -> None:
         was_member = self._is_member(w)
+        was_leaving = w.state == WorkerState.LEAVING
         self._set_state(w, WorkerState.DEAD)
         self._set_arrived(w, None)
         self._promoted.pop(w.id, None)
@@ -575,6 +576,15 @@ class Membership:
             if w.exit_code is not None and w.exit_code > 0:  # its script failed (not a kill)
                 self.spare_failures += 1
             self._log(now, "worker_dead", worker=w.id, reason=reason, spare=True)
+            return
+        if was_leaving and not was_member:
+            # Told to leave, and in no epoch the job counts on: a joiner a scale turned away
+            # (issue 41: eight of them, silent once answered "leave", failed a job that trained
+            # on), or a member of an epoch the others have since left behind. It holds nothing
+            # the job needs and nothing replaces it: its loss is no failure. (A leaving member
+            # of the current epoch still is: its peers may wait on it, it may hold the state.)
+            self._log(now, "worker_dead", worker=w.id, reason=reason, leaving=True)
+            self._check_suspended(now)
             return
         if was_member and self._check_completed(now):
             return  # a member finished the last step: the others' exits are no failure
@@ -696,10 +706,12 @@ class Membership:
                 f"{self.spec.max_workers}] workers of job {self.spec.job_id}"
             )
         self.target = target
+        turned_away: list[str] = []
         for wid in leave or []:  # chosen ones that never joined go at once
             w = self.workers.get(wid)
             if w is not None and w.state in (WorkerState.STARTING, WorkerState.READY):
                 self._set_state(w, WorkerState.LEAVING)
+                turned_away.append(wid)
         staying = [m for m in self.members if self.workers[m].state == WorkerState.ACTIVE]
         chosen = [m for m in staying if m in (leave or [])]
         order = chosen + [m for m in reversed(staying) if m not in chosen]
@@ -714,8 +726,9 @@ class Membership:
                 and len(staying) - len(leaving) >= target
             ):
                 self._set_state(w, WorkerState.LEAVING)
+                turned_away.append(w.id)
         self._refill(None, now)  # a larger size is filled by spares first
-        self._log(now, "scale", target=target, leaving=leaving)
+        self._log(now, "scale", target=target, leaving=leaving, **({"turned_away": turned_away} if turned_away else {}))
         return leaving
 
     def release(self, wid: str, now: float) -> bool:

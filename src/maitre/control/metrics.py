@@ -235,7 +235,8 @@ class Metrics:
         self.resizes.labels(kind).inc()
 
     def _worker_dead(self, job: str, kind: str, event: dict[str, Any]) -> None:
-        if not event.get("spare"):  # a warm spare lost is no job's failure
+        # A warm spare lost, or a worker told to leave and in no epoch, is no job's failure.
+        if not event.get("spare") and not event.get("leaving"):
             self.worker_failures.inc()
 
     def _spare_promoted(self, job: str, kind: str, event: dict[str, Any]) -> None:
