@@ -23,8 +23,16 @@ import time
 from maitre.agent import procs
 
 
-def _tree(root: int, table: dict[int, procs.Proc]) -> set[int]:
-    return {root, *procs.descendants(root, table)}
+def free_share(root: int, before: dict[int, procs.Proc], after: dict[int, procs.Proc], dt: float, cores: int) -> float:
+    """The share of ``cores`` that processes outside ``root``'s tree left free between two
+    samples of the process table taken ``dt`` seconds apart (0: they took every core)."""
+    if dt <= 0:
+        return 1.0
+    ours = {root, *procs.descendants(root, before), *procs.descendants(root, after)}
+    others = sum(
+        max(0.0, proc.cpu_s - before[pid].cpu_s) for pid, proc in after.items() if pid not in ours and pid in before
+    )
+    return 1.0 - min(1.0, others / (dt * cores))
 
 
 class FairClock:
@@ -64,14 +72,8 @@ class FairClock:
         before, at = procs.table(live_only=False), time.monotonic()
         while not self._stop.wait(self.period_s):
             after, now = procs.table(live_only=False), time.monotonic()
-            ours = _tree(self.root, after) | _tree(self.root, before)
-            others = sum(
-                max(0.0, proc.cpu_s - before[pid].cpu_s)
-                for pid, proc in after.items()
-                if pid not in ours and pid in before
-            )
             dt = now - at
-            free = 1.0 - min(1.0, others / (dt * self.cores)) if dt > 0 else 1.0
+            free = free_share(self.root, before, after, dt, self.cores)
             with self._lock:
                 self._fair += dt * max(self.floor, free)
                 self._wall += dt
