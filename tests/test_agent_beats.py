@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -282,3 +283,17 @@ def test_a_node_is_known_only_once_its_fork_server_has_done_its_imports(tmp_path
     else:  # known without waiting for ever; its workers start with exec
         assert "the fork server failed" in done.stderr and "workers start cold" in done.stderr, done.stderr
         assert not seen["enabled"] and seen["warm"] is None, seen
+
+
+def test_a_worker_that_leads_no_group_yet_is_still_signalled_by_its_group() -> None:
+    """A warm worker's ``setsid`` is its first act: SIGKILLed to its group a moment after its
+    fork (a start that ended after its agent stopped), it leads none yet, and the signal must
+    reach it all the same (it trained on, and the process of the agents, which waits for its
+    children at exit, with it)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # (our group)
+    try:
+        _Worker("w1", proc).signal_groups(signal.SIGKILL)
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.wait()

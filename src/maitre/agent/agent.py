@@ -114,12 +114,16 @@ class _Worker:
                 _signal(p, sig)
 
     def signal_groups(self, sig: int) -> None:
-        """``sig`` to each process's group: its children too (each leads a session of its own)."""
+        """``sig`` to each process's group: its children too (each leads a session of its own).
+        A warm worker forked a moment ago may not lead one yet (its ``setsid`` is its first act):
+        then to the process itself, which has started nothing yet (a start that ended after its
+        agent stopped, SIGKILLed so, trained on: found by the restart benchmark, whose process
+        then waited for it at exit)."""
         for p in self.procs:
             try:
                 os.killpg(p.pid, sig)
             except (ProcessLookupError, PermissionError):
-                pass
+                _signal(p, sig)
 
     def terminate(self) -> None:
         """Its gang stops: SIGTERM, and SIGKILL to its process groups (its children too) after
