@@ -22,7 +22,7 @@ from typing import Callable
 import pytest
 import torch
 
-from conftest import example_command, relative_error
+from conftest import SLOWDOWN, example_command, relative_error
 from maitre.checkpoint import format as fmt
 from maitre.checkpoint.loader import newest_complete
 from maitre.launch import Run, RunConfig
@@ -54,7 +54,7 @@ def start_run(tmp_path: Path, *, nodes: int, resume: bool = False, every: int | 
 
 def when(run: Run, predicate: Callable[[dict], bool], action: Callable[[], None]) -> threading.Thread:
     def watch() -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 120 * SLOWDOWN
         while time.monotonic() < deadline:
             if predicate(run.job()):
                 action()
