@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -297,3 +298,44 @@ def test_a_worker_that_leads_no_group_yet_is_still_signalled_by_its_group() -> N
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_coordinator_gone_at_the_first_beat_is_waited_for_not_fatal(tmp_path: Path, monkeypatch) -> None:
+    """The coordinator answered the agent's start, then went (killed, restarting) before its
+    first beat, which comes seconds later, after the fork server's imports: the agent waits for
+    it as later beats do, and joins it once it is back. (A chaos run lost three agents so: each
+    exited on that beat, and their nodes were declared dead.)"""
+    from conftest import free_ports
+
+    from maitre.local import LocalCluster, UpConfig
+
+    monkeypatch.setenv(protocol.WARM_START, "0")
+    (port,) = free_ports(1)
+    token = "t" * 43
+    agent = Agent(f"127.0.0.1:{port}", "late", 1, token=token, heartbeat_s=0.5)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            agent.serve()
+        except BaseException as exc:  # noqa: BLE001 -- the test says what it was
+            errors.append(exc)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    up = None
+    try:
+        time.sleep(1.5)
+        assert not errors, errors
+        up = LocalCluster(UpConfig(state_dir=tmp_path / "state", port=port, nodes=0, token=token), out=lambda _: None)
+        up.start()
+        deadline = time.monotonic() + 20
+        while not any(n["node"] == "late" for n in up.coordinator.nodes_view()):
+            assert time.monotonic() < deadline and not errors, errors or "the agent never joined"
+            time.sleep(0.1)
+    finally:
+        agent.stop()
+        thread.join(10)
+        if up is not None:
+            up.stop()

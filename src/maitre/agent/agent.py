@@ -215,6 +215,11 @@ _BEAT_ROUTE = re.compile(
 )
 
 
+FIRST_BEAT_WAIT_S = 60.0
+"""How long an agent's first beat waits for a coordinator that stopped answering after the agent
+started (a coordinator restarting: ``maitre up`` on its state directory takes seconds)."""
+
+
 class Agent:
     """Runs the workers the coordinator assigns to this node.
 
@@ -311,7 +316,7 @@ class Agent:
 
     def serve(self) -> None:
         """Heartbeat until stopped (blocking). Raises CoordinatorUnreachable if the coordinator
-        cannot be reached at all at start-up."""
+        cannot be reached at all at start-up (for :data:`FIRST_BEAT_WAIT_S`)."""
         if self.notices is not None:
             self.notices.start()
         warmstart.prewarm()  # (its imports go on while the health probe runs)
@@ -322,7 +327,8 @@ class Agent:
         self._warm()
         if self._stop.is_set():  # stopped before it was known: nothing to say, nothing started
             return
-        self._beat()
+        if not self._first_beat():
+            return
         self._threads = [
             threading.Thread(
                 target=self._local.serve_forever,
@@ -350,6 +356,23 @@ class Agent:
                 self._beat()
             except CoordinatorUnreachable:
                 pass  # the coordinator may be restarting; keep our workers running
+
+    def _first_beat(self) -> bool:
+        """The beat that makes the node known, False if the agent stopped first. The coordinator
+        may restart between the agent's check that it answers and this beat (seconds apart: the
+        fork server's imports come between; a chaos run lost three agents so, each restarted
+        a moment before the coordinator was killed): its absence is retried, as later beats'
+        is, for :data:`FIRST_BEAT_WAIT_S`, and only then raised."""
+        deadline = time.monotonic() + FIRST_BEAT_WAIT_S
+        while True:
+            try:
+                self._beat()
+                return True
+            except CoordinatorUnreachable:
+                if time.monotonic() >= deadline:
+                    raise
+            if self._stop.wait(0.5):
+                return False
 
     def _warm(self) -> None:
         """Wait for the fork server's imports before the first beat, as for the first health
