@@ -1015,10 +1015,10 @@ def main() -> None:
     log = lambda s: print(s, flush=True)  # noqa: E731
     result: dict[str, Any] = {"nodes": {}, "before": {}}
     notes: list[str] = []
-    for size in (int(s) for s in args.sizes.split(",") if s):
-        log(f"new coordinator, {size} nodes x {SLOTS} slots")
-        result["nodes"][str(size)] = run_size(
-            "new",
+
+    def run(which: str, size: int) -> dict[str, Any]:
+        return run_size(
+            which,
             size,
             args.steady_s,
             args.generators,
@@ -1027,19 +1027,14 @@ def main() -> None:
             args.grow_scale_delay_s,
             args.worker_start_s,
         )
+
+    for size in (int(s) for s in args.sizes.split(",") if s):
+        log(f"new coordinator, {size} nodes x {SLOTS} slots")
+        result["nodes"][str(size)] = run("new", size)
     if BEFORE_SRC.exists():
         for size in (int(s) for s in args.before_sizes.split(",") if s):
             log(f"coordinator of 5913ed4, {size} nodes x {SLOTS} slots")
-            row = run_size(
-                "before",
-                size,
-                args.steady_s,
-                args.generators,
-                log,
-                args.out.parent,
-                args.grow_scale_delay_s,
-                args.worker_start_s,
-            )
+            row = run("before", size)
             result["before"][str(size)] = row
             if not row.get("survived"):
                 notes.append(f"before: did not survive {size} nodes; larger sizes not run")
