@@ -34,7 +34,7 @@ def _slowdown() -> float:
         return max(1.0, float(os.environ["SUITE_SLOWDOWN"]))
     from fairclock import free_share
 
-    from maitre.agent import procs
+    from maitre import procs
 
     before, at = procs.table(live_only=False), time.monotonic()
     time.sleep(1.0)

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 
-from maitre.agent import procs
+from maitre import procs
 
 
 def free_share(root: int, before: dict[int, procs.Proc], after: dict[int, procs.Proc], dt: float, cores: int) -> float:

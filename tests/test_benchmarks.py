@@ -316,7 +316,7 @@ def test_the_fair_clock_slows_for_others_load_not_for_the_sessions_own() -> None
     """Two samples of a process table a second apart, on 2 cores: the session's own processes
     (however busy) leave the clock at full speed; another's core takes half; others taking
     every core stop it, and the clock then runs at its floor."""
-    from maitre.agent.procs import Proc
+    from maitre.procs import Proc
 
     def table(ours: float, theirs: float) -> dict[int, Proc]:
         return {

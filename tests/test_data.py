@@ -144,7 +144,7 @@ def test_data_workers_are_found_below_their_training_process_and_any_kill_is_abs
     replaced; so is every data worker when the fork server is killed (their exit codes came to
     the DataLoader through it: they all look dead, and end of their own, their parent gone). The
     script trains every sample once per data epoch either way, and nothing is left running."""
-    from maitre.agent import procs
+    from maitre import procs
     from maitre.launch import data_workers
 
     proc = subprocess.Popen(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from maitre.agent import procs
+from maitre import procs
 from maitre.agent.agent import LOCAL_HEARTBEAT_S, Agent
 from maitre.checkpoint import checkpointer as ckpt_env
 from maitre.checkpoint.loader import newest_complete

@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Sequence
 
-from maitre.agent import procs
+from maitre import procs
 from maitre.protocol import WARM_START as ENV
 
 PRELOAD = ["torch", "torch.distributed", "torch.optim", "torch._dynamo", "maitre", "maitre.runtime.loop"]
@@ -207,15 +207,6 @@ class WarmProcess:
         return self.returncode
 
 
-def _name_process(name: str) -> None:
-    """Show the script's name (not the fork server's) in ``ps``, ``top`` and ``pgrep``: the
-    process name (``comm``) holds 15 bytes. Best effort; Linux only."""
-    try:
-        Path("/proc/self/comm").write_text(name[:15])
-    except OSError:
-        pass
-
-
 def _threads(env: dict[str, str]) -> None:
     """torch sized its thread pool when the fork server imported it, from the agent's
     environment: a worker told ``OMP_NUM_THREADS=1`` (every worker is, unless its job says
@@ -270,7 +261,7 @@ def _child(
     for as long as its agent (the process ``agent``) lives."""
     os.setsid()
     _watch_agent(agent)
-    _name_process(Path(target).name)
+    procs.name_self(Path(target).name)  # (the script's in ps and top, not the fork server's)
     os.dup2(out_w.fileno(), 1)
     os.dup2(err_w.fileno(), 2)
     out_w.close()

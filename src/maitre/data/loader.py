@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from torch.utils.data import DataLoader, Dataset, default_collate
 from torch.utils.data._utils import signal_handling as _signals
 
+from maitre import procs
 from maitre.data.shards import DataError
 from maitre.protocol import DATA_WORKER_NAME
 
@@ -108,7 +109,7 @@ class _WorkerInit:
         self.user = user
 
     def __call__(self, worker_id: int) -> None:
-        _name_process(f"{DATA_WORKER_NAME}-{worker_id}")
+        procs.name_self(f"{DATA_WORKER_NAME}-{worker_id}")
         try:
             owner = os.pidfd_open(self.owner)
         except ProcessLookupError:  # gone already
@@ -124,15 +125,6 @@ class _WorkerInit:
             threading.Thread(target=watch, name="maitre-owner-watch", daemon=True).start()
         if self.user is not None:
             self.user(worker_id)
-
-
-def _name_process(name: str) -> None:
-    """This process's name (``comm``: 15 bytes). Linux only; elsewhere nothing is named."""
-    try:
-        with open("/proc/self/comm", "w") as f:
-            f.write(name[:15])
-    except OSError:
-        pass
 
 
 class _Skipped:

@@ -1,7 +1,10 @@
 """The node's processes as ``/proc`` shows them: who is whose parent, what each is named, the CPU
-each has used. Linux only; one reader of ``/proc/<pid>/stat`` for the agent (a warm worker's
-check on its agent), the local launcher (a story's data worker, found anywhere below a training
-process) and the tests (what a busy neighbour takes of the machine)."""
+each has used; and the name a process gives itself. Linux only. One reader of
+``/proc/<pid>/stat`` for the agent (a warm worker's check on its agent), the local launcher (a
+story's data worker, found anywhere below a training process) and the tests (what a busy
+neighbour takes of the machine); one writer of ``/proc/self/comm`` for a warm worker (its
+script's name) and a data worker (``maitre-data-N``). Imports nothing of maitre's: the agent,
+the launcher and the training process's data pipeline all use it."""
 
 from __future__ import annotations
 
@@ -66,3 +69,12 @@ def descendants(pid: int, procs: dict[int, Proc] | None = None) -> list[int]:
         found.append(p)
         todo.extend(below.get(p, []))
     return sorted(found)
+
+
+def name_self(name: str) -> None:
+    """Name this process ``name`` in ``ps``, ``top`` and ``pgrep`` (``comm`` holds 15 bytes).
+    Best effort; elsewhere than Linux nothing is named."""
+    try:
+        Path("/proc/self/comm").write_text(name[:15])
+    except OSError:
+        pass
